@@ -1,0 +1,1 @@
+"""autopar api (see DESIGN.md)."""

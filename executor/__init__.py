@@ -1,0 +1,1 @@
+"""autopar executor (see DESIGN.md)."""

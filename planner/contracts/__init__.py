@@ -1,0 +1,55 @@
+"""Versioned contracts exchanged between profiler, planner, executor and the service."""
+
+from planner.contracts.cluster import (
+    AttentionPoint,
+    ClusterProfile,
+    Collective,
+    ComputeProfile,
+    DeviceSpec,
+    EfficiencyAssumptions,
+    ElementwisePoint,
+    Environment,
+    GemmPoint,
+    LinkLevel,
+    LinkProfile,
+    TimedPoint,
+)
+from planner.contracts.common import SCHEMA_VERSION, Optimizer, Precision
+from planner.contracts.model import MLASpec, ModelSpec, MoESpec
+from planner.contracts.plan import (
+    Alternative,
+    CommTime,
+    MemoryBreakdown,
+    ParallelLayout,
+    Plan,
+    Prediction,
+    Recompute,
+    Schedule,
+    StagePrediction,
+    StageRecompute,
+)
+from planner.contracts.report import RunReport, StepRecord
+from planner.contracts.training import TrainingConfig
+
+CONTRACTS = {
+    "ModelSpec": ModelSpec,
+    "TrainingConfig": TrainingConfig,
+    "ClusterProfile": ClusterProfile,
+    "Plan": Plan,
+    "Prediction": Prediction,
+    "RunReport": RunReport,
+}
+
+
+def json_schemas() -> dict[str, dict]:
+    """JSON Schema of every contract, keyed by name."""
+    return {name: cls.model_json_schema() for name, cls in CONTRACTS.items()}
+
+
+__all__ = [
+    "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
+    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "Environment", "LinkLevel", "Collective",
+    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "ElementwisePoint",
+    "EfficiencyAssumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
+    "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
+]

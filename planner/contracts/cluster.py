@@ -1,0 +1,163 @@
+"""ClusterProfile: who was measured and what — compute tables and link bandwidths per level.
+
+A profile is *measured* (written by ``profiler/`` on real machines) or *reference* (built from
+datasheets and published collective measurements). Reference profiles carry the efficiency
+assumptions that turn datasheet peaks into achieved speed, in :class:`EfficiencyAssumptions`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
+
+
+class LinkLevel(str, Enum):
+    intra_node = "intra_node"
+    inter_node = "inter_node"
+    host_device = "host_device"
+
+
+class Collective(str, Enum):
+    all_reduce = "all_reduce"
+    all_gather = "all_gather"
+    reduce_scatter = "reduce_scatter"
+    all_to_all = "all_to_all"
+    p2p = "p2p"
+    host_to_device = "host_to_device"
+    device_to_host = "device_to_host"
+
+
+class DeviceSpec(Contract):
+    name: str
+    memory_bytes: int = Field(gt=0)
+    peak_tflops: dict[Precision, float] = Field(description="dense datasheet peak per precision, TFLOP/s")
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    sm_count: int | None = Field(None, gt=0, description="streaming multiprocessors (wave quantisation)")
+    tdp_w: float | None = None
+
+
+class Environment(Contract):
+    hostnames: list[str] = Field(default_factory=list)
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    torch_version: str | None = None
+    nccl_version: str | None = None
+    backend: Literal["nccl", "gloo", "none"] = "none"
+
+
+class TimedPoint(Contract):
+    bytes: int = Field(ge=0)
+    time_s: float = Field(gt=0)
+
+
+class LinkProfile(Contract):
+    """One collective on one link level: α-β model ``t = alpha_s + bytes * factor / busbw``.
+
+    ``busbw_bytes_per_s`` is nccl-tests *bus* bandwidth, so the same value describes ring
+    all-reduce (factor 2(n-1)/n), all-gather / reduce-scatter ((n-1)/n) and point-to-point (1).
+    For ``inter_node`` it is the bandwidth of one GPU's share of the network (one NIC per GPU on
+    rail-optimised DGX/HGX fabrics); a group with g members per node gets g times it.
+    """
+
+    level: LinkLevel
+    collective: Collective
+    group_size: int | None = Field(None, ge=1, description="ranks measured; None = applies to any size")
+    alpha_s: float = Field(ge=0, description="latency per collective call")
+    busbw_bytes_per_s: float = Field(gt=0)
+    points: list[TimedPoint] = Field(default_factory=list, description="measurements the fit came from")
+    fit_r2: float | None = None
+    source: str = ""
+
+
+class GemmPoint(Contract):
+    precision: Precision
+    m: int = Field(gt=0)
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    time_s: float = Field(gt=0)
+
+
+class AttentionPoint(Contract):
+    precision: Precision
+    batch: int = Field(gt=0)
+    seq_length: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    causal: bool = True
+    forward_time_s: float = Field(gt=0)
+    backward_time_s: float = Field(gt=0)
+
+
+class ElementwisePoint(Contract):
+    op: str = Field(description="e.g. rmsnorm, layernorm, add, silu_mul, softmax_cross_entropy")
+    precision: Precision
+    bytes: int = Field(gt=0, description="bytes read + written")
+    time_s: float = Field(gt=0)
+
+
+class ComputeProfile(Contract):
+    gemm: list[GemmPoint] = Field(default_factory=list)
+    attention: list[AttentionPoint] = Field(default_factory=list)
+    elementwise: list[ElementwisePoint] = Field(default_factory=list)
+    achieved_matmul_tflops: dict[Precision, float] = Field(default_factory=dict)
+    achieved_memory_bandwidth_bytes_per_s: float | None = None
+
+
+class EfficiencyAssumptions(Contract):
+    """How datasheet peaks become achieved speed where no measured table exists.
+
+    Every number here is an assumption the prediction depends on; reference profiles state where
+    each came from (``notes``). ``benchmarks/validate_published.py`` fits the ones marked *fitted*.
+    """
+
+    matmul_efficiency: float = Field(0.75, gt=0, le=1, description="fraction of dense peak a large GEMM reaches (fitted)")
+    fp8_matmul_efficiency: float = Field(
+        0.55, gt=0, le=1, description="fraction of the FP8 dense peak an FP8 GEMM reaches (fitted)"
+    )
+    attention_efficiency: float = Field(
+        0.5, gt=0, le=1, description="fraction of the 16-bit peak the attention kernels reach (fitted)"
+    )
+    memory_bandwidth_efficiency: float = Field(
+        0.8, gt=0, le=1, description="fraction of HBM bandwidth reached by norms/elementwise/optimizer (datasheet-style)"
+    )
+    gemm_tile: tuple[int, int] = Field((128, 256), description="output tile of the GEMM kernels (wave quantisation)")
+    kernel_overhead_s: float = Field(5e-6, ge=0, description="launch + tail time per kernel")
+    notes: list[str] = Field(default_factory=list)
+
+
+class ClusterProfile(Contract):
+    schema_version: Literal["1"] = SCHEMA_VERSION
+    kind: Literal["measured", "reference"]
+    name: str
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    device: DeviceSpec
+    gpus_per_node: int = Field(gt=0)
+    num_nodes: int = Field(gt=0)
+    environment: Environment = Field(default_factory=Environment)
+    compute: ComputeProfile = Field(default_factory=ComputeProfile)
+    links: list[LinkProfile] = Field(default_factory=list)
+    assumptions: EfficiencyAssumptions = Field(default_factory=EfficiencyAssumptions)
+    sources: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _links(self) -> ClusterProfile:
+        if self.num_nodes > 1 and not any(link.level is LinkLevel.inter_node for link in self.links):
+            raise ValueError(
+                f"num_nodes={self.num_nodes} but links has no inter_node entry; "
+                "add the network's bandwidth or describe a single node"
+            )
+        return self
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    def with_nodes(self, num_nodes: int) -> ClusterProfile:
+        """The same machines, ``num_nodes`` of them (reference profiles describe any node count)."""
+        return self.model_copy(update={"num_nodes": num_nodes})

@@ -1,0 +1,189 @@
+"""ModelSpec: a decoder-only transformer, dense or Mixture-of-Experts, described by its shapes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from planner.contracts.common import SCHEMA_VERSION, Contract
+
+# Far beyond any model trained so far; a value above these is a typo, not a plan.
+MAX_LAYERS = 4096
+MAX_HIDDEN = 262_144
+MAX_HEADS = 4096
+MAX_FFN = 1_048_576
+MAX_VOCAB = 4_194_304
+MAX_EXPERTS = 16_384
+
+
+def _positive(field: str, value: int, limit: int) -> int:
+    if value <= 0:
+        raise ValueError(f"{field}={value} must be a positive integer")
+    if value > limit:
+        raise ValueError(f"{field}={value} is larger than {limit:,}, which no real model has; check the units")
+    return value
+
+
+class MoESpec(Contract):
+    """Mixture-of-Experts feed-forward layers (Switch/GShard-style top-k routing)."""
+
+    num_experts: int = Field(description="routed experts per MoE layer")
+    top_k: int = Field(description="routed experts each token is sent to")
+    expert_ffn_hidden_size: int = Field(description="intermediate size of one routed expert")
+    num_shared_experts: int = Field(0, ge=0, description="always-active experts (DeepSeek, Qwen2-MoE)")
+    shared_expert_ffn_hidden_size: int | None = Field(
+        None, description="intermediate size of one shared expert; defaults to expert_ffn_hidden_size"
+    )
+    first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense FFN (DeepSeek-V3: 3)")
+    layer_frequency: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="token capacity per expert relative to a perfect balance; None = dropless"
+    )
+
+    @field_validator("num_experts")
+    @classmethod
+    def _experts(cls, v: int) -> int:
+        return _positive("moe.num_experts", v, MAX_EXPERTS)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        return _positive("moe.top_k", v, MAX_EXPERTS)
+
+    @field_validator("expert_ffn_hidden_size")
+    @classmethod
+    def _ffn(cls, v: int) -> int:
+        return _positive("moe.expert_ffn_hidden_size", v, MAX_FFN)
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}; "
+                f"a token cannot be routed to more experts than exist (use top_k <= {self.num_experts})"
+            )
+        return self
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.shared_expert_ffn_hidden_size or self.expert_ffn_hidden_size
+
+
+class MLASpec(Contract):
+    """DeepSeek multi-head latent attention: low-rank compressed queries and keys/values."""
+
+    q_lora_rank: int = Field(0, ge=0, description="query compression rank; 0 = uncompressed queries")
+    kv_lora_rank: int = Field(description="key/value latent size")
+    qk_nope_head_dim: int = Field(description="per-head query/key size without rotary part")
+    qk_rope_head_dim: int = Field(description="per-head rotary query/key size (key part shared by heads)")
+    v_head_dim: int = Field(description="per-head value size")
+
+    @field_validator("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    @classmethod
+    def _pos(cls, v: int, info) -> int:  # noqa: ANN001
+        return _positive(f"mla.{info.field_name}", v, MAX_HIDDEN)
+
+
+class ModelSpec(Contract):
+    """A decoder transformer: embedding, ``num_layers`` identical blocks (some MoE), final norm, LM head."""
+
+    schema_version: Literal["1"] = SCHEMA_VERSION
+    name: str = "custom"
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int | None = Field(None, description="GQA/MQA key-value heads; None = num_attention_heads")
+    head_dim: int | None = Field(None, description="per-head size; None = hidden_size / num_attention_heads")
+    ffn_hidden_size: int = Field(description="dense FFN intermediate size")
+    ffn_kind: Literal["gelu", "swiglu"] = "swiglu"
+    vocab_size: int
+    tied_embeddings: bool = False
+    position_embedding: Literal["rope", "learned", "alibi"] = "rope"
+    max_position_embeddings: int | None = Field(None, description="rows of a learned position table")
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    linear_bias: bool = False
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+
+    @field_validator("num_layers")
+    @classmethod
+    def _layers(cls, v: int) -> int:
+        return _positive("num_layers", v, MAX_LAYERS)
+
+    @field_validator("hidden_size")
+    @classmethod
+    def _hidden(cls, v: int) -> int:
+        return _positive("hidden_size", v, MAX_HIDDEN)
+
+    @field_validator("num_attention_heads")
+    @classmethod
+    def _heads(cls, v: int) -> int:
+        return _positive("num_attention_heads", v, MAX_HEADS)
+
+    @field_validator("ffn_hidden_size")
+    @classmethod
+    def _ffn(cls, v: int) -> int:
+        return _positive("ffn_hidden_size", v, MAX_FFN)
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocab(cls, v: int) -> int:
+        return _positive("vocab_size", v, MAX_VOCAB)
+
+    @field_validator("num_kv_heads", "head_dim", "max_position_embeddings")
+    @classmethod
+    def _optional_positive(cls, v: int | None, info) -> int | None:  # noqa: ANN001
+        return None if v is None else _positive(info.field_name, v, MAX_HIDDEN)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelSpec:
+        a = self.num_attention_heads
+        if self.head_dim is None and self.mla is None and self.hidden_size % a:
+            raise ValueError(
+                f"num_attention_heads={a} does not divide hidden_size={self.hidden_size}; "
+                f"choose a divisor of {self.hidden_size} or give head_dim explicitly"
+            )
+        k = self.kv_heads
+        if k > a or a % k:
+            raise ValueError(
+                f"num_kv_heads={k} must divide num_attention_heads={a} (GQA groups are equal); "
+                f"use a divisor of {a}, e.g. {max(d for d in range(1, min(a, 8) + 1) if a % d == 0)}"
+            )
+        if self.position_embedding == "learned" and not self.max_position_embeddings:
+            raise ValueError(
+                "position_embedding='learned' needs max_position_embeddings (rows of the position table)"
+            )
+        if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
+            raise ValueError(
+                f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer among "
+                f"num_layers={self.num_layers}; lower it or drop the moe section"
+            )
+        return self
+
+    # ---- derived shapes (plain arithmetic on the fields) ----
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        """Per-head query/key size (MLA: nope + rope part)."""
+        if self.mla is not None:
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def value_head_size(self) -> int:
+        return self.mla.v_head_dim if self.mla is not None else self.head_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has routed experts."""
+        if self.moe is None or index < self.moe.first_dense_layers:
+            return False
+        return (index - self.moe.first_dense_layers) % self.moe.layer_frequency == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))

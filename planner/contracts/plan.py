@@ -1,0 +1,163 @@
+"""Plan and Prediction: the full recipe for splitting a training step, and what it is predicted to cost."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from planner.contracts.cluster import LinkLevel
+from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
+from planner.contracts.model import ModelSpec
+from planner.contracts.training import TrainingConfig
+
+
+class Schedule(str, Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+    zero_bubble = "zero_bubble"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"  # attention core (Korthikanti et al.): softmax, dropout, attention over values
+    full = "full"  # whole block: only its input is kept
+
+
+class StageRecompute(Contract):
+    """Recompute choice of one pipeline stage: ``num_layers`` of its layers use ``kind``, the rest none."""
+
+    kind: Recompute
+    num_layers: int | None = Field(None, ge=0, description="None = every layer of the stage")
+
+
+class ParallelLayout(Contract):
+    """Mesh degrees and the per-step choices. Mesh order, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
+
+    dp_replicate: int = Field(1, ge=1, description="data-parallel replicas (DDP, or HSDP replicate groups)")
+    dp_shard: int = Field(1, ge=1, description="data-parallel ranks that shard states (ZeRO / FSDP group)")
+    tp: int = Field(1, ge=1)
+    sp: bool = Field(False, description="sequence parallel on the TP group (norms/dropout split by sequence)")
+    cp: int = Field(1, ge=1, description="context parallel: sequence split across ranks")
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1, description="expert parallel, folded over dp_shard x cp ranks")
+    zero_stage: int = Field(0, ge=0, le=3, description="0 = DDP; 1 optimizer, 2 + grads, 3 + params sharded over dp_shard")
+    reshard_after_forward: bool = Field(True, description="ZeRO-3/FSDP: free gathered params after forward")
+    micro_batch_size: int = Field(1, ge=1)
+    schedule: Schedule = Schedule.one_f_one_b
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
+    layers_per_stage: list[int] | None = Field(None, description="transformer layers per pipeline stage; None = even")
+    recompute: Recompute = Recompute.none
+    recompute_per_stage: list[StageRecompute] | None = Field(None, description="overrides recompute per stage")
+    offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
+    tp_comm_overlap: bool = Field(False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)")
+    dp_comm_overlap: bool = Field(True, description="gradient reduce / param gather overlapped with compute")
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelLayout:
+        if self.sp and self.tp == 1:
+            object.__setattr__(self, "sp", False)
+        if self.schedule is Schedule.interleaved_1f1b and self.pp == 1:
+            raise ValueError("schedule='interleaved_1f1b' needs pp > 1; use schedule='1f1b' for pp=1")
+        if self.schedule is not Schedule.interleaved_1f1b and self.virtual_stages != 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} only applies to schedule='interleaved_1f1b' "
+                f"(got schedule='{self.schedule.value}'); set virtual_stages=1 or change the schedule"
+            )
+        if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp * self.virtual_stages:
+            raise ValueError(
+                f"layers_per_stage has {len(self.layers_per_stage)} entries but pp x virtual_stages = "
+                f"{self.pp * self.virtual_stages}; give one count per (virtual) stage"
+            )
+        if self.recompute_per_stage is not None and len(self.recompute_per_stage) != self.pp:
+            raise ValueError(
+                f"recompute_per_stage has {len(self.recompute_per_stage)} entries but pp={self.pp}; "
+                "give one entry per pipeline stage"
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+
+class MemoryBreakdown(Contract):
+    """Bytes per GPU on the most loaded pipeline stage."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+    total_bytes: int
+    capacity_bytes: int
+    fits: bool
+    stage: int = 0
+
+
+class CommTime(Contract):
+    kind: Literal[
+        "tp", "cp", "ep", "pp", "dp_grad", "dp_param", "offload"
+    ]
+    level: LinkLevel
+    group_size: int
+    bytes_per_step: float
+    time_s: float
+    exposed_s: float
+
+    @property
+    def overlapped_s(self) -> float:
+        return self.time_s - self.exposed_s
+
+
+class StagePrediction(Contract):
+    stage: int
+    layers: int
+    forward_s: float = Field(description="forward of one micro-batch through the stage (all chunks)")
+    backward_s: float = Field(description="backward incl. recompute of one micro-batch")
+    memory_bytes: int
+    microbatches_in_flight: float
+
+
+class Prediction(Contract):
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    model_flops_per_step: float = Field(description="6N-style model FLOPs (no recompute), PaLM convention")
+    hardware_flops_per_step: float = Field(description="FLOPs actually executed, recompute included")
+    mfu: float
+    hfu: float
+    compute_time_s: float = Field(description="per-GPU busy time of the critical stage over the step")
+    bubble_time_s: float
+    bubble_fraction: float
+    optimizer_time_s: float
+    exposed_comm_time_s: float
+    memory: MemoryBreakdown
+    comm: list[CommTime]
+    stages: list[StagePrediction]
+    notes: list[str] = Field(default_factory=list)
+
+
+class Alternative(Contract):
+    layout: ParallelLayout
+    prediction: Prediction | None = None
+    reason: str
+
+
+class Plan(Contract):
+    schema_version: Literal["1"] = SCHEMA_VERSION
+    model: ModelSpec
+    training: TrainingConfig
+    cluster: str = Field(description="name of the ClusterProfile planned for")
+    num_gpus: int
+    layout: ParallelLayout
+    precision: Precision
+    prediction: Prediction
+    alternatives: list[Alternative] = Field(default_factory=list)
+    solver_status: str | None = None

@@ -1,0 +1,1 @@
+"""autopar profiler (see DESIGN.md)."""
