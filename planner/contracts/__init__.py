@@ -6,7 +6,7 @@ from planner.contracts.cluster import (
     Collective,
     ComputeProfile,
     DeviceSpec,
-    EfficiencyAssumptions,
+    Assumptions,
     ElementwisePoint,
     Environment,
     GemmPoint,
@@ -50,6 +50,6 @@ __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
     "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "Environment", "LinkLevel", "Collective",
     "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "ElementwisePoint",
-    "EfficiencyAssumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
+    "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
 ]

@@ -109,25 +109,38 @@ class ComputeProfile(Contract):
     achieved_memory_bandwidth_bytes_per_s: float | None = None
 
 
-class EfficiencyAssumptions(Contract):
-    """How datasheet peaks become achieved speed where no measured table exists.
+class Assumptions(Contract):
+    """How datasheet figures become achieved speed and usable memory where nothing was measured.
 
-    Every number here is an assumption the prediction depends on; reference profiles state where
-    each came from (``notes``). ``benchmarks/validate_published.py`` fits the ones marked *fitted*.
+    Every number here is an assumption a prediction depends on, stated in the profile rather than
+    hidden in code. Those marked *fitted* are calibrated by ``benchmarks/validate_published.py``
+    against published runs; ``notes`` says where each of the others comes from.
     """
 
-    matmul_efficiency: float = Field(0.75, gt=0, le=1, description="fraction of dense peak a large GEMM reaches (fitted)")
+    matmul_efficiency: float = Field(0.75, gt=0, le=1, description="fraction of the dense 16-bit peak a large GEMM reaches (fitted)")
     fp8_matmul_efficiency: float = Field(
-        0.55, gt=0, le=1, description="fraction of the FP8 dense peak an FP8 GEMM reaches (fitted)"
+        0.55, gt=0, le=1, description="fraction of the dense FP8 peak an FP8 GEMM reaches (fitted)"
     )
     attention_efficiency: float = Field(
-        0.5, gt=0, le=1, description="fraction of the 16-bit peak the attention kernels reach (fitted)"
+        0.5, gt=0, le=1, description="fraction of the 16-bit peak fused (flash) attention reaches (fitted)"
     )
     memory_bandwidth_efficiency: float = Field(
-        0.8, gt=0, le=1, description="fraction of HBM bandwidth reached by norms/elementwise/optimizer (datasheet-style)"
+        0.8, gt=0, le=1, description="fraction of HBM bandwidth reached by norms, elementwise ops and the optimizer"
     )
-    gemm_tile: tuple[int, int] = Field((128, 256), description="output tile of the GEMM kernels (wave quantisation)")
-    kernel_overhead_s: float = Field(5e-6, ge=0, description="launch + tail time per kernel")
+    gemm_tiles: list[tuple[int, int]] = Field(
+        default_factory=lambda: [(128, 256), (256, 128), (128, 128)],
+        description="output tiles the GEMM library picks from (wave quantisation over sm_count)",
+    )
+    kernel_overhead_s: float = Field(4e-6, ge=0, description="launch and tail time per kernel")
+    overlap_efficiency: float = Field(
+        0.85, ge=0, le=1, description="share of an overlappable collective hidden behind compute when overlap is on"
+    )
+    reserved_memory_bytes: int = Field(
+        2 * 1024**3, ge=0, description="CUDA context, library workspaces, NCCL buffers, allocator fragmentation"
+    )
+    cpu_optimizer_bytes_per_s: float = Field(
+        40e9, gt=0, description="host memory bandwidth one GPU's share of CPU Adam gets (offload)"
+    )
     notes: list[str] = Field(default_factory=list)
 
 
@@ -142,7 +155,7 @@ class ClusterProfile(Contract):
     environment: Environment = Field(default_factory=Environment)
     compute: ComputeProfile = Field(default_factory=ComputeProfile)
     links: list[LinkProfile] = Field(default_factory=list)
-    assumptions: EfficiencyAssumptions = Field(default_factory=EfficiencyAssumptions)
+    assumptions: Assumptions = Field(default_factory=Assumptions)
     sources: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

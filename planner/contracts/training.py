@@ -22,6 +22,9 @@ class TrainingConfig(Contract):
     optimizer: Optimizer = Optimizer.adamw
     master_weights_fp32: bool = Field(True, description="keep an fp32 copy of the weights (mixed precision)")
     grad_reduce_in_fp32: bool = Field(True, description="accumulate and reduce gradients in fp32")
+    flash_attention: bool = Field(
+        True, description="fused attention that never stores the s x s scores (False: Megatron-2021-style unfused)"
+    )
 
     @model_validator(mode="after")
     def _batch(self) -> TrainingConfig:

@@ -1,0 +1,1 @@
+"""The analytical cost model: parameters, FLOPs, compute time, memory, communication, pipeline."""

@@ -1,0 +1,116 @@
+"""Communication: where each process group lives on the machine, and α-β collective times.
+
+Mesh order, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (TP innermost, so it stays
+inside a node). Expert parallelism is folded over the ``dp_shard × cp`` ranks. A group whose
+ranks are ``stride`` apart has ``min(n, gpus_per_node // stride)`` members on each node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """A process group of ``size`` ranks with ``per_node`` of them on each node it spans."""
+
+    size: int
+    per_node: int
+
+    @property
+    def level(self) -> LinkLevel:
+        return LinkLevel.intra_node if self.per_node >= self.size else LinkLevel.inter_node
+
+
+def placement(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
+    """Members per node of a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
+    if size <= 1:
+        return GroupPlacement(1, 1)
+    per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
+    return GroupPlacement(size, per_node)
+
+
+def mesh_groups(layout: ParallelLayout, gpus_per_node: int) -> dict[str, GroupPlacement]:
+    """Placement of every parallel dimension's group under the fixed mesh order."""
+    tp, cp, dps, dpr = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+    return {
+        "tp": placement(tp, 1, gpus_per_node),
+        "cp": placement(cp, tp, gpus_per_node),
+        "ep": placement(layout.ep, tp, gpus_per_node),
+        "dp_shard": placement(dps, tp * cp, gpus_per_node),
+        "dp_replicate": placement(dpr, tp * cp * dps, gpus_per_node),
+        "dp": placement(dps * dpr, tp * cp, gpus_per_node),
+        "pp": placement(layout.pp, tp * cp * dps * dpr, gpus_per_node),
+    }
+
+
+def ring_factor(collective: Collective, n: int) -> float:
+    """Bytes each rank moves per byte of the (full) buffer, in units that match bus bandwidth.
+
+    all-reduce ``2(n-1)/n``; all-gather, reduce-scatter, all-to-all ``(n-1)/n``; p2p and copies 1.
+    """
+    if collective is Collective.all_reduce:
+        return 2.0 * (n - 1) / n
+    if collective in (Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all):
+        return (n - 1) / n
+    return 1.0
+
+
+def find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective, group_size: int) -> LinkProfile:
+    """The profile's entry for this collective and level (nearest measured group size).
+
+    A level without an entry for this collective falls back to its all-reduce entry, then to any entry.
+    """
+    on_level = [link for link in profile.links if link.level is level]
+    if not on_level:
+        raise ValueError(
+            f"cluster profile '{profile.name}' has no {level.value} link; it cannot place a group of "
+            f"{group_size} ranks there (measure it or use a profile that describes it)"
+        )
+    for wanted in (collective, Collective.all_reduce):
+        same = [link for link in on_level if link.collective is wanted]
+        if same:
+            return min(same, key=lambda link: abs((link.group_size or group_size) - group_size))
+    return on_level[0]
+
+
+def collective_time_s(
+    profile: ClusterProfile, collective: Collective, group: GroupPlacement, nbytes: float
+) -> float:
+    """α-β time of one collective on ``nbytes`` (the full buffer: all-gather output, all-reduce input).
+
+    ``t = alpha + ring_factor · bytes / busbw``. A group spanning nodes with g members per node runs
+    g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``.
+    """
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if collective is Collective.p2p:
+        link = find_link(profile, group.level, collective, 2)
+        return link.alpha_s + nbytes / link.busbw_bytes_per_s
+    factor = ring_factor(collective, n)
+    if group.level is LinkLevel.intra_node:
+        link = find_link(profile, LinkLevel.intra_node, collective, n)
+        return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
+    net = find_link(profile, LinkLevel.inter_node, collective, n)
+    busbw = net.busbw_bytes_per_s * group.per_node
+    if group.per_node > 1:
+        intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node)
+        busbw = min(busbw, intra.busbw_bytes_per_s)
+    return net.alpha_s + factor * nbytes / busbw
+
+
+def host_copy_time_s(profile: ClusterProfile, nbytes: float, to_device: bool) -> float:
+    """Host↔device copy over the host link (PCIe), pinned memory."""
+    if nbytes <= 0:
+        return 0.0
+    wanted = Collective.host_to_device if to_device else Collective.device_to_host
+    link = find_link(profile, LinkLevel.host_device, wanted, 1)
+    return link.alpha_s + nbytes / link.busbw_bytes_per_s
+
+
+def hidden_time_s(comm_s: float, window_s: float, overlap_efficiency: float) -> float:
+    """Part of ``comm_s`` hidden behind ``window_s`` of independent compute: ``eff · min(comm, window)``."""
+    return overlap_efficiency * min(comm_s, max(window_s, 0.0))

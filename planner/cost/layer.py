@@ -1,0 +1,216 @@
+"""Time of one transformer block (and of the embedding and LM head) for one micro-batch on one GPU.
+
+Forward = GEMMs + attention core + bandwidth-bound ops + the exposed part of the block's own
+collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gather, EP
+all-to-all). Backward runs each GEMM twice (input and weight gradients), the attention backward,
+twice the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
+the attention-core forward (selective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, Precision, Recompute
+from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
+from planner.cost.compute import attention_time_s, gemm_time_s, memory_time_s
+
+
+@dataclass
+class PassCost:
+    """Seconds of one pass (forward or backward) split by what takes them."""
+
+    gemm_s: float = 0.0
+    attention_s: float = 0.0
+    memory_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
+    exposed_comm_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def compute_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.memory_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + sum(self.exposed_comm_s.values())
+
+    def add_comm(self, kind: str, time_s: float, exposed_s: float) -> None:
+        self.comm_s[kind] = self.comm_s.get(kind, 0.0) + time_s
+        self.exposed_comm_s[kind] = self.exposed_comm_s.get(kind, 0.0) + exposed_s
+
+
+@dataclass
+class BlockCost:
+    forward: PassCost
+    backward: PassCost  # without recompute
+    attention_core_forward_s: float  # what selective recompute re-runs
+
+    def backward_s(self, recompute: Recompute) -> float:
+        extra = {Recompute.none: 0.0, Recompute.selective: self.attention_core_forward_s,
+                 Recompute.full: self.forward.total_s}[recompute]
+        return self.backward.total_s + extra
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one GPU sees of one micro-batch."""
+
+    batch: int  # sequences
+    seq: int  # full sequence length
+    cp: int
+    tp: int
+    sp: bool
+    precision: Precision
+    flash: bool
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq // self.cp
+
+    @property
+    def tokens(self) -> int:
+        """Rows of every GEMM: b·s/cp (SP gathers the sequence back before the TP GEMMs)."""
+        return self.batch * self.local_seq
+
+    @property
+    def elt(self) -> int:
+        return self.precision.bytes
+
+
+def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int, split: int,
+               precision: Precision, count: int = 1) -> float:
+    """Up (fused gate+up for SwiGLU) and down projection of one FFN, ``ffn`` split over ``split`` ranks."""
+    h = model.hidden_size
+    up = (2 if model.ffn_kind == "swiglu" else 1) * ffn // split
+    return gemm_time_s(profile, tokens, up, h, precision, count) + gemm_time_s(
+        profile, tokens, h, ffn // split, precision, count
+    )
+
+
+def _attention_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, t: int, precision: Precision) -> float:
+    h, a = model.hidden_size, model.num_attention_heads
+    if model.mla is not None:
+        m = model.mla
+        dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (gemm_time_s(profile, tokens, m.q_lora_rank, h, precision)
+             + gemm_time_s(profile, tokens, a * dqk // t, m.q_lora_rank, precision)) if m.q_lora_rank \
+            else gemm_time_s(profile, tokens, a * dqk // t, h, precision)
+        kv = gemm_time_s(profile, tokens, m.kv_lora_rank + m.qk_rope_head_dim, h, precision) + gemm_time_s(
+            profile, tokens, a * (m.qk_nope_head_dim + m.v_head_dim) // t, m.kv_lora_rank, precision)
+        return q + kv + gemm_time_s(profile, tokens, h, a * m.v_head_dim // t, precision)
+    d, k = model.head_size, model.kv_heads
+    qkv = (a * d + 2 * k * d) // t
+    return gemm_time_s(profile, tokens, qkv, h, precision) + gemm_time_s(profile, tokens, h, a * d // t, precision)
+
+
+def block_cost(
+    profile: ClusterProfile,
+    model: ModelSpec,
+    index: int,
+    mb: MicroBatch,
+    layout: ParallelLayout,
+    groups: dict[str, GroupPlacement],
+) -> BlockCost:
+    """Forward and backward cost of block ``index`` for one micro-batch on one GPU."""
+    t, h, elt, tokens = mb.tp, model.hidden_size, mb.elt, mb.tokens
+    fwd, bwd = PassCost(), PassCost()
+    overlap = profile.assumptions.overlap_efficiency
+
+    # GEMMs (backward: input-gradient and weight-gradient GEMMs, each the forward's size)
+    gemm = _attention_gemms(profile, model, tokens, t, mb.precision)
+    moe = model.moe if model.is_moe_layer(index) else None
+    if moe is None:
+        gemm += _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision)
+    else:
+        gemm += gemm_time_s(profile, tokens, moe.num_experts, h, Precision.bf16)  # router
+        if moe.num_shared_experts:
+            gemm += _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision, moe.num_shared_experts)
+        local_experts = max(moe.num_experts // layout.ep, 1)
+        routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+        per_expert = max(int(routed_tokens / local_experts), 1)
+        gemm += _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision, local_experts)
+    fwd.gemm_s, bwd.gemm_s = gemm, 2 * gemm
+
+    # attention core: local heads, this rank's queries against the whole sequence
+    heads = max(model.num_attention_heads // t, 1)
+    kv_heads = heads if model.mla is not None else max(model.kv_heads // t, 1)
+    core_f, core_b = attention_time_s(
+        profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads, kv_heads=kv_heads,
+        qk_dim=model.head_size, v_dim=model.value_head_size, precision=mb.precision, causal=True, flash=mb.flash,
+    )
+    fwd.attention_s, bwd.attention_s = core_f, core_b
+
+    # bandwidth-bound ops: 2 norms (2E each), 2 residual adds with dropout (3E + mask each) in the
+    # replicated region (split by t only with SP); activation function and RoPE in the TP region
+    rep = t if mb.sp else 1
+    E = tokens * h
+    dropout = E if model.dropout > 0 else 0
+    replicated = (4 * elt * E + 2 * (3 * elt * E + dropout)) / rep
+    ffn = (moe.expert_ffn_hidden_size * moe.top_k + moe.shared_ffn * moe.num_shared_experts) if moe else model.ffn_hidden_size
+    act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
+    rope = 2 * elt * tokens * heads * model.head_size * 2 if model.position_embedding == "rope" else 0
+    fwd.memory_s = memory_time_s(profile, replicated + act + rope)
+    bwd.memory_s = 2 * fwd.memory_s
+
+    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass
+    if t > 1:
+        size = tokens * h * elt
+        if mb.sp:
+            one = collective_time_s(profile, Collective.all_gather, groups["tp"], size) + collective_time_s(
+                profile, Collective.reduce_scatter, groups["tp"], size)
+        else:
+            one = collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
+        tp_time = 2 * one
+        for p, window in ((fwd, fwd.gemm_s), (bwd, bwd.gemm_s)):
+            hidden = hidden_time_s(tp_time, window, overlap) if layout.tp_comm_overlap else 0.0
+            p.add_comm("tp", tp_time, tp_time - hidden)
+
+    # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
+    if mb.cp > 1:
+        kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
+            model.head_size + model.value_head_size)
+        size = mb.batch * mb.seq * kv_dim * elt
+        fwd.add_comm("cp", *(2 * [collective_time_s(profile, Collective.all_gather, groups["cp"], size)]))
+        bwd.add_comm("cp", *(2 * [collective_time_s(profile, Collective.reduce_scatter, groups["cp"], size)]))
+
+    # expert parallel: dispatch and combine all-to-all per pass
+    if moe is not None and layout.ep > 1:
+        size = tokens * moe.top_k * h * elt / rep
+        a2a = 2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
+        fwd.add_comm("ep", a2a, a2a)
+        bwd.add_comm("ep", a2a, a2a)
+
+    return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+
+
+def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
+    """Token (and position) lookup: a write of ``T·h`` forward, a scatter-add backward, and with TP
+    the vocab-parallel all-reduce (reduce-scatter with SP)."""
+    fwd, bwd = PassCost(), PassCost()
+    size = mb.tokens * model.hidden_size * mb.elt
+    fwd.memory_s = memory_time_s(profile, 2 * size)
+    bwd.memory_s = memory_time_s(profile, 3 * size)
+    if mb.tp > 1:
+        kind = Collective.reduce_scatter if mb.sp else Collective.all_reduce
+        time = collective_time_s(profile, kind, groups["tp"], size)
+        fwd.add_comm("tp", time, time)
+    return fwd, bwd
+
+
+def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
+    """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy
+    (~16 bytes per logit forward, 8 backward)."""
+    fwd, bwd = PassCost(), PassCost()
+    t, h, tokens = mb.tp, model.hidden_size, mb.tokens
+    fwd.gemm_s = gemm_time_s(profile, tokens, model.vocab_size // t, h, mb.precision)
+    bwd.gemm_s = 2 * fwd.gemm_s
+    logits = tokens * model.vocab_size / t
+    norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
+    fwd.memory_s = memory_time_s(profile, norm + 16 * logits)
+    bwd.memory_s = memory_time_s(profile, 2 * norm + 8 * logits)
+    if t > 1:
+        size = tokens * h * mb.elt
+        kind = Collective.all_gather if mb.sp else Collective.all_reduce
+        time = collective_time_s(profile, kind, groups["tp"], size)
+        bwd.add_comm("tp", time, time)
+    return fwd, bwd

@@ -1,0 +1,133 @@
+"""Memory per GPU: model states by precision and ZeRO stage, and activations per Korthikanti et al.
+
+Model states per parameter (mixed precision, Adam; Rajbhandari et al. "16Φ"): 2 bytes weights,
+2 or 4 bytes gradients, 4 bytes fp32 master weights, 8 bytes Adam moments. ZeRO-1 shards the
+optimizer part (master + moments), ZeRO-2 also the gradients, ZeRO-3 also the weights, over the
+data-parallel shard group.
+
+Activations (Korthikanti et al. 2022, Eq. 1-5) for one layer and one micro-batch of ``b``
+sequences of ``s`` tokens, hidden ``h``, ``a`` heads, TP degree ``t``, fp16/bf16:
+``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` without SP, ``s·b·h·(34/t + 5as/(ht))`` with SP,
+``34·s·b·h/t`` with SP and selective recompute, ``2·s·b·h`` (``/t`` with SP) with full recompute.
+:func:`layer_activation_bytes` generalises those terms to GQA, SwiGLU, no dropout, flash
+attention, context parallelism and MoE; for the paper's GPT layer it reduces to the equations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.contracts import ModelSpec, Recompute, Schedule, TrainingConfig
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state per parameter, by kind."""
+
+    weights: float
+    grads: float
+    optimizer: float  # fp32 master copy + optimizer moments
+
+
+def state_bytes_per_param(training: TrainingConfig) -> StateBytes:
+    """Per-parameter bytes: weights in the training precision (fp32 for fp32 training), grads in the
+    reduce dtype, fp32 master (if any) plus the optimizer's fp32 state."""
+    weights = 4 if training.precision.bytes == 4 else 2
+    grads = 4 if (training.grad_reduce_in_fp32 or weights == 4) else 2
+    master = 4 if training.master_weights_fp32 else 0
+    return StateBytes(weights, grads, master + training.optimizer.state_bytes_per_param)
+
+
+def model_state_bytes(
+    params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: bool = False
+) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for ``params`` parameters sharded over ``shard`` ranks.
+
+    ZeRO-0: ``Φ(w + g + o)``; ZeRO-1: ``Φ(w + g) + Φo/N``; ZeRO-2: ``Φw + Φ(g + o)/N``;
+    ZeRO-3: ``Φ(w + g + o)/N``. CPU offload moves the optimizer part off the GPU.
+    """
+    n = max(shard, 1)
+    weights = params * state.weights / (n if zero_stage >= 3 else 1)
+    grads = params * state.grads / (n if zero_stage >= 2 else 1)
+    optimizer = 0.0 if offload_optimizer else params * state.optimizer / (n if zero_stage >= 1 else 1)
+    return weights, grads, optimizer
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """Local shape of one micro-batch on one GPU."""
+
+    batch: int  # b
+    seq: int  # s / cp (tokens this rank holds)
+    kv_seq: int  # s (keys/values each query attends to)
+    tp: int
+    sp: bool
+
+
+def layer_activation_bytes(
+    model: ModelSpec, index: int, shape: ActivationShape, recompute: Recompute, *, flash: bool, elt: int = 2
+) -> float:
+    """Activation bytes stored by block ``index`` for the backward pass of one micro-batch.
+
+    Terms (``E = s·b·h`` elements, ``/t`` for TP-split tensors, ``/t`` for the replicated ones
+    only with SP): norm inputs ``2E``; QKV and MLP inputs ``2E``; dropout masks ``E`` bytes each
+    (if dropout); Q, K, V; attention output; with unfused attention the scores ``a·s·s_kv·b`` as
+    softmax output (2 B), dropout mask (1 B) and dropout output (2 B); with flash attention the
+    fp32 log-sum-exp ``4·a·s·b`` bytes; GeLU FFN input and output ``2·s·b·f``; SwiGLU gate, up
+    and product ``3·s·b·f``; MoE: router input, the top-k dispatched copies and the experts'
+    intermediates.
+    """
+    b, s, t = shape.batch, shape.seq, shape.tp
+    h = model.hidden_size
+    rep = t if shape.sp else 1  # replicated-region tensors are split only with sequence parallel
+    tokens = s * b
+    if recompute is Recompute.full:
+        return elt * tokens * h / rep
+    a = model.num_attention_heads / t
+    k = max(model.kv_heads / t, 1.0) if model.mla is None else a
+    dqk, dv = model.head_size, model.value_head_size
+    dropout = model.dropout > 0
+    mask_bytes = tokens * h if dropout else 0.0  # dropout masks: 1 byte per element
+    # replicated region: two norm inputs, the QKV input, the MLP input and two dropout masks
+    replicated = (4 * elt * tokens * h + 2 * mask_bytes) / rep
+    # attention (TP-split): Q, K, V and the output-projection input
+    attn = elt * tokens * (a * dqk + k * dqk + k * dv + a * dv)
+    scores = b * a * s * shape.kv_seq
+    if recompute is Recompute.selective:
+        core = 0.0
+    elif flash:
+        core = 4.0 * tokens * a
+    else:
+        core = scores * (elt + (1 + elt if dropout else 0))  # softmax out (+ dropout mask and output)
+    # feed-forward (TP-split)
+    if model.is_moe_layer(index):
+        moe = model.moe
+        assert moe is not None
+        per_mlp = (3 if model.ffn_kind == "swiglu" else 2)
+        routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+        ffn = elt * routed_tokens * (h + per_mlp * moe.expert_ffn_hidden_size / t)
+        ffn += elt * tokens * moe.num_shared_experts * per_mlp * moe.shared_ffn / t
+        ffn += 4 * tokens * moe.num_experts / rep  # fp32 router probabilities
+    else:
+        per_mlp = 3 if model.ffn_kind == "swiglu" else 2
+        ffn = elt * tokens * per_mlp * model.ffn_hidden_size / t
+    return replicated + attn + core + ffn
+
+
+def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_batches: int, virtual: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
+
+    GPipe: all ``m``. 1F1B and zero-bubble (ZB-H1): ``p - i``. Interleaved 1F1B: ``p - i`` plus the
+    extra warm-up chunks, ``(p - 1 - i)/v``, so stage 0 holds ``p·(1 + (p-1)/(p·v))`` (Korthikanti §3).
+    """
+    m = num_micro_batches
+    if schedule is Schedule.gpipe:
+        return float(m)
+    if schedule is Schedule.interleaved_1f1b:
+        return float(min(m, pp - stage + (pp - 1 - stage) / virtual))
+    return float(min(m, pp - stage))
+
+
+def logits_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
+    """LM-head logits of one micro-batch: bf16 logits plus the fp32 softmax the loss keeps, ``6·T·V/t``."""
+    return 6.0 * tokens * model.vocab_size / tp

@@ -1,0 +1,86 @@
+"""Parameter counts of a decoder transformer, per block and in total.
+
+Notation: h hidden, a heads, k kv-heads, d head size, f FFN size, V vocab, E experts.
+"""
+
+from __future__ import annotations
+
+from planner.contracts import ModelSpec
+
+
+def attention_params(model: ModelSpec) -> int:
+    """Q, K, V and output projections (+ biases).
+
+    MHA/GQA: ``h·a·d + 2·h·k·d + a·d·h``.
+    MLA: ``h·r_q + r_q·a·(d_nope+d_rope)`` (or ``h·a·(d_nope+d_rope)`` without q compression)
+    ``+ h·(r_kv + d_rope) + r_kv·a·(d_nope + d_v) + a·d_v·h`` plus the two latent norms.
+    """
+    h, a = model.hidden_size, model.num_attention_heads
+    if model.mla is not None:
+        m = model.mla
+        q = h * m.q_lora_rank + m.q_lora_rank * a * (m.qk_nope_head_dim + m.qk_rope_head_dim) + m.q_lora_rank \
+            if m.q_lora_rank else h * a * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + m.kv_lora_rank + a * m.v_head_dim * h
+    d, k = model.head_size, model.kv_heads
+    weights = h * a * d + 2 * h * k * d + a * d * h
+    bias = (a * d + 2 * k * d + h) if model.linear_bias else 0
+    return weights + bias
+
+
+def mlp_params(model: ModelSpec, ffn: int | None = None) -> int:
+    """One dense FFN: GeLU ``2·h·f`` (+ ``f + h`` bias), SwiGLU ``3·h·f``."""
+    h, f = model.hidden_size, ffn or model.ffn_hidden_size
+    if model.ffn_kind == "swiglu":
+        return 3 * h * f + ((2 * f + h) if model.linear_bias else 0)
+    return 2 * h * f + ((f + h) if model.linear_bias else 0)
+
+
+def norm_params(model: ModelSpec) -> int:
+    """One norm: RMSNorm ``h``, LayerNorm ``2h`` (scale and shift)."""
+    return model.hidden_size * (2 if model.norm == "layernorm" else 1)
+
+
+def routed_expert_params(model: ModelSpec) -> int:
+    """All routed experts of one MoE layer: ``E · mlp(f_expert)``."""
+    assert model.moe is not None
+    return model.moe.num_experts * mlp_params(model, model.moe.expert_ffn_hidden_size)
+
+
+def moe_dense_part_params(model: ModelSpec) -> int:
+    """The non-routed part of an MoE FFN: router ``h·E`` and shared experts ``S · mlp(f_shared)``."""
+    assert model.moe is not None
+    shared = model.moe.num_shared_experts * mlp_params(model, model.moe.shared_ffn)
+    return model.hidden_size * model.moe.num_experts + shared
+
+
+def layer_params(model: ModelSpec, index: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of block ``index``: attention, 2 norms, FFN."""
+    base = attention_params(model) + 2 * norm_params(model)
+    if model.is_moe_layer(index):
+        return base + moe_dense_part_params(model), routed_expert_params(model)
+    return base + mlp_params(model), 0
+
+
+def embedding_params(model: ModelSpec) -> int:
+    """Token table ``V·h`` plus a learned position table ``P·h`` if the model has one."""
+    positions = (model.max_position_embeddings or 0) if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden_size + positions * model.hidden_size
+
+
+def lm_head_params(model: ModelSpec) -> int:
+    """Final norm plus the output projection ``h·V`` (zero extra weights when tied to the embedding)."""
+    return norm_params(model) + (0 if model.tied_embeddings else model.hidden_size * model.vocab_size)
+
+
+def total_params(model: ModelSpec) -> int:
+    layers = sum(sum(layer_params(model, i)) for i in range(model.num_layers))
+    return embedding_params(model) + layers + lm_head_params(model)
+
+
+def active_params(model: ModelSpec) -> int:
+    """Parameters touched by one token: routed experts count ``top_k / E`` of their weight."""
+    if model.moe is None:
+        return total_params(model)
+    routed = model.num_moe_layers * routed_expert_params(model)
+    return total_params(model) - routed + routed * model.moe.top_k // model.moe.num_experts

@@ -1,0 +1,372 @@
+"""Predict one training step of a given layout: step time, throughput, MFU, memory, communication.
+
+The step is ``pipeline(forward/backward of each stage) + max over stages (exposed data-parallel
+communication + optimizer step)``. Every number comes from a named function of
+``planner.cost``; this module only checks the layout and adds them up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.contracts import (
+    ClusterProfile,
+    Collective,
+    CommTime,
+    MemoryBreakdown,
+    ModelSpec,
+    ParallelLayout,
+    Precision,
+    Prediction,
+    Recompute,
+    StagePrediction,
+    TrainingConfig,
+)
+from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups, placement
+from planner.cost.compute import memory_time_s, peak_flops
+from planner.cost.flops import model_flops_per_step, recompute_flops
+from planner.cost.layer import BlockCost, MicroBatch, block_cost, embedding_cost, lm_head_cost
+from planner.cost.memory import (
+    ActivationShape,
+    layer_activation_bytes,
+    logits_bytes,
+    microbatches_in_flight,
+    model_state_bytes,
+    state_bytes_per_param,
+)
+from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.pipeline import pipeline_time_s
+from planner.errors import AutoparError
+
+ADAM_STEP_BYTES_PER_PARAM = 34.0
+"""Optimizer step traffic per parameter: read fp32 master, grad, m, v (16 B), write master, m, v
+(12 B), write the 16-bit weight copy (2 B), read the grad again for the norm / clipping (4 B)."""
+
+
+def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per (virtual) stage: as even as possible, extra layers to the interior stages first
+    (the first and last stages also carry the embedding and the LM head)."""
+    if num_stages > num_layers:
+        raise AutoparError(
+            "pp", num_stages, f"use pp x virtual_stages <= num_layers={num_layers}",
+            problem=f"x virtual stages = {num_stages} stages is more than there are layers ({num_layers})",
+        )
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = list(range(1, num_stages - 1)) + [num_stages - 1, 0] if num_stages > 2 else list(range(num_stages))
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, num_gpus: int) -> int:
+    """Raise :class:`AutoparError` for a layout that cannot run; return the number of micro-batches."""
+    if layout.num_gpus != num_gpus:
+        raise AutoparError(
+            "layout", f"dp{layout.dp} x cp{layout.cp} x tp{layout.tp} x pp{layout.pp}",
+            f"make dp_replicate x dp_shard x cp x tp x pp equal the cluster's {num_gpus} GPUs",
+            problem=f"uses {layout.num_gpus} GPUs",
+        )
+    a, k = model.num_attention_heads, model.kv_heads
+    if a % layout.tp:
+        raise AutoparError("tp", layout.tp, f"use a tp that divides num_attention_heads={a}",
+                           problem=f"does not divide num_attention_heads={a}")
+    if k % layout.tp and layout.tp % k:
+        raise AutoparError("tp", layout.tp, f"use a tp that divides or is a multiple of num_kv_heads={k}",
+                           problem=f"neither divides nor is a multiple of num_kv_heads={k}")
+    s = training.seq_length
+    if s % layout.cp or (layout.cp > 1 and s % (2 * layout.cp)):
+        raise AutoparError("cp", layout.cp, f"use a cp with 2 x cp dividing seq_length={s} (causal load balancing)",
+                           problem=f"does not split seq_length={s} into 2 x cp equal chunks")
+    if layout.sp and (s // layout.cp) % layout.tp:
+        raise AutoparError("sp", True, f"turn sp off or use a tp dividing seq_length / cp = {s // layout.cp}",
+                           problem=f"needs tp={layout.tp} to divide the local sequence {s // layout.cp}")
+    if model.moe is None and layout.ep > 1:
+        raise AutoparError("ep", layout.ep, "use ep=1 for a dense model", problem="needs a Mixture-of-Experts model")
+    if model.moe is not None:
+        if model.moe.num_experts % layout.ep:
+            raise AutoparError("ep", layout.ep, f"use an ep dividing num_experts={model.moe.num_experts}",
+                               problem=f"does not divide num_experts={model.moe.num_experts}")
+        if (layout.dp_shard * layout.cp) % layout.ep:
+            raise AutoparError("ep", layout.ep, f"use an ep dividing dp_shard x cp = {layout.dp_shard * layout.cp}",
+                               problem="must divide the dp_shard x cp ranks it is folded over")
+    gbs, per_step = training.global_batch_seqs, layout.dp * layout.micro_batch_size
+    if gbs % per_step:
+        raise AutoparError(
+            "micro_batch_size", layout.micro_batch_size,
+            f"choose micro_batch_size and dp so that dp x micro_batch_size divides global_batch_size={gbs}",
+            problem=f"x dp={layout.dp} = {per_step} does not divide global_batch_size={gbs}",
+        )
+    stages = layout.pp * layout.virtual_stages
+    if layout.layers_per_stage is not None:
+        if sum(layout.layers_per_stage) != model.num_layers or min(layout.layers_per_stage) < 0:
+            raise AutoparError("layers_per_stage", layout.layers_per_stage,
+                               f"give non-negative counts summing to num_layers={model.num_layers}",
+                               problem=f"sums to {sum(layout.layers_per_stage)}")
+    elif stages > model.num_layers:
+        default_layer_split(model.num_layers, stages)
+    m = gbs // per_step
+    if layout.schedule.value == "interleaved_1f1b" and m % layout.pp:
+        raise AutoparError("schedule", "interleaved_1f1b",
+                           f"use a number of micro-batches divisible by pp={layout.pp} or schedule='1f1b'",
+                           problem=f"needs micro-batches ({m}) divisible by pp={layout.pp}")
+    return m
+
+
+@dataclass
+class _Stage:
+    layers: list[int]  # block indices this pipeline rank owns (all of its chunks)
+    first: bool
+    last: bool
+    recompute: list[Recompute]  # per owned block
+
+
+def _stages(model: ModelSpec, layout: ParallelLayout) -> list[_Stage]:
+    p, v = layout.pp, layout.virtual_stages
+    counts = layout.layers_per_stage or default_layer_split(model.num_layers, p * v)
+    starts = [sum(counts[:i]) for i in range(p * v)]
+    stages = []
+    for rank in range(p):
+        layers = [i for chunk in range(v) for i in range(starts[chunk * p + rank], starts[chunk * p + rank] + counts[chunk * p + rank])]
+        if layout.recompute_per_stage is not None:
+            choice = layout.recompute_per_stage[rank]
+            n = len(layers) if choice.num_layers is None else min(choice.num_layers, len(layers))
+            recompute = [choice.kind] * n + [Recompute.none] * (len(layers) - n)
+        else:
+            recompute = [layout.recompute] * len(layers)
+        stages.append(_Stage(layers, rank == 0, rank == p - 1, recompute))
+    return stages
+
+
+def _dp_comm(
+    profile: ClusterProfile,
+    layout: ParallelLayout,
+    training: TrainingConfig,
+    params: float,
+    expert_params: float,
+) -> dict[str, tuple[float, float]]:
+    """Data-parallel traffic of one stage, kind -> (bytes, seconds): per step, or per micro-batch for ZeRO-3.
+
+    Gradients are reduced over every rank holding the same weights: the ``dp × cp`` ranks for
+    dense weights (stride tp), ``dp × cp / ep`` for experts (stride tp·ep). ZeRO-0: all-reduce.
+    ZeRO-1/2: reduce-scatter gradients over the shard group, all-reduce the shard over replicas
+    (HSDP), all-gather the updated 16-bit weights. ZeRO-3: all-gather weights before forward
+    (and again before backward when resharding) and reduce-scatter gradients.
+    """
+    state = state_bytes_per_param(training)
+    gpn, tp = profile.gpus_per_node, layout.tp
+    replicas = placement(layout.dp_replicate, tp * layout.cp * layout.dp_shard, gpn)
+    out: dict[str, tuple[float, float]] = {}
+    for count, shard, stride in (
+        (params, layout.dp_shard * layout.cp, tp),
+        (expert_params, max(layout.dp_shard * layout.cp // layout.ep, 1), tp * layout.ep),
+    ):
+        if count <= 0:
+            continue
+        grad_bytes, weight_bytes = count * state.grads, count * state.weights
+        if layout.zero_stage == 0:
+            everyone = placement(shard * layout.dp_replicate, stride, gpn)
+            _add(out, "dp_grad", grad_bytes, collective_time_s(profile, Collective.all_reduce, everyone, grad_bytes))
+            continue
+        group = placement(shard, stride, gpn)
+        t_rs = collective_time_s(profile, Collective.reduce_scatter, group, grad_bytes)
+        t_ar = collective_time_s(profile, Collective.all_reduce, replicas, grad_bytes / shard)
+        _add(out, "dp_grad", grad_bytes, t_rs + t_ar)
+        gathers = 2 if (layout.zero_stage == 3 and layout.reshard_after_forward) else 1
+        t_ag = gathers * collective_time_s(profile, Collective.all_gather, group, weight_bytes)
+        _add(out, "dp_param", gathers * weight_bytes, t_ag)
+    return out
+
+
+def _add(out: dict[str, tuple[float, float]], kind: str, nbytes: float, seconds: float) -> None:
+    b, s = out.get(kind, (0.0, 0.0))
+    out[kind] = (b + nbytes, s + seconds)
+
+
+def predict(
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
+) -> Prediction:
+    """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``."""
+    m = check_layout(model, training, layout, profile.num_gpus)
+    a = profile.assumptions
+    groups = mesh_groups(layout, profile.gpus_per_node)
+    mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
+                    training.precision, training.flash_attention)
+    state = state_bytes_per_param(training)
+    elt = training.precision.bytes
+
+    cache: dict[bool, BlockCost] = {}
+
+    def block(i: int) -> BlockCost:
+        key = model.is_moe_layer(i)
+        if key not in cache:
+            cache[key] = block_cost(profile, model, i, mb, layout, groups)
+        return cache[key]
+
+    emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+    head_f, head_b = lm_head_cost(profile, model, mb, groups)
+    p2p_bytes = mb.tokens * model.hidden_size * elt / layout.tp  # scatter/gather across TP ranks
+    p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
+
+    stages = _stages(model, layout)
+    fwd_s, bwd_s = [], []
+    stage_params, stage_expert_params = [], []
+    for st in stages:
+        f = sum(block(i).forward.total_s for i in st.layers)
+        b = sum(block(i).backward_s(r) for i, r in zip(st.layers, st.recompute))
+        if st.first:
+            f, b = f + emb_f.total_s, b + emb_b.total_s
+        if st.last:
+            f, b = f + head_f.total_s, b + head_b.total_s
+        f += layout.virtual_stages * p2p_s
+        b += layout.virtual_stages * p2p_s
+        fwd_s.append(f)
+        bwd_s.append(b)
+        dense = sum(layer_params(model, i)[0] for i in st.layers)
+        experts = sum(layer_params(model, i)[1] for i in st.layers)
+        if st.first:
+            dense += embedding_params(model)
+        if st.last:
+            dense += lm_head_params(model) + (model.vocab_size * model.hidden_size if model.tied_embeddings and layout.pp > 1 else 0)
+        stage_params.append(dense / layout.tp)
+        stage_expert_params.append(experts / (layout.tp * layout.ep))
+
+    # ZeRO-3 gathers/reduces every micro-batch: fold its exposed part into the stage times
+    dp_exposed, dp_comm = [], []
+    for i in range(len(stages)):
+        traffic = _dp_comm(profile, layout, training, stage_params[i], stage_expert_params[i])
+        eff = a.overlap_efficiency if layout.dp_comm_overlap else 0.0
+        grad_b, grad_t = traffic.get("dp_grad", (0.0, 0.0))
+        par_b, par_t = traffic.get("dp_param", (0.0, 0.0))
+        if layout.zero_stage == 3:
+            exposed_f = par_t / (2 if layout.reshard_after_forward else 1)
+            exposed_f -= hidden_time_s(exposed_f, fwd_s[i], eff)
+            bwd_comm = grad_t + (par_t / 2 if layout.reshard_after_forward else 0.0)
+            exposed_b = bwd_comm - hidden_time_s(bwd_comm, bwd_s[i], eff)
+            fwd_s[i] += exposed_f
+            bwd_s[i] += exposed_b
+            dp_exposed.append(0.0)
+            dp_comm.append({"dp_grad": (m * grad_b, m * grad_t, m * (exposed_b * grad_t / bwd_comm if bwd_comm else 0.0)),
+                            "dp_param": (m * par_b, m * par_t, m * (exposed_f + exposed_b - (exposed_b * grad_t / bwd_comm if bwd_comm else 0.0)))})
+        else:
+            # gradient reduction overlaps the last micro-batch's backward; the weight all-gather the
+            # next step's first forward (Megatron overlap-grad-reduce / overlap-param-gather)
+            exp_g = grad_t - hidden_time_s(grad_t, bwd_s[i], eff)
+            exp_p = par_t - hidden_time_s(par_t, fwd_s[i], eff)
+            dp_exposed.append(exp_g + exp_p)
+            dp_comm.append({"dp_grad": (grad_b, grad_t, exp_g), "dp_param": (par_b, par_t, exp_p)})
+
+    pipe_s, bubble_s = pipeline_time_s(layout.schedule, fwd_s, bwd_s, m, layout.virtual_stages)
+
+    # optimizer step (bandwidth bound), on GPU or on the CPU with copies over the host link
+    shard_n = layout.dp_shard * layout.cp
+    opt_s = []
+    offload_s = 0.0
+    for i in range(len(stages)):
+        local = stage_params[i] / (shard_n if layout.zero_stage >= 1 else 1) + stage_expert_params[i] / (
+            max(shard_n // layout.ep, 1) if layout.zero_stage >= 1 else 1)
+        if layout.offload_optimizer:
+            copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
+                profile, local * state.weights, to_device=True)
+            cpu = local * ADAM_STEP_BYTES_PER_PARAM / a.cpu_optimizer_bytes_per_s
+            opt_s.append(copies + cpu)
+            offload_s = max(offload_s, copies)
+        else:
+            opt_s.append(memory_time_s(profile, local * ADAM_STEP_BYTES_PER_PARAM))
+    tail = [dp_exposed[i] + opt_s[i] for i in range(len(stages))]
+    step_s = pipe_s + max(tail)
+
+    # memory per stage
+    mems: list[MemoryBreakdown] = []
+    stage_preds: list[StagePrediction] = []
+    shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+    for i, st in enumerate(stages):
+        w1, g1, o1 = model_state_bytes(stage_params[i], state, layout.zero_stage, shard_n, layout.offload_optimizer)
+        w2, g2, o2 = model_state_bytes(stage_expert_params[i], state, layout.zero_stage, max(shard_n // layout.ep, 1),
+                                       layout.offload_optimizer)
+        in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
+        per_mb = sum(layer_activation_bytes(model, li, shape, r, flash=training.flash_attention, elt=elt)
+                     for li, r in zip(st.layers, st.recompute))
+        if st.first:
+            per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
+        activations = per_mb * in_flight
+        buffers = float(a.reserved_memory_bytes)
+        if st.last:
+            buffers += logits_bytes(model, mb.tokens, layout.tp)
+        if layout.zero_stage == 3 and st.layers:
+            biggest = max(sum(layer_params(model, li)) for li in st.layers) / layout.tp
+            buffers += 2 * biggest * state.weights  # current + prefetched layer, unsharded
+        total = w1 + w2 + g1 + g2 + o1 + o2 + activations + buffers
+        mem = MemoryBreakdown(
+            params_bytes=int(w1 + w2), grads_bytes=int(g1 + g2), optimizer_bytes=int(o1 + o2),
+            activations_bytes=int(activations), buffers_bytes=int(buffers), total_bytes=int(total),
+            capacity_bytes=profile.device.memory_bytes, fits=total <= profile.device.memory_bytes, stage=i,
+        )
+        mems.append(mem)
+        stage_preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=fwd_s[i], backward_s=bwd_s[i],
+                                           memory_bytes=int(total), microbatches_in_flight=in_flight))
+    peak = max(mems, key=lambda mm: mm.total_bytes)
+
+    # communication summary (critical stage = slowest one)
+    crit = max(range(len(stages)), key=lambda i: fwd_s[i] + bwd_s[i])
+    comm: list[CommTime] = []
+    layer_comm: dict[str, tuple[float, float]] = {}
+    for li, r in zip(stages[crit].layers, stages[crit].recompute):
+        bc = block(li)
+        passes = [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
+        for pc in passes:
+            for kind, t in pc.comm_s.items():
+                tt, ee = layer_comm.get(kind, (0.0, 0.0))
+                layer_comm[kind] = (tt + t, ee + pc.exposed_comm_s[kind])
+    for kind, (t, e) in layer_comm.items():
+        grp = groups[kind]
+        comm.append(CommTime(kind=kind, level=grp.level, group_size=grp.size, bytes_per_step=0.0,
+                             time_s=m * t, exposed_s=m * e))
+    if layout.pp > 1:
+        t = 2 * m * layout.virtual_stages * p2p_s
+        comm.append(CommTime(kind="pp", level=groups["pp"].level, group_size=layout.pp,
+                             bytes_per_step=2 * m * layout.virtual_stages * p2p_bytes, time_s=t, exposed_s=t))
+    for kind, (nbytes, t, e) in dp_comm[crit].items():
+        if t > 0:
+            comm.append(CommTime(kind=kind, level=groups["dp"].level, group_size=layout.dp * layout.cp,
+                                 bytes_per_step=nbytes, time_s=t, exposed_s=e))
+    if offload_s:
+        comm.append(CommTime(kind="offload", level="host_device", group_size=1, bytes_per_step=0.0,
+                             time_s=offload_s, exposed_s=offload_s))
+
+    gbs, seq = training.global_batch_seqs, training.seq_length
+    model_flops = model_flops_per_step(model, gbs, seq)
+    rec_extra = 0.0
+    for st in stages:
+        for li, r in zip(st.layers, st.recompute):
+            rec_extra += recompute_flops(model, r, li, gbs, seq)
+    hw_flops = model_flops + rec_extra
+    n = profile.num_gpus
+    peak16 = peak_flops(profile, Precision.bf16)
+    tokens = gbs * seq
+    notes = []
+    if not peak.fits:
+        notes.append(f"does not fit: stage {peak.stage} needs {peak.total_bytes / 2**30:.1f} GiB of "
+                     f"{peak.capacity_bytes / 2**30:.1f} GiB")
+    if training.precision is Precision.fp8:
+        notes.append("MFU/HFU are against the dense 16-bit peak")
+    return Prediction(
+        step_time_s=step_s,
+        tokens_per_s=tokens / step_s,
+        tokens_per_s_per_gpu=tokens / step_s / n,
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hw_flops,
+        mfu=model_flops / (step_s * n * peak16),
+        hfu=hw_flops / (step_s * n * peak16),
+        compute_time_s=m * (fwd_s[crit] + bwd_s[crit]),
+        bubble_time_s=bubble_s,
+        bubble_fraction=bubble_s / step_s,
+        optimizer_time_s=opt_s[crit],
+        exposed_comm_time_s=sum(c.exposed_s for c in comm),
+        memory=peak,
+        comm=comm,
+        stages=stage_preds,
+        notes=notes,
+    )
+
+
