@@ -85,8 +85,9 @@ SYSTEMS: dict[str, NodeDesign] = {
                           "50 GB/s IB per GPU (DeepSeek-V3 report 3.2.2)")),
         NodeDesign("gt-h100-96gb-500w", "Grand Teton (8x H100 96GB HBM2e at 500 W, 400 Gb/s RDMA per GPU)",
                    "H100 (Meta Grand Teton variant)", "hopper", 8, 132, 476.0, 370.0, 400, 50.0,
-                   peak_bf16_override=989.4,
-                   notes=("peak: torchtitan uses the SXM 989 TFLOP/s for this 500 W part (true peak unknown, lower)",
+                   peak_bf16_override=(989.4 + 835.0) / 2,
+                   notes=("peak: hardware.csv says the 500 W part lies between H100 NVL (835) and SXM (989.4) "
+                          "TFLOP/s; the midpoint, 912, is assumed",
                           "links taken from DGX H100 measurements")),
         NodeDesign("dgx-b200", "DGX B200 (8x B200, NVLink5 + NVSwitch, 400 Gb/s per GPU)", "B200", "blackwell", 8, 148,
                    952.0, 740.0, 400, 50.0, memory_gb=180,

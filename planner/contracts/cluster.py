@@ -131,9 +131,12 @@ class Assumptions(Contract):
         default_factory=lambda: [(128, 256), (256, 128), (128, 128)],
         description="output tiles the GEMM library picks from (wave quantisation over sm_count)",
     )
-    kernel_overhead_s: float = Field(4e-6, ge=0, description="launch and tail time per kernel")
+    gemm_k_overhead: float = Field(
+        256.0, ge=0, description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)"
+    )
+    kernel_overhead_s: float = Field(3e-6, ge=0, description="launch latency per kernel (CUDA launch, typical)")
     overlap_efficiency: float = Field(
-        0.85, ge=0, le=1, description="share of an overlappable collective hidden behind compute when overlap is on"
+        0.85, ge=0, le=1, description="share of an overlappable collective hidden behind compute when overlap is on (fitted)"
     )
     reserved_memory_bytes: int = Field(
         2 * 1024**3, ge=0, description="CUDA context, library workspaces, NCCL buffers, allocator fragmentation"

@@ -1,7 +1,8 @@
 """Time of one operator on one GPU, from the profile's measured tables or from a roofline.
 
-Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_efficiency · waves),
-bytes / (hbm · memory_efficiency)) + kernel_overhead``. Measured profiles interpolate the achieved
+Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_efficiency · waves ·
+K/(K+K0)), bytes / (hbm · memory_efficiency))``. These are times of the work itself; the fixed cost of
+launching each kernel is added per kernel by the caller (:mod:`planner.cost.layer`). Measured profiles interpolate the achieved
 rate of the nearest measured shapes (in log space), so the datasheet never enters.
 """
 
@@ -41,6 +42,12 @@ def wave_efficiency(m: int, n: int, sm_count: int | None, tiles: tuple[tuple[int
     return best
 
 
+def k_efficiency(k: int, k_overhead: float) -> float:
+    """Share of a tile's time spent in its K loop: ``K / (K + K0)``; the fixed prologue (first
+    loads) and epilogue (conversion, store) cost as much as ``K0`` more iterations of the loop."""
+    return k / (k + k_overhead)
+
+
 def memory_time_s(profile: ClusterProfile, nbytes: float) -> float:
     """Bandwidth-bound work: ``bytes / (achieved or datasheet·efficiency HBM bandwidth)``."""
     measured = profile.compute.achieved_memory_bandwidth_bytes_per_s
@@ -72,10 +79,12 @@ def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precisi
     a = profile.assumptions
     flops = 2.0 * m * n * k
     waves = wave_efficiency(m, n, profile.device.sm_count, tuple(a.gemm_tiles))
-    compute = flops / (_matmul_rate(profile, precision) * waves)
+    compute = flops / (_matmul_rate(profile, precision) * waves * k_efficiency(k, a.gemm_k_overhead))
     elt = 1 if precision is Precision.fp8 else precision.bytes
     traffic = memory_time_s(profile, elt * (m * k + k * n) + 2 * m * n)
-    return max(compute, traffic) + a.kernel_overhead_s
+    # FP8 input casts are fused into the producing norm / activation kernels (Transformer Engine),
+    # so they add no separate HBM pass here.
+    return max(compute, traffic)
 
 
 def _interpolated_gemm_time(table, m: int, n: int, k: int) -> float:  # noqa: ANN001
@@ -119,8 +128,8 @@ def attention_time_s(
     Fused (flash): forward FLOPs ``2·b·q·kv·a·(d_qk + d_v)`` times the causal fraction, at
     ``peak · attention_efficiency`` (16-bit even in FP8 recipes); backward runs 5 of those matmuls
     instead of 2 (it recomputes the scores), i.e. 2.5× forward.
-    Unfused: two batched GEMMs plus the scaled-masked softmax and dropout streaming the
-    ``b·a·q·kv`` scores through HBM (~11 bytes per score forward, 2× that backward).
+    Unfused (Megatron 2021): two batched GEMMs plus the scale-mask-softmax and dropout streaming
+    the ``b·a·q·kv`` scores through HBM: 9 bytes per score forward, 11 backward.
     """
     table = [p for p in profile.compute.attention if p.precision is precision and p.causal == causal]
     flops = 2.0 * batch * q_len * kv_len * heads * (qk_dim + v_dim)
@@ -130,15 +139,17 @@ def attention_time_s(
     if flash:
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
         rate = peak_flops(profile, Precision.bf16) * profile.assumptions.attention_efficiency
-        fwd = flops * frac / rate + profile.assumptions.kernel_overhead_s
+        fwd = flops * frac / rate
         return fwd, 2.5 * fwd
     p16 = Precision.bf16 if precision is Precision.fp8 else precision
-    gemms = gemm_time_s(profile, q_len, kv_len, qk_dim, p16, count=batch * heads) + gemm_time_s(
-        profile, q_len, v_dim, kv_len, p16, count=batch * heads
+    # one batched GEMM each for QK^T and PV (one launch, batch·heads problems)
+    gemms = gemm_time_s(profile, q_len * batch * heads, kv_len, qk_dim, p16) + gemm_time_s(
+        profile, q_len * batch * heads, v_dim, kv_len, p16
     )
     scores = batch * heads * q_len * kv_len
-    softmax = memory_time_s(profile, 11.0 * scores)
-    return gemms + softmax, 2.0 * (gemms + softmax)
+    # forward: fused scale-mask-softmax (read 2 B, write 2 B) and dropout (read 2, write 2, mask 1)
+    # backward: dropout (read grad 2 + mask 1, write 2) and softmax (read y 2, dy 2, write 2)
+    return gemms + memory_time_s(profile, 9.0 * scores), 2.0 * gemms + memory_time_s(profile, 11.0 * scores)
 
 
 def _interpolated_attention(table, batch, seq, heads, head_dim, flops):  # noqa: ANN001

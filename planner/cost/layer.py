@@ -3,7 +3,7 @@
 Forward = GEMMs + attention core + bandwidth-bound ops + the exposed part of the block's own
 collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gather, EP
 all-to-all). Backward runs each GEMM twice (input and weight gradients), the attention backward,
-twice the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
+1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
 the attention-core forward (selective).
 """
 
@@ -16,6 +16,12 @@ from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
 from planner.cost.compute import attention_time_s, gemm_time_s, memory_time_s
 
 
+ELEMENTWISE_BACKWARD_RATIO = 1.25
+"""Backward / forward HBM traffic of the bandwidth-bound ops: LayerNorm backward reads x and dy
+and writes dx (1.5x its forward), dropout/residual backward reads dy and the mask and writes dx
+(~1x), activation-function backward reads input and dy and writes dx (1.5x)."""
+
+
 @dataclass
 class PassCost:
     """Seconds of one pass (forward or backward) split by what takes them."""
@@ -23,12 +29,13 @@ class PassCost:
     gemm_s: float = 0.0
     attention_s: float = 0.0
     memory_s: float = 0.0
+    overhead_s: float = 0.0  # kernel launches: count x kernel_overhead_s
     comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
     exposed_comm_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def compute_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.memory_s
+        return self.gemm_s + self.attention_s + self.memory_s + self.overhead_s
 
     @property
     def total_s(self) -> float:
@@ -150,7 +157,7 @@ def block_cost(
     act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
     rope = 2 * elt * tokens * heads * model.head_size * 2 if model.position_embedding == "rope" else 0
     fwd.memory_s = memory_time_s(profile, replicated + act + rope)
-    bwd.memory_s = 2 * fwd.memory_s
+    bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass
     if t > 1:
@@ -180,7 +187,40 @@ def block_cost(
         fwd.add_comm("ep", a2a, a2a)
         bwd.add_comm("ep", a2a, a2a)
 
+    kernels = forward_kernel_count(model, moe is not None, mb, layout)
+    fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
+    bwd.overhead_s = 2 * fwd.overhead_s
     return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+
+
+def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout: ParallelLayout) -> int:
+    """Kernels one block launches in forward (backward launches about twice as many).
+
+    2 norms, 2 residual adds (dropout fused), RoPE, the attention projections (2; MLA 5), the
+    attention core (flash 1; unfused: 2 batched GEMMs, softmax, dropout), the FFN (2 GEMMs and the
+    activation; MoE: router GEMM, softmax/top-k/aux-loss 3, permute and unpermute 4, grouped
+    expert GEMMs 3, shared experts 3 each, all-to-all 2 with EP), TP collectives (2, or 4 with SP),
+    CP key/value gather 1; FP8 adds a cast per GEMM input.
+    """
+    gemms = 5 if model.mla is not None else 2
+    count = 4 + (1 if model.position_embedding == "rope" else 0) + (1 if mb.flash else 4)
+    if is_moe:
+        moe = model.moe
+        assert moe is not None
+        ffn_gemms = 1 + 2 + 2 * moe.num_shared_experts
+        count += 3 + 4 + 3 * moe.num_shared_experts + 1 + (2 if layout.ep > 1 else 0)
+    else:
+        ffn_gemms = 2
+        count += 1
+    gemms += ffn_gemms
+    count += gemms
+    if mb.tp > 1:
+        count += 4 if mb.sp else 2
+    if mb.cp > 1:
+        count += 1
+    if mb.precision is Precision.fp8:
+        count += gemms
+    return count
 
 
 def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
@@ -190,6 +230,8 @@ def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, gr
     size = mb.tokens * model.hidden_size * mb.elt
     fwd.memory_s = memory_time_s(profile, 2 * size)
     bwd.memory_s = memory_time_s(profile, 3 * size)
+    fwd.overhead_s = profile.assumptions.kernel_overhead_s * (1 + (mb.tp > 1))
+    bwd.overhead_s = profile.assumptions.kernel_overhead_s * 2
     if mb.tp > 1:
         kind = Collective.reduce_scatter if mb.sp else Collective.all_reduce
         time = collective_time_s(profile, kind, groups["tp"], size)
@@ -208,6 +250,8 @@ def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, grou
     norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
     fwd.memory_s = memory_time_s(profile, norm + 16 * logits)
     bwd.memory_s = memory_time_s(profile, 2 * norm + 8 * logits)
+    fwd.overhead_s = 5 * profile.assumptions.kernel_overhead_s  # norm, GEMM, max, exp-sum, loss
+    bwd.overhead_s = 2 * fwd.overhead_s
     if t > 1:
         size = tokens * h * mb.elt
         kind = Collective.all_gather if mb.sp else Collective.all_reduce

@@ -65,7 +65,8 @@ class ActivationShape:
 
 
 def layer_activation_bytes(
-    model: ModelSpec, index: int, shape: ActivationShape, recompute: Recompute, *, flash: bool, elt: int = 2
+    model: ModelSpec, index: int, shape: ActivationShape, recompute: Recompute, *, flash: bool, elt: int = 2,
+    fp8: bool = False,
 ) -> float:
     """Activation bytes stored by block ``index`` for the backward pass of one micro-batch.
 
@@ -75,7 +76,9 @@ def layer_activation_bytes(
     softmax output (2 B), dropout mask (1 B) and dropout output (2 B); with flash attention the
     fp32 log-sum-exp ``4·a·s·b`` bytes; GeLU FFN input and output ``2·s·b·f``; SwiGLU gate, up
     and product ``3·s·b·f``; MoE: router input, the top-k dispatched copies and the experts'
-    intermediates.
+    intermediates. FP8 training (Transformer Engine, torchao) saves the FP8-cast input of each
+    linear layer for backward: 1 byte instead of ``elt`` for the QKV, output-projection, FC1 and
+    FC2 inputs.
     """
     b, s, t = shape.batch, shape.seq, shape.tp
     h = model.hidden_size
@@ -89,9 +92,10 @@ def layer_activation_bytes(
     dropout = model.dropout > 0
     mask_bytes = tokens * h if dropout else 0.0  # dropout masks: 1 byte per element
     # replicated region: two norm inputs, the QKV input, the MLP input and two dropout masks
-    replicated = (4 * elt * tokens * h + 2 * mask_bytes) / rep
+    lin = 1 if fp8 else elt  # bytes of a saved linear-layer input
+    replicated = ((2 * elt + 2 * lin) * tokens * h + 2 * mask_bytes) / rep
     # attention (TP-split): Q, K, V and the output-projection input
-    attn = elt * tokens * (a * dqk + k * dqk + k * dv + a * dv)
+    attn = elt * tokens * (a * dqk + k * dqk + k * dv) + lin * tokens * a * dv
     scores = b * a * s * shape.kv_seq
     if recompute is Recompute.selective:
         core = 0.0
@@ -105,12 +109,12 @@ def layer_activation_bytes(
         assert moe is not None
         per_mlp = (3 if model.ffn_kind == "swiglu" else 2)
         routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
-        ffn = elt * routed_tokens * (h + per_mlp * moe.expert_ffn_hidden_size / t)
-        ffn += elt * tokens * moe.num_shared_experts * per_mlp * moe.shared_ffn / t
+        ffn = routed_tokens * (lin * h + (elt * (per_mlp - 1) + lin) * moe.expert_ffn_hidden_size / t)
+        ffn += tokens * moe.num_shared_experts * (elt * (per_mlp - 1) + lin) * moe.shared_ffn / t
         ffn += 4 * tokens * moe.num_experts / rep  # fp32 router probabilities
     else:
         per_mlp = 3 if model.ffn_kind == "swiglu" else 2
-        ffn = elt * tokens * per_mlp * model.ffn_hidden_size / t
+        ffn = tokens * (elt * (per_mlp - 1) + lin) * model.ffn_hidden_size / t  # last one is FC2's input
     return replicated + attn + core + ffn
 
 

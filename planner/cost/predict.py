@@ -38,9 +38,11 @@ from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.errors import AutoparError
 
-ADAM_STEP_BYTES_PER_PARAM = 34.0
-"""Optimizer step traffic per parameter: read fp32 master, grad, m, v (16 B), write master, m, v
-(12 B), write the 16-bit weight copy (2 B), read the grad again for the norm / clipping (4 B)."""
+ADAM_STEP_BYTES_PER_PARAM = 54.0
+"""HBM traffic per parameter of a mixed-precision Adam step on fp32 main gradients: inf/NaN check
+(read 4 B), gradient norm (read 4), clipping (read 4, write 4), Adam (read master, grad, m, v:
+16; write master, m, v: 12), copy to the 16-bit weights (read 4, write 2), zero the gradient
+buffer (write 4)."""
 
 
 def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
@@ -285,7 +287,8 @@ def predict(
         w2, g2, o2 = model_state_bytes(stage_expert_params[i], state, layout.zero_stage, max(shard_n // layout.ep, 1),
                                        layout.offload_optimizer)
         in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
-        per_mb = sum(layer_activation_bytes(model, li, shape, r, flash=training.flash_attention, elt=elt)
+        per_mb = sum(layer_activation_bytes(model, li, shape, r, flash=training.flash_attention, elt=elt,
+                                            fp8=training.precision is Precision.fp8)
                      for li, r in zip(st.layers, st.recompute))
         if st.first:
             per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)

@@ -1,0 +1,148 @@
+"""Fit the few efficiency constants of reference profiles to published runs, and test the fit honestly.
+
+Fitted constants (everything else is a datasheet figure, a published measurement or a count):
+
+- ``matmul_efficiency`` per GPU family (``a100``, ``hopper``): achieved share of the dense 16-bit peak.
+- ``fp8_matmul_efficiency`` (``hopper``): achieved share of the dense FP8 peak.
+- ``attention_efficiency`` per family: achieved share of the 16-bit peak in fused attention
+  (FlashAttention-2 reaches a larger share of an A100 than of an H100).
+- ``gemm_k_overhead`` (shared): a GEMM tile's fixed prologue/epilogue in units of K.
+- ``overlap_efficiency`` (shared): share of an overlappable collective hidden behind compute.
+
+The objective is the mean of ``min(|log(predicted / reported)|, 0.3)`` over the judged rows: a
+log error is symmetric in over- and under-prediction, and the cap keeps a row the model cannot
+explain (a framework far from the others) from dragging every constant. Coordinate descent with
+golden-section search on each constant within physical bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import date
+
+from planner.reference import SYSTEMS
+from planner.validate import RowCase, evaluate
+
+CAP = 0.3
+
+
+@dataclass(frozen=True)
+class FittedConstant:
+    name: str
+    family: str | None  # None = shared by all families
+    low: float
+    high: float
+
+
+CONSTANTS = (
+    FittedConstant("matmul_efficiency", "a100", 0.40, 0.95),
+    FittedConstant("matmul_efficiency", "hopper", 0.30, 0.95),
+    FittedConstant("fp8_matmul_efficiency", "hopper", 0.15, 0.90),
+    FittedConstant("attention_efficiency", "a100", 0.15, 0.90),
+    FittedConstant("attention_efficiency", "hopper", 0.15, 0.90),
+    FittedConstant("gemm_k_overhead", None, 0.0, 2048.0),
+    FittedConstant("overlap_efficiency", None, 0.3, 1.0),
+)
+
+Values = dict[tuple[str, str | None], float]
+
+
+def family_of(case: RowCase) -> str:
+    key = case.profile.name.split("-nic")[0]
+    return SYSTEMS[key].family
+
+
+def with_values(case: RowCase, values: Values):  # noqa: ANN201 - returns a ClusterProfile
+    """The case's profile with the given constants (a family's own value wins over a shared one)."""
+    family = family_of(case)
+    update = {name: v for (name, fam), v in values.items() if fam is None}
+    update.update({name: v for (name, fam), v in values.items() if fam == family})
+    assumptions = case.profile.assumptions.model_copy(update=update)
+    return case.profile.model_copy(update={"assumptions": assumptions})
+
+
+def log_errors(cases: list[RowCase], values: Values) -> list[float]:
+    out = []
+    for case in cases:
+        result = evaluate(case, with_values(case, values))
+        out.append(math.log(1.0 + result.error))
+    return out
+
+
+def objective(cases: list[RowCase], values: Values) -> float:
+    errs = log_errors(cases, values)
+    return sum(min(abs(e), CAP) for e in errs) / max(len(errs), 1)
+
+
+def initial_values(cases: list[RowCase]) -> Values:
+    """Start from each case's current assumptions (the defaults or the last fit)."""
+    values: Values = {}
+    for c in CONSTANTS:
+        for case in cases:
+            if c.family is None or family_of(case) == c.family:
+                values[(c.name, c.family)] = getattr(case.profile.assumptions, c.name)
+                break
+    return values
+
+
+def fit(cases: list[RowCase], rounds: int = 3, tol: float = 1e-3) -> Values:
+    """Coordinate descent: golden-section search on one constant at a time, ``rounds`` sweeps."""
+    values = initial_values(cases)
+    relevant = {key: [case for case in cases if key[1] is None or family_of(case) == key[1]] for key in values}
+    phi = (math.sqrt(5) - 1) / 2
+    for _ in range(rounds):
+        for c in CONSTANTS:
+            key = (c.name, c.family)
+            if key not in values:
+                continue  # no row on that family
+            subset = relevant[key]
+            if c.name == "fp8_matmul_efficiency":
+                subset = [case for case in subset if case.training.precision.value == "fp8"]
+            if not subset:
+                continue
+
+            def f(x: float) -> float:
+                return objective(subset, {**values, key: x})
+
+            lo, hi = c.low, c.high
+            x1, x2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
+            f1, f2 = f(x1), f(x2)
+            while hi - lo > tol * (c.high - c.low):
+                if f1 < f2:
+                    hi, x2, f2 = x2, x1, f1
+                    x1 = hi - phi * (hi - lo)
+                    f1 = f(x1)
+                else:
+                    lo, x1, f1 = x1, x2, f2
+                    x2 = lo + phi * (hi - lo)
+                    f2 = f(x2)
+            values[key] = (lo + hi) / 2
+    return values
+
+
+def leave_one_source_out(cases: list[RowCase]) -> dict[str, list[float]]:
+    """For each source: fit on every other source, predict this one. Source -> signed errors."""
+    out: dict[str, list[float]] = {}
+    for source in sorted({c.source for c in cases}):
+        train = [c for c in cases if c.source != source]
+        test = [c for c in cases if c.source == source]
+        values = fit(train)
+        out[source] = [evaluate(c, with_values(c, values)).error for c in test]
+    return out
+
+
+def calibration_document(values: Values, rows: int) -> dict:
+    """The JSON written to planner/data/calibration.json (read by planner.reference)."""
+    doc: dict = {"fitted_on": f"shared/data/published_runs.csv, {rows} rows, {date.today().isoformat()}",
+                 "shared": {}, "families": {}}
+    for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
+        if family is None:
+            doc["shared"][name] = round(v, 9)
+        else:
+            doc["families"].setdefault(family, {})[name] = round(v, 4)
+    # Blackwell has no published row here: it inherits Hopper's fitted efficiencies (stated).
+    if "hopper" in doc["families"]:
+        doc["families"]["blackwell"] = dict(doc["families"]["hopper"])
+        doc["inherited"] = {"blackwell": "hopper (no published Blackwell run in the data)"}
+    return doc

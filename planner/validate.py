@@ -1,0 +1,424 @@
+"""Judge the cost model against published training runs (``published_runs.csv`` columns).
+
+Each row becomes a (ModelSpec, TrainingConfig, ClusterProfile, ParallelLayout). Every field the
+source did not print gets a stated default (``RowCase.defaults``), and the prediction is compared
+in the row's own convention: iteration time where given; tokens/s for FP8 rows and where
+tokens/s is the reported figure; TFLOP/s per GPU with the source's FLOP count (SC21 and BLOOM
+count the recompute forward); MFU last. Rows that cannot be judged are returned with the reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner.contracts import (
+    ClusterProfile,
+    ModelSpec,
+    MoESpec,
+    ParallelLayout,
+    Precision,
+    Prediction,
+    Recompute,
+    Schedule,
+    StageRecompute,
+    TrainingConfig,
+)
+from planner.cost.flops import hardware_flops_per_step, model_flops_per_step
+from planner.cost.predict import predict
+from planner.errors import AutoparError
+from planner.presets import PRESETS
+from planner.reference import reference_profile
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "gpu_type", "num_gpus", "tp", "pp")
+
+# Software of the time, by source: what a field left blank meant in that code base.
+#  - Megatron-LM 2021-22 (SC21, Korthikanti, BLOOM, MT-NLG) had unfused attention, no distributed
+#    optimizer (plain DDP all-reduce) and no sequence parallelism before Korthikanti et al.
+#  - Megatron-Core / NeMo / Megatron-Bridge: flash attention, distributed optimizer (ZeRO-1), SP with TP.
+#  - torchtitan and Meta's Llama 3 stack: flash attention, FSDP, SP with TP.
+_ERA_2021 = re.compile(r"Narayanan|Korthikanti|BLOOM|bigscience|MT-NLG|Megatron-Turing", re.I)
+_MCORE = re.compile(r"Megatron-Core|NeMo|Megatron-Bridge", re.I)
+
+
+@dataclass
+class RowCase:
+    run_id: str
+    source: str
+    model: ModelSpec
+    training: TrainingConfig
+    profile: ClusterProfile
+    layout: ParallelLayout
+    metric: str  # iteration_time_s | tokens_per_s_per_gpu | tflops_per_gpu | mfu
+    reported: float
+    flop_convention: str  # model | hardware
+    defaults: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RowResult:
+    case: RowCase
+    predicted: float
+    error: float  # signed relative error of the predicted figure in the row's metric
+    prediction: Prediction
+
+
+@dataclass
+class Skipped:
+    run_id: str
+    source: str
+    reason: str
+
+
+def source_key(run_id: str) -> str:
+    """Short source name of a row: the run id up to its first underscore."""
+    return run_id.split("_", 1)[0]
+
+
+def _num(text: str | None) -> float | None:
+    """Leading number of a cell ('128K (...)' -> 128000, '15360 (ramped ...)' -> 15360)."""
+    if not text:
+        return None
+    match = re.search(r"(\d[\d,]*\.?\d*)\s*([KkMm])?\b", text)
+    if not match:
+        return None
+    value = float(match.group(1).replace(",", ""))
+    suffix = (match.group(2) or "").lower()
+    return value * (1000 if suffix == "k" else 1_000_000 if suffix == "m" else 1)
+
+
+def _int(text: str | None) -> int | None:
+    value = _num(text)
+    return None if value is None else int(value)
+
+
+def _system(gpu_type: str) -> str | None:
+    g = gpu_type.upper()
+    if "A100" in g:
+        return "dgx-a100-40gb" if "40GB" in g.replace(" ", "") else "dgx-a100-80gb"
+    if "H100" in g:
+        return "gt-h100-96gb-500w" if "96GB" in g.replace(" ", "") else "dgx-h100"
+    for name, system in (("H200", "hgx-h200"), ("H800", "hgx-h800"), ("B200", "dgx-b200")):
+        if name in g:
+            return system
+    return None
+
+
+def _nic_gbit_per_gpu(text: str, gpus_per_node: int) -> float | None:
+    """Network line rate per GPU from the row's inter-node description, if it gives one."""
+    if not text:
+        return None
+    t = text.replace("Gbps", "Gb/s")
+    m = re.search(r"(\d+)x[^,;]*?(\d+)\s*Gb/s[^,;]*per node", t)
+    if m:
+        return int(m.group(1)) * int(m.group(2)) / gpus_per_node
+    m = re.search(r"(\d+)\s*OPA links per node", t)
+    if m:  # Omni-Path: 100 Gb/s per link
+        return int(m.group(1)) * 100 / gpus_per_node
+    m = re.search(r"(\d+)\s*GB/s", t)
+    if m:
+        return int(m.group(1)) * 8
+    m = re.search(r"(\d+)\s*Gb/s", t)
+    if m:
+        return float(m.group(1))
+    return None
+
+
+def _matching_preset(layers: int, hidden: int, heads: int) -> tuple[str, ModelSpec] | None:
+    for name, spec in PRESETS.items():
+        if (spec.num_layers, spec.hidden_size, spec.num_attention_heads) == (layers, hidden, heads):
+            return name, spec
+    return None
+
+
+def _model(row: dict[str, str], defaults: list[str]) -> ModelSpec:
+    layers, hidden, heads = _int(row["num_layers"]), _int(row["hidden_size"]), _int(row["num_attention_heads"])
+    assert layers and hidden and heads
+    preset = _matching_preset(layers, hidden, heads)
+    name_text = (row.get("model", "") + " " + row.get("arch_type", "")).lower()
+    llama_like = bool(row.get("num_kv_heads")) or any(w in name_text for w in ("llama", "qwen", "mixtral", "deepseek", "mistral"))
+    base = preset[1] if preset and (preset[1].ffn_kind == "swiglu") == llama_like else None
+    if base is not None:
+        assert preset is not None
+        defaults.append(f"unstated architecture details from preset {preset[0]}")
+    kv = _int(row.get("num_kv_heads"))
+    if kv is None:
+        kv = base.kv_heads if base else heads
+        if not base:
+            defaults.append(f"num_kv_heads={kv} (MHA)")
+    ffn = _int(row.get("ffn_hidden_size"))
+    if ffn is None:
+        ffn = base.ffn_hidden_size if base else 4 * hidden
+        if not base:
+            defaults.append(f"ffn_hidden_size={ffn} (4h GeLU MLP)")
+    vocab = _int(row.get("vocab_size"))
+    if vocab is None:
+        vocab = base.vocab_size if base else 51200
+        defaults.append(f"vocab_size={vocab}" + (" (preset)" if base else " (GPT-2 BPE padded, Megatron default)"))
+    gpt_style = not llama_like
+    moe = None
+    if row.get("moe_num_experts"):
+        dense_first = re.search(r"first (\d+) dense", row.get("ffn_hidden_size", ""))
+        moe = MoESpec(
+            num_experts=_int(row["moe_num_experts"]), top_k=_int(row["moe_top_k"]),
+            expert_ffn_hidden_size=_int(row["moe_expert_ffn_hidden_size"]),
+            num_shared_experts=_int(row.get("moe_shared_experts")) or 0,
+            first_dense_layers=int(dense_first.group(1)) if dense_first else 0,
+        )
+        if not row.get("ffn_hidden_size") and base is None:
+            ffn = moe.expert_ffn_hidden_size
+    alibi = "alibi" in name_text
+    return ModelSpec(
+        name=row.get("model") or row["run_id"], num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_kv_heads=kv, head_dim=base.head_dim if base else None, ffn_hidden_size=ffn,
+        ffn_kind="gelu" if gpt_style else "swiglu", vocab_size=vocab,
+        tied_embeddings=base.tied_embeddings if base else gpt_style,
+        position_embedding="alibi" if alibi else ("learned" if gpt_style else "rope"),
+        max_position_embeddings=_int(row["seq_length"]) if gpt_style and not alibi else None,
+        norm="layernorm" if gpt_style else "rmsnorm", linear_bias=gpt_style and not alibi,
+        dropout=0.1 if gpt_style and not alibi else 0.0, moe=moe, mla=base.mla if base else None,
+    )
+
+
+def _precision(text: str) -> Precision:
+    t = (text or "").lower()
+    if "fp8" in t and "float8 linears" not in t:
+        return Precision.fp8
+    if "float8" in t:
+        return Precision.fp8
+    if "fp16" in t and "bf16" not in t:
+        return Precision.fp16
+    return Precision.bf16
+
+
+def build_case(row: dict[str, str]) -> RowCase | Skipped:
+    """Turn one CSV row into a prediction case, or say why it cannot be judged."""
+    run_id, source = row.get("run_id", "?"), source_key(row.get("run_id", "?"))
+    missing = [c for c in REQUIRED if not (row.get(c) or "").strip()]
+    if missing:
+        return Skipped(run_id, source, "missing " + ", ".join(missing))
+    defaults: list[str] = []
+    era2021 = bool(_ERA_2021.search(row.get("source", "") + row.get("framework", "")))
+    mcore = bool(_MCORE.search(row.get("framework", "") + row.get("source", "")))
+    try:
+        model = _model(row, defaults)
+    except (AutoparError, ValueError) as exc:
+        return Skipped(run_id, source, f"model not buildable: {exc}")
+
+    seq = _int(row["seq_length"])
+    gbs = _int(row.get("global_batch_size_seqs")) or _int(row.get("global_batch_size_seqs_derived"))
+    if gbs is None and row.get("global_batch_tokens"):
+        gbs = int(_num(row["global_batch_tokens"]) // seq)
+    if gbs is None:
+        return Skipped(run_id, source, "global batch not stated (global_batch_size_seqs and derived columns empty)")
+    precision = _precision(row.get("precision", ""))
+    if not row.get("precision"):
+        defaults.append("precision=bf16")
+    training = TrainingConfig(seq_length=seq, global_batch_size=gbs, precision=precision, flash_attention=not era2021)
+    defaults.append("attention=" + ("unfused (Megatron 2021-22)" if era2021 else "flash"))
+
+    system = _system(row["gpu_type"])
+    if system is None:
+        return Skipped(run_id, source, f"no reference profile for gpu_type '{row['gpu_type']}'")
+    gpus = _int(row["num_gpus"])
+    gpn = _int(row.get("gpus_per_node")) or 8
+    nic = _nic_gbit_per_gpu(row.get("inter_node_interconnect", ""), gpn)
+    if gpus % gpn:
+        return Skipped(run_id, source, f"num_gpus={gpus} is not a whole number of {gpn}-GPU nodes")
+    profile = reference_profile(system, gpus // gpn, nic_gbit_per_gpu=nic)
+
+    tp, pp = _int(row["tp"]), _int(row["pp"])
+    cp, ep = _int(row.get("cp")) or 1, _int(row.get("ep")) or 1
+    dp = _int(row.get("dp")) or _int(row.get("dp_derived")) or gpus // (tp * pp * cp)
+    if dp * tp * pp * cp != gpus:
+        return Skipped(run_id, source, f"tp x pp x cp x dp = {dp * tp * pp * cp} does not equal num_gpus={gpus}")
+    mbs = _int(row.get("micro_batch_size"))
+    mbs_options = [mbs] if mbs else [b for b in (1, 2, 4, 8) if gbs % (dp * b) == 0]
+    if not mbs_options or gbs % (dp * mbs_options[0]):
+        return Skipped(run_id, source, f"global batch {gbs} is not divisible by dp x micro_batch = {dp * (mbs or 1)}")
+
+    vp_text = (row.get("virtual_pipeline_stages") or "").strip()
+    schedule, v = Schedule.one_f_one_b, 1
+    if pp > 1:
+        per_stage = model.num_layers // pp
+        if "dualpipe" in vp_text.lower():
+            schedule = Schedule.zero_bubble
+            defaults.append("schedule=zero_bubble (stands in for DualPipe)")
+        elif _int(vp_text) and _int(vp_text) > 1:
+            schedule, v = Schedule.interleaved_1f1b, _int(vp_text)
+        elif "interleav" in vp_text.lower():
+            schedule, v = Schedule.interleaved_1f1b, 0  # depth chosen below
+        elif not vp_text:
+            defaults.append("schedule=1f1b")
+
+    sp_text = (row.get("sequence_parallel") or "").lower()
+    sp = sp_text.startswith("on") if sp_text else (tp > 1 and not era2021)
+    if not sp_text and tp > 1:
+        defaults.append(f"sequence_parallel={'on' if sp else 'off'}")
+
+    z = (row.get("zero_or_fsdp") or "").lower()
+    reshard = True
+    if "not resharded" in z or "zero-2" in z:
+        zero = 2
+    elif "zero-3" in z or "full_shard" in z or "fsdp" in z:
+        zero = 3
+    elif "zero-1" in z or "distributed optimizer" in z:
+        zero = 1
+    elif "ddp" in z:
+        zero = 0
+    else:
+        zero = 1 if mcore else 0
+        defaults.append(f"zero_stage={zero} ({'distributed optimizer' if zero else 'DDP'})")
+
+    fw = (row.get("framework", "") + " " + row.get("other_throughput_reported", "")).lower()
+    tp_overlap = "tp-comm-overlap" in fw or "async tp" in fw
+    # Megatron-LM of 2021-22 all-reduced gradients after the backward pass (no overlap)
+    dp_overlap = not era2021 and "no overlap of gradient" not in (row.get("notes", "").lower())
+    if era2021 and dp > 1:
+        defaults.append("dp_comm_overlap=off (Megatron-LM 2021-22 reduced gradients after backward)")
+
+    layout_kwargs = dict(
+        dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
+        zero_stage=zero, reshard_after_forward=reshard,
+        tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap,
+    )
+    rc_text = (row.get("activation_recompute") or "").lower()
+    per_stage = None
+    if "torchtitan" in fw and rc_text.startswith("selective"):
+        # torchtitan's "selective layer" checkpoints every other block; its per-op SAC recomputes
+        # every other matmul and the elementwise ops: both cost about half the layers' forward again.
+        per_stage = [StageRecompute(kind=Recompute.full, num_layers=model.num_layers // (2 * pp))] * pp
+        layout_kwargs["recompute_per_stage"] = per_stage
+        defaults.append("recompute: torchtitan selective AC modelled as full recompute of every other layer")
+    if rc_text.startswith("full"):
+        recompute = Recompute.full
+    elif rc_text.startswith("selective"):
+        recompute = Recompute.selective
+    elif rc_text.startswith("none"):
+        recompute = Recompute.none
+    else:
+        recompute = None
+    # (schedule, v) options: a stated v, or every interleaving depth when the source only says
+    # "interleaved"; plain 1F1B is the fallback when no interleaved option is valid
+    if schedule is Schedule.interleaved_1f1b:
+        sched_options = [(schedule, d) for d in ([v] if v > 1 else range(2, model.num_layers // pp + 1))]
+    else:
+        sched_options = [(schedule, 1)]
+    best: tuple[float, ParallelLayout, Recompute] | None = None
+    last_error: AutoparError | None = None
+    combos = [(sv, b) for sv in sched_options for b in mbs_options]
+    if schedule is Schedule.interleaved_1f1b:
+        combos += [((Schedule.one_f_one_b, 1), b) for b in mbs_options]
+    for (sched_try, v_try), mbs_try in combos:
+        if best is not None and sched_try is Schedule.one_f_one_b and schedule is Schedule.interleaved_1f1b:
+            break  # an interleaved option was valid
+        kwargs = {**layout_kwargs, "schedule": sched_try, "virtual_stages": v_try, "micro_batch_size": mbs_try}
+        for candidate in [recompute] if recompute else [Recompute.none, Recompute.selective, Recompute.full]:
+            try:
+                layout = ParallelLayout(**kwargs, recompute=candidate)
+                pred = predict(model, training, profile, layout)
+            except AutoparError as exc:
+                last_error = exc
+                break
+            if pred.memory.fits or recompute or candidate is Recompute.full:
+                if best is None or pred.step_time_s < best[0]:
+                    best = (pred.step_time_s, layout, candidate)
+                break
+    if best is None:
+        return Skipped(run_id, source, f"layout not valid: {last_error}")
+    layout = best[1]
+    if schedule is Schedule.interleaved_1f1b and layout.schedule is not schedule:
+        defaults.append("schedule=1f1b (no interleaving depth divides the layers and micro-batches)")
+    elif schedule is Schedule.interleaved_1f1b and v <= 1:
+        defaults.append(f"virtual_stages={layout.virtual_stages} (fastest predicted; the source does not say)")
+    if not mbs:
+        defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
+    if recompute is None:
+        defaults.append(f"recompute={best[2].value} (cheapest that fits in memory)")
+
+    conv = (row.get("flop_convention") or "").lower()
+    flop_convention = "hardware" if ("includes the recompute" in conv or "hardware flops" in conv) else "model"
+    tokens_reported = _num(row.get("tokens_per_sec_per_gpu_reported"))
+    if row.get("iteration_time_s_reported"):
+        metric, reported = "iteration_time_s", _num(row["iteration_time_s_reported"])
+    elif tokens_reported and (precision is Precision.fp8 or not row.get("tflops_per_gpu_reported")):
+        metric, reported = "tokens_per_s_per_gpu", tokens_reported
+    elif row.get("tflops_per_gpu_reported") and precision is not Precision.fp8:
+        metric, reported = "tflops_per_gpu", _num(row["tflops_per_gpu_reported"])
+    elif row.get("mfu_pct_reported") and precision is not Precision.fp8:
+        metric, reported = "mfu", _num(row["mfu_pct_reported"]) / 100
+    elif row.get("tokens_per_sec_per_gpu_derived"):
+        metric, reported = "tokens_per_s_per_gpu", _num(row["tokens_per_sec_per_gpu_derived"])
+    else:
+        return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
+    return RowCase(run_id, source, model, training, profile, layout, metric, reported, flop_convention, defaults)
+
+
+def predicted_metric(case: RowCase, pred: Prediction) -> float:
+    """The prediction expressed in the row's metric and FLOP convention."""
+    n = case.profile.num_gpus
+    if case.metric == "iteration_time_s":
+        return pred.step_time_s
+    if case.metric == "tokens_per_s_per_gpu":
+        return pred.tokens_per_s_per_gpu
+    gbs, seq = case.training.global_batch_seqs, case.training.seq_length
+    if case.flop_convention == "hardware":
+        flops = hardware_flops_per_step(case.model, gbs, seq, case.layout.recompute)
+    else:
+        flops = model_flops_per_step(case.model, gbs, seq)
+    if case.metric == "tflops_per_gpu":
+        return flops / pred.step_time_s / n / 1e12
+    return pred.mfu
+
+
+def evaluate(case: RowCase, profile: ClusterProfile | None = None) -> RowResult:
+    """Predict one case (optionally on another profile, e.g. with refitted assumptions)."""
+    pred = predict(case.model, case.training, profile or case.profile, case.layout)
+    value = predicted_metric(case, pred)
+    return RowResult(case, value, value / case.reported - 1.0, pred)
+
+
+def load_rows(path: str | Path) -> list[dict[str, str]]:
+    p = Path(path)
+    if not p.is_file():
+        raise AutoparError("FILE", str(p), "give the path of a CSV with the columns of published_runs.csv",
+                           problem="does not exist")
+    with p.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if not reader.fieldnames or "run_id" not in reader.fieldnames:
+            raise AutoparError("FILE", str(p), "the CSV needs a header with run_id and the published_runs.csv columns",
+                               problem="has no run_id column")
+        return list(reader)
+
+
+def build_cases(rows: list[dict[str, str]]) -> tuple[list[RowCase], list[Skipped]]:
+    cases, skipped = [], []
+    for row in rows:
+        if (row.get("config_completeness") or "complete") != "complete":
+            skipped.append(Skipped(row.get("run_id", "?"), source_key(row.get("run_id", "?")),
+                                   f"config_completeness={row.get('config_completeness')}: missing {row.get('missing_fields')}"))
+            continue
+        result = build_case(row)
+        (cases if isinstance(result, RowCase) else skipped).append(result)
+    return cases, skipped
+
+
+@dataclass
+class Summary:
+    rows: int
+    median_abs_err: float
+    p90_abs_err: float
+    max_abs_err: float
+    mean_abs_err: float
+
+
+def summarize(errors: list[float]) -> Summary:
+    abs_err = sorted(abs(e) for e in errors)
+    if not abs_err:
+        return Summary(0, math.nan, math.nan, math.nan, math.nan)
+    p90 = abs_err[min(len(abs_err) - 1, math.ceil(0.9 * len(abs_err)) - 1)]
+    return Summary(len(abs_err), statistics.median(abs_err), p90, abs_err[-1], statistics.fmean(abs_err))
