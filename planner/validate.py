@@ -252,8 +252,10 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
             schedule, v = Schedule.interleaved_1f1b, _int(vp_text)
         elif "interleav" in vp_text.lower():
             schedule, v = Schedule.interleaved_1f1b, 0  # depth chosen below
+        elif not vp_text and "deepspeed" in (row.get("framework") or "").lower():
+            defaults.append("schedule=1f1b (DeepSpeed's pipeline engine has no interleaved schedule)")
         elif not vp_text:
-            defaults.append("schedule=1f1b")
+            schedule, v = Schedule.interleaved_1f1b, 0  # unpublished: interleaving depth chosen below
 
     sp_text = (row.get("sequence_parallel") or "").lower()
     sp = sp_text.startswith("on") if sp_text else (tp > 1 and not era2021)

@@ -135,8 +135,11 @@ class Assumptions(Contract):
         256.0, ge=0, description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)"
     )
     kernel_overhead_s: float = Field(3e-6, ge=0, description="launch latency per kernel (CUDA launch, typical)")
-    overlap_efficiency: float = Field(
-        0.85, ge=0, le=1, description="share of an overlappable collective hidden behind compute when overlap is on (fitted)"
+    dp_overlap_efficiency: float = Field(
+        0.85, ge=0, le=1, description="share of data-parallel / FSDP traffic hidden behind independent layers' compute (fitted)"
+    )
+    tp_overlap_efficiency: float = Field(
+        0.6, ge=0, le=1, description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)"
     )
     reserved_memory_bytes: int = Field(
         2 * 1024**3, ge=0, description="CUDA context, library workspaces, NCCL buffers, allocator fragmentation"

@@ -75,13 +75,28 @@ def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Prec
     return count * _roofline_gemm_time(profile, m, n, k, precision)
 
 
+def gemm_fwd_bwd_s(
+    profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1
+) -> tuple[float, float]:
+    """(forward, backward) time of a linear layer ``Y[m×n] = X[m×k] · W[k×n]``, ``count`` times.
+
+    Backward is the input gradient ``dX = dY · Wᵀ`` (an m×k output reducing over n) plus the weight
+    gradient ``dW = Xᵀ · dY`` (a k×n output reducing over the m tokens): same FLOPs as forward
+    each, but different shapes and so different efficiency.
+    """
+    fwd = gemm_time_s(profile, m, n, k, precision, count)
+    bwd = gemm_time_s(profile, m, k, n, precision, count) + gemm_time_s(profile, k, n, m, precision, count)
+    return fwd, bwd
+
+
 def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
     a = profile.assumptions
     flops = 2.0 * m * n * k
     waves = wave_efficiency(m, n, profile.device.sm_count, tuple(a.gemm_tiles))
     compute = flops / (_matmul_rate(profile, precision) * waves * k_efficiency(k, a.gemm_k_overhead))
     elt = 1 if precision is Precision.fp8 else precision.bytes
-    traffic = memory_time_s(profile, elt * (m * k + k * n) + 2 * m * n)
+    out = 4 if precision is Precision.fp32 else 2  # FP8 GEMMs write 16-bit outputs
+    traffic = memory_time_s(profile, elt * (m * k + k * n) + out * m * n)
     # FP8 input casts are fused into the producing norm / activation kernels (Transformer Engine),
     # so they add no separate HBM pass here.
     return max(compute, traffic)

@@ -2,7 +2,7 @@
 
 Forward = GEMMs + attention core + bandwidth-bound ops + the exposed part of the block's own
 collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gather, EP
-all-to-all). Backward runs each GEMM twice (input and weight gradients), the attention backward,
+all-to-all). Backward runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention backward,
 1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
 the attention-core forward (selective).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, Precision, Recompute
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
-from planner.cost.compute import attention_time_s, gemm_time_s, memory_time_s
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, memory_time_s
 
 
 ELEMENTWISE_BACKWARD_RATIO = 1.25
@@ -85,29 +85,35 @@ class MicroBatch:
 
 
 def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int, split: int,
-               precision: Precision, count: int = 1) -> float:
-    """Up (fused gate+up for SwiGLU) and down projection of one FFN, ``ffn`` split over ``split`` ranks."""
+               precision: Precision, count: int = 1) -> tuple[float, float]:
+    """(fwd, bwd) of the up (fused gate+up for SwiGLU) and down projections, ``ffn`` split over ``split``."""
     h = model.hidden_size
     up = (2 if model.ffn_kind == "swiglu" else 1) * ffn // split
-    return gemm_time_s(profile, tokens, up, h, precision, count) + gemm_time_s(
-        profile, tokens, h, ffn // split, precision, count
-    )
+    return _sum(gemm_fwd_bwd_s(profile, tokens, up, h, precision, count),
+                gemm_fwd_bwd_s(profile, tokens, h, ffn // split, precision, count))
 
 
-def _attention_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, t: int, precision: Precision) -> float:
+def _sum(*pairs: tuple[float, float]) -> tuple[float, float]:
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def _attention_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, t: int,
+                     precision: Precision) -> tuple[float, float]:
+    """(fwd, bwd) of the attention projections on one TP rank."""
     h, a = model.hidden_size, model.num_attention_heads
+    g = gemm_fwd_bwd_s
     if model.mla is not None:
         m = model.mla
         dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = (gemm_time_s(profile, tokens, m.q_lora_rank, h, precision)
-             + gemm_time_s(profile, tokens, a * dqk // t, m.q_lora_rank, precision)) if m.q_lora_rank \
-            else gemm_time_s(profile, tokens, a * dqk // t, h, precision)
-        kv = gemm_time_s(profile, tokens, m.kv_lora_rank + m.qk_rope_head_dim, h, precision) + gemm_time_s(
-            profile, tokens, a * (m.qk_nope_head_dim + m.v_head_dim) // t, m.kv_lora_rank, precision)
-        return q + kv + gemm_time_s(profile, tokens, h, a * m.v_head_dim // t, precision)
+        q = _sum(g(profile, tokens, m.q_lora_rank, h, precision),
+                 g(profile, tokens, a * dqk // t, m.q_lora_rank, precision)) if m.q_lora_rank \
+            else g(profile, tokens, a * dqk // t, h, precision)
+        kv = _sum(g(profile, tokens, m.kv_lora_rank + m.qk_rope_head_dim, h, precision),
+                  g(profile, tokens, a * (m.qk_nope_head_dim + m.v_head_dim) // t, m.kv_lora_rank, precision))
+        return _sum(q, kv, g(profile, tokens, h, a * m.v_head_dim // t, precision))
     d, k = model.head_size, model.kv_heads
     qkv = (a * d + 2 * k * d) // t
-    return gemm_time_s(profile, tokens, qkv, h, precision) + gemm_time_s(profile, tokens, h, a * d // t, precision)
+    return _sum(g(profile, tokens, qkv, h, precision), g(profile, tokens, h, a * d // t, precision))
 
 
 def block_cost(
@@ -121,22 +127,24 @@ def block_cost(
     """Forward and backward cost of block ``index`` for one micro-batch on one GPU."""
     t, h, elt, tokens = mb.tp, model.hidden_size, mb.elt, mb.tokens
     fwd, bwd = PassCost(), PassCost()
-    overlap = profile.assumptions.overlap_efficiency
+    overlap = profile.assumptions.tp_overlap_efficiency
 
-    # GEMMs (backward: input-gradient and weight-gradient GEMMs, each the forward's size)
+    # GEMMs (backward: input-gradient and weight-gradient GEMMs with their own shapes)
     gemm = _attention_gemms(profile, model, tokens, t, mb.precision)
     moe = model.moe if model.is_moe_layer(index) else None
     if moe is None:
-        gemm += _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision)
+        gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision))
     else:
-        gemm += gemm_time_s(profile, tokens, moe.num_experts, h, Precision.bf16)  # router
+        gemm = _sum(gemm, gemm_fwd_bwd_s(profile, tokens, moe.num_experts, h, Precision.bf16))  # router
         if moe.num_shared_experts:
-            gemm += _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision, moe.num_shared_experts)
+            gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision,
+                                         moe.num_shared_experts))
         local_experts = max(moe.num_experts // layout.ep, 1)
         routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
         per_expert = max(int(routed_tokens / local_experts), 1)
-        gemm += _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision, local_experts)
-    fwd.gemm_s, bwd.gemm_s = gemm, 2 * gemm
+        gemm = _sum(gemm, _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision,
+                                     local_experts))
+    fwd.gemm_s, bwd.gemm_s = gemm
 
     # attention core: local heads, this rank's queries against the whole sequence
     heads = max(model.num_attention_heads // t, 1)
@@ -159,18 +167,23 @@ def block_cost(
     fwd.memory_s = memory_time_s(profile, replicated + act + rope)
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
-    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass
+    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass. With SP the
+    # column-parallel linears keep only their sharded input, so backward all-gathers it again
+    # (Korthikanti et al. §4.2.2), overlapped with the input-gradient GEMM.
     if t > 1:
         size = tokens * h * elt
         if mb.sp:
-            one = collective_time_s(profile, Collective.all_gather, groups["tp"], size) + collective_time_s(
-                profile, Collective.reduce_scatter, groups["tp"], size)
+            gather = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
+            one = gather + collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
         else:
-            one = collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
+            gather, one = 0.0, collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
         tp_time = 2 * one
         for p, window in ((fwd, fwd.gemm_s), (bwd, bwd.gemm_s)):
             hidden = hidden_time_s(tp_time, window, overlap) if layout.tp_comm_overlap else 0.0
             p.add_comm("tp", tp_time, tp_time - hidden)
+        if gather:
+            regather = 2 * gather
+            bwd.add_comm("tp", regather, regather - hidden_time_s(regather, bwd.gemm_s / 2, overlap))
 
     # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
     if mb.cp > 1:
@@ -244,8 +257,7 @@ def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, grou
     (~16 bytes per logit forward, 8 backward)."""
     fwd, bwd = PassCost(), PassCost()
     t, h, tokens = mb.tp, model.hidden_size, mb.tokens
-    fwd.gemm_s = gemm_time_s(profile, tokens, model.vocab_size // t, h, mb.precision)
-    bwd.gemm_s = 2 * fwd.gemm_s
+    fwd.gemm_s, bwd.gemm_s = gemm_fwd_bwd_s(profile, tokens, model.vocab_size // t, h, mb.precision)
     logits = tokens * model.vocab_size / t
     norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
     fwd.memory_s = memory_time_s(profile, norm + 16 * logits)

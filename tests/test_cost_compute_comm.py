@@ -1,0 +1,411 @@
+"""Operator times (planner/cost/compute.py) and communication (planner/cost/comm.py) by hand.
+
+The toy profile makes the arithmetic easy: 100 TFLOP/s bf16, 1e12 B/s HBM, every efficiency 1, no
+K overhead, no wave quantisation (sm_count=None), so a GEMM takes ``max(2mnk / 1e14, bytes / 1e12)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.contracts import (
+    Assumptions,
+    ClusterProfile,
+    Collective,
+    ComputeProfile,
+    DeviceSpec,
+    GemmPoint,
+    LinkLevel,
+    LinkProfile,
+    ParallelLayout,
+    Precision,
+)
+from planner.cost.comm import (
+    GroupPlacement,
+    collective_time_s,
+    find_link,
+    hidden_time_s,
+    host_copy_time_s,
+    mesh_groups,
+    placement,
+    ring_factor,
+)
+from planner.cost.compute import (
+    attention_time_s,
+    causal_work_fraction,
+    gemm_time_s,
+    k_efficiency,
+    memory_time_s,
+    peak_flops,
+    wave_efficiency,
+)
+from planner.reference import reference_profile
+
+INTRA_ALPHA, INTER_ALPHA, HOST_ALPHA = 1e-5, 2e-5, 1e-5
+
+
+def toy_links(intra_busbw: float = 100e9, inter_busbw: float = 10e9) -> list[LinkProfile]:
+    """All-reduce entries only (every other collective falls back to them) plus host copies."""
+    return [
+        LinkProfile(level=LinkLevel.intra_node, collective=Collective.all_reduce, alpha_s=INTRA_ALPHA,
+                    busbw_bytes_per_s=intra_busbw),
+        LinkProfile(level=LinkLevel.inter_node, collective=Collective.all_reduce, alpha_s=INTER_ALPHA,
+                    busbw_bytes_per_s=inter_busbw),
+        LinkProfile(level=LinkLevel.host_device, collective=Collective.host_to_device, alpha_s=HOST_ALPHA,
+                    busbw_bytes_per_s=20e9),
+        LinkProfile(level=LinkLevel.host_device, collective=Collective.device_to_host, alpha_s=HOST_ALPHA,
+                    busbw_bytes_per_s=10e9),
+    ]
+
+
+def toy_profile(*, nodes: int = 1, sm_count: int | None = None, links: list[LinkProfile] | None = None,
+                peaks: dict | None = None, compute: ComputeProfile | None = None, **assume) -> ClusterProfile:
+    values = dict(matmul_efficiency=1.0, fp8_matmul_efficiency=1.0, attention_efficiency=0.5,
+                  memory_bandwidth_efficiency=1.0, gemm_k_overhead=0.0, kernel_overhead_s=0.0,
+                  gemm_tiles=[(128, 128)])
+    values.update(assume)
+    return ClusterProfile(
+        kind="reference", name="toy",
+        device=DeviceSpec(name="toy-gpu", memory_bytes=80 * 2**30, hbm_bandwidth_bytes_per_s=1e12, sm_count=sm_count,
+                          peak_tflops=peaks or {Precision.bf16: 100.0, Precision.fp16: 100.0}),
+        gpus_per_node=8, num_nodes=nodes, links=toy_links() if links is None else links,
+        assumptions=Assumptions(**values), compute=compute or ComputeProfile(),
+    )
+
+
+# ============================================================================================
+# compute.py
+# ============================================================================================
+class TestPeakAndMemory:
+    def test_peak(self):
+        assert peak_flops(toy_profile(), Precision.bf16) == 100e12
+
+    def test_fp32_falls_back_to_half_16bit_peak(self):
+        assert peak_flops(toy_profile(), Precision.fp32) == 50e12
+
+    def test_fp8_falls_back_to_16bit_peak_when_absent(self):
+        assert peak_flops(toy_profile(), Precision.fp8) == 100e12
+
+    def test_fp8_listed(self):
+        p = toy_profile(peaks={Precision.bf16: 100.0, Precision.fp8: 200.0})
+        assert peak_flops(p, Precision.fp8) == 200e12
+
+    def test_memory_time(self):
+        # bytes / (hbm * efficiency) = 1e9 / (1e12 * 0.5)
+        assert memory_time_s(toy_profile(memory_bandwidth_efficiency=0.5), 1e9) == pytest.approx(2e-3)
+
+    def test_memory_time_uses_measured_bandwidth(self):
+        p = toy_profile(memory_bandwidth_efficiency=0.5,
+                        compute=ComputeProfile(achieved_memory_bandwidth_bytes_per_s=4e11))
+        assert memory_time_s(p, 1e9) == pytest.approx(1e9 / 4e11)
+
+
+class TestWaveAndK:
+    def test_no_sm_count_means_no_waves(self):
+        assert wave_efficiency(100, 100, None, ((128, 128),)) == 1.0
+
+    def test_full_single_wave(self):
+        # 256x256 in 128x128 tiles = 2*2 = 4 tiles on 4 SMs: 1 wave, all slots used
+        assert wave_efficiency(256, 256, 4, ((128, 128),)) == 1.0
+
+    def test_partial_last_wave(self):
+        # 384x128 = 3 tiles on 2 SMs -> 2 waves: 384*128 / (2 waves * 2 SMs * 128*128) = 0.75
+        assert wave_efficiency(384, 128, 2, ((128, 128),)) == pytest.approx(0.75)
+
+    def test_partial_tile(self):
+        # 192x128 -> ceil(192/128)=2 tiles on 1 SM: 192*128 / (2 * 1 * 128*128) = 0.75
+        assert wave_efficiency(192, 128, 1, ((128, 128),)) == pytest.approx(0.75)
+
+    def test_best_tile_wins(self):
+        # 256x128 on 4 SMs: 128x128 tiles -> 2 tiles, 1 wave: 32768/(4*16384) = 0.5;
+        # 256x128 tiles -> 1 tile: 32768/(4*32768) = 0.25. Best is 0.5.
+        assert wave_efficiency(256, 128, 4, ((256, 128), (128, 128))) == pytest.approx(0.5)
+
+    def test_many_waves(self):
+        # 4096x4096 / 128x128 = 1024 tiles on 108 SMs -> ceil(1024/108) = 10 waves
+        assert wave_efficiency(4096, 4096, 108, ((128, 128),)) == pytest.approx(
+            4096 * 4096 / (10 * 108 * 128 * 128))
+
+    def test_k_efficiency(self):
+        assert k_efficiency(256, 256.0) == 0.5  # K/(K+K0)
+        assert k_efficiency(768, 256.0) == 0.75
+        assert k_efficiency(100, 0.0) == 1.0
+
+
+class TestGemm:
+    def test_compute_bound(self):
+        # 2*4096^3 FLOPs at 1e14 FLOP/s; traffic 2*(2*4096^2) + 2*4096^2 = 6*4096^2 B = 1.0e-4 s
+        flops_s = 2 * 4096**3 / 100e12  # 1.374e-3 s
+        traffic_s = 6 * 4096**2 / 1e12
+        assert flops_s > traffic_s
+        assert gemm_time_s(toy_profile(), 4096, 4096, 4096, Precision.bf16) == pytest.approx(flops_s)
+
+    def test_count_multiplies(self):
+        assert gemm_time_s(toy_profile(), 4096, 4096, 4096, Precision.bf16, count=3) == pytest.approx(
+            3 * 2 * 4096**3 / 100e12)
+
+    def test_memory_bound(self):
+        # m=n=4096, k=8: 2*4096*4096*8 FLOPs = 2.7e-6 s; bytes 2*(4096*8 + 8*4096) + 2*4096*4096
+        flops_s = 2 * 4096 * 4096 * 8 / 100e12
+        traffic_s = (2 * (4096 * 8 + 8 * 4096) + 2 * 4096 * 4096) / 1e12  # 33,685,504 B
+        assert traffic_s > flops_s
+        assert gemm_time_s(toy_profile(), 4096, 4096, 8, Precision.bf16) == pytest.approx(traffic_s)
+
+    def test_matmul_efficiency(self):
+        p = toy_profile(matmul_efficiency=0.5)
+        assert gemm_time_s(p, 4096, 4096, 4096, Precision.bf16) == pytest.approx(2 * 4096**3 / (100e12 * 0.5))
+
+    def test_k_overhead(self):
+        # K0 = K = 4096 -> K/(K+K0) = 1/2
+        p = toy_profile(gemm_k_overhead=4096.0)
+        assert gemm_time_s(p, 4096, 4096, 4096, Precision.bf16) == pytest.approx(2 * 2 * 4096**3 / 100e12)
+
+    def test_wave_quantisation(self):
+        # 384x128 on 2 SMs, 128x128 tiles -> waves 0.75; K large enough to stay compute-bound
+        p = toy_profile(sm_count=2)
+        m, n, k = 384, 128, 65536
+        flops_s = 2 * m * n * k / (100e12 * 0.75)  # 8.59e-5 s
+        traffic_s = (2 * (m * k + k * n) + 2 * m * n) / 1e12  # 6.72e-5 s
+        assert flops_s > traffic_s
+        assert gemm_time_s(p, m, n, k, Precision.bf16) == pytest.approx(flops_s)
+
+    def test_fp8_compute_bound(self):
+        p = toy_profile(peaks={Precision.bf16: 100.0, Precision.fp8: 200.0}, fp8_matmul_efficiency=0.5)
+        # 2*4096^3 at 200e12 * 0.5
+        assert gemm_time_s(p, 4096, 4096, 4096, Precision.fp8) == pytest.approx(2 * 4096**3 / 100e12)
+
+    def test_fp8_memory_bound_reads_one_byte_inputs(self):
+        p = toy_profile(peaks={Precision.bf16: 100.0, Precision.fp8: 200.0})
+        # inputs 1 byte each, output 2 bytes: 1*(4096*8 + 8*4096) + 2*4096*4096
+        expected = (65536 + 2 * 4096 * 4096) / 1e12
+        assert gemm_time_s(p, 4096, 4096, 8, Precision.fp8) == pytest.approx(expected)
+
+    def test_fp32_compute_bound(self):
+        # fp32 has no peak listed: 100/2 = 50 TFLOP/s
+        assert gemm_time_s(toy_profile(), 4096, 4096, 4096, Precision.fp32) == pytest.approx(2 * 4096**3 / 50e12)
+
+    def test_empty(self):
+        assert gemm_time_s(toy_profile(), 0, 4096, 4096, Precision.bf16) == 0.0
+        assert gemm_time_s(toy_profile(), 4096, 4096, 4096, Precision.bf16, count=0) == 0.0
+
+    def test_measured_table_exact_point(self):
+        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=1024, n=1024, k=1024, time_s=1e-4)])
+        p = toy_profile(compute=table)
+        assert gemm_time_s(p, 1024, 1024, 1024, Precision.bf16) == pytest.approx(1e-4)
+
+    def test_measured_table_single_point_scales_by_flops(self):
+        # the achieved rate 2*1024^3 / 1e-4 applies to a (2048 x 1024 x 1024) GEMM: twice the FLOPs
+        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=1024, n=1024, k=1024, time_s=1e-4)])
+        p = toy_profile(compute=table)
+        assert gemm_time_s(p, 2048, 1024, 1024, Precision.bf16) == pytest.approx(2e-4)
+
+
+class TestAttention:
+    def test_causal_work_fraction(self):
+        assert causal_work_fraction(2048) == pytest.approx((2048 + 128) / (2 * 2048))  # 0.53125
+        assert causal_work_fraction(128) == 1.0  # (128+128)/256
+        assert causal_work_fraction(64) == 1.0  # capped
+        assert causal_work_fraction(1024, block=64) == pytest.approx(1088 / 2048)
+
+    def _flash(self, profile, **kw):
+        args = dict(batch=1, q_len=2048, kv_len=2048, heads=16, kv_heads=16, qk_dim=64, v_dim=64,
+                    precision=Precision.bf16, causal=True, flash=True)
+        args.update(kw)
+        return attention_time_s(profile, **args)
+
+    def test_flash_causal(self):
+        # flops 2*b*q*kv*a*(d_qk+d_v) = 2*1*2048*2048*16*128; causal fraction 0.53125;
+        # rate peak * attention_efficiency = 100e12 * 0.5
+        flops = 2 * 1 * 2048 * 2048 * 16 * 128
+        fwd = flops * 0.53125 / 50e12
+        f, b = self._flash(toy_profile())
+        assert f == pytest.approx(fwd)  # 1.8254e-4 s
+        assert b == pytest.approx(2.5 * fwd)
+
+    def test_flash_non_causal(self):
+        flops = 2 * 2 * 1024 * 1024 * 8 * (128 + 64)
+        f, b = self._flash(toy_profile(), batch=2, q_len=1024, kv_len=1024, heads=8, qk_dim=128, v_dim=64,
+                           causal=False)
+        assert f == pytest.approx(flops / 50e12)
+        assert b == pytest.approx(2.5 * flops / 50e12)
+
+    def test_flash_causal_with_context_parallel_halves(self):
+        # q_len != kv_len (CP chunk): causal fraction 1/2
+        flops = 2 * 1 * 512 * 2048 * 16 * 128
+        f, _ = self._flash(toy_profile(), q_len=512)
+        assert f == pytest.approx(flops * 0.5 / 50e12)
+
+    def test_flash_fp8_runs_at_16bit_rate(self):
+        p = toy_profile(peaks={Precision.bf16: 100.0, Precision.fp8: 200.0})
+        assert self._flash(p, precision=Precision.fp8) == pytest.approx(self._flash(p))
+        flops = 2 * 1 * 2048 * 2048 * 16 * 128
+        assert self._flash(p, precision=Precision.fp8)[0] == pytest.approx(flops * 0.53125 / 50e12)
+
+    def test_unfused(self):
+        # b=1, q=kv=256, 2 heads, d=64, bf16.
+        # QK^T: one GEMM m=q*b*a=512, n=kv=256, k=64: flops 2*512*256*64 = 1.68e-7 s,
+        #   bytes 2*(512*64 + 64*256) + 2*512*256 = 360448 -> 3.60448e-7 s (memory bound)
+        qk = max(2 * 512 * 256 * 64 / 100e12, (2 * (512 * 64 + 64 * 256) + 2 * 512 * 256) / 1e12)
+        # PV: m=512, n=d_v=64, k=kv=256: same FLOPs, bytes 2*(512*256 + 256*64) + 2*512*64 = 360448
+        pv = max(2 * 512 * 64 * 256 / 100e12, (2 * (512 * 256 + 256 * 64) + 2 * 512 * 64) / 1e12)
+        assert qk == pv == pytest.approx(3.60448e-7)
+        scores = 1 * 2 * 256 * 256  # b*a*q*kv = 131072
+        fwd = qk + pv + 9 * scores / 1e12  # 9 bytes per score forward
+        bwd = 2 * (qk + pv) + 11 * scores / 1e12  # 11 bytes per score backward
+        f, b = attention_time_s(toy_profile(), batch=1, q_len=256, kv_len=256, heads=2, kv_heads=2, qk_dim=64,
+                                v_dim=64, precision=Precision.bf16, causal=True, flash=False)
+        assert f == pytest.approx(fwd)  # 1.900544e-6
+        assert b == pytest.approx(bwd)  # 2.883584e-6
+
+
+# ============================================================================================
+# comm.py
+# ============================================================================================
+class TestPlacement:
+    def test_single_rank(self):
+        assert placement(1, 8, 8) == GroupPlacement(1, 1)
+
+    def test_tp8_on_8_gpu_node_is_intra(self):
+        g = placement(8, 1, 8)
+        assert (g.size, g.per_node, g.level) == (8, 8, LinkLevel.intra_node)
+
+    def test_stride_of_a_node_is_one_per_node(self):
+        g = placement(4, 8, 8)
+        assert (g.size, g.per_node, g.level) == (4, 1, LinkLevel.inter_node)
+
+    def test_dp8_after_tp2(self):
+        # ranks 0,2,4,...,14: 8 // 2 = 4 per node, spans 2 nodes
+        g = placement(8, 2, 8)
+        assert (g.size, g.per_node, g.level) == (8, 4, LinkLevel.inter_node)
+
+    def test_small_group_within_node(self):
+        g = placement(4, 2, 8)  # ranks 0,2,4,6
+        assert (g.per_node, g.level) == (4, LinkLevel.intra_node)
+
+    def test_mesh_tp8_dp4(self):
+        groups = mesh_groups(ParallelLayout(tp=8, dp_shard=4), 8)
+        assert groups["tp"] == GroupPlacement(8, 8) and groups["tp"].level is LinkLevel.intra_node
+        assert groups["dp_shard"] == GroupPlacement(4, 1) and groups["dp"] == GroupPlacement(4, 1)
+        assert groups["pp"] == GroupPlacement(1, 1)
+
+    def test_mesh_tp2_dp8(self):
+        groups = mesh_groups(ParallelLayout(tp=2, dp_shard=8), 8)
+        assert groups["dp"] == GroupPlacement(8, 4)
+        assert groups["dp"].level is LinkLevel.inter_node
+
+    def test_mesh_cp_and_replicas(self):
+        # order pp, dp_replicate, dp_shard, cp, tp: cp stride 2, dp_shard stride 4, dp_replicate stride 8
+        layout = ParallelLayout(tp=2, cp=2, dp_shard=2, dp_replicate=2)
+        groups = mesh_groups(layout, 8)
+        assert groups["cp"] == GroupPlacement(2, 2)  # 8 // 2 = 4 > 2 -> all 2 on one node
+        assert groups["dp_shard"] == GroupPlacement(2, 2)  # 8 // 4 = 2
+        assert groups["dp_replicate"] == GroupPlacement(2, 1)  # stride 8 = one node apart
+        assert groups["dp"] == GroupPlacement(4, 2)  # stride tp*cp = 4 -> 2 per node
+        assert groups["ep"] == GroupPlacement(1, 1)
+
+    def test_mesh_pp_across_nodes(self):
+        groups = mesh_groups(ParallelLayout(tp=8, pp=2), 8)
+        assert groups["pp"] == GroupPlacement(2, 1)
+        assert groups["pp"].level is LinkLevel.inter_node
+
+
+class TestCollectives:
+    def test_ring_factors(self):
+        assert ring_factor(Collective.all_reduce, 8) == pytest.approx(2 * 7 / 8)  # 1.75
+        assert ring_factor(Collective.all_gather, 8) == pytest.approx(7 / 8)
+        assert ring_factor(Collective.reduce_scatter, 4) == pytest.approx(3 / 4)
+        assert ring_factor(Collective.all_to_all, 2) == pytest.approx(1 / 2)
+        assert ring_factor(Collective.p2p, 2) == 1.0
+        assert ring_factor(Collective.host_to_device, 1) == 1.0
+
+    def test_intra_node_all_reduce(self):
+        # alpha + 2(n-1)/n * bytes / busbw = 1e-5 + 1.75 * 1e9 / 100e9
+        t = collective_time_s(toy_profile(), Collective.all_reduce, GroupPlacement(8, 8), 1e9)
+        assert t == pytest.approx(1e-5 + 0.0175)
+
+    def test_intra_all_gather_falls_back_to_all_reduce_link(self):
+        # no all_gather entry: the all_reduce link's alpha and busbw with the all-gather factor 7/8
+        t = collective_time_s(toy_profile(), Collective.all_gather, GroupPlacement(8, 8), 1e9)
+        assert t == pytest.approx(1e-5 + 0.875 * 1e9 / 100e9)
+
+    def test_collective_specific_link(self):
+        links = toy_links() + [LinkProfile(level=LinkLevel.intra_node, collective=Collective.all_gather,
+                                           alpha_s=3e-6, busbw_bytes_per_s=50e9)]
+        t = collective_time_s(toy_profile(links=links), Collective.all_gather, GroupPlacement(8, 8), 1e9)
+        assert t == pytest.approx(3e-6 + 0.875 * 1e9 / 50e9)
+
+    def test_nearest_group_size(self):
+        links = toy_links() + [
+            LinkProfile(level=LinkLevel.intra_node, collective=Collective.reduce_scatter, group_size=2, alpha_s=0,
+                        busbw_bytes_per_s=50e9),
+            LinkProfile(level=LinkLevel.intra_node, collective=Collective.reduce_scatter, group_size=8, alpha_s=0,
+                        busbw_bytes_per_s=150e9),
+        ]
+        p = toy_profile(links=links)
+        # n=3: |2-3| < |8-3| -> the group-2 entry; n=6 -> the group-8 entry
+        assert find_link(p, LinkLevel.intra_node, Collective.reduce_scatter, 3).busbw_bytes_per_s == 50e9
+        t = collective_time_s(p, Collective.reduce_scatter, GroupPlacement(6, 6), 6e9)
+        assert t == pytest.approx(5 / 6 * 6e9 / 150e9)
+
+    def test_inter_node_one_per_node(self):
+        # 4 ranks on 4 nodes: alpha_inter + 2*3/4 * bytes / net = 2e-5 + 1.5 * 1e9 / 10e9
+        t = collective_time_s(toy_profile(nodes=4), Collective.all_reduce, GroupPlacement(4, 1), 1e9)
+        assert t == pytest.approx(2e-5 + 0.15)
+
+    def test_inter_node_rails(self):
+        # 8 ranks, 4 per node: busbw = min(intra 100e9, 4 * 10e9) = 40e9
+        t = collective_time_s(toy_profile(nodes=2), Collective.all_reduce, GroupPlacement(8, 4), 1e9)
+        assert t == pytest.approx(2e-5 + 1.75 * 1e9 / 40e9)
+
+    def test_inter_node_rails_capped_by_intra(self):
+        # 16 ranks, 8 per node, 25 GB/s per GPU: 8 * 25e9 = 200e9 > intra 100e9 -> 100e9
+        p = toy_profile(nodes=2, links=toy_links(inter_busbw=25e9))
+        t = collective_time_s(p, Collective.all_reduce, GroupPlacement(16, 8), 1e9)
+        assert t == pytest.approx(2e-5 + 2 * 15 / 16 * 1e9 / 100e9)
+
+    def test_p2p(self):
+        # p2p: alpha + bytes / busbw, factor 1
+        intra = collective_time_s(toy_profile(), Collective.p2p, GroupPlacement(2, 2), 1e8)
+        assert intra == pytest.approx(1e-5 + 1e8 / 100e9)
+        inter = collective_time_s(toy_profile(nodes=2), Collective.p2p, GroupPlacement(2, 1), 1e8)
+        assert inter == pytest.approx(2e-5 + 1e8 / 10e9)
+
+    def test_trivial(self):
+        assert collective_time_s(toy_profile(), Collective.all_reduce, GroupPlacement(1, 1), 1e9) == 0.0
+        assert collective_time_s(toy_profile(), Collective.all_reduce, GroupPlacement(8, 8), 0) == 0.0
+
+    def test_missing_level_raises(self):
+        with pytest.raises(ValueError, match="inter_node"):
+            collective_time_s(toy_profile(links=toy_links()[:1]), Collective.all_reduce, GroupPlacement(4, 1), 1e9)
+
+    def test_reference_dgx_a100_dp16(self):
+        # DGX A100: 200 Gb/s per GPU * 0.95 = 23.75 GB/s; 8 rails -> 190 GB/s < 232 GB/s NVSwitch;
+        # all-reduce of 1 GB over 16 ranks: 25 us + 2*15/16 * 1e9 / 190e9
+        p = reference_profile("dgx-a100-80gb", 2)
+        g = mesh_groups(ParallelLayout(dp_shard=16), 8)["dp"]
+        assert g == GroupPlacement(16, 8)
+        t = collective_time_s(p, Collective.all_reduce, g, 1e9)
+        assert t == pytest.approx(25e-6 + 1.875 * 1e9 / 190e9)
+
+    def test_reference_dgx_a100_tp8(self):
+        # intra-node all-reduce: 12 us + 1.75 * bytes / 232e9
+        p = reference_profile("dgx-a100-80gb", 1)
+        t = collective_time_s(p, Collective.all_reduce, GroupPlacement(8, 8), 64 * 2**20)
+        assert t == pytest.approx(12e-6 + 1.75 * 64 * 2**20 / 232e9)
+
+
+class TestHostAndOverlap:
+    def test_host_to_device(self):
+        assert host_copy_time_s(toy_profile(), 1e9, to_device=True) == pytest.approx(1e-5 + 1e9 / 20e9)
+
+    def test_device_to_host(self):
+        assert host_copy_time_s(toy_profile(), 1e9, to_device=False) == pytest.approx(1e-5 + 1e9 / 10e9)
+
+    def test_nothing_to_copy(self):
+        assert host_copy_time_s(toy_profile(), 0, to_device=True) == 0.0
+
+    def test_hidden_time(self):
+        assert hidden_time_s(1.0, 0.5, 0.8) == pytest.approx(0.4)  # 0.8 * min(1.0, 0.5)
+        assert hidden_time_s(0.2, 1.0, 0.85) == pytest.approx(0.17)  # 0.85 * min(0.2, 1.0)
+        assert hidden_time_s(1.0, -3.0, 0.85) == 0.0  # no window
+        assert hidden_time_s(1.0, 5.0, 0.0) == 0.0  # overlap off

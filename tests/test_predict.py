@@ -1,0 +1,295 @@
+"""planner/cost/predict.py: layout checks, the default layer split, and end-to-end properties of a
+prediction for a small GPT-style model on one DGX A100 node (8 GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.contracts import (
+    ModelSpec,
+    MoESpec,
+    ParallelLayout,
+    Precision,
+    Prediction,
+    Recompute,
+    Schedule,
+    TrainingConfig,
+)
+from planner.cost.predict import check_layout, default_layer_split, predict
+from planner.errors import AutoparError
+from planner.reference import reference_profile
+
+# GPT-style: 8 layers, h=1024, 16 heads of 64, GeLU FFN 4h, RMSNorm, no biases, RoPE, untied, V=32000
+L, Hd, V, SEQ = 8, 1024, 32000, 1024
+
+
+def small_model(**changes) -> ModelSpec:
+    fields = dict(num_layers=L, hidden_size=Hd, num_attention_heads=16, ffn_hidden_size=4 * Hd, ffn_kind="gelu",
+                  vocab_size=V, linear_bias=False)
+    fields.update(changes)
+    return ModelSpec(**fields)
+
+
+def train(gbs: int = 32, **changes) -> TrainingConfig:
+    return TrainingConfig(seq_length=changes.pop("seq_length", SEQ), global_batch_size=gbs, **changes)
+
+
+@pytest.fixture(scope="module")
+def node():
+    return reference_profile("dgx-a100-80gb", 1)
+
+
+def run(profile, gbs: int = 32, model: ModelSpec | None = None, **layout) -> Prediction:
+    return predict(model or small_model(), train(gbs), profile, ParallelLayout(**layout))
+
+
+# ============================================================================================
+# check_layout
+# ============================================================================================
+class TestCheckLayout:
+    def _raises(self, field: str, model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, gpus: int = 8):
+        with pytest.raises(AutoparError) as info:
+            check_layout(model, training, layout, gpus)
+        assert info.value.field == field
+        assert str(info.value).startswith(f"{field}=")  # the message names the field first
+        return str(info.value)
+
+    def test_returns_micro_batches(self):
+        # 32 sequences / (dp 4 x micro-batch 2) = 4 micro-batches
+        assert check_layout(small_model(), train(32), ParallelLayout(dp_shard=4, tp=2, micro_batch_size=2), 8) == 4
+
+    def test_gpu_count_mismatch(self):
+        msg = self._raises("layout", small_model(), train(), ParallelLayout(dp_shard=4))
+        assert "4 GPUs" in msg and "8" in msg
+
+    def test_gpu_count_mismatch_through_predict(self, node):
+        with pytest.raises(AutoparError, match="layout"):
+            run(node, dp_shard=16)
+
+    def test_tp_not_dividing_heads(self):
+        model = small_model(hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072)
+        msg = self._raises("tp", model, train(), ParallelLayout(tp=8))
+        assert "num_attention_heads=12" in msg
+
+    def test_tp_incompatible_with_kv_heads(self):
+        # 12 heads, 3 KV heads, tp=4: 4 divides 12, but 3 neither divides nor is a multiple of 4
+        model = small_model(hidden_size=768, num_attention_heads=12, num_kv_heads=3, ffn_hidden_size=3072)
+        msg = self._raises("tp", model, train(), ParallelLayout(tp=4, dp_shard=2))
+        assert "num_kv_heads=3" in msg
+
+    def test_batch_not_divisible(self):
+        msg = self._raises("micro_batch_size", small_model(), train(30), ParallelLayout(dp_shard=8))
+        assert "global_batch_size=30" in msg
+
+    def test_batch_not_divisible_by_micro_batch(self):
+        # dp 8 x micro-batch 3 = 24 does not divide 32
+        self._raises("micro_batch_size", small_model(), train(32), ParallelLayout(dp_shard=8, micro_batch_size=3))
+
+    def test_cp_not_splitting_sequence(self):
+        # 1020 % 8 != 0
+        msg = self._raises("cp", small_model(), train(seq_length=1020), ParallelLayout(cp=8))
+        assert "seq_length=1020" in msg
+
+    def test_cp_needs_two_chunks_per_rank(self):
+        # 1000 % 8 == 0 but 1000 % 16 != 0 (causal load balancing splits into 2 x cp chunks)
+        self._raises("cp", small_model(), train(seq_length=1000), ParallelLayout(cp=8))
+
+    def test_sp_needs_tp_dividing_sequence(self):
+        self._raises("sp", small_model(), train(seq_length=1020), ParallelLayout(tp=8, sp=True))
+
+    def test_ep_on_dense_model(self):
+        msg = self._raises("ep", small_model(), train(), ParallelLayout(dp_shard=8, ep=2))
+        assert "Mixture-of-Experts" in msg
+
+    def test_ep_not_dividing_experts(self):
+        model = small_model(moe=MoESpec(num_experts=6, top_k=2, expert_ffn_hidden_size=512))
+        self._raises("ep", model, train(), ParallelLayout(dp_shard=8, ep=4))
+
+    def test_ep_not_dividing_dp_shard(self):
+        model = small_model(moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=512))
+        # ep=8 folded over dp_shard x cp = 4 ranks
+        self._raises("ep", model, train(), ParallelLayout(dp_shard=4, tp=2, ep=8))
+
+    def test_interleaved_micro_batches_not_divisible_by_pp(self):
+        # 12 sequences / dp 4 = 3 micro-batches, pp = 2
+        layout = ParallelLayout(dp_shard=4, pp=2, schedule=Schedule.interleaved_1f1b, virtual_stages=2)
+        msg = self._raises("schedule", small_model(), train(12), layout)
+        assert "pp=2" in msg
+
+    def test_layers_per_stage_not_summing(self):
+        layout = ParallelLayout(dp_shard=4, pp=2, layers_per_stage=[3, 3])
+        msg = self._raises("layers_per_stage", small_model(), train(), layout)
+        assert "sums to 6" in msg and f"num_layers={L}" in msg
+
+    def test_layers_per_stage_negative(self):
+        layout = ParallelLayout(dp_shard=4, pp=2, layers_per_stage=[9, -1])
+        self._raises("layers_per_stage", small_model(), train(), layout)
+
+    def test_more_stages_than_layers(self):
+        # 4 x 4 virtual = 16 stages for 8 layers
+        layout = ParallelLayout(dp_shard=2, pp=4, schedule=Schedule.interleaved_1f1b, virtual_stages=4)
+        self._raises("pp", small_model(), train(), layout)
+
+
+class TestDefaultLayerSplit:
+    def test_extra_layers_go_to_interior_stages(self):
+        # 10 = 4 x 2 + 2 extra -> stages 1 and 2 get 3
+        assert default_layer_split(10, 4) == [2, 3, 3, 2]
+
+    def test_then_last_stage(self):
+        # 11 = 4 x 2 + 3: interior stages 1, 2, then the last
+        assert default_layer_split(11, 4) == [2, 3, 3, 3]
+
+    def test_even(self):
+        assert default_layer_split(12, 4) == [3, 3, 3, 3]
+
+    def test_two_stages(self):
+        assert default_layer_split(5, 2) == [3, 2]
+
+    def test_one_stage(self):
+        assert default_layer_split(7, 1) == [7]
+
+    def test_too_many_stages(self):
+        with pytest.raises(AutoparError) as info:
+            default_layer_split(4, 5)
+        assert info.value.field == "pp"
+
+
+# ============================================================================================
+# end-to-end properties
+# ============================================================================================
+class TestPredictProperties:
+    def test_doubling_global_batch_doubles_the_work(self, node):
+        one = run(node, 32, dp_shard=8)
+        two = run(node, 64, dp_shard=8)
+        # 4 -> 8 micro-batches per GPU: the busy time doubles exactly ...
+        assert two.compute_time_s == pytest.approx(2 * one.compute_time_s)
+        # ... and the step nearly so (the gradient reduction and optimizer step are per step, not per batch)
+        ratio = two.step_time_s / one.step_time_s
+        assert 1.6 < ratio < 2.0
+        assert two.model_flops_per_step == pytest.approx(2 * one.model_flops_per_step)
+
+    def test_model_state_bytes_by_hand(self, node):
+        # parameters: embedding V*h; per layer 4h^2 attention + 2h RMSNorms + 8h^2 GeLU MLP; final norm h + head h*V
+        phi = V * Hd + L * (4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd) + Hd + Hd * V
+        assert phi == 166_216_704
+        zero0 = run(node, dp_shard=8).memory
+        assert (zero0.params_bytes, zero0.grads_bytes, zero0.optimizer_bytes) == (2 * phi, 4 * phi, 12 * phi)
+        zero3 = run(node, dp_shard=8, zero_stage=3).memory
+        assert (zero3.params_bytes, zero3.grads_bytes, zero3.optimizer_bytes) == (
+            2 * phi // 8, 4 * phi // 8, 12 * phi // 8)
+
+    def test_zero3_lowers_memory(self, node):
+        zero0 = run(node, dp_shard=8).memory
+        zero1 = run(node, dp_shard=8, zero_stage=1).memory
+        zero3 = run(node, dp_shard=8, zero_stage=3).memory
+        assert zero3.total_bytes < zero1.total_bytes < zero0.total_bytes
+        assert zero3.activations_bytes == zero0.activations_bytes
+
+    def test_buffers_and_total(self, node):
+        mem = run(node, dp_shard=8).memory
+        # reserved bytes + the LM head's logits: 6 bytes x 1024 tokens x 32000 / t=1
+        assert mem.buffers_bytes == node.assumptions.reserved_memory_bytes + 6 * 1024 * 32000
+        parts = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + mem.buffers_bytes
+        assert abs(mem.total_bytes - parts) <= 5  # parts are truncated to ints separately
+        assert mem.capacity_bytes == 80 * 2**30 and mem.fits
+
+    def test_activations_by_hand(self, node):
+        # 1F1B with pp=1 keeps 1 micro-batch. Per layer (b=1, s=1024, h=1024, no dropout, flash, t=1):
+        # 4 saved 2-byte inputs (2 norms, QKV, FC1) 8sbh + Q, K, V, out-proj input 8sbh + GeLU in/out and
+        # FC2 input 16sbh = 32sbh, + log-sum-exp 4*s*a; plus the embedding output 2sbh on the first stage
+        sbh = 1024 * 1024
+        per_layer = 32 * sbh + 4 * 1024 * 16
+        assert run(node, dp_shard=8).memory.activations_bytes == L * per_layer + 2 * sbh
+
+    def test_full_recompute(self, node):
+        none = run(node, dp_shard=8)
+        full = run(node, dp_shard=8, recompute=Recompute.full)
+        assert full.memory.activations_bytes < none.memory.activations_bytes
+        # only each block's input (2sbh) plus the embedding output
+        assert full.memory.activations_bytes == (L + 1) * 2 * 1024 * 1024
+        assert full.step_time_s > none.step_time_s
+        assert full.model_flops_per_step == none.model_flops_per_step
+        assert full.hardware_flops_per_step > none.hardware_flops_per_step
+
+    def test_selective_recompute_between(self, node):
+        none = run(node, dp_shard=8)
+        sel = run(node, dp_shard=8, recompute=Recompute.selective)
+        full = run(node, dp_shard=8, recompute=Recompute.full)
+        assert full.memory.activations_bytes < sel.memory.activations_bytes < none.memory.activations_bytes
+        assert none.step_time_s < sel.step_time_s < full.step_time_s
+
+    def test_flops_conventions(self, node):
+        B, s, l, h = 32, SEQ, L, Hd
+        megatron = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        sc21 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+        full = run(node, dp_shard=8, recompute=Recompute.full)
+        assert full.model_flops_per_step == pytest.approx(megatron, rel=1e-12)
+        assert full.hardware_flops_per_step == pytest.approx(sc21, rel=1e-12)
+        assert full.hfu / full.mfu == pytest.approx(sc21 / megatron)
+
+    def test_too_large_model_does_not_fit(self, node):
+        big = small_model(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                          ffn_hidden_size=28672, ffn_kind="swiglu")  # ~69B parameters, 18 bytes each on DDP
+        pred = run(node, 8, model=big, dp_shard=8)
+        assert pred.memory.fits is False
+        assert pred.memory.total_bytes > pred.memory.capacity_bytes
+        assert any("does not fit" in note for note in pred.notes)
+
+    def test_fitting_model_has_no_note(self, node):
+        pred = run(node, dp_shard=8)
+        assert pred.memory.fits and not any("does not fit" in n for n in pred.notes)
+
+    def test_throughput_and_mfu(self, node):
+        pred = run(node, dp_shard=8)
+        tokens = 32 * SEQ
+        assert pred.tokens_per_s == pytest.approx(tokens / pred.step_time_s)
+        assert pred.tokens_per_s_per_gpu == pytest.approx(tokens / pred.step_time_s / 8)
+        peak = node.device.peak_tflops[Precision.bf16] * 1e12  # 312 TFLOP/s
+        assert pred.mfu == pytest.approx(pred.model_flops_per_step / (pred.step_time_s * 8 * peak))
+        assert 0 < pred.mfu <= pred.hfu <= 1
+        assert pred.bubble_time_s == 0.0 and pred.bubble_fraction == 0.0
+
+    def test_step_is_at_least_the_busy_time(self, node):
+        for layout in (dict(dp_shard=8), dict(dp_shard=4, tp=2, sp=True), dict(dp_shard=4, pp=2)):
+            pred = run(node, **layout)
+            assert pred.step_time_s >= pred.compute_time_s > 0
+            crit = max(pred.stages, key=lambda st: st.forward_s + st.backward_s)
+            assert pred.compute_time_s == pytest.approx((32 // (layout["dp_shard"])) * (crit.forward_s + crit.backward_s))
+
+    def test_pipeline_bubble(self, node):
+        one = run(node, dp_shard=4, pp=2)
+        inter = run(node, dp_shard=4, pp=2, schedule=Schedule.interleaved_1f1b, virtual_stages=2)
+        assert one.bubble_time_s > 0
+        assert one.bubble_fraction == pytest.approx(one.bubble_time_s / one.step_time_s)
+        assert 0 < inter.bubble_time_s < one.bubble_time_s
+        assert [s.layers for s in one.stages] == [4, 4]
+        assert [s.layers for s in inter.stages] == [4, 4]
+        assert any(c.kind == "pp" for c in one.comm)
+        # 1F1B: stage 0 holds p = 2 micro-batches; interleaved v=2: p + (p-1)/v = 2.5
+        assert [s.microbatches_in_flight for s in one.stages] == [2.0, 1.0]
+        assert [s.microbatches_in_flight for s in inter.stages] == [2.5, 1.0]
+
+    def test_zero_bubble_smaller_than_1f1b(self, node):
+        one = run(node, dp_shard=4, pp=2)
+        zb = run(node, dp_shard=4, pp=2, schedule=Schedule.zero_bubble)
+        assert 0 < zb.bubble_time_s < one.bubble_time_s
+
+    def test_tp_reports_tp_comm(self, node):
+        pred = run(node, dp_shard=4, tp=2)
+        tp = [c for c in pred.comm if c.kind == "tp"]
+        assert len(tp) == 1 and tp[0].group_size == 2 and tp[0].level.value == "intra_node"
+        assert tp[0].exposed_s == pytest.approx(tp[0].time_s)  # tp_comm_overlap is off by default
+        sp = [c for c in run(node, dp_shard=4, tp=2, sp=True).comm if c.kind == "tp"]
+        assert len(sp) == 1 and 0 < sp[0].exposed_s <= sp[0].time_s
+
+    def test_json_round_trip(self, node):
+        pred = run(node, dp_shard=4, pp=2)
+        again = Prediction.model_validate_json(pred.model_dump_json())
+        assert again == pred
+
+    def test_moe_with_expert_parallel(self, node):
+        model = small_model(ffn_kind="swiglu", moe=MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=1024))
+        pred = run(node, model=model, dp_shard=8, ep=4)
+        assert any(c.kind == "ep" for c in pred.comm)
+        assert 0 < pred.mfu < 1
