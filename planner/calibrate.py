@@ -27,6 +27,7 @@ from planner.reference import SYSTEMS
 from planner.validate import RowCase, evaluate
 
 CAP = 0.2
+"""Loss cap: a row off by more than the p90 accuracy target (20%) is left unexplained rather than fitted."""
 
 
 @dataclass(frozen=True)

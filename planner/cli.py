@@ -1,0 +1,353 @@
+"""The ``autopar`` command line: planner subcommands here, others plugged in by entry point.
+
+Packages that depend on the planner (api, profiler, executor) register their own subcommands in
+the ``autopar.commands`` entry-point group, so this module never imports them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from planner.contracts import (
+    ClusterProfile,
+    ModelSpec,
+    Optimizer,
+    ParallelLayout,
+    Plan,
+    Precision,
+    Prediction,
+    Recompute,
+    Schedule,
+    TrainingConfig,
+    json_schemas,
+)
+from planner.errors import AutoparError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
+# piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+GiB = 2**30
+
+
+def fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def describe_validation_error(exc: ValidationError, what: str) -> str:
+    """One line per problem: the field path, the value and pydantic's explanation."""
+    lines = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{what}.{loc}{shown}: {msg}" if loc else f"{what}: {msg}")
+    return "\n  ".join(lines)
+
+
+# ---------------------------------------------------------------- inputs
+def load_model(model: str | None, model_file: Path | None, hf_config: Path | None) -> ModelSpec:
+    from planner.hf_config import model_spec_from_hf_config
+    from planner.presets import get_preset
+
+    given = [x for x in (model, model_file, hf_config) if x]
+    if len(given) != 1:
+        fail("give exactly one of --model PRESET, --model-file SPEC.json or --hf-config config.json")
+    if model:
+        return get_preset(model)
+    if hf_config:
+        return model_spec_from_hf_config(hf_config)
+    assert model_file is not None
+    return ModelSpec.model_validate_json(_read(model_file, "--model-file"))
+
+
+def load_profile(cluster: str | None, nodes: int, profile: Path | None) -> ClusterProfile:
+    from planner.reference import reference_profile
+
+    if profile:
+        loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
+        return loaded.with_nodes(nodes) if nodes != loaded.num_nodes and loaded.kind == "reference" else loaded
+    return reference_profile(cluster or "dgx-h100", nodes)
+
+
+def _read(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise AutoparError(flag, str(path), "give the path of a readable JSON file", problem=f"cannot be read ({exc.strerror})") from None
+
+
+def _layout(
+    num_gpus: int, tp: int, pp: int, cp: int, ep: int, dp: int | None, dp_replicate: int | None, sp: bool, zero: int,
+    reshard: bool, micro_batch: int, schedule: Schedule, vp: int, layers_per_stage: str | None, recompute: Recompute,
+    offload: bool, tp_overlap: bool, dp_overlap: bool,
+) -> ParallelLayout:
+    if dp is None:
+        if num_gpus % (tp * pp * cp):
+            raise AutoparError("tp x pp x cp", tp * pp * cp, f"use degrees whose product divides the {num_gpus} GPUs",
+                               problem=f"does not divide the {num_gpus} GPUs")
+        dp = num_gpus // (tp * pp * cp)
+    replicate = dp_replicate or (dp if zero == 0 else 1)
+    if dp % replicate:
+        raise AutoparError("--dp-replicate", replicate, f"use a divisor of dp={dp}", problem=f"does not divide dp={dp}")
+    counts = None
+    if layers_per_stage:
+        try:
+            counts = [int(x) for x in layers_per_stage.split(",")]
+        except ValueError:
+            raise AutoparError("--layers-per-stage", layers_per_stage, "give comma-separated integers, e.g. 9,10,10,9",
+                               problem="is not a list of integers") from None
+    return ParallelLayout(
+        dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, zero_stage=zero,
+        reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, virtual_stages=vp,
+        layers_per_stage=counts, recompute=recompute, offload_optimizer=offload, tp_comm_overlap=tp_overlap,
+        dp_comm_overlap=dp_overlap,
+    )
+
+
+# ---------------------------------------------------------------- rendering
+def render_prediction(plan: Plan) -> None:
+    p, lay = plan.prediction, plan.layout
+    console.print(f"[bold]{plan.model.name}[/] on [bold]{plan.cluster}[/] ({plan.num_gpus} GPUs), "
+                  f"global batch {plan.training.global_batch_seqs} x {plan.training.seq_length} tokens, {plan.precision.value}")
+    console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
+                  f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep} | micro-batch "
+                  f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
+                  f", recompute {lay.recompute.value}{', optimizer offload' if lay.offload_optimizer else ''}")
+    t = Table(title="Prediction", show_header=False)
+    t.add_row("step time", f"{p.step_time_s:.3f} s")
+    t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_gpu:,.0f} per GPU)")
+    t.add_row("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}")
+    t.add_row("pipeline bubble", f"{p.bubble_time_s:.3f} s ({p.bubble_fraction:.1%})")
+    t.add_row("optimizer step", f"{p.optimizer_time_s:.3f} s")
+    t.add_row("exposed communication", f"{p.exposed_comm_time_s:.3f} s")
+    console.print(t)
+    m = p.memory
+    mt = Table(title=f"Peak memory per GPU (stage {m.stage}) — {'fits' if m.fits else 'DOES NOT FIT'}")
+    for col in ("params", "grads", "optimizer", "activations", "buffers", "total", "capacity"):
+        mt.add_column(col, justify="right")
+    mt.add_row(*(f"{v / GiB:.1f} GiB" for v in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes,
+                                               m.buffers_bytes, m.total_bytes, m.capacity_bytes)))
+    console.print(mt)
+    if p.comm:
+        ct = Table(title="Communication per step (critical stage)")
+        for col in ("kind", "level", "group", "time", "exposed", "overlapped"):
+            ct.add_column(col, justify="right" if col not in ("kind", "level") else "left")
+        for c in p.comm:
+            ct.add_row(c.kind, c.level.value, str(c.group_size), f"{c.time_s:.3f} s", f"{c.exposed_s:.3f} s",
+                       f"{c.overlapped_s:.3f} s")
+        console.print(ct)
+    if len(p.stages) > 1:
+        st = Table(title="Pipeline stages (one micro-batch)")
+        for col in ("stage", "layers", "forward", "backward", "in flight", "memory"):
+            st.add_column(col, justify="right")
+        for s in p.stages:
+            st.add_row(str(s.stage), str(s.layers), f"{s.forward_s * 1e3:.1f} ms", f"{s.backward_s * 1e3:.1f} ms",
+                       f"{s.microbatches_in_flight:.2f}", f"{s.memory_bytes / GiB:.1f} GiB")
+        console.print(st)
+    for note in p.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+# ---------------------------------------------------------------- commands
+@app.command()
+def predict(
+    model: Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")] = None,
+    model_file: Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")] = None,
+    hf_config: Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")] = None,
+    nodes: Annotated[int, typer.Option(help="number of nodes")] = 1,
+    profile: Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")] = None,
+    global_batch: Annotated[Optional[int], typer.Option(help="sequences per optimizer step")] = None,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(help="tokens per optimizer step")] = None,
+    seq: Annotated[int, typer.Option(help="sequence length")] = 4096,
+    precision: Annotated[Precision, typer.Option()] = Precision.bf16,
+    optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
+    unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
+    tp: Annotated[int, typer.Option(help="tensor parallel degree")] = 1,
+    pp: Annotated[int, typer.Option(help="pipeline parallel degree")] = 1,
+    cp: Annotated[int, typer.Option(help="context parallel degree")] = 1,
+    ep: Annotated[int, typer.Option(help="expert parallel degree")] = 1,
+    dp: Annotated[Optional[int], typer.Option(help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
+    dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
+    sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
+    zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group")] = 1,
+    reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
+    micro_batch: Annotated[int, typer.Option(help="micro-batch size (sequences)")] = 1,
+    schedule: Annotated[Schedule, typer.Option(help="pipeline schedule")] = Schedule.one_f_one_b,
+    vp: Annotated[int, typer.Option(help="virtual stages per pipeline rank (interleaved)")] = 1,
+    layers_per_stage: Annotated[Optional[str], typer.Option(help="comma-separated layers per (virtual) stage")] = None,
+    recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
+    offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
+    tp_overlap: Annotated[bool, typer.Option(help="overlap TP collectives with GEMMs")] = False,
+    dp_overlap: Annotated[bool, typer.Option(help="overlap gradient reduction / weight gathers")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print the Plan (layout + prediction) as JSON")] = False,
+) -> None:
+    """Predict step time, throughput, MFU, memory and communication of one given layout."""
+    from planner.cost.predict import predict as run_prediction
+
+    spec = load_model(model, model_file, hf_config)
+    prof = load_profile(cluster, nodes, profile)
+    if global_batch is None and global_batch_tokens is None:
+        fail("give --global-batch (sequences) or --global-batch-tokens")
+    training = TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
+                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention)
+    layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
+                     layers_per_stage, recompute, offload, tp_overlap, dp_overlap)
+    prediction: Prediction = run_prediction(spec, training, prof, layout)
+    plan = Plan(model=spec, training=training, cluster=prof.name, num_gpus=prof.num_gpus, layout=layout,
+                precision=training.precision, prediction=prediction)
+    if as_json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        render_prediction(plan)
+
+
+@app.command()
+def validate(
+    file: Annotated[Path, typer.Argument(help="CSV with the columns of shared/data/published_runs.csv")],
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable results")] = False,
+    show_defaults: Annotated[bool, typer.Option(help="list the default used for each unstated field")] = True,
+) -> None:
+    """Predict every judgeable row of a published-runs CSV and compare in the row's own convention."""
+    from planner import validate as v
+
+    cases, skipped = v.build_cases(v.load_rows(file))
+    results = [v.evaluate(c) for c in cases]
+    summary = v.summarize([r.error for r in results])
+    if as_json:
+        print(json.dumps({
+            "rows": [{"run_id": r.case.run_id, "source": r.case.source, "metric": r.case.metric,
+                      "reported": r.case.reported, "predicted": r.predicted, "error": r.error,
+                      "defaults": r.case.defaults} for r in results],
+            "skipped": [{"run_id": s.run_id, "source": s.source, "reason": s.reason} for s in skipped],
+            "summary": summary.__dict__,
+        }, indent=2))
+        return
+    t = Table(title=f"Predicted vs published ({file.name})")
+    for col in ("run", "metric", "reported", "predicted", "error"):
+        t.add_column(col, justify="left" if col in ("run", "metric") else "right")
+    for r in results:
+        t.add_row(r.case.run_id, r.case.metric, f"{r.case.reported:,.4g}", f"{r.predicted:,.4g}", f"{r.error:+.1%}")
+    console.print(t)
+    by_source: dict[str, list[float]] = {}
+    for r in results:
+        by_source.setdefault(r.case.source, []).append(r.error)
+    st = Table(title="Error by source")
+    for col in ("source", "rows", "mean |err|", "median |err|", "max |err|"):
+        st.add_column(col, justify="left" if col == "source" else "right")
+    for source, errs in by_source.items():
+        s = v.summarize(errs)
+        st.add_row(source, str(s.rows), f"{s.mean_abs_err:.1%}", f"{s.median_abs_err:.1%}", f"{s.max_abs_err:.1%}")
+    console.print(st)
+    if show_defaults:
+        console.print("[bold]Defaults used for fields the source did not state:[/]")
+        for r in results:
+            if r.case.defaults:
+                console.print(f"  {r.case.run_id}: " + "; ".join(r.case.defaults), highlight=False)
+    if skipped:
+        console.print("[bold]Rows not judged:[/]")
+        for s in skipped:
+            console.print(f"  {s.run_id}: {s.reason}", highlight=False)
+    console.print(f"rows={summary.rows} median_abs_err={summary.median_abs_err:.1%} "
+                  f"p90_abs_err={summary.p90_abs_err:.1%} max_abs_err={summary.max_abs_err:.1%}", highlight=False)
+
+
+@app.command()
+def schema(
+    out: Annotated[Optional[Path], typer.Option(help="directory to write one <Contract>.schema.json per contract")] = None,
+) -> None:
+    """JSON Schema of every contract (ModelSpec, TrainingConfig, ClusterProfile, Plan, Prediction, RunReport)."""
+    schemas = json_schemas()
+    if out is None:
+        print(json.dumps(schemas, indent=2))
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, sch in schemas.items():
+        (out / f"{name}.schema.json").write_text(json.dumps(sch, indent=2))
+    console.print(f"wrote {len(schemas)} schemas to {out}")
+
+
+@app.command()
+def presets() -> None:
+    """Model presets with their size."""
+    from planner.cost.params import active_params, total_params
+    from planner.presets import PRESETS
+
+    t = Table(title="Model presets")
+    for col in ("name", "layers", "hidden", "heads/kv", "ffn", "vocab", "params", "active"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for name, m in PRESETS.items():
+        t.add_row(name, str(m.num_layers), str(m.hidden_size), f"{m.num_attention_heads}/{m.kv_heads}",
+                  f"{m.ffn_hidden_size}{' MoE' if m.moe else ''}", str(m.vocab_size),
+                  f"{total_params(m) / 1e9:.1f}B", f"{active_params(m) / 1e9:.1f}B")
+    console.print(t)
+
+
+@app.command()
+def clusters() -> None:
+    """Reference cluster designs (datasheets + published collective bandwidths)."""
+    from planner.reference import SYSTEMS, device_spec
+
+    t = Table(title="Reference clusters (any node count)")
+    for col in ("name", "node", "GPU memory", "bf16 peak", "HBM", "NVLink busBW", "network / GPU"):
+        t.add_column(col)
+    for key, d in SYSTEMS.items():
+        dev = device_spec(d)
+        t.add_row(key, d.title, f"{dev.memory_bytes / GiB:.0f} GiB", f"{dev.peak_tflops[Precision.bf16]:.0f} TFLOP/s",
+                  f"{dev.hbm_bandwidth_bytes_per_s / 1e12:.2f} TB/s", f"{d.intra_all_reduce_gb_s:.0f} GB/s",
+                  f"{d.nic_gbit_per_gpu:.0f} Gb/s")
+    console.print(t)
+
+
+def _register_plugins() -> None:
+    """Subcommands of other autopar packages (serve, profile, run) from the entry-point group."""
+    for ep in entry_points(group="autopar.commands"):
+        try:
+            command = ep.load()
+        except ImportError as exc:  # e.g. executor without torch installed
+            err_console.print(f"[yellow]note:[/] `autopar {ep.name}` unavailable: {exc}")
+            continue
+        if isinstance(command, typer.Typer):
+            app.add_typer(command, name=ep.name)
+        else:
+            app.command(name=ep.name)(command)
+
+
+def main() -> None:
+    """Console entry point: bad input becomes a one-line error and exit code 2, never a traceback."""
+    _register_plugins()
+    try:
+        app(standalone_mode=False)
+    except AutoparError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except ValidationError as exc:
+        err_console.print(f"[bold red]error:[/] invalid {exc.title}:\n  {describe_validation_error(exc, exc.title)}",
+                          highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as exc:
+        # usage errors (unknown option, bad choice) from typer's bundled click: print, exit 2
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()
