@@ -7,7 +7,7 @@ Fitted constants (everything else is a datasheet figure, a published measurement
 - ``attention_efficiency`` per family: achieved share of the 16-bit peak in fused attention
   (FlashAttention-2 reaches a larger share of an A100 than of an H100).
 - ``gemm_k_overhead`` (shared): a GEMM tile's fixed prologue/epilogue in units of K.
-- ``dp_overlap_efficiency`` (shared): share of data-parallel / FSDP traffic hidden behind compute.
+- ``async_overlap_efficiency`` (shared): share of data-parallel / FSDP traffic hidden behind compute.
 - ``tp_overlap_efficiency`` (shared): share of TP collectives hidden by decomposed GEMMs
   (async TP, TP-comm-overlap); a separate mechanism that costs SM time, so a separate constant.
 
@@ -45,7 +45,7 @@ CONSTANTS = (
     FittedConstant("attention_efficiency", "a100", 0.15, 0.90),
     FittedConstant("attention_efficiency", "hopper", 0.15, 0.90),
     FittedConstant("gemm_k_overhead", None, 0.0, 2048.0),
-    FittedConstant("dp_overlap_efficiency", None, 0.0, 1.0),
+    FittedConstant("async_overlap_efficiency", None, 0.0, 1.0),
     FittedConstant("tp_overlap_efficiency", None, 0.0, 1.0),
 )
 

@@ -279,7 +279,9 @@ class TestPredictProperties:
         pred = run(node, dp_shard=4, tp=2)
         tp = [c for c in pred.comm if c.kind == "tp"]
         assert len(tp) == 1 and tp[0].group_size == 2 and tp[0].level.value == "intra_node"
-        assert tp[0].exposed_s == pytest.approx(tp[0].time_s)  # tp_comm_overlap is off by default
+        # tp_comm_overlap is off: forward collectives are fully exposed (half the TP time without SP);
+        # backward input-gradient all-reduces run beside the weight-gradient GEMMs, so partly hidden
+        assert tp[0].time_s / 2 <= tp[0].exposed_s < tp[0].time_s
         sp = [c for c in run(node, dp_shard=4, tp=2, sp=True).comm if c.kind == "tp"]
         assert len(sp) == 1 and 0 < sp[0].exposed_s <= sp[0].time_s
 

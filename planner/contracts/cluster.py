@@ -135,8 +135,8 @@ class Assumptions(Contract):
         256.0, ge=0, description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)"
     )
     kernel_overhead_s: float = Field(3e-6, ge=0, description="launch latency per kernel (CUDA launch, typical)")
-    dp_overlap_efficiency: float = Field(
-        0.85, ge=0, le=1, description="share of data-parallel / FSDP traffic hidden behind independent layers' compute (fitted)"
+    async_overlap_efficiency: float = Field(
+        0.85, ge=0, le=1, description="share of a collective hidden behind independent compute running beside it: DP/FSDP traffic, the backward TP all-reduce beside the weight-gradient GEMM (fitted)"
     )
     tp_overlap_efficiency: float = Field(
         0.6, ge=0, le=1, description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)"

@@ -127,7 +127,7 @@ def block_cost(
     """Forward and backward cost of block ``index`` for one micro-batch on one GPU."""
     t, h, elt, tokens = mb.tp, model.hidden_size, mb.elt, mb.tokens
     fwd, bwd = PassCost(), PassCost()
-    overlap = profile.assumptions.tp_overlap_efficiency
+    async_eff = profile.assumptions.async_overlap_efficiency
 
     # GEMMs (backward: input-gradient and weight-gradient GEMMs with their own shapes)
     gemm = _attention_gemms(profile, model, tokens, t, mb.precision)
@@ -167,23 +167,29 @@ def block_cost(
     fwd.memory_s = memory_time_s(profile, replicated + act + rope)
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
-    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass. With SP the
-    # column-parallel linears keep only their sharded input, so backward all-gathers it again
-    # (Korthikanti et al. §4.2.2), overlapped with the input-gradient GEMM.
+    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
+    # Backward: each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP)
+    # runs beside its weight-gradient GEMM (Megatron's async TP all-reduce), and with SP the sharded
+    # input is all-gathered again beside the input-gradient GEMM (Korthikanti et al. §4.2.2).
+    # Forward collectives are hidden only by decomposed GEMMs (async TP / TP-comm-overlap).
     if t > 1:
         size = tokens * h * elt
+        decomposed = profile.assumptions.tp_overlap_efficiency if layout.tp_comm_overlap else 0.0
         if mb.sp:
             gather = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
-            one = gather + collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
+            scatter = collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
+            tp_fwd = 2 * (gather + scatter)
+            # backward: 2 reduce-scatters beside wgrad, 2 output-gradient all-gathers on the critical
+            # path, 2 re-gathers of the sharded inputs beside dgrad
+            beside_wgrad, critical, beside_dgrad = 2 * scatter, 2 * gather, 2 * gather
         else:
-            gather, one = 0.0, collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
-        tp_time = 2 * one
-        for p, window in ((fwd, fwd.gemm_s), (bwd, bwd.gemm_s)):
-            hidden = hidden_time_s(tp_time, window, overlap) if layout.tp_comm_overlap else 0.0
-            p.add_comm("tp", tp_time, tp_time - hidden)
-        if gather:
-            regather = 2 * gather
-            bwd.add_comm("tp", regather, regather - hidden_time_s(regather, bwd.gemm_s / 2, overlap))
+            tp_fwd = 2 * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
+            beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
+        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed))
+        half = bwd.gemm_s / 2
+        hidden = hidden_time_s(beside_wgrad, half, async_eff) + hidden_time_s(beside_dgrad, half, async_eff)
+        total = beside_wgrad + critical + beside_dgrad
+        bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)))
 
     # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
     if mb.cp > 1:

@@ -237,7 +237,7 @@ def predict(
     dp_exposed, dp_comm = [], []
     for i in range(len(stages)):
         traffic = _dp_comm(profile, layout, training, stage_params[i], stage_expert_params[i])
-        eff = a.dp_overlap_efficiency if layout.dp_comm_overlap else 0.0
+        eff = a.async_overlap_efficiency if layout.dp_comm_overlap else 0.0
         grad_b, grad_t = traffic.get("dp_grad", (0.0, 0.0))
         par_b, par_t = traffic.get("dp_param", (0.0, 0.0))
         if layout.zero_stage == 3:
