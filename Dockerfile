@@ -1,0 +1,11 @@
+# autopar CLI (planner only; the profiler and executor run on the training machines with their own torch)
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY planner ./planner
+COPY api ./api
+COPY profiler ./profiler
+COPY executor ./executor
+RUN pip install --no-cache-dir .
+ENTRYPOINT ["autopar"]
+CMD ["--help"]
