@@ -184,6 +184,20 @@ def _model(row: dict[str, str], defaults: list[str]) -> ModelSpec:
     )
 
 
+def zero_stage_from_text(text: str) -> int | None:
+    """ZeRO stage named by a free-text zero_or_fsdp cell; None when it names none."""
+    z = text.lower()
+    if "not resharded" in z or "zero-2" in z:
+        return 2
+    if "zero-1" in z or "distributed optimizer" in z:  # before FSDP: "distributed optimizer (FSDP=0)"
+        return 1
+    if "zero-3" in z or "full_shard" in z or ("fsdp" in z and "fsdp=0" not in z):
+        return 3
+    if "ddp" in z:
+        return 0
+    return None
+
+
 def _precision(text: str) -> Precision:
     t = (text or "").lower()
     if "fp8" in t and "float8 linears" not in t:
@@ -262,17 +276,9 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
     if not sp_text and tp > 1:
         defaults.append(f"sequence_parallel={'on' if sp else 'off'}")
 
-    z = (row.get("zero_or_fsdp") or "").lower()
     reshard = True
-    if "not resharded" in z or "zero-2" in z:
-        zero = 2
-    elif "zero-3" in z or "full_shard" in z or "fsdp" in z:
-        zero = 3
-    elif "zero-1" in z or "distributed optimizer" in z:
-        zero = 1
-    elif "ddp" in z:
-        zero = 0
-    else:
+    zero = zero_stage_from_text(row.get("zero_or_fsdp") or "")
+    if zero is None:
         zero = 1 if mcore else 0
         defaults.append(f"zero_stage={zero} ({'distributed optimizer' if zero else 'DDP'})")
 

@@ -164,7 +164,13 @@ def block_cost(
     ffn = (moe.expert_ffn_hidden_size * moe.top_k + moe.shared_ffn * moe.num_shared_experts) if moe else model.ffn_hidden_size
     act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
     rope = 2 * elt * tokens * heads * model.head_size * 2 if model.position_embedding == "rope" else 0
-    fwd.memory_s = memory_time_s(profile, replicated + act + rope)
+    # MoE token dispatcher: permute the T·k routed copies into expert order and back (read + write
+    # each), and weight them by the router probabilities on the way back
+    permute = 0.0
+    if moe is not None:
+        routed = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+        permute = (2 * 2 + 1) * elt * routed * h / rep
+    fwd.memory_s = memory_time_s(profile, replicated + act + rope + permute)
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
