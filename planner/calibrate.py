@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from datetime import date
 
+from planner.contracts import Assumptions
 from planner.reference import SYSTEMS
 from planner.validate import RowCase, evaluate
 
@@ -80,17 +81,13 @@ def objective(cases: list[RowCase], values: Values) -> float:
 
 
 def initial_values(cases: list[RowCase]) -> Values:
-    """Start from each case's current assumptions (the defaults or the last fit)."""
-    values: Values = {}
-    for c in CONSTANTS:
-        for case in cases:
-            if c.family is None or family_of(case) == c.family:
-                values[(c.name, c.family)] = getattr(case.profile.assumptions, c.name)
-                break
-    return values
+    """Start every constant from the contract's default (not the last fit), so a fit is reproducible."""
+    defaults = Assumptions()
+    families = {family_of(c) for c in cases}
+    return {(c.name, c.family): getattr(defaults, c.name) for c in CONSTANTS if c.family is None or c.family in families}
 
 
-def fit(cases: list[RowCase], rounds: int = 3, tol: float = 1e-3) -> Values:
+def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     """Coordinate descent: golden-section search on one constant at a time, ``rounds`` sweeps."""
     values = initial_values(cases)
     relevant = {key: [case for case in cases if key[1] is None or family_of(case) == key[1]] for key in values}

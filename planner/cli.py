@@ -329,7 +329,8 @@ def main() -> None:
     """Console entry point: bad input becomes a one-line error and exit code 2, never a traceback."""
     _register_plugins()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer returns (not raises) the code of typer.Exit here
+        sys.exit(code if isinstance(code, int) else 0)
     except AutoparError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(2)

@@ -185,7 +185,7 @@ def reference_profile(system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: floa
         f"network efficiency {NETWORK_EFFICIENCY}: nccl-tests busBW / NIC line rate",
     ] + assumptions.notes
     return ClusterProfile(
-        kind="reference", name=f"{key}" + (f"-nic{nic:g}" if nic_gbit_per_gpu else ""), device=device_spec(d),
+        kind="reference", name=key + (f"-nic{nic:g}" if nic != d.nic_gbit_per_gpu else ""), device=device_spec(d),
         gpus_per_node=d.gpus_per_node, num_nodes=num_nodes, links=links, assumptions=assumptions,
         sources=["planner/data/hardware.csv (copy of shared/data/hardware.csv)"],
     )

@@ -34,6 +34,20 @@ from planner.errors import AutoparError
 from planner.presets import PRESETS
 from planner.reference import reference_profile
 
+COLUMNS = (
+    "run_id", "source", "source_location", "source_ref", "source_quality", "model", "arch_type", "num_layers",
+    "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "seq_length",
+    "moe_num_experts", "moe_top_k", "moe_shared_experts", "moe_expert_ffn_hidden_size", "total_params",
+    "active_params", "gpu_type", "num_gpus", "gpus_per_node", "intra_node_interconnect", "inter_node_interconnect",
+    "precision", "global_batch_size_seqs", "global_batch_size_seqs_derived", "global_batch_tokens",
+    "micro_batch_size", "grad_accum_steps", "tp", "pp", "dp", "dp_derived", "cp", "ep", "virtual_pipeline_stages",
+    "sequence_parallel", "zero_or_fsdp", "activation_recompute", "tflops_per_gpu_reported", "mfu_pct_reported",
+    "hfu_pct_reported", "tokens_per_sec_per_gpu_reported", "tokens_per_sec_total_reported",
+    "iteration_time_s_reported", "aggregate_pflops_reported", "other_throughput_reported",
+    "tokens_per_sec_per_gpu_derived", "flop_convention", "framework", "config_completeness", "missing_fields", "notes",
+)
+"""Columns of shared/data/published_runs.csv, the format ``autopar validate`` reads."""
+
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "gpu_type", "num_gpus", "tp", "pp")
 
 # Software of the time, by source: what a field left blank meant in that code base.
@@ -199,10 +213,9 @@ def zero_stage_from_text(text: str) -> int | None:
 
 
 def _precision(text: str) -> Precision:
+    """'FP8 (hybrid)', 'BF16 + Float8 linears' -> fp8; fp16 only when bf16 is not named; else bf16."""
     t = (text or "").lower()
-    if "fp8" in t and "float8 linears" not in t:
-        return Precision.fp8
-    if "float8" in t:
+    if "fp8" in t or "float8" in t:
         return Precision.fp8
     if "fp16" in t and "bf16" not in t:
         return Precision.fp16

@@ -126,6 +126,7 @@ class StagePrediction(Contract):
 
 
 class Prediction(Contract):
+    schema_version: Literal["1"] = SCHEMA_VERSION
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_gpu: float

@@ -140,25 +140,31 @@ def _stages(model: ModelSpec, layout: ParallelLayout) -> list[_Stage]:
     return stages
 
 
-def _dp_comm(
-    profile: ClusterProfile,
-    layout: ParallelLayout,
-    training: TrainingConfig,
-    params: float,
-    expert_params: float,
-) -> dict[str, tuple[float, float]]:
-    """Data-parallel traffic of one stage, kind -> (bytes, seconds): per step, or per micro-batch for ZeRO-3.
+@dataclass
+class DPTraffic:
+    """Data-parallel traffic of one pipeline stage (seconds and bytes on the critical rank)."""
+
+    grad_s: float = 0.0  # gradient reduction within the shard group (all-reduce for ZeRO-0)
+    grad_bytes: float = 0.0
+    replica_s: float = 0.0  # HSDP: all-reduce of the gradient shard across replicas, once per step
+    gather_s: float = 0.0  # one all-gather of the 16-bit weights (ZeRO >= 1)
+    gather_bytes: float = 0.0
+
+
+def dp_traffic(
+    profile: ClusterProfile, layout: ParallelLayout, training: TrainingConfig, params: float, expert_params: float
+) -> DPTraffic:
+    """Data-parallel collectives of one stage holding ``params`` dense and ``expert_params`` expert weights.
 
     Gradients are reduced over every rank holding the same weights: the ``dp × cp`` ranks for
     dense weights (stride tp), ``dp × cp / ep`` for experts (stride tp·ep). ZeRO-0: all-reduce.
-    ZeRO-1/2: reduce-scatter gradients over the shard group, all-reduce the shard over replicas
-    (HSDP), all-gather the updated 16-bit weights. ZeRO-3: all-gather weights before forward
-    (and again before backward when resharding) and reduce-scatter gradients.
+    ZeRO-1/2/3: reduce-scatter over the shard group, all-reduce of the shard across replicas (HSDP),
+    all-gather of the 16-bit weights.
     """
     state = state_bytes_per_param(training)
     gpn, tp = profile.gpus_per_node, layout.tp
     replicas = placement(layout.dp_replicate, tp * layout.cp * layout.dp_shard, gpn)
-    out: dict[str, tuple[float, float]] = {}
+    out = DPTraffic()
     for count, shard, stride in (
         (params, layout.dp_shard * layout.cp, tp),
         (expert_params, max(layout.dp_shard * layout.cp // layout.ep, 1), tp * layout.ep),
@@ -166,23 +172,21 @@ def _dp_comm(
         if count <= 0:
             continue
         grad_bytes, weight_bytes = count * state.grads, count * state.weights
+        out.grad_bytes += grad_bytes
         if layout.zero_stage == 0:
             everyone = placement(shard * layout.dp_replicate, stride, gpn)
-            _add(out, "dp_grad", grad_bytes, collective_time_s(profile, Collective.all_reduce, everyone, grad_bytes))
+            out.grad_s += collective_time_s(profile, Collective.all_reduce, everyone, grad_bytes)
             continue
         group = placement(shard, stride, gpn)
-        t_rs = collective_time_s(profile, Collective.reduce_scatter, group, grad_bytes)
-        t_ar = collective_time_s(profile, Collective.all_reduce, replicas, grad_bytes / shard)
-        _add(out, "dp_grad", grad_bytes, t_rs + t_ar)
-        gathers = 2 if (layout.zero_stage == 3 and layout.reshard_after_forward) else 1
-        t_ag = gathers * collective_time_s(profile, Collective.all_gather, group, weight_bytes)
-        _add(out, "dp_param", gathers * weight_bytes, t_ag)
+        out.grad_s += collective_time_s(profile, Collective.reduce_scatter, group, grad_bytes)
+        out.replica_s += collective_time_s(profile, Collective.all_reduce, replicas, grad_bytes / shard)
+        out.gather_s += collective_time_s(profile, Collective.all_gather, group, weight_bytes)
+        out.gather_bytes += weight_bytes
     return out
 
 
-def _add(out: dict[str, tuple[float, float]], kind: str, nbytes: float, seconds: float) -> None:
-    b, s = out.get(kind, (0.0, 0.0))
-    out[kind] = (b + nbytes, s + seconds)
+def _exposed(comm_s: float, window_s: float, eff: float) -> float:
+    return comm_s - hidden_time_s(comm_s, window_s, eff)
 
 
 def predict(
@@ -233,30 +237,36 @@ def predict(
         stage_params.append(dense / layout.tp)
         stage_expert_params.append(experts / (layout.tp * layout.ep))
 
-    # ZeRO-3 gathers/reduces every micro-batch: fold its exposed part into the stage times
-    dp_exposed, dp_comm = [], []
+    # Data parallelism. ZeRO-3 gathers weights before forward (and again before backward when it
+    # reshards) and reduce-scatters gradients every micro-batch: the exposed part joins the stage
+    # times. Otherwise gradients are reduced once, beside the last micro-batch's backward, and the
+    # updated weights gathered beside the next step's first forward (overlap-grad-reduce /
+    # overlap-param-gather). HSDP's replica all-reduce happens once per step.
+    eff = a.async_overlap_efficiency if layout.dp_comm_overlap else 0.0
+    dp_exposed: list[float] = []
+    dp_comm: list[dict[str, tuple[float, float, float]]] = []  # kind -> (bytes, seconds, exposed) per step
     for i in range(len(stages)):
-        traffic = _dp_comm(profile, layout, training, stage_params[i], stage_expert_params[i])
-        eff = a.async_overlap_efficiency if layout.dp_comm_overlap else 0.0
-        grad_b, grad_t = traffic.get("dp_grad", (0.0, 0.0))
-        par_b, par_t = traffic.get("dp_param", (0.0, 0.0))
+        tr = dp_traffic(profile, layout, training, stage_params[i], stage_expert_params[i])
         if layout.zero_stage == 3:
-            exposed_f = par_t / (2 if layout.reshard_after_forward else 1)
-            exposed_f -= hidden_time_s(exposed_f, fwd_s[i], eff)
-            bwd_comm = grad_t + (par_t / 2 if layout.reshard_after_forward else 0.0)
-            exposed_b = bwd_comm - hidden_time_s(bwd_comm, bwd_s[i], eff)
-            fwd_s[i] += exposed_f
-            bwd_s[i] += exposed_b
-            dp_exposed.append(0.0)
-            dp_comm.append({"dp_grad": (m * grad_b, m * grad_t, m * (exposed_b * grad_t / bwd_comm if bwd_comm else 0.0)),
-                            "dp_param": (m * par_b, m * par_t, m * (exposed_f + exposed_b - (exposed_b * grad_t / bwd_comm if bwd_comm else 0.0)))})
+            gathers = 2 if layout.reshard_after_forward else 1
+            gather_f, gather_b = tr.gather_s, tr.gather_s * (gathers - 1)
+            exp_f = _exposed(gather_f, fwd_s[i], eff)
+            exp_b = _exposed(gather_b + tr.grad_s, bwd_s[i], eff)
+            share_b = gather_b / (gather_b + tr.grad_s) if gather_b + tr.grad_s else 0.0
+            fwd_s[i] += exp_f
+            bwd_s[i] += exp_b
+            exp_replica = _exposed(tr.replica_s, bwd_s[i], eff)
+            dp_exposed.append(exp_replica)
+            dp_comm.append({
+                "dp_param": (m * gathers * tr.gather_bytes, m * (gather_f + gather_b), m * (exp_f + share_b * exp_b)),
+                "dp_grad": (m * tr.grad_bytes, m * tr.grad_s + tr.replica_s, m * (1 - share_b) * exp_b + exp_replica),
+            })
         else:
-            # gradient reduction overlaps the last micro-batch's backward; the weight all-gather the
-            # next step's first forward (Megatron overlap-grad-reduce / overlap-param-gather)
-            exp_g = grad_t - hidden_time_s(grad_t, bwd_s[i], eff)
-            exp_p = par_t - hidden_time_s(par_t, fwd_s[i], eff)
+            exp_g = _exposed(tr.grad_s + tr.replica_s, bwd_s[i], eff)
+            exp_p = _exposed(tr.gather_s, fwd_s[i], eff)
             dp_exposed.append(exp_g + exp_p)
-            dp_comm.append({"dp_grad": (grad_b, grad_t, exp_g), "dp_param": (par_b, par_t, exp_p)})
+            dp_comm.append({"dp_grad": (tr.grad_bytes, tr.grad_s + tr.replica_s, exp_g),
+                            "dp_param": (tr.gather_bytes, tr.gather_s, exp_p)})
 
     pipe_s, bubble_s = pipeline_time_s(layout.schedule, fwd_s, bwd_s, m, layout.virtual_stages)
 

@@ -1,0 +1,267 @@
+"""planner/cli.py: the ``autopar`` commands.
+
+Success paths run the typer app in-process (typer.testing.CliRunner). Error paths run the real
+console entry point in a subprocess, because turning AutoparError / ValidationError / usage errors
+into a message and exit code 2 happens in ``main()``, outside the typer app.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.validate import COLUMNS
+from typer.testing import CliRunner
+
+from planner import cli
+from planner.contracts import CONTRACTS, Plan
+from planner.presets import PRESETS
+from planner.reference import SYSTEMS
+
+REPO = Path(__file__).resolve().parents[1]
+SIX = {"ModelSpec", "TrainingConfig", "ClusterProfile", "Plan", "Prediction", "RunReport"}
+
+HEADER = ",".join(COLUMNS)
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables as wide as in piped output, whatever terminal pytest runs in."""
+    monkeypatch.setattr(cli.console, "width", 200)
+
+
+def invoke(*args: str):
+    result = runner.invoke(cli.app, list(args))
+    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}\n{result.exception!r}"
+    return result
+
+
+def flat(text: str) -> str:
+    """Whitespace collapsed, so checks do not depend on where a long line wrapped."""
+    return " ".join(text.split())
+
+
+# ---------------------------------------------------------------- success paths (in-process)
+def test_predict_prints_the_prediction_table():
+    out = invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--seq", "2048").output
+    assert "step time" in out
+    assert "MFU" in out
+    assert "Peak memory per GPU" in out
+    assert "dgx-h100" in out  # the default reference cluster
+
+
+def test_predict_json_is_a_plan():
+    out = invoke("predict", "--model", "megatron-22b", "--cluster", "dgx-a100-80gb", "--global-batch", "16",
+                 "--seq", "2048", "--tp", "8", "--micro-batch", "4", "--sp", "--recompute", "selective",
+                 "--json").stdout
+    plan = Plan.model_validate_json(out)
+    assert plan.cluster == "dgx-a100-80gb" and plan.num_gpus == 8
+    assert plan.model.name == "megatron-22b"
+    assert (plan.layout.tp, plan.layout.sp, plan.layout.dp, plan.layout.micro_batch_size) == (8, True, 1, 4)
+    assert plan.layout.recompute.value == "selective"
+    assert plan.training.global_batch_seqs == 16 and plan.training.seq_length == 2048
+    assert plan.prediction.step_time_s > 0 and 0 < plan.prediction.mfu < 1
+
+
+def test_predict_with_a_model_file_and_nodes(tmp_path):
+    spec = PRESETS["llama3-8b"].model_dump_json()
+    path = tmp_path / "model.json"
+    path.write_text(spec)
+    out = invoke("predict", "--model-file", str(path), "--nodes", "2", "--global-batch", "32", "--seq", "2048",
+                 "--tp", "2", "--json").stdout
+    plan = Plan.model_validate_json(out)
+    assert plan.num_gpus == 16 and plan.layout.dp == 8
+
+
+def test_schema_prints_all_six_contracts():
+    schemas = json.loads(invoke("schema").stdout)
+    assert set(schemas) == SIX == set(CONTRACTS)
+    for name, schema in schemas.items():
+        assert schema["title"] == name
+        assert "properties" in schema
+
+
+def test_schema_out_writes_one_file_per_contract(tmp_path):
+    out_dir = tmp_path / "schemas"
+    invoke("schema", "--out", str(out_dir))
+    files = sorted(p.name for p in out_dir.iterdir())
+    assert files == sorted(f"{name}.schema.json" for name in SIX)
+    for name in SIX:
+        assert json.loads((out_dir / f"{name}.schema.json").read_text())["title"] == name
+
+
+def test_presets_lists_the_presets():
+    out = invoke("presets").output
+    for name in PRESETS:
+        assert name in out
+    assert "megatron-22b" in out and "llama3.1-405b" in out
+
+
+def test_clusters_lists_the_reference_systems():
+    out = invoke("clusters").output
+    for name in SYSTEMS:
+        assert name in out
+    assert "989 TFLOP/s" in out and "312 TFLOP/s" in out
+
+
+def _row(**cells: str) -> dict[str, str]:
+    return {c: cells.get(c, "") for c in COLUMNS}
+
+
+def small_runs_csv(tmp_path: Path) -> Path:
+    common = dict(
+        source="Korthikanti et al. (hand-made row)", model="GPT 22B", arch_type="dense", num_layers="48",
+        hidden_size="6144", num_attention_heads="64", vocab_size="51200", seq_length="2048",
+        gpu_type="A100-SXM4-80GB", num_gpus="8", gpus_per_node="8", precision="mixed precision",
+        global_batch_size_seqs="4", micro_batch_size="4", tp="8", pp="1", dp="1", sequence_parallel="off",
+        framework="Megatron-LM", config_completeness="complete",
+    )
+    rows = [
+        _row(run_id="hand_22B_full", activation_recompute="full", iteration_time_s_reported="1.42", **common),
+        _row(run_id="hand_22B_selective", activation_recompute="selective", iteration_time_s_reported="1.10",
+             **common),
+        _row(run_id="hand_tpu", **{**common, "gpu_type": "TPU v4"}, iteration_time_s_reported="1.0"),
+    ]
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_validate_summarises_and_lists_skipped_rows(tmp_path):
+    out = invoke("validate", str(small_runs_csv(tmp_path))).output
+    summary = [line for line in out.splitlines() if line.startswith("rows=")]
+    assert len(summary) == 1, out
+    line = summary[0]
+    assert line.startswith("rows=2 ")
+    for key in ("median_abs_err=", "p90_abs_err=", "max_abs_err="):
+        assert key in line
+    assert "hand_22B_full" in out and "hand_22B_selective" in out
+    assert "Rows not judged" in out
+    assert "hand_tpu: no reference profile for gpu_type 'TPU v4'" in flat(out)
+
+
+def test_validate_json(tmp_path):
+    data = json.loads(invoke("validate", str(small_runs_csv(tmp_path)), "--json").stdout)
+    assert [r["run_id"] for r in data["rows"]] == ["hand_22B_full", "hand_22B_selective"]
+    for r in data["rows"]:
+        assert r["metric"] == "iteration_time_s"
+        assert r["error"] == pytest.approx(r["predicted"] / r["reported"] - 1)
+    assert data["skipped"] == [{"run_id": "hand_tpu", "source": "hand",
+                                "reason": "no reference profile for gpu_type 'TPU v4'"}]
+    assert data["summary"]["rows"] == 2
+
+
+# ---------------------------------------------------------------- error paths (real entry point)
+def _console_script() -> list[str]:
+    script = Path(sys.executable).with_name("autopar")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "planner.cli"]
+
+
+def autopar(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*_console_script(), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert "Traceback" not in both, both
+    message = flat(proc.stderr)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in error message: {message}"
+    return message
+
+
+BASE = ("predict", "--model", "llama3-8b", "--global-batch", "8")
+
+
+def test_unknown_preset_lists_known_presets():
+    message = assert_usage_error(autopar("predict", "--model", "llama9", "--global-batch", "8"), "llama9",
+                                 "is not known")
+    for name in ("llama3-8b", "megatron-22b", "deepseek-v3"):
+        assert name in message
+
+
+def test_tp_that_does_not_divide_the_gpus():
+    assert_usage_error(autopar(*BASE, "--tp", "3"), "tp x pp x cp=3", "8 GPUs")
+
+
+def test_global_batch_not_divisible():
+    assert_usage_error(autopar("predict", "--model", "llama3-8b", "--global-batch", "7"), "global_batch_size=7",
+                       "micro_batch_size")
+
+
+def test_unreadable_model_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    assert_usage_error(autopar("predict", "--model-file", str(missing), "--global-batch", "8"), "--model-file",
+                       str(missing), "cannot be read")
+
+
+def test_model_file_with_heads_not_dividing_hidden(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "bad", "num_layers": 2, "hidden_size": 100, "num_attention_heads": 3,
+                                "ffn_hidden_size": 400, "vocab_size": 1000}))
+    assert_usage_error(autopar("predict", "--model-file", str(path), "--global-batch", "8"), "ModelSpec",
+                       "num_attention_heads=3", "hidden_size=100")
+
+
+def test_model_file_that_is_not_json(tmp_path):
+    path = tmp_path / "notjson.json"
+    path.write_text("{this is not json")
+    assert_usage_error(autopar("predict", "--model-file", str(path), "--global-batch", "8"), "ModelSpec")
+
+
+def test_zero_sequence_length():
+    assert_usage_error(autopar(*BASE, "--seq", "0"), "seq_length=0")
+
+
+def test_unknown_cluster_lists_known_clusters():
+    message = assert_usage_error(autopar(*BASE, "--cluster", "tpu-v4"), "cluster='tpu-v4'", "is not known")
+    for name in SYSTEMS:
+        assert name in message
+
+
+def test_unknown_schedule_value():
+    assert_usage_error(autopar(*BASE, "--schedule", "pipedream"), "--schedule", "pipedream", "1f1b",
+                       "interleaved_1f1b")
+
+
+FAIL_CASES = [
+    pytest.param(("predict", "--model", "llama3-8b"), "--global-batch", id="no-global-batch"),
+    pytest.param(("predict", "--global-batch", "8"), "exactly one of --model", id="no-model"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), FAIL_CASES)
+def test_cli_fail_message_in_process(args, needle):
+    """``fail()`` prints the message and raises typer.Exit(2); in standalone mode that is exit 2."""
+    result = runner.invoke(cli.app, list(args))
+    assert result.exit_code == 2
+    assert needle in flat(result.output)
+
+
+@pytest.mark.parametrize(("args", "needle"), FAIL_CASES)
+def test_cli_fail_exits_2_from_the_console_script(args, needle):
+    assert_usage_error(autopar(*args), needle)
+
+
+def test_validate_missing_file(tmp_path):
+    missing = tmp_path / "runs.csv"
+    assert_usage_error(autopar("validate", str(missing)), str(missing), "does not exist")
+
+
+def test_console_script_success_exits_zero():
+    proc = autopar(*BASE, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert Plan.model_validate_json(proc.stdout).num_gpus == 8

@@ -1,0 +1,405 @@
+"""planner/validate.py: parsing of published-runs cells, rows -> prediction cases (with stated
+defaults or a reason for skipping), the comparison metric and the error summary.
+
+Rows are written by hand with the header of shared/data/published_runs.csv (copied below), so these
+tests do not need /work/shared; one integration test reads the real file and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from planner import validate as v
+from planner.contracts import Precision, Recompute
+from planner.cost.flops import hardware_flops_per_step, model_flops_per_step
+from planner.errors import AutoparError
+from planner.validate import COLUMNS
+
+HEADER = ",".join(COLUMNS)
+
+REAL_CSV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "published_runs.csv"
+needs_real_csv = pytest.mark.skipif(not REAL_CSV.is_file(), reason=f"{REAL_CSV} is not present (shared data not mounted)")
+
+IB_HDR = ("8x NVIDIA Mellanox 200 Gb/s HDR InfiniBand HCAs per node for application traffic (+2 for storage); "
+          "3-level fat tree, 850 switches")
+ROCE = ("RoCE, 400 Gbps between GPUs; 3-layer Clos: 16 GPUs/rack ToR, 3072-GPU pods full bisection, "
+        "1:7 oversubscription at aggregation (24K cluster)")
+OPA = "Omni-Path (4 OPA links per node), dedicated NCCL subnet"
+IB_50GBYTE = "InfiniBand, fully interconnected ('IB (50 GB/s)')"
+
+
+def row(**cells: str) -> dict[str, str]:
+    """A CSV row as csv.DictReader gives it: every column present, unset ones empty."""
+    unknown = set(cells) - set(COLUMNS)
+    assert not unknown, f"not a published_runs.csv column: {unknown}"
+    return {c: cells.get(c, "") for c in COLUMNS}
+
+
+def megatron_row(**changes: str) -> dict[str, str]:
+    """GPT 22B on one DGX A100 node, TP=8, Megatron-LM 2022 (Korthikanti et al.), iteration time given.
+
+    micro_batch_size, sequence_parallel and activation_recompute are left blank on purpose.
+    """
+    cells = dict(
+        run_id="handmade_22B_tp8", source="Korthikanti et al. 'Reducing Activation Recomputation' (hand-made row)",
+        model="GPT 22B", arch_type="dense", num_layers="48", hidden_size="6144", num_attention_heads="64",
+        vocab_size="51200", seq_length="2048", gpu_type="A100-SXM4-80GB (NVIDIA Selene, DGX A100)", num_gpus="8",
+        gpus_per_node="8", inter_node_interconnect=IB_HDR, precision="mixed precision", global_batch_size_seqs="8",
+        tp="8", pp="1", dp="1", iteration_time_s_reported="1.5", tflops_per_gpu_reported="140",
+        framework="Megatron-LM", config_completeness="complete",
+    )
+    cells.update(changes)
+    return row(**cells)
+
+
+def write_csv(path: Path, rows: list[dict[str, str]], header: list[str] = COLUMNS) -> Path:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# ---------------------------------------------------------------- cell parsing
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("128K (reported as 128K tokens)", 128_000),
+        ("15360 (ramped up from 16)", 15360),
+        ("1,920", 1920),
+        ("4M tokens", 4_000_000),
+        ("1.42", 1.42),
+        ("", None),
+        (None, None),
+        ("not stated", None),
+    ],
+)
+def test_num_reads_the_leading_number(text, expected):
+    got = v._num(text)
+    if expected is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("gpu_type", "system"),
+    [
+        ("A100-SXM4-80GB (NVIDIA Selene, DGX A100)", "dgx-a100-80gb"),
+        ("A100 80GB", "dgx-a100-80gb"),
+        ("A100 40GB", "dgx-a100-40gb"),
+        ("H100 96GB HBM2e, 2.4 TB/s, 500W power limit (Meta Grand Teton)", "gt-h100-96gb-500w"),
+        ("H100 80GB HBM3, 700W TDP (Grand Teton)", "dgx-h100"),
+        ("H100 (DGX-H100)", "dgx-h100"),
+        ("H200", "hgx-h200"),
+        ("H800", "hgx-h800"),
+        ("B200", "dgx-b200"),
+        ("TPU v4", None),
+    ],
+)
+def test_system_of_gpu_type(gpu_type, system):
+    assert v._system(gpu_type) == system
+
+
+@pytest.mark.parametrize(
+    ("text", "gbit"),
+    [
+        (IB_HDR, 200),  # 8 HCAs x 200 Gb/s over 8 GPUs
+        (ROCE, 400),
+        (OPA, 50),  # 4 links x 100 Gb/s over 8 GPUs
+        (IB_50GBYTE, 400),  # 50 GB/s = 400 Gb/s
+        ("", None),
+        ("not stated", None),
+    ],
+)
+def test_nic_gbit_per_gpu_phrasings_of_the_data(text, gbit):
+    assert v._nic_gbit_per_gpu(text, 8) == gbit
+
+
+def test_nic_per_node_figure_is_shared_by_the_node_gpus():
+    assert v._nic_gbit_per_gpu(IB_HDR, 4) == 400
+    assert v._nic_gbit_per_gpu(OPA, 4) == 100
+
+
+def test_source_key_is_the_run_id_up_to_the_first_underscore():
+    assert v.source_key("korth_22B_full_recompute") == "korth"
+    assert v.source_key("torchtitan_a100_llama3_8b_selective_layer") == "torchtitan"
+    assert v.source_key("standalone") == "standalone"
+
+
+# ---------------------------------------------------------------- summary
+def test_summarize_by_hand():
+    s = v.summarize([0.1, -0.2, 0.3, -0.05, 0.0])
+    # |err| sorted: 0, 0.05, 0.1, 0.2, 0.3; p90 = element ceil(0.9 * 5) = 5th
+    assert s.rows == 5
+    assert s.median_abs_err == pytest.approx(0.1)
+    assert s.p90_abs_err == pytest.approx(0.3)
+    assert s.max_abs_err == pytest.approx(0.3)
+    assert s.mean_abs_err == pytest.approx(0.13)
+
+
+def test_summarize_ten_errors():
+    errors = [(-1) ** i * (i + 1) / 100 for i in range(10)]  # |err| = 0.01 .. 0.10
+    s = v.summarize(errors)
+    assert s.rows == 10
+    assert s.median_abs_err == pytest.approx(0.055)
+    assert s.p90_abs_err == pytest.approx(0.09)  # 9th of 10
+    assert s.max_abs_err == pytest.approx(0.10)
+    assert s.mean_abs_err == pytest.approx(0.055)
+
+
+def test_summarize_nothing():
+    s = v.summarize([])
+    assert s.rows == 0
+    assert math.isnan(s.median_abs_err) and math.isnan(s.p90_abs_err) and math.isnan(s.max_abs_err)
+
+
+# ---------------------------------------------------------------- rows -> cases
+def test_complete_megatron_row_builds_an_iteration_time_case_with_stated_defaults():
+    case = v.build_case(megatron_row())
+    assert isinstance(case, v.RowCase), case
+    assert case.run_id == "handmade_22B_tp8"
+    assert case.source == "handmade"
+    # iteration time wins over the TFLOP/s figure the row also gives
+    assert case.metric == "iteration_time_s"
+    assert case.reported == pytest.approx(1.5)
+    assert case.flop_convention == "model"
+    assert (case.model.num_layers, case.model.hidden_size, case.model.num_attention_heads) == (48, 6144, 64)
+    assert case.model.ffn_kind == "gelu"
+    assert case.training.seq_length == 2048 and case.training.global_batch_seqs == 8
+    assert case.training.precision is Precision.bf16
+    assert case.training.flash_attention is False  # Megatron-LM 2022 had unfused attention
+    assert case.profile.name.startswith("dgx-a100-80gb") and case.profile.num_gpus == 8
+    assert case.profile.device.name == "A100 80GB"
+    assert (case.layout.tp, case.layout.pp, case.layout.dp) == (8, 1, 1)
+    assert case.layout.sp is False  # pre-Korthikanti-era default when the row says nothing
+
+    defaults = "\n".join(case.defaults)
+    assert f"micro_batch_size={case.layout.micro_batch_size}" in defaults
+    assert "the source does not say" in defaults
+    assert case.layout.micro_batch_size in (1, 2, 4, 8)
+    assert f"recompute={case.layout.recompute.value}" in defaults
+    assert "sequence_parallel=off" in defaults
+    assert "attention=unfused" in defaults
+    assert "unstated architecture details from preset megatron-22b" in defaults
+
+
+def test_stated_fields_are_used_and_not_listed_as_defaults():
+    case = v.build_case(megatron_row(micro_batch_size="4", activation_recompute="selective", sequence_parallel="on"))
+    assert isinstance(case, v.RowCase), case
+    assert case.layout.micro_batch_size == 4
+    assert case.layout.recompute is Recompute.selective
+    assert case.layout.sp is True
+    defaults = "\n".join(case.defaults)
+    assert "micro_batch_size=" not in defaults
+    assert "recompute=" not in defaults
+    assert "sequence_parallel=" not in defaults
+
+
+@pytest.mark.parametrize("field", ["num_layers", "hidden_size", "tp"])
+def test_row_missing_a_required_field_is_skipped_naming_it(field):
+    result = v.build_case(megatron_row(**{field: ""}))
+    assert isinstance(result, v.Skipped)
+    assert result.run_id == "handmade_22B_tp8" and result.source == "handmade"
+    assert field in result.reason and "missing" in result.reason
+
+
+def test_row_with_unknown_gpu_type_is_skipped_naming_it():
+    result = v.build_case(megatron_row(gpu_type="TPU v4"))
+    assert isinstance(result, v.Skipped)
+    assert "TPU v4" in result.reason
+
+
+def test_row_whose_degrees_do_not_multiply_to_the_gpu_count_is_skipped():
+    result = v.build_case(megatron_row(dp="2"))  # 8 x 1 x 1 x 2 = 16 on 8 GPUs
+    assert isinstance(result, v.Skipped)
+    assert "tp x pp x cp x dp = 16" in result.reason
+    assert "num_gpus=8" in result.reason
+
+
+def test_row_without_a_global_batch_is_skipped():
+    result = v.build_case(megatron_row(global_batch_size_seqs=""))
+    assert isinstance(result, v.Skipped)
+    assert "global batch" in result.reason
+
+
+def test_partial_row_is_skipped_by_build_cases():
+    complete = megatron_row()
+    partial = megatron_row(run_id="handmade_partial", config_completeness="partial",
+                           missing_fields="global_batch;micro_batch_size")
+    cases, skipped = v.build_cases([complete, partial])
+    assert [c.run_id for c in cases] == ["handmade_22B_tp8"]
+    assert [s.run_id for s in skipped] == ["handmade_partial"]
+    assert "config_completeness=partial" in skipped[0].reason
+    assert "micro_batch_size" in skipped[0].reason
+
+
+def fp8_row(**changes: str) -> dict[str, str]:
+    cells = dict(
+        run_id="handmade_fp8_1.3b", source="NeMo performance summary (hand-made row)", model="GPT 1.3B",
+        arch_type="dense", num_layers="24", hidden_size="2048", num_attention_heads="16", seq_length="2048",
+        gpu_type="H100 80GB", num_gpus="8", gpus_per_node="8", precision="FP8 (Transformer Engine)",
+        global_batch_size_seqs="64", micro_batch_size="2", tp="1", pp="1", tflops_per_gpu_reported="400",
+        tokens_per_sec_per_gpu_reported="20000", framework="NeMo", config_completeness="complete",
+    )
+    cells.update(changes)
+    return row(**cells)
+
+
+def test_fp8_row_is_compared_on_tokens_per_second_even_with_tflops_given():
+    case = v.build_case(fp8_row())
+    assert isinstance(case, v.RowCase), case
+    assert case.training.precision is Precision.fp8
+    assert case.metric == "tokens_per_s_per_gpu"
+    assert case.reported == pytest.approx(20000)
+    result = v.evaluate(case)
+    assert result.predicted == pytest.approx(result.prediction.tokens_per_s_per_gpu)
+
+
+def test_bf16_row_with_tflops_and_tokens_is_compared_on_tflops():
+    case = v.build_case(fp8_row(precision="BF16"))
+    assert isinstance(case, v.RowCase), case
+    assert case.metric == "tflops_per_gpu"
+    assert case.reported == pytest.approx(400)
+
+
+SC21_CONVENTION = ("F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per iteration (GEMMs only, lower bound); INCLUDES the "
+                   "recompute forward pass (hardware-FLOP style); % of 312 TFLOP/s")
+
+
+def test_tflops_only_row_that_counts_the_recompute_uses_the_hardware_convention():
+    r = megatron_row(iteration_time_s_reported="", activation_recompute="full", micro_batch_size="1",
+                     flop_convention=SC21_CONVENTION)
+    case = v.build_case(r)
+    assert isinstance(case, v.RowCase), case
+    assert case.metric == "tflops_per_gpu"
+    assert case.flop_convention == "hardware"
+    assert case.reported == pytest.approx(140)
+
+    result = v.evaluate(case)
+    step, n = result.prediction.step_time_s, case.profile.num_gpus
+    hw = hardware_flops_per_step(case.model, 8, 2048, Recompute.full) / step / n / 1e12
+    model = model_flops_per_step(case.model, 8, 2048) / step / n / 1e12
+    assert result.predicted == pytest.approx(hw)
+    assert result.predicted > model  # the recompute forward is counted
+
+
+def test_tflops_row_with_a_model_flop_convention():
+    r = megatron_row(iteration_time_s_reported="", activation_recompute="full", micro_batch_size="1",
+                     flop_convention="MFU per PaLM definition")
+    case = v.build_case(r)
+    assert isinstance(case, v.RowCase), case
+    assert case.metric == "tflops_per_gpu" and case.flop_convention == "model"
+
+
+def test_mfu_row_reads_percent():
+    r = megatron_row(iteration_time_s_reported="", tflops_per_gpu_reported="", mfu_pct_reported="45.3")
+    case = v.build_case(r)
+    assert isinstance(case, v.RowCase), case
+    assert case.metric == "mfu"
+    assert case.reported == pytest.approx(0.453)
+    result = v.evaluate(case)
+    assert result.predicted == pytest.approx(result.prediction.mfu)
+
+
+def test_row_without_any_throughput_figure_is_skipped():
+    r = megatron_row(iteration_time_s_reported="", tflops_per_gpu_reported="")
+    result = v.build_case(r)
+    assert isinstance(result, v.Skipped)
+    assert "no throughput figure" in result.reason
+
+
+# ---------------------------------------------------------------- evaluate
+def test_evaluate_error_is_predicted_over_reported_minus_one():
+    case = v.build_case(megatron_row(micro_batch_size="4", activation_recompute="none"))
+    assert isinstance(case, v.RowCase), case
+    first = v.evaluate(case)
+    assert first.predicted == pytest.approx(first.prediction.step_time_s)
+    assert first.error == pytest.approx(first.predicted / 1.5 - 1)
+
+    case.reported = first.predicted
+    assert v.evaluate(case).error == pytest.approx(0.0, abs=1e-12)
+    case.reported = first.predicted / 2
+    assert v.evaluate(case).error == pytest.approx(1.0)
+    case.reported = first.predicted * 2
+    assert v.evaluate(case).error == pytest.approx(-0.5)
+
+
+def test_evaluate_on_another_profile():
+    case = v.build_case(megatron_row(micro_batch_size="4", activation_recompute="none"))
+    assert isinstance(case, v.RowCase), case
+    slower = case.profile.model_copy(deep=True)
+    slower.assumptions.matmul_efficiency = case.profile.assumptions.matmul_efficiency / 2
+    assert v.evaluate(case, slower).predicted > v.evaluate(case).predicted
+
+
+# ---------------------------------------------------------------- load_rows
+def test_load_rows_reads_a_csv(tmp_path):
+    path = write_csv(tmp_path / "runs.csv", [megatron_row(), fp8_row()])
+    rows = v.load_rows(path)
+    assert [r["run_id"] for r in rows] == ["handmade_22B_tp8", "handmade_fp8_1.3b"]
+    assert rows[0]["tp"] == "8" and tuple(rows[0]) == COLUMNS
+
+
+def test_load_rows_missing_file(tmp_path):
+    missing = tmp_path / "nope.csv"
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(missing)
+    assert str(missing) in str(err.value) and "does not exist" in str(err.value)
+
+
+def test_load_rows_without_run_id_column(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("name,num_layers\nx,2\n")
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(path)
+    assert "run_id" in str(err.value)
+
+
+def test_load_rows_empty_file(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("")
+    with pytest.raises(AutoparError, match="run_id"):
+        v.load_rows(path)
+
+
+# ---------------------------------------------------------------- the real data
+KORTH = [f"korth_{size}_{kind}" for size in ("22B", "175B", "530B", "1T") for kind in ("full_recompute", "present_work")]
+
+
+@needs_real_csv
+def test_published_runs_csv():
+    header = REAL_CSV.read_text().splitlines()[0]
+    assert header == HEADER, "planner.validate.COLUMNS no longer matches published_runs.csv"
+
+    rows = v.load_rows(REAL_CSV)
+    cases, skipped = v.build_cases(rows)
+    assert len(cases) + len(skipped) == len(rows)
+    assert len(cases) >= 50
+    assert all(s.reason.strip() for s in skipped)
+    reasons = {s.run_id: s.reason for s in skipped}
+    assert "korth_530B_full_recompute_dp8" in reasons
+    assert "config_completeness=partial" in reasons["korth_530B_full_recompute_dp8"]
+    assert "llama3_405b_16384gpu_cp16" in reasons
+    assert "num_gpus=16384" in reasons["llama3_405b_16384gpu_cp16"]
+
+    by_id = {c.run_id: c for c in cases}
+    errors = {}
+    for run_id in KORTH:
+        case = by_id[run_id]
+        assert case.metric == "iteration_time_s"
+        errors[run_id] = v.evaluate(case).error
+    bad = {k: f"{e:+.1%}" for k, e in errors.items() if abs(e) > 0.15}
+    assert not bad, f"Korthikanti iteration times off by more than 15%: {bad}"
+
+
+def test_row_network_description_sets_the_profile_nic():
+    case = v.build_case(megatron_row(num_gpus="16", dp="2", global_batch_size_seqs="16", inter_node_interconnect=OPA))
+    assert isinstance(case, v.RowCase), case
+    assert case.profile.num_nodes == 2
+    inter = [link for link in case.profile.links if link.level.value == "inter_node"]
+    assert inter and all(link.busbw_bytes_per_s == pytest.approx(50 / 8 * 0.95 * 1e9) for link in inter)
