@@ -302,10 +302,13 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
     if era2021 and dp > 1:
         defaults.append("dp_comm_overlap=off (Megatron-LM 2021-22 reduced gradients after backward)")
 
+    deepspeed_pipeline = "deepspeed" in (row.get("framework") or "").lower() and pp > 1
+    if deepspeed_pipeline:
+        defaults.append("pp_scatter_gather=off (DeepSpeed's pipeline engine sends whole activations)")
     layout_kwargs = dict(
         dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
         zero_stage=zero, reshard_after_forward=reshard,
-        tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap,
+        tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
     )
     rc_text = (row.get("activation_recompute") or "").lower()
     per_stage = None

@@ -295,3 +295,18 @@ class TestPredictProperties:
         pred = run(node, model=model, dp_shard=8, ep=4)
         assert any(c.kind == "ep" for c in pred.comm)
         assert 0 < pred.mfu < 1
+
+
+def test_pipeline_p2p_without_scatter_gather_sends_tp_times_the_bytes():
+    """Megatron sends b·s·h·2/tp bytes per TP rank between stages; DeepSpeed's engine the whole b·s·h·2."""
+    two_nodes = reference_profile("dgx-a100-80gb", 2)
+    kwargs = dict(dp_shard=2, tp=4, pp=2, micro_batch_size=2)
+    split = run(two_nodes, **kwargs)
+    whole = run(two_nodes, pp_scatter_gather=False, **kwargs)
+    p2p_split = next(c for c in split.comm if c.kind == "pp")
+    p2p_whole = next(c for c in whole.comm if c.kind == "pp")
+    model, m = small_model(), 32 // (2 * 2)  # micro-batches per pipeline
+    per_transfer = 2 * SEQ * model.hidden_size * 2  # b=2 sequences x SEQ tokens x h x 2 bytes
+    assert p2p_whole.bytes_per_step == pytest.approx(2 * m * per_transfer)  # forward + backward each micro-batch
+    assert p2p_split.bytes_per_step == pytest.approx(2 * m * per_transfer / 4)
+    assert p2p_whole.time_s > p2p_split.time_s and whole.step_time_s > split.step_time_s

@@ -54,6 +54,11 @@ class ParallelLayout(Contract):
     offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
     tp_comm_overlap: bool = Field(False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)")
     dp_comm_overlap: bool = Field(True, description="gradient reduce / param gather overlapped with compute")
+    pp_scatter_gather: bool = Field(
+        True,
+        description="each TP rank sends 1/tp of a stage's activation and the next stage all-gathers it "
+        "(Megatron); False: every TP rank sends the whole activation (DeepSpeed's pipeline engine)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:

@@ -211,7 +211,7 @@ def predict(
 
     emb_f, emb_b = embedding_cost(profile, model, mb, groups)
     head_f, head_b = lm_head_cost(profile, model, mb, groups)
-    p2p_bytes = mb.tokens * model.hidden_size * elt / layout.tp  # scatter/gather across TP ranks
+    p2p_bytes = mb.tokens * model.hidden_size * elt / (layout.tp if layout.pp_scatter_gather else 1)
     p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
 
     stages = _stages(model, layout)
