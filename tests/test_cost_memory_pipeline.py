@@ -201,8 +201,9 @@ class TestModernLayer:
         shape = ActivationShape(batch=1, seq=1024, kv_seq=2048, tp=1, sp=False)
         got = layer_activation_bytes(gpt_layer(), 0, shape, Recompute.none, flash=False, elt=2)
         sbh = 1024 * 1024
-        # 34 * sbh for the local tokens + 5 bytes * a * s_local * s_kv scores
-        assert got == pytest.approx(34 * sbh + 5 * 16 * 1024 * 2048)
+        # 34 * sbh for the local tokens + 5 bytes * a * s_local * s_kv scores, and K and V are kept for
+        # all s_kv = 2048 keys, not only the local 1024: + 2 tensors * 2 bytes * (2048 - 1024) * h
+        assert got == pytest.approx(34 * sbh + 5 * 16 * 1024 * 2048 + 2 * 2 * (2048 - 1024) * 1024)
 
     def test_moe_layer(self):
         # h=64, 4 heads of 16, SwiGLU, dropout 0, flash, t=1, b=1, s=8 (8 tokens)
@@ -238,9 +239,10 @@ class TestInFlight:
         assert [microbatches_in_flight(Schedule.zero_bubble, i, 4, 8, 1) for i in range(4)] == [4, 3, 2, 1]
 
     def test_interleaved(self):
-        # p - i + (p - 1 - i)/v with p=4, v=2: stage 0 = 4 + 3/2 = p*(1 + (p-1)/(p*v)) = 5.5
+        # Megatron warm-up: (v-1)*p + 2*(p-1-i) chunk forwards, plus the chunk in progress, each 1/v of a
+        # stage: p=4, v=2 -> stage 0: (4 + 6 + 1)/2 = 5.5, 1: (4 + 4 + 1)/2 = 4.5, 2: 3.5, 3: (4 + 0 + 1)/2 = 2.5
         got = [microbatches_in_flight(Schedule.interleaved_1f1b, i, 4, 8, 2) for i in range(4)]
-        assert got == pytest.approx([5.5, 4.0, 2.5, 1.0])
+        assert got == pytest.approx([5.5, 4.5, 3.5, 2.5])
         assert got[0] == pytest.approx(4 * (1 + 3 / (4 * 2)))
 
     def test_interleaved_capped_by_micro_batches(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
+from planner.errors import AutoparError
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,10 @@ def find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective,
     """
     on_level = [link for link in profile.links if link.level is level]
     if not on_level:
-        raise ValueError(
-            f"cluster profile '{profile.name}' has no {level.value} link; it cannot place a group of "
-            f"{group_size} ranks there (measure it or use a profile that describes it)"
+        raise AutoparError(
+            "profile.links", f"no {level.value} entry",
+            f"measure the {level.value} links or use a profile that has them",
+            problem=f"in cluster profile '{profile.name}' cannot place a {collective.value} of {group_size} ranks",
         )
     for wanted in (collective, Collective.all_reduce):
         same = [link for link in on_level if link.collective is wanted]
@@ -82,7 +84,9 @@ def collective_time_s(
     """α-β time of one collective on ``nbytes`` (the full buffer: all-gather output, all-reduce input).
 
     ``t = alpha + ring_factor · bytes / busbw``. A group spanning nodes with g members per node runs
-    g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``.
+    g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``. All-to-all
+    has no such sharing: each rank pushes its own ``(n - g)/n`` of the buffer through its own NIC,
+    ``t = alpha + max(bytes·(n-g)/n / nic, bytes·(g-1)/n / nvlink)``.
     """
     n = group.size
     if n <= 1 or nbytes <= 0:
@@ -95,6 +99,15 @@ def collective_time_s(
         link = find_link(profile, LinkLevel.intra_node, collective, n)
         return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
     net = find_link(profile, LinkLevel.inter_node, collective, n)
+    if collective is Collective.all_to_all:
+        # every rank sends (n - g)/n of its buffer through its own NIC and (g - 1)/n over NVLink
+        g = group.per_node
+        off_node = nbytes * (n - g) / n / net.busbw_bytes_per_s
+        on_node = 0.0
+        if g > 1:
+            intra = find_link(profile, LinkLevel.intra_node, collective, g)
+            on_node = nbytes * (g - 1) / n / intra.busbw_bytes_per_s
+        return net.alpha_s + max(off_node, on_node)
     busbw = net.busbw_bytes_per_s * group.per_node
     if group.per_node > 1:
         intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node)

@@ -32,6 +32,7 @@ class PassCost:
     overhead_s: float = 0.0  # kernel launches: count x kernel_overhead_s
     comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
     exposed_comm_s: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # buffer bytes by kind
 
     @property
     def compute_s(self) -> float:
@@ -41,9 +42,11 @@ class PassCost:
     def total_s(self) -> float:
         return self.compute_s + sum(self.exposed_comm_s.values())
 
-    def add_comm(self, kind: str, time_s: float, exposed_s: float) -> None:
+    def add_comm(self, kind: str, time_s: float, exposed_s: float, nbytes: float) -> None:
+        """Record collectives of ``kind``: total time, the part on the critical path, buffer bytes."""
         self.comm_s[kind] = self.comm_s.get(kind, 0.0) + time_s
         self.exposed_comm_s[kind] = self.exposed_comm_s.get(kind, 0.0) + exposed_s
+        self.comm_bytes[kind] = self.comm_bytes.get(kind, 0.0) + nbytes
 
 
 @dataclass
@@ -161,9 +164,13 @@ def block_cost(
     E = tokens * h
     dropout = E if model.dropout > 0 else 0
     replicated = (4 * elt * E + 2 * (3 * elt * E + dropout)) / rep
-    ffn = (moe.expert_ffn_hidden_size * moe.top_k + moe.shared_ffn * moe.num_shared_experts) if moe else model.ffn_hidden_size
+    if moe is not None:
+        ffn = moe.expert_ffn_hidden_size * moe.top_k * (moe.capacity_factor or 1.0) + moe.shared_ffn * moe.num_shared_experts
+    else:
+        ffn = model.ffn_hidden_size
     act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
-    rope = 2 * elt * tokens * heads * model.head_size * 2 if model.position_embedding == "rope" else 0
+    # RoPE rotates the local query and key heads (read + write)
+    rope = 2 * elt * tokens * (heads + kv_heads) * model.head_size if model.position_embedding == "rope" else 0
     # MoE token dispatcher: permute the T·k routed copies into expert order and back (read + write
     # each), and weight them by the router probabilities on the way back
     permute = 0.0
@@ -191,26 +198,29 @@ def block_cost(
         else:
             tp_fwd = 2 * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
             beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
-        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed))
+        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed), (4 if mb.sp else 2) * size)
         half = bwd.gemm_s / 2
         hidden = hidden_time_s(beside_wgrad, half, async_eff) + hidden_time_s(beside_dgrad, half, async_eff)
         total = beside_wgrad + critical + beside_dgrad
-        bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)))
+        bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)),
+                     (6 if mb.sp else 2) * size)
 
     # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
     if mb.cp > 1:
         kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
             model.head_size + model.value_head_size)
-        size = mb.batch * mb.seq * kv_dim * elt
-        fwd.add_comm("cp", *(2 * [collective_time_s(profile, Collective.all_gather, groups["cp"], size)]))
-        bwd.add_comm("cp", *(2 * [collective_time_s(profile, Collective.reduce_scatter, groups["cp"], size)]))
+        size = mb.batch * mb.seq * kv_dim * elt  # full-sequence K and V of the local heads
+        gather = collective_time_s(profile, Collective.all_gather, groups["cp"], size)
+        scatter = collective_time_s(profile, Collective.reduce_scatter, groups["cp"], size)
+        fwd.add_comm("cp", gather, gather, size)  # not overlapped: attention needs all of K and V
+        bwd.add_comm("cp", scatter, scatter, size)
 
     # expert parallel: dispatch and combine all-to-all per pass
     if moe is not None and layout.ep > 1:
-        size = tokens * moe.top_k * h * elt / rep
+        size = tokens * moe.top_k * (moe.capacity_factor or 1.0) * h * elt / rep
         a2a = 2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
-        fwd.add_comm("ep", a2a, a2a)
-        bwd.add_comm("ep", a2a, a2a)
+        fwd.add_comm("ep", a2a, a2a, 2 * size)
+        bwd.add_comm("ep", a2a, a2a, 2 * size)
 
     kernels = forward_kernel_count(model, moe is not None, mb, layout)
     fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
@@ -249,24 +259,29 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
 
 
 def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
-    """Token (and position) lookup: a write of ``T·h`` forward, a scatter-add backward, and with TP
-    the vocab-parallel all-reduce (reduce-scatter with SP)."""
+    """Token (and position) lookup: a write of ``T·h`` forward, a scatter-add backward. With TP the
+    vocab-parallel lookup is summed over ranks: all-reduce forward (reduce-scatter with SP, whose
+    backward all-gathers the output gradient)."""
     fwd, bwd = PassCost(), PassCost()
     size = mb.tokens * model.hidden_size * mb.elt
     fwd.memory_s = memory_time_s(profile, 2 * size)
     bwd.memory_s = memory_time_s(profile, 3 * size)
     fwd.overhead_s = profile.assumptions.kernel_overhead_s * (1 + (mb.tp > 1))
-    bwd.overhead_s = profile.assumptions.kernel_overhead_s * 2
+    bwd.overhead_s = profile.assumptions.kernel_overhead_s * (2 + (mb.tp > 1 and mb.sp))
     if mb.tp > 1:
         kind = Collective.reduce_scatter if mb.sp else Collective.all_reduce
         time = collective_time_s(profile, kind, groups["tp"], size)
-        fwd.add_comm("tp", time, time)
+        fwd.add_comm("tp", time, time, size)
+        if mb.sp:
+            back = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
+            bwd.add_comm("tp", back, back, size)
     return fwd, bwd
 
 
 def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
-    """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy
-    (~16 bytes per logit forward, 8 backward)."""
+    """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy (~16 bytes per
+    logit forward, 8 backward). With TP the head's input is replicated: with SP it is all-gathered
+    forward and its gradient reduce-scattered backward; without SP the gradient is all-reduced."""
     fwd, bwd = PassCost(), PassCost()
     t, h, tokens = mb.tp, model.hidden_size, mb.tokens
     fwd.gemm_s, bwd.gemm_s = gemm_fwd_bwd_s(profile, tokens, model.vocab_size // t, h, mb.precision)
@@ -278,7 +293,12 @@ def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, grou
     bwd.overhead_s = 2 * fwd.overhead_s
     if t > 1:
         size = tokens * h * mb.elt
-        kind = Collective.all_gather if mb.sp else Collective.all_reduce
-        time = collective_time_s(profile, kind, groups["tp"], size)
-        bwd.add_comm("tp", time, time)
+        if mb.sp:
+            gather = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
+            scatter = collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
+            fwd.add_comm("tp", gather, gather, size)
+            bwd.add_comm("tp", scatter, scatter, size)
+        else:
+            reduce = collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
+            bwd.add_comm("tp", reduce, reduce, size)
     return fwd, bwd

@@ -38,6 +38,21 @@ def state_bytes_per_param(training: TrainingConfig) -> StateBytes:
     return StateBytes(weights, grads, master + training.optimizer.state_bytes_per_param)
 
 
+def optimizer_step_bytes_per_param(training: TrainingConfig) -> float:
+    """HBM traffic of one optimizer step per parameter.
+
+    Gradients (``g`` bytes): inf/NaN check, norm, clipping (read + write), the update's read and the
+    zeroing write: ``6g``. Optimizer state (``o`` bytes, 8 for Adam): read and write, ``2o``. Weights:
+    with an fp32 master copy the update reads and writes the master (``2·4``) and the 16-bit copy is
+    refreshed from it (read 4, write ``w``); without one the update reads and writes the weights
+    (``2w``). Mixed-precision AdamW: ``6·4 + 2·8 + 3·4 + 2 = 54`` bytes.
+    """
+    state = state_bytes_per_param(training)
+    opt_state = training.optimizer.state_bytes_per_param
+    weights = 3 * 4 + state.weights if training.master_weights_fp32 else 2 * state.weights
+    return 6 * state.grads + 2 * opt_state + weights
+
+
 def model_state_bytes(
     params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: bool = False
 ) -> tuple[float, float, float]:
@@ -95,7 +110,10 @@ def layer_activation_bytes(
     lin = 1 if fp8 else elt  # bytes of a saved linear-layer input
     replicated = ((2 * elt + 2 * lin) * tokens * h + 2 * mask_bytes) / rep
     # attention (TP-split): Q, K, V and the output-projection input
-    attn = elt * tokens * (a * dqk + k * dqk + k * dv) + lin * tokens * a * dv
+    # Q for the local queries; K and V for the whole sequence the queries attend to (context
+    # parallelism keeps the gathered K/V for backward); the output-projection input
+    kv_tokens = b * shape.kv_seq
+    attn = elt * tokens * a * dqk + elt * kv_tokens * k * (dqk + dv) + lin * tokens * a * dv
     scores = b * a * s * shape.kv_seq
     if recompute is Recompute.selective:
         core = 0.0
@@ -121,14 +139,16 @@ def layer_activation_bytes(
 def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_batches: int, virtual: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
 
-    GPipe: all ``m``. 1F1B and zero-bubble (ZB-H1): ``p - i``. Interleaved 1F1B: ``p - i`` plus the
-    extra warm-up chunks, ``(p - 1 - i)/v``, so stage 0 holds ``p·(1 + (p-1)/(p·v))`` (Korthikanti §3).
+    GPipe: all ``m``. 1F1B and zero-bubble (ZB-H1): ``p - i``. Interleaved 1F1B: Megatron's warm-up
+    runs ``(v-1)·p + 2·(p-1-i)`` chunk forwards before the first backward, and each chunk holds
+    ``1/v`` of the stage's activations, so with the chunk in progress ``((v-1)p + 2(p-1-i) + 1)/v =
+    p + (p - 1 - 2i)/v``; stage 0 holds ``p·(1 + (p-1)/(p·v))`` (Korthikanti et al. §3).
     """
     m = num_micro_batches
     if schedule is Schedule.gpipe:
         return float(m)
     if schedule is Schedule.interleaved_1f1b:
-        return float(min(m, pp - stage + (pp - 1 - stage) / virtual))
+        return float(min(m, pp + (pp - 1 - 2 * stage) / virtual))
     return float(min(m, pp - stage))
 
 

@@ -25,25 +25,19 @@ from planner.contracts import (
 from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups, placement
 from planner.cost.compute import memory_time_s, peak_flops
 from planner.cost.flops import model_flops_per_step, recompute_flops
-from planner.cost.layer import BlockCost, MicroBatch, block_cost, embedding_cost, lm_head_cost
+from planner.cost.layer import BlockCost, MicroBatch, PassCost, block_cost, embedding_cost, lm_head_cost
 from planner.cost.memory import (
     ActivationShape,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
     model_state_bytes,
+    optimizer_step_bytes_per_param,
     state_bytes_per_param,
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.errors import AutoparError
-
-ADAM_STEP_BYTES_PER_PARAM = 54.0
-"""HBM traffic per parameter of a mixed-precision Adam step on fp32 main gradients: inf/NaN check
-(read 4 B), gradient norm (read 4), clipping (read 4, write 4), Adam (read master, grad, m, v:
-16; write master, m, v: 12), copy to the 16-bit weights (read 4, write 2), zero the gradient
-buffer (write 4)."""
-
 
 def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
     """Layers per (virtual) stage: as even as possible, extra layers to the interior stages first
@@ -186,6 +180,7 @@ def dp_traffic(
 
 
 def _exposed(comm_s: float, window_s: float, eff: float) -> float:
+    """Part of ``comm_s`` left on the critical path beside ``window_s`` of independent compute."""
     return comm_s - hidden_time_s(comm_s, window_s, eff)
 
 
@@ -194,6 +189,9 @@ def predict(
 ) -> Prediction:
     """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``."""
     m = check_layout(model, training, layout, profile.num_gpus)
+    if training.precision is Precision.fp8 and Precision.fp8 not in profile.device.peak_tflops:
+        raise AutoparError("precision", "fp8", "train in bf16 on this GPU, or use a GPU with FP8 (Hopper or later)",
+                           problem=f"needs FP8 tensor cores, which {profile.device.name} does not have")
     a = profile.assumptions
     groups = mesh_groups(layout, profile.gpus_per_node)
     mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
@@ -237,36 +235,40 @@ def predict(
         stage_params.append(dense / layout.tp)
         stage_expert_params.append(experts / (layout.tp * layout.ep))
 
-    # Data parallelism. ZeRO-3 gathers weights before forward (and again before backward when it
-    # reshards) and reduce-scatters gradients every micro-batch: the exposed part joins the stage
-    # times. Otherwise gradients are reduced once, beside the last micro-batch's backward, and the
-    # updated weights gathered beside the next step's first forward (overlap-grad-reduce /
-    # overlap-param-gather). HSDP's replica all-reduce happens once per step.
+    # Data parallelism. With gradients sharded (ZeRO-2/3) they cannot be accumulated locally, so they
+    # are reduce-scattered every micro-batch, beside that micro-batch's backward; ZeRO-3 also gathers
+    # the weights before every forward (and again before backward when it reshards). Otherwise
+    # gradients are reduced once, beside the last micro-batch's backward. Weights gathered once per
+    # step (ZeRO-1/2) overlap the next step's first forward (overlap-param-gather); HSDP's replica
+    # all-reduce happens once per step. Per-micro-batch exposed time joins the stage times.
     eff = a.async_overlap_efficiency if layout.dp_comm_overlap else 0.0
     dp_exposed: list[float] = []
     dp_comm: list[dict[str, tuple[float, float, float]]] = []  # kind -> (bytes, seconds, exposed) per step
     for i in range(len(stages)):
         tr = dp_traffic(profile, layout, training, stage_params[i], stage_expert_params[i])
-        if layout.zero_stage == 3:
-            gathers = 2 if layout.reshard_after_forward else 1
-            gather_f, gather_b = tr.gather_s, tr.gather_s * (gathers - 1)
-            exp_f = _exposed(gather_f, fwd_s[i], eff)
-            exp_b = _exposed(gather_b + tr.grad_s, bwd_s[i], eff)
-            share_b = gather_b / (gather_b + tr.grad_s) if gather_b + tr.grad_s else 0.0
-            fwd_s[i] += exp_f
-            bwd_s[i] += exp_b
-            exp_replica = _exposed(tr.replica_s, bwd_s[i], eff)
-            dp_exposed.append(exp_replica)
-            dp_comm.append({
-                "dp_param": (m * gathers * tr.gather_bytes, m * (gather_f + gather_b), m * (exp_f + share_b * exp_b)),
-                "dp_grad": (m * tr.grad_bytes, m * tr.grad_s + tr.replica_s, m * (1 - share_b) * exp_b + exp_replica),
-            })
-        else:
-            exp_g = _exposed(tr.grad_s + tr.replica_s, bwd_s[i], eff)
-            exp_p = _exposed(tr.gather_s, fwd_s[i], eff)
-            dp_exposed.append(exp_g + exp_p)
-            dp_comm.append({"dp_grad": (tr.grad_bytes, tr.grad_s + tr.replica_s, exp_g),
-                            "dp_param": (tr.gather_bytes, tr.gather_s, exp_p)})
+        grads_per_mb = layout.zero_stage >= 2
+        gathers_per_mb = (2 if layout.reshard_after_forward else 1) if layout.zero_stage == 3 else 0
+        gather_f = tr.gather_s if gathers_per_mb else 0.0
+        gather_b = tr.gather_s * (gathers_per_mb - 1) if gathers_per_mb else 0.0
+        grad_mb = tr.grad_s if grads_per_mb else 0.0
+        exp_f = _exposed(gather_f, fwd_s[i], eff)
+        exp_b = _exposed(gather_b + grad_mb, bwd_s[i], eff)
+        share_gather_b = gather_b / (gather_b + grad_mb) if gather_b + grad_mb else 0.0
+        fwd_s[i] += exp_f
+        bwd_s[i] += exp_b
+        # once per step
+        grad_step = tr.replica_s + (0.0 if grads_per_mb else tr.grad_s)
+        gather_step = 0.0 if gathers_per_mb else tr.gather_s
+        exp_grad_step = _exposed(grad_step, bwd_s[i], eff)
+        exp_gather_step = _exposed(gather_step, fwd_s[i], eff)
+        dp_exposed.append(exp_grad_step + exp_gather_step)
+        n_gathers = m * gathers_per_mb if gathers_per_mb else 1
+        dp_comm.append({
+            "dp_param": (n_gathers * tr.gather_bytes, m * (gather_f + gather_b) + gather_step,
+                         m * (exp_f + share_gather_b * exp_b) + exp_gather_step),
+            "dp_grad": ((m if grads_per_mb else 1) * tr.grad_bytes, m * grad_mb + grad_step,
+                        m * (1 - share_gather_b) * exp_b + exp_grad_step),
+        })
 
     pipe_s, bubble_s = pipeline_time_s(layout.schedule, fwd_s, bwd_s, m, layout.virtual_stages)
 
@@ -274,17 +276,18 @@ def predict(
     shard_n = layout.dp_shard * layout.cp
     opt_s = []
     offload_s = 0.0
+    step_bytes = optimizer_step_bytes_per_param(training)
     for i in range(len(stages)):
         local = stage_params[i] / (shard_n if layout.zero_stage >= 1 else 1) + stage_expert_params[i] / (
             max(shard_n // layout.ep, 1) if layout.zero_stage >= 1 else 1)
         if layout.offload_optimizer:
             copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
                 profile, local * state.weights, to_device=True)
-            cpu = local * ADAM_STEP_BYTES_PER_PARAM / a.cpu_optimizer_bytes_per_s
+            cpu = local * step_bytes / a.cpu_optimizer_bytes_per_s
             opt_s.append(copies + cpu)
             offload_s = max(offload_s, copies)
         else:
-            opt_s.append(memory_time_s(profile, local * ADAM_STEP_BYTES_PER_PARAM))
+            opt_s.append(memory_time_s(profile, local * step_bytes))
     tail = [dp_exposed[i] + opt_s[i] for i in range(len(stages))]
     step_s = pipe_s + max(tail)
 
@@ -303,6 +306,11 @@ def predict(
         if st.first:
             per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
         activations = per_mb * in_flight
+        full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
+        if full:  # recomputing a block in backward rebuilds all of its activations for a moment
+            activations += max(layer_activation_bytes(model, li, shape, Recompute.none, flash=training.flash_attention,
+                                                      elt=elt, fp8=training.precision is Precision.fp8)
+                               for li in full)
         buffers = float(a.reserved_memory_bytes)
         if st.last:
             buffers += logits_bytes(model, mb.tokens, layout.tp)
@@ -323,25 +331,31 @@ def predict(
     # communication summary (critical stage = slowest one)
     crit = max(range(len(stages)), key=lambda i: fwd_s[i] + bwd_s[i])
     comm: list[CommTime] = []
-    layer_comm: dict[str, tuple[float, float]] = {}
+    layer_comm: dict[str, tuple[float, float, float]] = {}  # kind -> (time, exposed, bytes) per micro-batch
+    passes: list[PassCost] = []
     for li, r in zip(stages[crit].layers, stages[crit].recompute):
         bc = block(li)
-        passes = [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
-        for pc in passes:
-            for kind, t in pc.comm_s.items():
-                tt, ee = layer_comm.get(kind, (0.0, 0.0))
-                layer_comm[kind] = (tt + t, ee + pc.exposed_comm_s[kind])
-    for kind, (t, e) in layer_comm.items():
+        passes += [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
+    if stages[crit].first:
+        passes += [emb_f, emb_b]
+    if stages[crit].last:
+        passes += [head_f, head_b]
+    for pc in passes:
+        for kind, t in pc.comm_s.items():
+            tt, ee, bb = layer_comm.get(kind, (0.0, 0.0, 0.0))
+            layer_comm[kind] = (tt + t, ee + pc.exposed_comm_s[kind], bb + pc.comm_bytes[kind])
+    for kind, (t, e, nbytes) in layer_comm.items():
         grp = groups[kind]
-        comm.append(CommTime(kind=kind, level=grp.level, group_size=grp.size, bytes_per_step=0.0,
+        comm.append(CommTime(kind=kind, level=grp.level, group_size=grp.size, bytes_per_step=m * nbytes,
                              time_s=m * t, exposed_s=m * e))
     if layout.pp > 1:
         t = 2 * m * layout.virtual_stages * p2p_s
         comm.append(CommTime(kind="pp", level=groups["pp"].level, group_size=layout.pp,
                              bytes_per_step=2 * m * layout.virtual_stages * p2p_bytes, time_s=t, exposed_s=t))
+    grad_group = placement(layout.dp * layout.cp, layout.tp, profile.gpus_per_node)  # ranks holding the same weights
     for kind, (nbytes, t, e) in dp_comm[crit].items():
         if t > 0:
-            comm.append(CommTime(kind=kind, level=groups["dp"].level, group_size=layout.dp * layout.cp,
+            comm.append(CommTime(kind=kind, level=grad_group.level, group_size=grad_group.size,
                                  bytes_per_step=nbytes, time_s=t, exposed_s=e))
     if offload_s:
         comm.append(CommTime(kind="offload", level="host_device", group_size=1, bytes_per_step=0.0,
