@@ -80,7 +80,7 @@ def main() -> int:
     if not args.no_loso:
         print("\n== leave-one-source-out: each source predicted by constants fitted without it ==")
         start = time.perf_counter()
-        loso = calibrate.leave_one_source_out(cases)
+        loso = calibrate.leave_one_source_out(load_rows(args.data))
         all_loso: list[float] = []
         for source, errs in loso.items():
             s = summarize(errs)

@@ -11,7 +11,7 @@ Fitted constants (everything else is a datasheet figure, a published measurement
 - ``tp_overlap_efficiency`` (shared): share of TP collectives hidden by decomposed GEMMs
   (async TP, TP-comm-overlap); a separate mechanism that costs SM time, so a separate constant.
 
-The objective is the mean of ``min(|log(predicted / reported)|, 0.3)`` over the judged rows: a
+The objective is the mean of ``min(|log(predicted / reported)|, CAP)`` over the judged rows: a
 log error is symmetric in over- and under-prediction, and the cap keeps a row the model cannot
 explain (a framework far from the others) from dragging every constant. Coordinate descent with
 golden-section search on each constant within physical bounds.
@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from planner.contracts import Assumptions
-from planner.reference import SYSTEMS
-from planner.validate import RowCase, evaluate
+from planner.validate import RowCase, build_cases, evaluate, source_key
 
 CAP = 0.2
 """Loss cap: a row off by more than the p90 accuracy target (20%) is left unexplained rather than fitted."""
@@ -54,8 +53,7 @@ Values = dict[tuple[str, str | None], float]
 
 
 def family_of(case: RowCase) -> str:
-    key = case.profile.name.split("-nic")[0]
-    return SYSTEMS[key].family
+    return case.family
 
 
 def with_values(case: RowCase, values: Values):  # noqa: ANN201 - returns a ClusterProfile
@@ -122,14 +120,21 @@ def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     return values
 
 
-def leave_one_source_out(cases: list[RowCase]) -> dict[str, list[float]]:
-    """For each source: fit on every other source, predict this one. Source -> signed errors."""
+def leave_one_source_out(rows: list[dict[str, str]]) -> dict[str, list[float]]:
+    """For each source: fit on every other source, predict this one. Source -> signed errors.
+
+    Nothing of the held-out source reaches its prediction: every case is first built under the
+    contract's uncalibrated defaults (the unstated micro-batch and interleaving depth are chosen by
+    predicted speed, so by the constants), the constants are fitted on the other sources, and the
+    held-out rows are then rebuilt and predicted under that fold's constants.
+    """
+    neutral, _ = build_cases(rows, fitted={})
     out: dict[str, list[float]] = {}
-    for source in sorted({c.source for c in cases}):
-        train = [c for c in cases if c.source != source]
-        test = [c for c in cases if c.source == source]
-        values = fit(train)
-        out[source] = [evaluate(c, with_values(c, values)).error for c in test]
+    for source in sorted({c.source for c in neutral}):
+        values = fit([c for c in neutral if c.source != source])
+        held_out, _ = build_cases([r for r in rows if source_key(r.get("run_id", "")) == source],
+                                  fitted=calibration_document(values, 0))
+        out[source] = [evaluate(c).error for c in held_out]
     return out
 
 

@@ -72,13 +72,21 @@ def load_model(model: str | None, model_file: Path | None, hf_config: Path | Non
     return ModelSpec.model_validate_json(_read(model_file, "--model-file"))
 
 
-def load_profile(cluster: str | None, nodes: int, profile: Path | None) -> ClusterProfile:
+def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -> ClusterProfile:
+    """A reference cluster by name, or a profile file (a measured one describes its own nodes)."""
     from planner.reference import reference_profile
 
-    if profile:
-        loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
-        return loaded.with_nodes(nodes) if nodes != loaded.num_nodes and loaded.kind == "reference" else loaded
-    return reference_profile(cluster or "dgx-h100", nodes)
+    if profile is None:
+        return reference_profile(cluster or "dgx-h100", nodes or 1)
+    if cluster:
+        raise AutoparError("--cluster", cluster, "give either --cluster or --profile", problem="conflicts with --profile")
+    loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
+    if nodes is None or nodes == loaded.num_nodes:
+        return loaded
+    if loaded.kind == "measured":
+        raise AutoparError("--nodes", nodes, f"drop --nodes (this measured profile has {loaded.num_nodes} nodes) "
+                           "or measure the cluster you plan for", problem="cannot change a measured profile")
+    return loaded.with_nodes(nodes)
 
 
 def _read(path: Path, flag: str) -> str:
@@ -98,7 +106,7 @@ def _layout(
             raise AutoparError("tp x pp x cp", tp * pp * cp, f"use degrees whose product divides the {num_gpus} GPUs",
                                problem=f"does not divide the {num_gpus} GPUs")
         dp = num_gpus // (tp * pp * cp)
-    replicate = dp_replicate or (dp if zero == 0 else 1)
+    replicate = dp_replicate if dp_replicate is not None else (dp if zero == 0 else 1)
     if dp % replicate:
         raise AutoparError("--dp-replicate", replicate, f"use a divisor of dp={dp}", problem=f"does not divide dp={dp}")
     counts = None
@@ -167,26 +175,26 @@ def predict(
     model_file: Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")] = None,
     hf_config: Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")] = None,
     cluster: Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")] = None,
-    nodes: Annotated[int, typer.Option(help="number of nodes")] = 1,
+    nodes: Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")] = None,
-    global_batch: Annotated[Optional[int], typer.Option(help="sequences per optimizer step")] = None,
-    global_batch_tokens: Annotated[Optional[int], typer.Option(help="tokens per optimizer step")] = None,
-    seq: Annotated[int, typer.Option(help="sequence length")] = 4096,
+    global_batch: Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")] = None,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")] = None,
+    seq: Annotated[int, typer.Option(min=1, help="sequence length")] = 4096,
     precision: Annotated[Precision, typer.Option()] = Precision.bf16,
     optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
     unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
-    tp: Annotated[int, typer.Option(help="tensor parallel degree")] = 1,
-    pp: Annotated[int, typer.Option(help="pipeline parallel degree")] = 1,
-    cp: Annotated[int, typer.Option(help="context parallel degree")] = 1,
-    ep: Annotated[int, typer.Option(help="expert parallel degree")] = 1,
-    dp: Annotated[Optional[int], typer.Option(help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
-    dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
+    tp: Annotated[int, typer.Option(min=1, help="tensor parallel degree")] = 1,
+    pp: Annotated[int, typer.Option(min=1, help="pipeline parallel degree")] = 1,
+    cp: Annotated[int, typer.Option(min=1, help="context parallel degree")] = 1,
+    ep: Annotated[int, typer.Option(min=1, help="expert parallel degree")] = 1,
+    dp: Annotated[Optional[int], typer.Option(min=1, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
+    dp_replicate: Annotated[Optional[int], typer.Option(min=1, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
     sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
-    zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group")] = 1,
+    zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group (0 = DDP)")] = 0,
     reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
-    micro_batch: Annotated[int, typer.Option(help="micro-batch size (sequences)")] = 1,
+    micro_batch: Annotated[int, typer.Option(min=1, help="micro-batch size (sequences)")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="pipeline schedule")] = Schedule.one_f_one_b,
-    vp: Annotated[int, typer.Option(help="virtual stages per pipeline rank (interleaved)")] = 1,
+    vp: Annotated[int, typer.Option(min=1, help="virtual stages per pipeline rank (interleaved)")] = 1,
     layers_per_stage: Annotated[Optional[str], typer.Option(help="comma-separated layers per (virtual) stage")] = None,
     recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,

@@ -140,21 +140,24 @@ def device_spec(design: NodeDesign) -> DeviceSpec:
     )
 
 
-def assumptions_for(family: str) -> Assumptions:
-    """Efficiency assumptions of a GPU family: defaults, overridden by the fitted calibration."""
-    fitted = calibration().get("families", {}).get(family, {})
-    shared = {k: v for k, v in calibration().get("shared", {}).items()}
-    values = {**shared, **fitted}
-    notes = [f"{k}={v:.3f} fitted on shared/data/published_runs.csv ({calibration().get('fitted_on', '?')})"
+def assumptions_for(family: str, fitted: dict | None = None) -> Assumptions:
+    """Efficiency assumptions of a GPU family: contract defaults overridden by a calibration
+    document (``fitted``; the packaged ``calibration.json`` when None, none at all when ``{}``)."""
+    doc = calibration() if fitted is None else fitted
+    values = {**doc.get("shared", {}), **doc.get("families", {}).get(family, {})}
+    notes = [f"{k}={v:.3f} fitted on shared/data/published_runs.csv ({doc.get('fitted_on', '?')})"
              for k, v in values.items()]
     return Assumptions(**values, notes=notes)
 
 
-def reference_profile(system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: float | None = None) -> ClusterProfile:
+def reference_profile(
+    system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: float | None = None, fitted: dict | None = None
+) -> ClusterProfile:
     """A reference ClusterProfile of ``num_nodes`` nodes of ``system`` (see :data:`SYSTEMS`).
 
     ``nic_gbit_per_gpu`` replaces the design's network line rate (clusters built with fewer or
-    slower NICs than the reference design).
+    slower NICs than the reference design); ``fitted`` replaces the packaged calibration
+    (``{}``: the contract's uncalibrated defaults).
     """
     key = ALIASES.get(system.lower(), system.lower())
     if key not in SYSTEMS:
@@ -179,7 +182,7 @@ def reference_profile(system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: floa
     for coll in (Collective.host_to_device, Collective.device_to_host):
         links.append(LinkProfile(level=LinkLevel.host_device, collective=coll, alpha_s=10e-6,
                                  busbw_bytes_per_s=d.host_link_gb_s * GB, source="PCIe, assumed"))
-    assumptions = assumptions_for(d.family)
+    assumptions = assumptions_for(d.family, fitted)
     assumptions.notes = list(d.notes) + [
         "alpha (latency): 10-12 us within a node, 25 us across nodes (assumed, typical NCCL small-message times)",
         f"network efficiency {NETWORK_EFFICIENCY}: nccl-tests busBW / NIC line rate",

@@ -28,11 +28,10 @@ from planner.contracts import (
     StageRecompute,
     TrainingConfig,
 )
-from planner.cost.flops import hardware_flops_per_step, model_flops_per_step
 from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.presets import PRESETS
-from planner.reference import reference_profile
+from planner.reference import reference_profile, system_family
 
 COLUMNS = (
     "run_id", "source", "source_location", "source_ref", "source_quality", "model", "arch_type", "num_layers",
@@ -63,6 +62,7 @@ _MCORE = re.compile(r"Megatron-Core|NeMo|Megatron-Bridge", re.I)
 class RowCase:
     run_id: str
     source: str
+    family: str  # GPU family of the reference profile (calibration group)
     model: ModelSpec
     training: TrainingConfig
     profile: ClusterProfile
@@ -142,23 +142,41 @@ def _nic_gbit_per_gpu(text: str, gpus_per_node: int) -> float | None:
     return None
 
 
-def _matching_preset(layers: int, hidden: int, heads: int) -> tuple[str, ModelSpec] | None:
-    for name, spec in PRESETS.items():
-        if (spec.num_layers, spec.hidden_size, spec.num_attention_heads) == (layers, hidden, heads):
+def _family(name: str) -> str:
+    """'LLAMA3-70B', 'llama3.1-70b' -> 'llama3'; 'GPT 7.1B', 'gpt3-175b' -> 'gpt'; 'Qwen3_30B_a3B' -> 'qwen3'."""
+    tokens = re.split(r"[^a-z0-9]+", name.lower().strip())
+    family = tokens[0] if tokens else ""
+    return "gpt" if family.startswith("gpt") else family
+
+
+def _matching_preset(row_model: str, layers: int, hidden: int, heads: int, swiglu: bool) -> tuple[str, ModelSpec] | None:
+    """The preset with the row's shapes and FFN kind, preferring one of the row's model family
+    (Llama 2 70B and Llama 3 70B share their shapes but not their vocabulary)."""
+    same = [(name, spec) for name, spec in PRESETS.items()
+            if (spec.num_layers, spec.hidden_size, spec.num_attention_heads) == (layers, hidden, heads)
+            and (spec.ffn_kind == "swiglu") == swiglu]
+    family = _family(row_model)
+    for name, spec in same:
+        if family and _family(name) == family:
             return name, spec
-    return None
+    return same[0] if same else None
 
 
 def _model(row: dict[str, str], defaults: list[str]) -> ModelSpec:
     layers, hidden, heads = _int(row["num_layers"]), _int(row["hidden_size"]), _int(row["num_attention_heads"])
     assert layers and hidden and heads
-    preset = _matching_preset(layers, hidden, heads)
     name_text = (row.get("model", "") + " " + row.get("arch_type", "")).lower()
     llama_like = bool(row.get("num_kv_heads")) or any(w in name_text for w in ("llama", "qwen", "mixtral", "deepseek", "mistral"))
-    base = preset[1] if preset and (preset[1].ffn_kind == "swiglu") == llama_like else None
-    if base is not None:
-        assert preset is not None
+    preset = _matching_preset(row.get("model", ""), layers, hidden, heads, swiglu=llama_like)
+    base = preset[1] if preset else None
+    if preset is not None:
         defaults.append(f"unstated architecture details from preset {preset[0]}")
+    elif llama_like:
+        defaults.append("architecture: Llama-style (RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout)")
+    else:
+        defaults.append("architecture: GPT-style (learned positions, LayerNorm, biases, tied embeddings, dropout 0.1)"
+                        if "alibi" not in name_text else
+                        "architecture: MPT-style (ALiBi, LayerNorm without biases, tied embeddings, no dropout)")
     kv = _int(row.get("num_kv_heads"))
     if kv is None:
         kv = base.kv_heads if base else heads
@@ -222,8 +240,19 @@ def _precision(text: str) -> Precision:
     return Precision.bf16
 
 
-def build_case(row: dict[str, str]) -> RowCase | Skipped:
-    """Turn one CSV row into a prediction case, or say why it cannot be judged."""
+def build_case(row: dict[str, str], fitted: dict | None = None) -> RowCase | Skipped:
+    """Turn one CSV row into a prediction case, or say why it cannot be judged (never raises for a bad row).
+
+    ``fitted``: the calibration document to build reference profiles with (default: the packaged one).
+    """
+    try:
+        return _build_case(row, fitted)
+    except (AutoparError, ValueError, TypeError, ZeroDivisionError) as exc:
+        run_id = row.get("run_id", "?")
+        return Skipped(run_id, source_key(run_id), f"row not usable: {exc}")
+
+
+def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     run_id, source = row.get("run_id", "?"), source_key(row.get("run_id", "?"))
     missing = [c for c in REQUIRED if not (row.get(c) or "").strip()]
     if missing:
@@ -256,7 +285,7 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
     nic = _nic_gbit_per_gpu(row.get("inter_node_interconnect", ""), gpn)
     if gpus % gpn:
         return Skipped(run_id, source, f"num_gpus={gpus} is not a whole number of {gpn}-GPU nodes")
-    profile = reference_profile(system, gpus // gpn, nic_gbit_per_gpu=nic)
+    profile = reference_profile(system, gpus // gpn, nic_gbit_per_gpu=nic, fitted=fitted)
 
     tp, pp = _int(row["tp"]), _int(row["pp"])
     cp, ep = _int(row.get("cp")) or 1, _int(row.get("ep")) or 1
@@ -271,7 +300,6 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
     vp_text = (row.get("virtual_pipeline_stages") or "").strip()
     schedule, v = Schedule.one_f_one_b, 1
     if pp > 1:
-        per_stage = model.num_layers // pp
         if "dualpipe" in vp_text.lower():
             schedule = Schedule.zero_bubble
             defaults.append("schedule=zero_bubble (stands in for DualPipe)")
@@ -289,7 +317,6 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
     if not sp_text and tp > 1:
         defaults.append(f"sequence_parallel={'on' if sp else 'off'}")
 
-    reshard = True
     zero = zero_stage_from_text(row.get("zero_or_fsdp") or "")
     if zero is None:
         zero = 1 if mcore else 0
@@ -297,6 +324,8 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
 
     fw = (row.get("framework", "") + " " + row.get("other_throughput_reported", "")).lower()
     tp_overlap = "tp-comm-overlap" in fw or "async tp" in fw
+    if tp_overlap:
+        defaults.append("tp_comm_overlap=on (the row's framework/throughput notes name TP-comm-overlap or async TP)")
     # Megatron-LM of 2021-22 all-reduced gradients after the backward pass (no overlap)
     dp_overlap = not era2021 and "no overlap of gradient" not in (row.get("notes", "").lower())
     if era2021 and dp > 1:
@@ -307,7 +336,7 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
         defaults.append("pp_scatter_gather=off (DeepSpeed's pipeline engine sends whole activations)")
     layout_kwargs = dict(
         dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
-        zero_stage=zero, reshard_after_forward=reshard,
+        zero_stage=zero,
         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
     )
     rc_text = (row.get("activation_recompute") or "").lower()
@@ -379,7 +408,8 @@ def build_case(row: dict[str, str]) -> RowCase | Skipped:
         metric, reported = "tokens_per_s_per_gpu", _num(row["tokens_per_sec_per_gpu_derived"])
     else:
         return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
-    return RowCase(run_id, source, model, training, profile, layout, metric, reported, flop_convention, defaults)
+    return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
+                   flop_convention, defaults)
 
 
 def predicted_metric(case: RowCase, pred: Prediction) -> float:
@@ -389,11 +419,7 @@ def predicted_metric(case: RowCase, pred: Prediction) -> float:
         return pred.step_time_s
     if case.metric == "tokens_per_s_per_gpu":
         return pred.tokens_per_s_per_gpu
-    gbs, seq = case.training.global_batch_seqs, case.training.seq_length
-    if case.flop_convention == "hardware":
-        flops = hardware_flops_per_step(case.model, gbs, seq, case.layout.recompute)
-    else:
-        flops = model_flops_per_step(case.model, gbs, seq)
+    flops = pred.hardware_flops_per_step if case.flop_convention == "hardware" else pred.model_flops_per_step
     if case.metric == "tflops_per_gpu":
         return flops / pred.step_time_s / n / 1e12
     return pred.mfu
@@ -419,14 +445,14 @@ def load_rows(path: str | Path) -> list[dict[str, str]]:
         return list(reader)
 
 
-def build_cases(rows: list[dict[str, str]]) -> tuple[list[RowCase], list[Skipped]]:
+def build_cases(rows: list[dict[str, str]], fitted: dict | None = None) -> tuple[list[RowCase], list[Skipped]]:
     cases, skipped = [], []
     for row in rows:
         if (row.get("config_completeness") or "complete") != "complete":
             skipped.append(Skipped(row.get("run_id", "?"), source_key(row.get("run_id", "?")),
                                    f"config_completeness={row.get('config_completeness')}: missing {row.get('missing_fields')}"))
             continue
-        result = build_case(row)
+        result = build_case(row, fitted)
         (cases if isinstance(result, RowCase) else skipped).append(result)
     return cases, skipped
 

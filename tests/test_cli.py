@@ -223,7 +223,7 @@ def test_model_file_that_is_not_json(tmp_path):
 
 
 def test_zero_sequence_length():
-    assert_usage_error(autopar(*BASE, "--seq", "0"), "seq_length=0")
+    assert_usage_error(autopar(*BASE, "--seq", "0"), "--seq", "greater than or equal to 1")
 
 
 def test_unknown_cluster_lists_known_clusters():

@@ -128,7 +128,7 @@ class TestCheckLayout:
     def test_more_stages_than_layers(self):
         # 4 x 4 virtual = 16 stages for 8 layers
         layout = ParallelLayout(dp_shard=2, pp=4, schedule=Schedule.interleaved_1f1b, virtual_stages=4)
-        self._raises("pp", small_model(), train(), layout)
+        self._raises("pp x virtual_stages", small_model(), train(), layout)
 
 
 class TestDefaultLayerSplit:
@@ -152,7 +152,7 @@ class TestDefaultLayerSplit:
     def test_too_many_stages(self):
         with pytest.raises(AutoparError) as info:
             default_layer_split(4, 5)
-        assert info.value.field == "pp"
+        assert info.value.field == "pp x virtual_stages"
 
 
 # ============================================================================================

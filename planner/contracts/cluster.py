@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
 
@@ -38,7 +38,19 @@ class DeviceSpec(Contract):
     peak_tflops: dict[Precision, float] = Field(description="dense datasheet peak per precision, TFLOP/s")
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
     sm_count: int | None = Field(None, gt=0, description="streaming multiprocessors (wave quantisation)")
-    tdp_w: float | None = None
+    tdp_w: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _peaks(self) -> DeviceSpec:
+        if Precision.bf16 not in self.peak_tflops and Precision.fp16 not in self.peak_tflops:
+            raise ValueError(
+                f"peak_tflops={ {k.value: v for k, v in self.peak_tflops.items()} } has no bf16/fp16 entry; "
+                "give the dense 16-bit peak in TFLOP/s, e.g. {'bf16': 989.4}"
+            )
+        bad = {k.value: v for k, v in self.peak_tflops.items() if not v > 0}
+        if bad:
+            raise ValueError(f"peak_tflops={bad} must be positive TFLOP/s")
+        return self
 
 
 class Environment(Contract):
@@ -127,7 +139,7 @@ class Assumptions(Contract):
     memory_bandwidth_efficiency: float = Field(
         0.8, gt=0, le=1, description="fraction of HBM bandwidth reached by norms, elementwise ops and the optimizer"
     )
-    gemm_tiles: list[tuple[int, int]] = Field(
+    gemm_tiles: list[tuple[PositiveInt, PositiveInt]] = Field(
         default_factory=lambda: [(128, 256), (256, 128), (128, 128)],
         description="output tiles the GEMM library picks from (wave quantisation over sm_count)",
     )
@@ -178,5 +190,5 @@ class ClusterProfile(Contract):
         return self.gpus_per_node * self.num_nodes
 
     def with_nodes(self, num_nodes: int) -> ClusterProfile:
-        """The same machines, ``num_nodes`` of them (reference profiles describe any node count)."""
-        return self.model_copy(update={"num_nodes": num_nodes})
+        """The same machines, ``num_nodes`` of them (reference profiles describe any node count); validated."""
+        return ClusterProfile.model_validate({**self.model_dump(), "num_nodes": num_nodes})

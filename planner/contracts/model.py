@@ -33,7 +33,7 @@ class MoESpec(Contract):
     expert_ffn_hidden_size: int = Field(description="intermediate size of one routed expert")
     num_shared_experts: int = Field(0, ge=0, description="always-active experts (DeepSeek, Qwen2-MoE)")
     shared_expert_ffn_hidden_size: int | None = Field(
-        None, description="intermediate size of one shared expert; defaults to expert_ffn_hidden_size"
+        None, gt=0, description="intermediate size of one shared expert; defaults to expert_ffn_hidden_size"
     )
     first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense FFN (DeepSeek-V3: 3)")
     layer_frequency: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE")

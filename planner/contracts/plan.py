@@ -63,7 +63,7 @@ class ParallelLayout(Contract):
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
         if self.sp and self.tp == 1:
-            object.__setattr__(self, "sp", False)
+            raise ValueError("sp=True splits the sequence over the TP group, so it needs tp > 1; set sp=False or tp > 1")
         if self.schedule is Schedule.interleaved_1f1b and self.pp == 1:
             raise ValueError("schedule='interleaved_1f1b' needs pp > 1; use schedule='1f1b' for pp=1")
         if self.schedule is not Schedule.interleaved_1f1b and self.virtual_stages != 1:

@@ -44,8 +44,8 @@ def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
     (the first and last stages also carry the embedding and the LM head)."""
     if num_stages > num_layers:
         raise AutoparError(
-            "pp", num_stages, f"use pp x virtual_stages <= num_layers={num_layers}",
-            problem=f"x virtual stages = {num_stages} stages is more than there are layers ({num_layers})",
+            "pp x virtual_stages", num_stages, f"use pp x virtual_stages <= num_layers={num_layers}",
+            problem=f"is more stages than there are layers ({num_layers})",
         )
     base, extra = divmod(num_layers, num_stages)
     counts = [base] * num_stages

@@ -21,3 +21,17 @@ from planner.validate import zero_stage_from_text
 )
 def test_zero_stage_from_text(text, stage):
     assert zero_stage_from_text(text) == stage
+
+
+@pytest.mark.parametrize(
+    ("row_model", "preset"),
+    [("LLAMA3-70B", "llama3-70b"), ("LLAMA2-70B", "llama2-70b"), ("LLAMA3-8B", "llama3-8b")],
+)
+def test_preset_match_prefers_the_rows_model_family(row_model, preset):
+    """Llama 2 70B and Llama 3 70B share their shapes; the vocabulary must come from the right one."""
+    from planner.presets import PRESETS
+    from planner.validate import _matching_preset
+
+    spec = PRESETS[preset]
+    name, _ = _matching_preset(row_model, spec.num_layers, spec.hidden_size, spec.num_attention_heads, swiglu=True)
+    assert PRESETS[name].vocab_size == spec.vocab_size
