@@ -303,6 +303,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         if "dualpipe" in vp_text.lower():
             schedule = Schedule.zero_bubble
             defaults.append("schedule=zero_bubble (stands in for DualPipe)")
+            defaults.append("ep_comm_overlap=on (DualPipe overlaps the expert all-to-all with computation)")
         elif _int(vp_text) and _int(vp_text) > 1:
             schedule, v = Schedule.interleaved_1f1b, _int(vp_text)
         elif "interleav" in vp_text.lower():
@@ -338,6 +339,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
         zero_stage=zero,
         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
+        ep_comm_overlap="dualpipe" in vp_text.lower(),
     )
     rc_text = (row.get("activation_recompute") or "").lower()
     per_stage = None

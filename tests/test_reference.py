@@ -3,7 +3,9 @@ contract layer they produce: JSON schemas, JSON round trips and the ClusterProfi
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 from importlib import resources
 
 import pytest
@@ -23,7 +25,7 @@ from planner.contracts import (
 from planner.cost.predict import predict
 from planner.errors import AutoparError, UnknownNameError
 from planner.presets import get_preset
-from planner.reference import ALIASES, NETWORK_EFFICIENCY, SYSTEMS, list_systems, reference_profile
+from planner.reference import ALIASES, SYSTEMS, list_systems, reference_profile
 
 GiB = 2**30
 CALIBRATION = json.loads(resources.files("planner").joinpath("data/calibration.json").read_text())
@@ -99,9 +101,37 @@ def test_inter_node_busbw_is_nic_line_rate_times_efficiency(system):
     assert {link.collective for link in inter} >= {Collective.all_reduce, Collective.all_gather,
                                                    Collective.reduce_scatter, Collective.all_to_all, Collective.p2p}
     expected = SYSTEMS[system].nic_gbit_per_gpu / 8 * 0.95 * 1e9
-    assert NETWORK_EFFICIENCY == 0.95
     for link in inter:
         assert link.busbw_bytes_per_s == pytest.approx(expected)
+
+
+def _hardware_rows() -> list[dict[str, str]]:
+    with resources.files("planner").joinpath("data/hardware.csv").open(encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_inter_node_busbw_agrees_with_nccl_tests_figures_in_hardware_csv():
+    """The network busBW of the reference profiles against the measurements hardware.csv records
+    (not against the efficiency constant that produces it)."""
+    rows = _hardware_rows()
+    # DGX A100, 8x 200 Gb/s HDR per node: nccl-tests all-reduce busBW 192 GB/s per node (NCCL #812),
+    # i.e. 192 / 8 GPUs = 24 GB/s per GPU's NIC
+    dgx_a100 = next(r for r in rows if r["name"] == "DGX A100" and r["scope"] == "inter-node")
+    assert "8x 200 Gb/s" in dgx_a100["form_factor_or_system"]
+    per_gpu_a100 = float(dgx_a100["measured_busbw_gb_s"]) / 8
+    assert per_gpu_a100 == 24.0
+    a100 = [link for link in reference_profile("dgx-a100-80gb", 2).links if link.level is LinkLevel.inter_node]
+    assert a100
+    for link in a100:
+        assert abs(link.busbw_bytes_per_s / 1e9 - per_gpu_a100) <= 0.05 * per_gpu_a100, link.collective
+    # DGX H100, 400 Gb/s NDR per GPU: NVIDIA expects 46-48 GB/s per NIC (nccl-tests #290)
+    ndr = next(r for r in rows if "per NIC" in r["measured_other"] and "NDR 400" in r["measured_other"])
+    low, high = (float(x) for x in re.search(r"(\d+)-(\d+)\s*GB/s per NIC", ndr["measured_other"]).groups())
+    assert (low, high) == (46.0, 48.0)
+    h100 = [link for link in reference_profile("dgx-h100", 2).links if link.level is LinkLevel.inter_node]
+    assert h100
+    for link in h100:
+        assert low * 1e9 <= link.busbw_bytes_per_s <= high * 1e9, link.collective
 
 
 def test_network_figures_by_hand():

@@ -54,6 +54,9 @@ class ParallelLayout(Contract):
     offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
     tp_comm_overlap: bool = Field(False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)")
     dp_comm_overlap: bool = Field(True, description="gradient reduce / param gather overlapped with compute")
+    ep_comm_overlap: bool = Field(
+        False, description="expert all-to-all overlapped with another micro-batch's compute (DualPipe, 2-batch overlap)"
+    )
     pp_scatter_gather: bool = Field(
         True,
         description="each TP rank sends 1/tp of a stage's activation and the next stage all-gathers it "
