@@ -183,6 +183,7 @@ def predict(
     precision: Annotated[Precision, typer.Option()] = Precision.bf16,
     optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
     unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
+    moe_imbalance: Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")] = 1.0,
     tp: Annotated[int, typer.Option(min=1, help="tensor parallel degree")] = 1,
     pp: Annotated[int, typer.Option(min=1, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, help="context parallel degree")] = 1,
@@ -210,7 +211,8 @@ def predict(
     if global_batch is None and global_batch_tokens is None:
         fail("give --global-batch (sequences) or --global-batch-tokens")
     training = TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
-                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention)
+                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
+                              moe_load_imbalance=moe_imbalance)
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap)
     prediction: Prediction = run_prediction(spec, training, prof, layout)

@@ -11,6 +11,8 @@ across nodes on the two-node profile), alpha 0, no kernel launch cost. A bf16 GE
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.contracts import (
@@ -616,3 +618,18 @@ def test_ep_all_to_all_overlapped_with_another_micro_batch():
     expected = a2a - 0.5 * min(a2a, overlapped.forward.compute_s)
     assert overlapped.forward.exposed_comm_s["ep"] == pytest.approx(expected)
     assert expected < a2a
+
+
+def test_moe_load_imbalance_scales_the_busiest_ranks_routed_work():
+    """Dropless routing: the busiest expert rank handles T·top_k·imbalance copies; capacity-padded
+    experts always handle T·top_k·capacity_factor (tokens beyond capacity are dropped)."""
+    from planner.cost.layer import routed_token_count
+
+    dropless = small_moe()
+    assert routed_token_count(dropless.moe, 1000, 1.5) == 1000 * dropless.moe.top_k * 1.5
+    padded = small_moe(capacity_factor=1.25)
+    assert routed_token_count(padded.moe, 1000, 1.5) == 1000 * padded.moe.top_k * 1.25
+    balanced = block(small_moe(), micro(), dp_shard=2, ep=2)
+    skewed = block(small_moe(), replace(micro(), moe_imbalance=2.0), dp_shard=2, ep=2)
+    assert skewed.forward.comm_s["ep"] > balanced.forward.comm_s["ep"]
+    assert skewed.forward.gemm_s > balanced.forward.gemm_s

@@ -22,6 +22,10 @@ class TrainingConfig(Contract):
     optimizer: Optimizer = Optimizer.adamw
     master_weights_fp32: bool = Field(True, description="keep an fp32 copy of the weights (mixed precision)")
     grad_reduce_in_fp32: bool = Field(True, description="accumulate and reduce gradients in fp32")
+    moe_load_imbalance: float = Field(
+        1.0, ge=1.0, le=64.0,
+        description="routed tokens on the busiest expert rank relative to a perfect balance (it sets the pace)",
+    )
     flash_attention: bool = Field(
         True, description="fused attention that never stores the s x s scores (False: Megatron-2021-style unfused)"
     )

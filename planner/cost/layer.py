@@ -72,6 +72,7 @@ class MicroBatch:
     sp: bool
     precision: Precision
     flash: bool
+    moe_imbalance: float = 1.0  # routed tokens on the busiest expert rank / a perfect balance
 
     @property
     def local_seq(self) -> int:
@@ -85,6 +86,14 @@ class MicroBatch:
     @property
     def elt(self) -> int:
         return self.precision.bytes
+
+
+def routed_token_count(moe, tokens: float, imbalance: float) -> float:  # noqa: ANN001 - MoESpec
+    """Token copies the busiest expert rank processes: ``T · top_k`` times the capacity factor when
+    experts are padded to a fixed capacity (drops beyond it), else times the load imbalance."""
+    if moe.capacity_factor is not None:
+        return tokens * moe.top_k * moe.capacity_factor
+    return tokens * moe.top_k * imbalance
 
 
 def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int, split: int,
@@ -143,7 +152,7 @@ def block_cost(
             gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision,
                                          moe.num_shared_experts))
         local_experts = max(moe.num_experts // layout.ep, 1)
-        routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+        routed_tokens = routed_token_count(moe, tokens, mb.moe_imbalance)
         per_expert = max(int(routed_tokens / local_experts), 1)
         gemm = _sum(gemm, _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision,
                                      local_experts))
@@ -165,7 +174,7 @@ def block_cost(
     dropout = E if model.dropout > 0 else 0
     replicated = (4 * elt * E + 2 * (3 * elt * E + dropout)) / rep
     if moe is not None:
-        ffn = moe.expert_ffn_hidden_size * moe.top_k * (moe.capacity_factor or 1.0) + moe.shared_ffn * moe.num_shared_experts
+        ffn = moe.expert_ffn_hidden_size * routed_token_count(moe, 1, mb.moe_imbalance) + moe.shared_ffn * moe.num_shared_experts
     else:
         ffn = model.ffn_hidden_size
     act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
@@ -175,8 +184,7 @@ def block_cost(
     # each), and weight them by the router probabilities on the way back
     permute = 0.0
     if moe is not None:
-        routed = tokens * moe.top_k * (moe.capacity_factor or 1.0)
-        permute = (2 * 2 + 1) * elt * routed * h / rep
+        permute = (2 * 2 + 1) * elt * routed_token_count(moe, tokens, mb.moe_imbalance) * h / rep
     fwd.memory_s = memory_time_s(profile, replicated + act + rope + permute)
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
@@ -217,7 +225,7 @@ def block_cost(
 
     # expert parallel: dispatch and combine all-to-all per pass
     if moe is not None and layout.ep > 1:
-        size = tokens * moe.top_k * (moe.capacity_factor or 1.0) * h * elt / rep
+        size = routed_token_count(moe, tokens, mb.moe_imbalance) * h * elt / rep
         a2a = 2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
         for p in (fwd, bwd):
             # with ep_comm_overlap the dispatch/combine of one micro-batch runs beside another's compute

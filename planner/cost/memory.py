@@ -81,7 +81,7 @@ class ActivationShape:
 
 def layer_activation_bytes(
     model: ModelSpec, index: int, shape: ActivationShape, recompute: Recompute, *, flash: bool, elt: int = 2,
-    fp8: bool = False,
+    fp8: bool = False, moe_imbalance: float = 1.0,
 ) -> float:
     """Activation bytes stored by block ``index`` for the backward pass of one micro-batch.
 
@@ -126,7 +126,7 @@ def layer_activation_bytes(
         moe = model.moe
         assert moe is not None
         per_mlp = (3 if model.ffn_kind == "swiglu" else 2)
-        routed_tokens = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+        routed_tokens = tokens * moe.top_k * (moe.capacity_factor or moe_imbalance)
         ffn = routed_tokens * (lin * h + (elt * (per_mlp - 1) + lin) * moe.expert_ffn_hidden_size / t)
         ffn += tokens * moe.num_shared_experts * (elt * (per_mlp - 1) + lin) * moe.shared_ffn / t
         ffn += 4 * tokens * moe.num_experts / rep  # fp32 router probabilities

@@ -195,7 +195,7 @@ def predict(
     a = profile.assumptions
     groups = mesh_groups(layout, profile.gpus_per_node)
     mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
-                    training.precision, training.flash_attention)
+                    training.precision, training.flash_attention, training.moe_load_imbalance)
     state = state_bytes_per_param(training)
     elt = training.precision.bytes
 
@@ -301,7 +301,8 @@ def predict(
                                        layout.offload_optimizer)
         in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
         per_mb = sum(layer_activation_bytes(model, li, shape, r, flash=training.flash_attention, elt=elt,
-                                            fp8=training.precision is Precision.fp8)
+                                            fp8=training.precision is Precision.fp8,
+                                            moe_imbalance=training.moe_load_imbalance)
                      for li, r in zip(st.layers, st.recompute))
         if st.first:
             per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
