@@ -357,35 +357,10 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         recompute = Recompute.none
     else:
         recompute = None
-    # (schedule, v) options: a stated v, or every interleaving depth when the source only says
-    # "interleaved"; plain 1F1B is the fallback when no interleaved option is valid
-    if schedule is Schedule.interleaved_1f1b:
-        sched_options = [(schedule, d) for d in ([v] if v > 1 else range(2, model.num_layers // pp + 1))]
-    else:
-        sched_options = [(schedule, 1)]
-    best: tuple[float, ParallelLayout, Recompute] | None = None
-    last_error: AutoparError | None = None
-    combos = [(sv, b) for sv in sched_options for b in mbs_options]
-    if schedule is Schedule.interleaved_1f1b:
-        combos += [((Schedule.one_f_one_b, 1), b) for b in mbs_options]
-    for (sched_try, v_try), mbs_try in combos:
-        if best is not None and sched_try is Schedule.one_f_one_b and schedule is Schedule.interleaved_1f1b:
-            break  # an interleaved option was valid
-        kwargs = {**layout_kwargs, "schedule": sched_try, "virtual_stages": v_try, "micro_batch_size": mbs_try}
-        for candidate in [recompute] if recompute else [Recompute.none, Recompute.selective, Recompute.full]:
-            try:
-                layout = ParallelLayout(**kwargs, recompute=candidate)
-                pred = predict(model, training, profile, layout)
-            except AutoparError as exc:
-                last_error = exc
-                break
-            if pred.memory.fits or recompute or candidate is Recompute.full:
-                if best is None or pred.step_time_s < best[0]:
-                    best = (pred.step_time_s, layout, candidate)
-                break
-    if best is None:
-        return Skipped(run_id, source, f"layout not valid: {last_error}")
-    layout = best[1]
+    found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute)
+    if isinstance(found, AutoparError):
+        return Skipped(run_id, source, f"layout not valid: {found}")
+    layout, chosen_recompute = found
     if schedule is Schedule.interleaved_1f1b and layout.schedule is not schedule:
         defaults.append("schedule=1f1b (no interleaving depth divides the layers and micro-batches)")
     elif schedule is Schedule.interleaved_1f1b and v <= 1:
@@ -393,25 +368,68 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if not mbs:
         defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
     if recompute is None:
-        defaults.append(f"recompute={best[2].value} (cheapest that fits in memory)")
+        defaults.append(f"recompute={chosen_recompute.value} (cheapest that fits in memory)")
 
+    comparison = _comparison(row, precision)
+    if comparison is None:
+        return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
+    metric, reported, flop_convention = comparison
+    return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
+                   flop_convention, defaults)
+
+
+def _fill_unstated(
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout_kwargs: dict,
+    schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None,
+) -> tuple[ParallelLayout, Recompute] | AutoparError:
+    """The layout for the knobs a source left unstated: interleaving depth and micro-batch size by
+    fastest prediction, recompute the cheapest that fits. A stated v or micro-batch is kept; plain
+    1F1B is the fallback when no interleaving depth is valid. Returns the last error if none is."""
+    if schedule is Schedule.interleaved_1f1b:
+        depths = [v] if v > 1 else range(2, model.num_layers // layout_kwargs["pp"] + 1)
+        combos = [((schedule, d), b) for d in depths for b in mbs_options]
+        fallback = [((Schedule.one_f_one_b, 1), b) for b in mbs_options]
+    else:
+        combos, fallback = [((schedule, 1), b) for b in mbs_options], []
+    best: tuple[float, ParallelLayout, Recompute] | None = None
+    last_error = AutoparError("layout", "none", "check the row's degrees", problem="found no valid combination")
+    for options in (combos, fallback):
+        for (sched_try, v_try), mbs_try in options:
+            kwargs = {**layout_kwargs, "schedule": sched_try, "virtual_stages": v_try, "micro_batch_size": mbs_try}
+            for candidate in [recompute] if recompute else [Recompute.none, Recompute.selective, Recompute.full]:
+                try:
+                    layout = ParallelLayout(**kwargs, recompute=candidate)
+                    pred = predict(model, training, profile, layout)
+                except AutoparError as exc:
+                    last_error = exc
+                    break
+                if pred.memory.fits or recompute or candidate is Recompute.full:
+                    if best is None or pred.step_time_s < best[0]:
+                        best = (pred.step_time_s, layout, candidate)
+                    break
+        if best is not None:
+            return best[1], best[2]
+    return last_error
+
+
+def _comparison(row: dict[str, str], precision: Precision) -> tuple[str, float, str] | None:
+    """(metric, reported value, FLOP convention) in the row's own convention: iteration time where
+    given; tokens/s for FP8 rows and where it is the published figure; TFLOP/s with the source's
+    FLOP count; MFU; derived tokens/s last. None when the row has no comparable figure."""
     conv = (row.get("flop_convention") or "").lower()
     flop_convention = "hardware" if ("includes the recompute" in conv or "hardware flops" in conv) else "model"
     tokens_reported = _num(row.get("tokens_per_sec_per_gpu_reported"))
     if row.get("iteration_time_s_reported"):
-        metric, reported = "iteration_time_s", _num(row["iteration_time_s_reported"])
-    elif tokens_reported and (precision is Precision.fp8 or not row.get("tflops_per_gpu_reported")):
-        metric, reported = "tokens_per_s_per_gpu", tokens_reported
-    elif row.get("tflops_per_gpu_reported") and precision is not Precision.fp8:
-        metric, reported = "tflops_per_gpu", _num(row["tflops_per_gpu_reported"])
-    elif row.get("mfu_pct_reported") and precision is not Precision.fp8:
-        metric, reported = "mfu", _num(row["mfu_pct_reported"]) / 100
-    elif row.get("tokens_per_sec_per_gpu_derived"):
-        metric, reported = "tokens_per_s_per_gpu", _num(row["tokens_per_sec_per_gpu_derived"])
-    else:
-        return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
-    return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
-                   flop_convention, defaults)
+        return "iteration_time_s", _num(row["iteration_time_s_reported"]), flop_convention
+    if tokens_reported and (precision is Precision.fp8 or not row.get("tflops_per_gpu_reported")):
+        return "tokens_per_s_per_gpu", tokens_reported, flop_convention
+    if row.get("tflops_per_gpu_reported") and precision is not Precision.fp8:
+        return "tflops_per_gpu", _num(row["tflops_per_gpu_reported"]), flop_convention
+    if row.get("mfu_pct_reported") and precision is not Precision.fp8:
+        return "mfu", _num(row["mfu_pct_reported"]) / 100, flop_convention
+    if row.get("tokens_per_sec_per_gpu_derived"):
+        return "tokens_per_s_per_gpu", _num(row["tokens_per_sec_per_gpu_derived"]), flop_convention
+    return None
 
 
 def predicted_metric(case: RowCase, pred: Prediction) -> float:
