@@ -73,9 +73,16 @@ def log_errors(cases: list[RowCase], values: Values) -> list[float]:
     return out
 
 
+SECONDARY_WEIGHT = 0.5
+"""Weight of a row whose source is a secondary transcription or quote (the data's source_quality
+column) relative to one read from the primary source."""
+
+
 def objective(cases: list[RowCase], values: Values) -> float:
+    """Weighted mean of capped absolute log errors (secondary-source rows weigh SECONDARY_WEIGHT)."""
     errs = log_errors(cases, values)
-    return sum(min(abs(e), CAP) for e in errs) / max(len(errs), 1)
+    weights = [1.0 if c.primary_source else SECONDARY_WEIGHT for c in cases]
+    return sum(w * min(abs(e), CAP) for w, e in zip(weights, errs)) / max(sum(weights), 1e-12)
 
 
 def initial_values(cases: list[RowCase]) -> Values:

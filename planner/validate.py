@@ -71,6 +71,7 @@ class RowCase:
     reported: float
     flop_convention: str  # model | hardware
     defaults: list[str] = field(default_factory=list)
+    primary_source: bool = True  # source_quality: primary, or a secondary transcription/quote
 
 
 @dataclass
@@ -374,8 +375,9 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if comparison is None:
         return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
     metric, reported, flop_convention = comparison
+    primary = not (row.get("source_quality") or "").strip().lower().startswith("secondary")
     return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
-                   flop_convention, defaults)
+                   flop_convention, defaults, primary)
 
 
 def _fill_unstated(
