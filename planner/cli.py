@@ -270,6 +270,9 @@ def validate(
         console.print("[bold]Rows not judged:[/]")
         for s in skipped:
             console.print(f"  {s.run_id}: {s.reason}", highlight=False)
+    if not summary.rows:
+        console.print("rows=0 median_abs_err=n/a p90_abs_err=n/a max_abs_err=n/a (no row could be judged)")
+        return
     console.print(f"rows={summary.rows} median_abs_err={summary.median_abs_err:.1%} "
                   f"p90_abs_err={summary.p90_abs_err:.1%} max_abs_err={summary.max_abs_err:.1%}", highlight=False)
 

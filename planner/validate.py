@@ -258,6 +258,9 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     missing = [c for c in REQUIRED if not (row.get(c) or "").strip()]
     if missing:
         return Skipped(run_id, source, "missing " + ", ".join(missing))
+    for c in REQUIRED:
+        if c != "gpu_type" and not (_int(row[c]) or 0) > 0:
+            return Skipped(run_id, source, f"{c}={row[c]!r} is not a positive number")
     defaults: list[str] = []
     era2021 = bool(_ERA_2021.search(row.get("source", "") + row.get("framework", "")))
     mcore = bool(_MCORE.search(row.get("framework", "") + row.get("source", "")))

@@ -35,3 +35,16 @@ def test_preset_match_prefers_the_rows_model_family(row_model, preset):
     spec = PRESETS[preset]
     name, _ = _matching_preset(row_model, spec.num_layers, spec.hidden_size, spec.num_attention_heads, swiglu=True)
     assert PRESETS[name].vocab_size == spec.vocab_size
+
+
+def test_a_row_with_a_non_numeric_or_zero_degree_is_skipped_with_the_cell_named():
+    from planner.validate import COLUMNS, Skipped, build_case
+
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(run_id="x_bad", num_layers="24", hidden_size="2048", num_attention_heads="16", seq_length="2048",
+               gpu_type="A100 80GB", num_gpus="8", tp="eight", pp="1", global_batch_size_seqs="8")
+    skipped = build_case(row)
+    assert isinstance(skipped, Skipped) and "tp='eight'" in skipped.reason
+    row.update(tp="1", num_gpus="0")
+    skipped = build_case(row)
+    assert isinstance(skipped, Skipped) and "num_gpus='0'" in skipped.reason
