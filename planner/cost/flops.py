@@ -85,9 +85,19 @@ def lm_head_flops(model: ModelSpec, tokens: int) -> float:
 
 
 def forward_flops(model: ModelSpec, batch: int, seq_length: int) -> float:
-    """All blocks plus the LM head, forward only."""
-    blocks = sum(layer_flops(model, i, batch, seq_length).total for i in range(model.num_layers))
+    """All blocks plus the LM head, forward only (blocks of one kind cost the same)."""
+    moe = model.num_moe_layers
+    dense = model.num_layers - moe
+    blocks = 0.0
+    if dense:
+        blocks += dense * layer_flops(model, _first_layer(model, moe=False), batch, seq_length).total
+    if moe:
+        blocks += moe * layer_flops(model, _first_layer(model, moe=True), batch, seq_length).total
     return blocks + lm_head_flops(model, batch * seq_length)
+
+
+def _first_layer(model: ModelSpec, *, moe: bool) -> int:
+    return next(i for i in range(model.num_layers) if model.is_moe_layer(i) == moe)
 
 
 def model_flops_per_step(model: ModelSpec, global_batch: int, seq_length: int) -> float:

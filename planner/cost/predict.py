@@ -199,13 +199,22 @@ def predict(
     state = state_bytes_per_param(training)
     elt = training.precision.bytes
 
+    # every block of one kind (dense / MoE) costs the same: compute each quantity once per kind
+    kinds = [model.is_moe_layer(i) for i in range(model.num_layers)]
     cache: dict[bool, BlockCost] = {}
+    params_cache: dict[bool, tuple[int, int]] = {}
 
     def block(i: int) -> BlockCost:
-        key = model.is_moe_layer(i)
+        key = kinds[i]
         if key not in cache:
             cache[key] = block_cost(profile, model, i, mb, layout, groups)
         return cache[key]
+
+    def params_of(i: int) -> tuple[int, int]:
+        key = kinds[i]
+        if key not in params_cache:
+            params_cache[key] = layer_params(model, i)
+        return params_cache[key]
 
     emb_f, emb_b = embedding_cost(profile, model, mb, groups)
     head_f, head_b = lm_head_cost(profile, model, mb, groups)
@@ -226,8 +235,8 @@ def predict(
         b += layout.virtual_stages * p2p_s
         fwd_s.append(f)
         bwd_s.append(b)
-        dense = sum(layer_params(model, i)[0] for i in st.layers)
-        experts = sum(layer_params(model, i)[1] for i in st.layers)
+        dense = sum(params_of(i)[0] for i in st.layers)
+        experts = sum(params_of(i)[1] for i in st.layers)
         if st.first:
             dense += embedding_params(model)
         if st.last:
@@ -295,28 +304,32 @@ def predict(
     mems: list[MemoryBreakdown] = []
     stage_preds: list[StagePrediction] = []
     shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+    act_cache: dict[tuple[bool, Recompute], float] = {}
+
+    def activations_of(i: int, recompute: Recompute) -> float:
+        key = (kinds[i], recompute)
+        if key not in act_cache:
+            act_cache[key] = layer_activation_bytes(model, i, shape, recompute, flash=training.flash_attention, elt=elt,
+                                                    fp8=training.precision is Precision.fp8,
+                                                    moe_imbalance=training.moe_load_imbalance)
+        return act_cache[key]
     for i, st in enumerate(stages):
         w1, g1, o1 = model_state_bytes(stage_params[i], state, layout.zero_stage, shard_n, layout.offload_optimizer)
         w2, g2, o2 = model_state_bytes(stage_expert_params[i], state, layout.zero_stage, max(shard_n // layout.ep, 1),
                                        layout.offload_optimizer)
         in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
-        per_mb = sum(layer_activation_bytes(model, li, shape, r, flash=training.flash_attention, elt=elt,
-                                            fp8=training.precision is Precision.fp8,
-                                            moe_imbalance=training.moe_load_imbalance)
-                     for li, r in zip(st.layers, st.recompute))
+        per_mb = sum(activations_of(li, r) for li, r in zip(st.layers, st.recompute))
         if st.first:
             per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
         activations = per_mb * in_flight
         full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
-            activations += max(layer_activation_bytes(model, li, shape, Recompute.none, flash=training.flash_attention,
-                                                      elt=elt, fp8=training.precision is Precision.fp8)
-                               for li in full)
+            activations += max(activations_of(li, Recompute.none) for li in full)
         buffers = float(a.reserved_memory_bytes)
         if st.last:
             buffers += logits_bytes(model, mb.tokens, layout.tp)
         if layout.zero_stage == 3 and st.layers:
-            biggest = max(sum(layer_params(model, li)) for li in st.layers) / layout.tp
+            biggest = max(sum(params_of(li)) for li in st.layers) / layout.tp
             buffers += 2 * biggest * state.weights  # current + prefetched layer, unsharded
         total = w1 + w2 + g1 + g2 + o1 + o2 + activations + buffers
         mem = MemoryBreakdown(
@@ -364,10 +377,13 @@ def predict(
 
     gbs, seq = training.global_batch_seqs, training.seq_length
     model_flops = model_flops_per_step(model, gbs, seq)
+    rec_cache: dict[tuple[bool, Recompute], float] = {}
     rec_extra = 0.0
     for st in stages:
         for li, r in zip(st.layers, st.recompute):
-            rec_extra += recompute_flops(model, r, li, gbs, seq)
+            if (kinds[li], r) not in rec_cache:
+                rec_cache[(kinds[li], r)] = recompute_flops(model, r, li, gbs, seq)
+            rec_extra += rec_cache[(kinds[li], r)]
     hw_flops = model_flops + rec_extra
     n = profile.num_gpus
     peak16 = peak_flops(profile, Precision.bf16)
