@@ -52,13 +52,9 @@ CONSTANTS = (
 Values = dict[tuple[str, str | None], float]
 
 
-def family_of(case: RowCase) -> str:
-    return case.family
-
-
 def with_values(case: RowCase, values: Values):  # noqa: ANN201 - returns a ClusterProfile
     """The case's profile with the given constants (a family's own value wins over a shared one)."""
-    family = family_of(case)
+    family = case.family
     update = {name: v for (name, fam), v in values.items() if fam is None}
     update.update({name: v for (name, fam), v in values.items() if fam == family})
     assumptions = case.profile.assumptions.model_copy(update=update)
@@ -88,14 +84,14 @@ def objective(cases: list[RowCase], values: Values) -> float:
 def initial_values(cases: list[RowCase]) -> Values:
     """Start every constant from the contract's default (not the last fit), so a fit is reproducible."""
     defaults = Assumptions()
-    families = {family_of(c) for c in cases}
+    families = {c.family for c in cases}
     return {(c.name, c.family): getattr(defaults, c.name) for c in CONSTANTS if c.family is None or c.family in families}
 
 
 def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     """Coordinate descent: golden-section search on one constant at a time, ``rounds`` sweeps."""
     values = initial_values(cases)
-    relevant = {key: [case for case in cases if key[1] is None or family_of(case) == key[1]] for key in values}
+    relevant = {key: [case for case in cases if key[1] is None or case.family == key[1]] for key in values}
     phi = (math.sqrt(5) - 1) / 2
     for _ in range(rounds):
         for c in CONSTANTS:

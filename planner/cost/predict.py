@@ -387,7 +387,7 @@ def predict(
     hw_flops = model_flops + rec_extra
     n = profile.num_gpus
     peak16 = peak_flops(profile, Precision.bf16)
-    tokens = gbs * seq
+    tokens = training.tokens_per_step
     notes = []
     if not peak.fits:
         notes.append(f"does not fit: stage {peak.stage} needs {peak.total_bytes / 2**30:.1f} GiB of "
