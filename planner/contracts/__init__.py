@@ -19,12 +19,14 @@ from planner.contracts.model import MLASpec, ModelSpec, MoESpec
 from planner.contracts.plan import (
     Alternative,
     CommTime,
+    FamilyOutcome,
     MemoryBreakdown,
     ParallelLayout,
     Plan,
     Prediction,
     Recompute,
     Schedule,
+    SearchReport,
     StagePrediction,
     StageRecompute,
 )
@@ -52,4 +54,5 @@ __all__ = [
     "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
+    "SearchReport", "FamilyOutcome",
 ]

@@ -157,6 +157,35 @@ class Alternative(Contract):
     layout: ParallelLayout
     prediction: Prediction | None = None
     reason: str
+    slower_by: float | None = Field(None, description="step time / the best plan's step time - 1")
+
+
+class FamilyOutcome(Contract):
+    """The best a structural family (tp, cp, pp, ep, sp) reached in the search, and why it lost."""
+
+    family: str
+    best_step_s: float | None = Field(None, description="fastest member that fits (None: none evaluated or fits)")
+    slower_by: float | None = None
+    members: int = Field(description="candidates of this family the search considered")
+    reason: str
+
+
+class SearchReport(Contract):
+    """How the search went: what it considered, what removed each candidate, what the solver did."""
+
+    candidates_considered: int
+    removed_by_rule: dict[str, int] = Field(default_factory=dict, description="divisibility / placement rule -> count")
+    rule_examples: dict[str, str] = Field(default_factory=dict, description="rule -> one candidate it removed")
+    dominated: int = Field(0, description="removed because another candidate is as fast with less memory")
+    pruned_by_bound: int = Field(0, description="lower bound already slower than the k-th best plan")
+    memory_infeasible: int = 0
+    evaluated: int = Field(0, description="priced exactly (default split, per-stage recompute)")
+    solved: int = Field(0, description="layer split and recompute solved by CP-SAT")
+    solver_status_counts: dict[str, int] = Field(default_factory=dict)
+    closed_without_solver: int = Field(0, description="default split already met the lower bound: optimal without CP-SAT")
+    wall_s: float
+    families: list[FamilyOutcome] = Field(default_factory=list)
+    smallest_shortfall_bytes: float | None = Field(None, description="when nothing fits: memory missing on the closest candidate")
 
 
 class Plan(Contract):
@@ -169,4 +198,7 @@ class Plan(Contract):
     precision: Precision
     prediction: Prediction
     alternatives: list[Alternative] = Field(default_factory=list)
-    solver_status: str | None = None
+    solver_status: str | None = Field(
+        None, description="how the chosen layer split was proved: CP-SAT's status (OPTIMAL, FEASIBLE) or "
+        "'OPTIMAL (bound)' when the default split met the lower bound; None for a layout given by hand")
+    search: SearchReport | None = None

@@ -28,7 +28,9 @@ def pipeline_time_s(
     if schedule is Schedule.interleaved_1f1b:
         bubble = (sum(totals) - slowest) / virtual
     elif schedule is Schedule.zero_bubble:
-        i_max = totals.index(slowest)
+        # the slowest stage; among equally slow ones the one whose forward is longest (its
+        # forwards are the ones that do not fill another stage's bubble)
+        i_max = max(range(len(totals)), key=lambda i: (totals[i], forward_s[i]))
         bubble = sum(f for i, f in enumerate(forward_s) if i != i_max)
     else:
         bubble = sum(totals) - slowest

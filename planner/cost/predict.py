@@ -268,8 +268,10 @@ def predict(
         # once per step
         grad_step = tr.replica_s + (0.0 if grads_per_mb else tr.grad_s)
         gather_step = 0.0 if gathers_per_mb else tr.gather_s
-        exp_grad_step = _exposed(grad_step, bwd_s[i], eff)
-        exp_gather_step = _exposed(gather_step, fwd_s[i], eff)
+        # the once-per-step collectives hide behind the last backward's / first forward's compute
+        # (the window excludes the per-micro-batch traffic above, which holds the same links)
+        exp_grad_step = _exposed(grad_step, bwd_s[i] - exp_b, eff)
+        exp_gather_step = _exposed(gather_step, fwd_s[i] - exp_f, eff)
         dp_exposed.append(exp_grad_step + exp_gather_step)
         n_gathers = m * gathers_per_mb if gathers_per_mb else 1
         dp_comm.append({

@@ -1,0 +1,540 @@
+"""The planner's search: every layout of the GPUs, pruned by bounds, inner choices solved by CP-SAT.
+
+Outer enumeration (:func:`structures`): every ``tp × cp × pp × dp`` factorisation of the GPUs, SP
+on/off, expert parallel degree (MoE), micro-batch size; then per structure the schedule (1F1B,
+GPipe, interleaved with ``v`` virtual stages, zero-bubble), ZeRO stage 0–3 with every HSDP shard
+group, optimizer offload and ZeRO-3 resharding. Each removed candidate is counted under the rule
+that removed it.
+
+Branch and bound: a structure's lower bound is the time of its work perfectly spread over its
+pipeline ranks (``m · W/p``); a (structure, schedule) bound adds the schedule's bubble over the
+best contiguous layer split; a leaf's bound adds its optimizer step. Leaves are priced exactly
+(:class:`~planner.search.stages.StageModel`) in bound order, first on the default split with the
+fastest recompute per stage that fits, then — unless that already meets the bound — by CP-SAT
+(:mod:`planner.search.cpsat`), which moves layers between stages and picks recompute per stage.
+The search stops when the next bound is no better than the k-th best plan found.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from planner.contracts import (
+    Alternative,
+    ClusterProfile,
+    FamilyOutcome,
+    ModelSpec,
+    ParallelLayout,
+    Plan,
+    Prediction,
+    Recompute,
+    Schedule,
+    SearchReport,
+    TrainingConfig,
+)
+from planner.cost.comm import collective_time_s, mesh_groups
+from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
+from planner.cost.memory import model_state_bytes, state_bytes_per_param
+from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.predict import predict
+from planner.contracts import Collective
+from planner.errors import AutoparError
+from planner.search.cpsat import layer_kind_prefix, solve_stages
+from planner.search.stages import StageModel, recompute_bound_s
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the search may choose, and the framework features the layouts assume."""
+
+    top_k: int = 5
+    max_micro_batch_size: int = 16
+    max_virtual_stages: int = 8
+    schedules: tuple[Schedule, ...] = tuple(Schedule)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    hsdp: bool = True
+    offload: bool = True
+    max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
+    # framework features (not searched): what the training stack does
+    tp_comm_overlap: bool = False
+    dp_comm_overlap: bool = True
+    ep_comm_overlap: bool = False
+    pp_scatter_gather: bool = True
+    solver_time_limit_s: float = 1.0
+    time_budget_s: float = 30.0
+    workers: int = 2
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Structure:
+    tp: int
+    sp: bool
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    mb: int
+    m: int  # micro-batches per step
+    work_s: float = 0.0  # forward+backward of the whole model for one micro-batch (no recompute)
+    p2p_s: float = 0.0
+    bound_s: float = 0.0
+    layer_times: list[float] = field(default_factory=list)
+    emb_s: float = 0.0
+    head_s: float = 0.0
+    forward_work_s: float = 0.0  # the forward part of work_s
+
+    @property
+    def family(self) -> str:
+        return f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+
+
+class Rules:
+    """Counts candidates removed by each rule, with one example each."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+        self.examples: dict[str, str] = {}
+
+    def remove(self, rule: str, example: str, count: int = 1) -> None:
+        self.counts[rule] += count
+        self.examples.setdefault(rule, example)
+
+
+def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
+               rules: Rules) -> list[Structure]:
+    """Every (tp, sp, cp, pp, dp, ep, micro-batch) that passes the divisibility and placement rules."""
+    n, gpn, L = profile.num_gpus, profile.gpus_per_node, model.num_layers
+    a, k, s, gbs = model.num_attention_heads, model.kv_heads, training.seq_length, training.global_batch_seqs
+    max_tp = opts.max_tp or gpn
+    out = []
+    for tp in divisors(n):
+        if tp > max_tp:
+            rules.remove("tp > GPUs per node (tensor parallel stays inside a node)", f"tp={tp}")
+            continue
+        if a % tp:
+            rules.remove("tp must divide num_attention_heads", f"tp={tp}, heads={a}")
+            continue
+        if k % tp and tp % k:
+            rules.remove("tp must divide num_kv_heads or be a multiple of it", f"tp={tp}, kv_heads={k}")
+            continue
+        for cp in divisors(n // tp):
+            if cp > 1 and s % (2 * cp):
+                rules.remove("2 x cp must divide seq_length (causal load balancing)", f"cp={cp}, seq={s}")
+                continue
+            for pp in divisors(n // (tp * cp)):
+                if pp > L:
+                    rules.remove("pp > num_layers", f"pp={pp}, layers={L}")
+                    continue
+                dp = n // (tp * cp * pp)
+                if gbs % dp:
+                    rules.remove("dp must divide global_batch_size", f"dp={dp}, batch={gbs}")
+                    continue
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    if sp and (s // cp) % tp:
+                        rules.remove("sp needs tp to divide seq_length / cp", f"tp={tp}, cp={cp}, seq={s}")
+                        continue
+                    eps = [1]
+                    if model.moe is not None:
+                        eps = []
+                        for ep in divisors(model.moe.num_experts):
+                            if (dp * cp) % ep:
+                                rules.remove("ep must divide dp x cp (experts are folded over data/context ranks)",
+                                             f"ep={ep}, dp x cp={dp * cp}")
+                                continue
+                            eps.append(ep)
+                    for ep in eps:
+                        for mb in divisors(gbs // dp):
+                            if mb > opts.max_micro_batch_size:
+                                rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)", f"mb={mb}")
+                                continue
+                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb)))
+    return out
+
+
+def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:  # noqa: ANN003
+    fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, dp_shard=st.dp, dp_replicate=1,
+                  micro_batch_size=st.mb, tp_comm_overlap=opts.tp_comm_overlap and st.tp > 1,
+                  dp_comm_overlap=opts.dp_comm_overlap, ep_comm_overlap=opts.ep_comm_overlap and st.ep > 1,
+                  pp_scatter_gather=opts.pp_scatter_gather)
+    fields.update(extra)
+    return ParallelLayout(**fields)
+
+
+def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
+                    opts: SearchOptions, cache: dict) -> None:
+    """Fill the structure's per-micro-batch work and its lower bound ``m · (W/p + 2·t_p2p)``."""
+    layout = _base_layout(st, opts)
+    groups = mesh_groups(layout, profile.gpus_per_node)
+    mb = MicroBatch(st.mb, training.seq_length, st.cp, st.tp, st.sp, training.precision,
+                    training.flash_attention, training.moe_load_imbalance)
+    per_kind = {}
+    for kind in (False, True):
+        if kind not in {model.is_moe_layer(i) for i in range(model.num_layers)}:
+            continue
+        index = next(i for i in range(model.num_layers) if model.is_moe_layer(i) == kind)
+        key = (kind, mb, st.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap, layout.ep_comm_overlap)
+        if key not in cache:
+            cache[key] = block_cost(profile, model, index, mb, layout, groups)
+        bc = cache[key]
+        per_kind[kind] = (bc.forward.total_s + bc.backward_s(Recompute.none), bc.forward.total_s)
+    st.layer_times = [per_kind[model.is_moe_layer(i)][0] for i in range(model.num_layers)]
+    ef, eb = embedding_cost(profile, model, mb, groups)
+    hf, hb = lm_head_cost(profile, model, mb, groups)
+    st.emb_s, st.head_s = ef.total_s + eb.total_s, hf.total_s + hb.total_s
+    st.work_s = sum(st.layer_times) + st.emb_s + st.head_s
+    st.forward_work_s = sum(per_kind[model.is_moe_layer(i)][1] for i in range(model.num_layers)) + ef.total_s + hf.total_s
+    if st.pp > 1:
+        p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (st.tp if opts.pp_scatter_gather else 1)
+        st.p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes)
+    st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
+
+
+def min_max_stage(st: Structure) -> float:
+    """Smallest possible slowest-stage time over contiguous splits (v=1, no recompute, no DP traffic)."""
+    p, times = st.pp, st.layer_times
+    if p == 1:
+        return st.work_s + 2 * st.p2p_s
+
+    def fits(cap: float) -> bool:
+        """Greedy: fill each stage as far as ``cap`` allows, leaving one layer for each later stage."""
+        i, n = 0, len(times)
+        for stage in range(p):
+            load = 2 * st.p2p_s + (st.emb_s if stage == 0 else 0.0)
+            if stage == p - 1:
+                return load + sum(times[i:]) + st.head_s <= cap
+            take = 0
+            while i + take < n - (p - 1 - stage) and (take == 0 or load + times[i + take] <= cap):
+                load += times[i + take]
+                take += 1
+            if load > cap:
+                return False
+            i += take
+        return True
+
+    lo, hi = st.work_s / p, st.work_s + 2 * st.p2p_s
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules: Rules) -> list[tuple[Schedule, int]]:
+    if st.pp == 1:
+        return [(Schedule.one_f_one_b, 1)]
+    out = []
+    for sched in opts.schedules:
+        if sched is Schedule.interleaved_1f1b:
+            if st.m % st.pp:
+                rules.remove("interleaved 1F1B needs micro-batches divisible by pp", f"m={st.m}, pp={st.pp}")
+                continue
+            for v in range(2, opts.max_virtual_stages + 1):
+                if st.pp * v > model.num_layers:
+                    rules.remove("pp x virtual_stages > num_layers", f"pp={st.pp}, v={v}")
+                    break
+                out.append((sched, v))
+        else:
+            out.append((sched, 1))
+    return out
+
+
+def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float = 0.0) -> float:
+    """Lower bound of the pipeline phase (no data-parallel traffic; ``recompute_s``: least recompute
+    time over all ranks that memory forces, see :func:`~planner.search.stages.recompute_bound_s`)."""
+    m, p = st.m, st.pp
+    if p == 1:
+        return m * (st.work_s + 2 * st.p2p_s + recompute_s)
+    total = st.work_s + 2 * v * p * st.p2p_s + recompute_s  # Σ over ranks of (f + b)
+    avg = total / p
+    minmax = max(minmax, avg)
+    if sched is Schedule.interleaved_1f1b:
+        return (m - 1 / v) * avg + total / v
+    if sched is Schedule.zero_bubble:
+        # m·max + Σ_{i≠i*} f_i with f_{i*} <= max
+        return max((m - 1) * minmax + st.forward_work_s + v * p * st.p2p_s, m * minmax)
+    return (m - 1) * minmax + total
+
+
+@dataclass(order=True)
+class Found:
+    step_s: float
+    order: int
+    layout: ParallelLayout = field(compare=False)
+    family: str = field(compare=False)
+    status: str = field(compare=False)
+
+
+def leaf_bound(sm: StageModel, st: Structure, sched_bound: float, max_stage: float, dense: float, expert: float) -> float:
+    """Schedule bound, raised where per-micro-batch ZeRO-2/3 traffic outlasts the compute it hides
+    behind (a stage takes at least ``max(F + B, c_f + c_b)``), plus the optimizer step of an
+    average stage. ``dense``/``expert`` are an average stage's parameters per GPU."""
+    grad, _, gather = sm.traffic(dense, expert)
+    per_mb = (gather * sm.gathers_per_mb if sm.gathers_per_mb else 0.0) + (grad if sm.grads_per_mb else 0.0)
+    bound = sched_bound
+    if per_mb > max_stage:
+        bound = sched_bound + (st.m - 1) * (per_mb - max_stage)
+    return bound + sm.optimizer_s(dense, expert)
+
+
+def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
+           options: SearchOptions | None = None, progress=None) -> Plan:  # noqa: ANN001 - rich progress callback
+    """The fastest layout that fits, with the top-k alternatives and why the rest lost."""
+    opts = options or SearchOptions()
+    t0 = time.perf_counter()
+    rules = Rules()
+    cache: dict = {}
+    structs = structures(model, training, profile, opts, rules)
+    if not structs:
+        raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
+                           "change the GPU count, global batch or sequence length so that some layout divides them",
+                           problem="admits no layout: " + "; ".join(f"{r} ({n}x)" for r, n in rules.counts.items()))
+    for st in structs:
+        price_structure(st, model, training, profile, opts, cache)
+    structs.sort(key=lambda s: s.bound_s)
+
+    state = state_bytes_per_param(training)
+    all_params_dense = sum(layer_params(model, i)[0] for i in range(model.num_layers)) + embedding_params(model) + lm_head_params(model)
+    all_params_expert = sum(layer_params(model, i)[1] for i in range(model.num_layers))
+    capacity = float(profile.device.memory_bytes)
+    reserved = float(profile.assumptions.reserved_memory_bytes)
+    prefix_ok = None
+
+    results: dict[int, Found] = {}  # leaf id -> best known solution
+    values: list[float] = []  # sorted step times of every priced leaf
+    families: dict[str, dict] = {}
+    report = dict(considered=0, dominated=0, pruned=0, infeasible=0, evaluated=0, solved=0, closed=0)
+    status_counts: dict[str, int] = defaultdict(int)
+    shortfall = [math.inf, ""]
+    pending: list[tuple] = []
+    budget_hit = False
+
+    def kth() -> float:
+        return values[opts.top_k - 1] if len(values) >= opts.top_k else math.inf
+
+    def record(leaf: int, step: float, layout: ParallelLayout, st: Structure, status: str) -> None:
+        old = results.get(leaf)
+        if old is not None:
+            if step >= old.step_s:
+                old.status = status
+                return
+            del values[bisect.bisect_left(values, old.step_s)]
+        bisect.insort(values, step)
+        item = Found(step, leaf, layout, st.family, status)
+        results[leaf] = item
+        fam = families[st.family]
+        if fam["best"] is None or step < fam["best"].step_s:
+            fam["best"] = item
+
+    def no_fit(st: Structure, need: float, label: str, why: str) -> None:
+        report["infeasible"] += 1
+        if need - capacity < shortfall[0]:
+            shortfall[:] = [need - capacity, label]
+        fam = families[st.family]
+        if not fam["reason"]:
+            fam["reason"] = f"does not fit: {why} {need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB"
+
+    # phase A: price every leaf that its bound does not rule out on the default split
+    leaf_id = 0
+    for si, st in enumerate(structs):
+        if progress:
+            progress(si, len(structs))
+        fam = families.setdefault(st.family, {"members": 0, "best": None, "reason": ""})
+        scheds = schedule_choices(st, model, opts, rules)
+        dp_splits: dict[int, list[tuple[int, int]]] = {}
+        for zero in opts.zero_stages:
+            if zero == 0:
+                dp_splits[zero] = [(1, st.dp)]
+            else:
+                shards = divisors(st.dp) if opts.hsdp else [st.dp]
+                dp_splits[zero] = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
+                if len(dp_splits[zero]) < len(shards):
+                    rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
+                                 len(shards) - len(dp_splits[zero]))
+        per_sched = sum(len(x) * (1 + (z >= 1 and opts.offload)) * (2 if z == 3 else 1) for z, x in dp_splits.items())
+        fam["members"] += per_sched * len(scheds)
+        report["considered"] += per_sched * len(scheds)
+        if st.bound_s >= kth() or budget_hit:
+            report["pruned"] += per_sched * len(scheds)
+            if not fam["reason"]:
+                fam["reason"] = f"lower bound {st.bound_s:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
+            continue
+        minmax = min_max_stage(st)
+        for sched, v in scheds:
+            if sched is Schedule.gpipe and Schedule.one_f_one_b in opts.schedules:
+                report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
+                continue
+            sb = schedule_bound(st, sched, v, minmax if v == 1 else 0.0)
+            for zero, splits in dp_splits.items():
+                for rep, shard in splits:
+                    for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
+                        for reshard in ((True, False) if zero == 3 else (True,)):
+                            label = f"{st.family} zero{zero}" + (f" hsdp{rep}x{shard}" if rep > 1 else "") + (" offload" if offload else "")
+                            shard_n = shard * st.cp
+                            dense = all_params_dense / (st.tp * st.pp)
+                            expert = all_params_expert / (st.tp * st.ep * st.pp)
+                            need = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
+                                model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
+                            if need > capacity:
+                                no_fit(st, need, label, "model states alone need")
+                                continue
+                            if sb >= kth():
+                                report["pruned"] += 1
+                                continue
+                            if time.perf_counter() - t0 > opts.time_budget_s:
+                                budget_hit = True
+                                report["pruned"] += 1
+                                continue
+                            layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
+                                                  offload_optimizer=offload, reshard_after_forward=reshard,
+                                                  schedule=sched, virtual_stages=v)
+                            try:
+                                sm = StageModel(model, training, profile, layout, block_cache=cache)
+                            except AutoparError as err:
+                                rules.remove(f"{err.field}: {err.problem}", str(err))
+                                continue
+                            rec_s = recompute_bound_s(sm)
+                            if rec_s > 0:
+                                sb_leaf = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_s)
+                            else:
+                                sb_leaf = sb
+                            lb = leaf_bound(sm, st, sb_leaf, minmax if v == 1 else st.work_s / st.pp + 2 * v * st.p2p_s,
+                                            dense, expert)
+                            if lb >= kth():
+                                report["pruned"] += 1
+                                continue
+                            report["evaluated"] += 1
+                            leaf_id += 1
+                            if prefix_ok is None:
+                                prefix_ok = layer_kind_prefix(sm) is not None
+                            if st.pp == 1:  # one stage: no split to choose, every recompute choice priced
+                                best = None
+                                for kind, count in sm.stage_options(model.num_layers):
+                                    val, terms = sm.evaluate([model.num_layers], [(kind, count)])
+                                    if sm.fits(terms) and (best is None or val < best[0]):
+                                        best = (val, kind, count)
+                                if best is None:
+                                    no_fit(st, sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
+                                    continue
+                                record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st,
+                                       "OPTIMAL (enumerated)")
+                                report["closed"] += 1
+                                continue
+                            chunks = sm.default_chunks()
+                            greedy = sm.greedy(chunks)
+                            if greedy is not None:
+                                met = greedy[0] <= lb * (1 + 1e-9)
+                                record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
+                                       "OPTIMAL (bound)" if met else "FEASIBLE (default split)")
+                                if met:
+                                    report["closed"] += 1
+                                    continue
+                            if prefix_ok:
+                                pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
+                                                greedy[2] if greedy else None))
+                            elif greedy is None:
+                                no_fit(st, sm.min_memory(chunks), label, "needs, even with full recompute,")
+
+    # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first
+    pending.sort(key=lambda x: (x[0], x[1]))
+    for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec in pending:
+        if lb >= kth():
+            report["pruned"] += 1
+            continue
+        if time.perf_counter() - t0 > opts.time_budget_s:
+            budget_hit = True
+            continue
+        cutoff = min(greedy_val if greedy_val is not None else math.inf, kth())
+        report["solved"] += 1
+        sol = solve_stages(sm, time_limit_s=opts.solver_time_limit_s, workers=opts.workers,
+                           hint=(chunks, greedy_rec) if greedy_rec else None,
+                           upper_bound_s=cutoff if math.isfinite(cutoff) else None)
+        status_counts[sol.status] += 1
+        if sol.chunks:
+            val = sm.evaluate(sol.chunks, sol.recompute)[0]
+            record(leaf, val, sm.layout_for(sol.chunks, sol.recompute), st, sol.status)
+        elif sol.status == "INFEASIBLE":
+            if greedy_val is None:
+                if not math.isfinite(cutoff):
+                    no_fit(st, sm.min_memory(chunks), label, "needs, on the default split with full recompute,")
+            elif cutoff == greedy_val:
+                record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")  # nothing beats the default split
+        elif greedy_val is not None:
+            record(leaf, greedy_val, results[leaf].layout, st, f"FEASIBLE (CP-SAT {sol.status} in its time limit)")
+
+    ranked = sorted(results.values())[: opts.top_k]
+    wall = time.perf_counter() - t0
+    if not ranked:
+        raise _nothing_fits(model, training, profile, shortfall, report)
+    best = ranked[0]
+    best_pred = predict(model, training, profile, best.layout)
+    alternatives = []
+    for alt in ranked[1:]:
+        pred = predict(model, training, profile, alt.layout)
+        alternatives.append(Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
+                                        reason=why_slower(pred, best_pred)))
+    fam_out = []
+    for name, fam in families.items():
+        b = fam["best"]
+        if b is not None and b.layout == best.layout:
+            reason = "the chosen plan's family"
+        elif b is not None:
+            reason = f"best member {b.step_s:.3f} s: " + (fam["reason"] or "slower")
+        else:
+            reason = fam["reason"] or "not reached"
+        fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
+                                     slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"], reason=reason))
+    fam_out.sort(key=lambda f: (f.best_step_s is None, f.best_step_s or 0.0))
+    search_report = SearchReport(
+        candidates_considered=report["considered"] + sum(rules.counts.values()),
+        removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
+        pruned_by_bound=report["pruned"], memory_infeasible=report["infeasible"], evaluated=report["evaluated"],
+        solved=report["solved"], solver_status_counts=dict(status_counts), closed_without_solver=report["closed"],
+        wall_s=wall, families=fam_out,
+    )
+    return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
+                precision=training.precision, prediction=best_pred, alternatives=alternatives,
+                solver_status=best.status + (" (search stopped at its time budget)" if budget_hit else ""),
+                search=search_report)
+
+
+def why_slower(pred: Prediction, best: Prediction) -> str:
+    """The term that grew most against the best plan: compute, bubble, a kind of exposed comm, optimizer."""
+    def terms(p: Prediction) -> dict[str, float]:
+        out = {"compute on the critical stage": p.compute_time_s - sum(c.exposed_s for c in p.comm if c.kind in ("tp", "cp", "ep")),
+               "pipeline bubble": p.bubble_time_s, "optimizer step": p.optimizer_time_s}
+        for c in p.comm:
+            out[f"exposed {c.kind} communication"] = out.get(f"exposed {c.kind} communication", 0.0) + c.exposed_s
+        return out
+    a, b = terms(pred), terms(best)
+    deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
+    worst = max(deltas, key=deltas.get)
+    total = pred.step_time_s - best.step_time_s
+    return (f"{total / best.step_time_s:+.1%} step time ({total:+.3f} s); largest difference: {worst} "
+            f"{deltas[worst]:+.3f} s")
+
+
+def _nothing_fits(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict) -> AutoparError:
+    gap, where = shortfall
+    fixes = ("more GPUs (more pipeline/tensor/ZeRO sharding), optimizer offload, full recompute, "
+             "a smaller micro-batch or a shorter sequence, or a GPU with more memory")
+    if math.isfinite(gap):
+        return AutoparError(
+            "cluster", f"{profile.num_gpus} x {profile.device.name}",
+            f"add about {gap / GIB:.1f} GiB per GPU: {fixes}",
+            problem=f"has no layout of {model.name} that fits: the closest ({where}) is {gap / GIB:.1f} GiB over "
+                    f"{profile.device.memory_bytes / GIB:.0f} GiB",
+        )
+    return AutoparError("cluster", f"{profile.num_gpus} GPUs", fixes, problem="has no layout that could be evaluated")

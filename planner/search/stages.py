@@ -1,0 +1,378 @@
+"""One candidate layout, decomposed into per-pipeline-stage terms the search can recombine.
+
+:func:`planner.cost.predict.predict` prices a whole layout. The search instead has to try many ways
+of giving layers to pipeline stages and of choosing recompute per stage, so this module computes,
+once per candidate, everything that does not depend on that choice (the cost and activation bytes
+of one block of each kind, the embedding and LM head, the pipeline send, the data-parallel
+collectives as a function of the parameters a stage holds) and then prices one stage, and one
+split, with the same formulas ``predict`` uses:
+
+- stage forward ``F = Σ f_layer + [first]·f_emb + [last]·f_head + v·t_p2p`` and backward
+  ``B = Σ b_layer(recompute) + [first]·b_emb + [last]·b_head + v·t_p2p``, plus the exposed part of
+  the per-micro-batch ZeRO-2/3 collectives ``c - eff·min(c, window)``;
+- the step: the schedule's pipeline formula over the stages + ``max`` over stages of (exposed
+  once-per-step data-parallel traffic + optimizer step);
+- memory per stage: model states by ZeRO stage, activations × micro-batches in flight, the
+  transient of a full-recompute block, logits and ZeRO-3 gather buffers.
+
+``tests/test_search.py`` checks :meth:`StageModel.evaluate` against ``predict`` on random splits,
+so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.contracts import (
+    ClusterProfile,
+    Collective,
+    ModelSpec,
+    ParallelLayout,
+    Precision,
+    Recompute,
+    StageRecompute,
+    TrainingConfig,
+)
+from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups
+from planner.cost.compute import memory_time_s
+from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
+from planner.cost.memory import (
+    ActivationShape,
+    layer_activation_bytes,
+    logits_bytes,
+    microbatches_in_flight,
+    model_state_bytes,
+    optimizer_step_bytes_per_param,
+    state_bytes_per_param,
+)
+from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.pipeline import pipeline_time_s
+from planner.cost.predict import check_layout, default_layer_split, dp_traffic
+
+RECOMPUTE_KINDS = (Recompute.selective, Recompute.full)
+
+
+@dataclass(frozen=True)
+class KindCost:
+    """One block kind (dense or MoE) under this candidate: per micro-batch, per GPU."""
+
+    forward_s: float
+    backward_s: dict[Recompute, float]  # backward incl. the recompute it implies
+    activations: dict[Recompute, float]  # bytes kept for backward
+    dense_params: float  # per GPU (/tp)
+    expert_params: float  # per GPU (/(tp·ep))
+    gather_params: float  # ZeRO-3 gather buffer of one block: all its params / tp
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """Everything the step formula needs from one pipeline stage."""
+
+    forward_s: float  # incl. exposed per-micro-batch data-parallel traffic
+    backward_s: float
+    tail_s: float  # exposed once-per-step data-parallel traffic + optimizer step
+    memory_bytes: float
+    layers: int
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``t(x) = alpha·[x > 0] + slope·x``: a collective time as a function of the bytes it moves."""
+
+    alpha: float
+    slope: float
+
+    def __call__(self, x: float) -> float:
+        return self.alpha + self.slope * x if x > 0 else 0.0
+
+
+class StageModel:
+    """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
+
+    def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
+                 block_cache: dict | None = None) -> None:
+        base = layout.model_copy(update={"layers_per_stage": None, "recompute_per_stage": None,
+                                         "recompute": Recompute.none})
+        self.m = check_layout(model, training, base, profile.num_gpus)
+        self.model, self.training, self.profile, self.layout = model, training, profile, base
+        self.p, self.v = base.pp, base.virtual_stages
+        self.kinds = [model.is_moe_layer(i) for i in range(model.num_layers)]
+        groups = mesh_groups(base, profile.gpus_per_node)
+        mb = MicroBatch(base.micro_batch_size, training.seq_length, base.cp, base.tp, base.sp,
+                        training.precision, training.flash_attention, training.moe_load_imbalance)
+        self.mb = mb
+        elt = training.precision.bytes
+        shape = ActivationShape(base.micro_batch_size, mb.local_seq, training.seq_length, base.tp, base.sp)
+        cache = block_cache if block_cache is not None else {}
+        self.kind_cost: dict[bool, KindCost] = {}
+        for kind in sorted(set(self.kinds)):
+            index = self.kinds.index(kind)
+            key = (kind, mb, base.ep, groups["tp"], groups["cp"], groups["ep"], base.tp_comm_overlap,
+                   base.ep_comm_overlap)
+            if key not in cache:
+                cache[key] = block_cost(profile, model, index, mb, base, groups)
+            bc = cache[key]
+            acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
+                                              fp8=training.precision is Precision.fp8,
+                                              moe_imbalance=training.moe_load_imbalance)
+                    for r in Recompute}
+            dense, expert = layer_params(model, index)
+            self.kind_cost[kind] = KindCost(
+                forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
+                dense_params=dense / base.tp, expert_params=expert / (base.tp * base.ep),
+                gather_params=(dense + expert) / base.tp,
+            )
+        emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+        head_f, head_b = lm_head_cost(profile, model, mb, groups)
+        self.emb = (emb_f.total_s, emb_b.total_s)
+        self.head = (head_f.total_s, head_b.total_s)
+        p2p_bytes = mb.tokens * model.hidden_size * elt / (base.tp if base.pp_scatter_gather else 1)
+        self.p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if base.pp > 1 else 0.0
+        self.emb_params = embedding_params(model) / base.tp
+        tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
+        self.head_params = (lm_head_params(model) + tied) / base.tp
+        self.state = state_bytes_per_param(training)
+        self.step_bytes = optimizer_step_bytes_per_param(training)
+        self.shard_n = base.dp_shard * base.cp
+        self.expert_shard = max(self.shard_n // base.ep, 1)
+        self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
+        self.grads_per_mb = base.zero_stage >= 2
+        self.gathers_per_mb = (2 if base.reshard_after_forward else 1) if base.zero_stage == 3 else 0
+        self.in_flight = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
+                          for r in range(base.pp)]
+        self.emb_act = elt * mb.tokens * model.hidden_size / (base.tp if base.sp else 1)
+        self.reserved = float(profile.assumptions.reserved_memory_bytes)
+        self.logits = logits_bytes(model, mb.tokens, base.tp)
+        self.capacity = float(profile.device.memory_bytes)
+        # data-parallel collective times as affine functions of the parameters a stage holds
+        self.dense_dp = self._affine_traffic(dense=True)
+        self.expert_dp = self._affine_traffic(dense=False)
+
+    # -- data parallel -------------------------------------------------------------------------
+    def _affine_traffic(self, dense: bool) -> dict[str, Affine]:
+        """grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params`` (they are α-β)."""
+        def at(x: float) -> dict[str, float]:
+            tr = dp_traffic(self.profile, self.layout, self.training, x if dense else 0.0, 0.0 if dense else x)
+            return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
+        x1, x2 = 1e6, 1e9
+        t1, t2 = at(x1), at(x2)
+        out = {}
+        for k in t1:
+            slope = (t2[k] - t1[k]) / (x2 - x1)
+            out[k] = Affine(t1[k] - slope * x1, slope)
+        return out
+
+    def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
+        """(grad, replica, gather) seconds of a stage's data-parallel collectives."""
+        d, e = self.dense_dp, self.expert_dp
+        return (d["grad"](dense_params) + e["grad"](expert_params),
+                d["replica"](dense_params) + e["replica"](expert_params),
+                d["gather"](dense_params) + e["gather"](expert_params))
+
+    def optimizer_s(self, dense_params: float, expert_params: float) -> float:
+        lay = self.layout
+        local = dense_params / (self.shard_n if lay.zero_stage >= 1 else 1) + expert_params / (
+            self.expert_shard if lay.zero_stage >= 1 else 1)
+        if lay.offload_optimizer:
+            copies = host_copy_time_s(self.profile, local * self.state.grads, to_device=False) + host_copy_time_s(
+                self.profile, local * self.state.weights, to_device=True)
+            return copies + local * self.step_bytes / self.profile.assumptions.cpu_optimizer_bytes_per_s
+        return memory_time_s(self.profile, local * self.step_bytes)
+
+    def exposed(self, comm_s: float, window_s: float) -> float:
+        return comm_s - hidden_time_s(comm_s, window_s, self.eff)
+
+    # -- one stage -----------------------------------------------------------------------------
+    def rank_layers(self, chunks: list[int]) -> list[list[int]]:
+        """Block indices each pipeline rank owns, chunk by chunk (rank r holds chunks r, r+p, ...)."""
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        return [[i for c in range(self.v) for i in range(starts[c * self.p + r], starts[c * self.p + r] + chunks[c * self.p + r])]
+                for r in range(self.p)]
+
+    def stage_terms(self, rank: int, layers: list[int], kind: Recompute, count: int) -> StageTerms:
+        """Terms of pipeline rank ``rank`` owning ``layers``, the first ``count`` of them recomputed as ``kind``."""
+        count = min(count, len(layers))
+        n_moe = sum(self.kinds[i] for i in layers)
+        r_moe = sum(self.kinds[i] for i in layers[:count])
+        return self.stage_terms_counts(rank, len(layers) - n_moe, n_moe, kind, count - r_moe, r_moe)
+
+    def stage_terms_counts(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
+                           r_moe: int) -> StageTerms:
+        """As :meth:`stage_terms`, from counts: blocks of each kind and how many of each are recomputed."""
+        first, last = rank == 0, rank == self.p - 1
+        f = b = 0.0
+        dense = experts = 0.0
+        acts = 0.0
+        transient = 0.0
+        gather_biggest = 0.0
+        if kind is Recompute.none:
+            r_dense = r_moe = 0
+        for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
+            if n == 0:
+                continue
+            kc = self.kind_cost[moe]
+            f += n * kc.forward_s
+            b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
+            dense += n * kc.dense_params
+            experts += n * kc.expert_params
+            acts += (n - rc) * kc.activations[Recompute.none] + rc * kc.activations[kind]
+            if rc and kind is Recompute.full:
+                transient = max(transient, kc.activations[Recompute.none])
+            gather_biggest = max(gather_biggest, kc.gather_params)
+        layers = n_dense + n_moe
+        if first:
+            f, b = f + self.emb[0], b + self.emb[1]
+            dense += self.emb_params
+        if last:
+            f, b = f + self.head[0], b + self.head[1]
+            dense += self.head_params
+        f += self.v * self.p2p_s
+        b += self.v * self.p2p_s
+        grad_s, replica_s, gather_s = self.traffic(dense, experts)
+        gpm = self.gathers_per_mb
+        gather_f = gather_s if gpm else 0.0
+        gather_b = gather_s * (gpm - 1) if gpm else 0.0
+        grad_mb = grad_s if self.grads_per_mb else 0.0
+        grad_step = replica_s + (0.0 if self.grads_per_mb else grad_s)
+        gather_step = 0.0 if gpm else gather_s
+        tail = self.exposed(grad_step, b) + self.exposed(gather_step, f) + self.optimizer_s(dense, experts)
+        f += self.exposed(gather_f, f)
+        b += self.exposed(gather_b + grad_mb, b)
+        # memory
+        lay = self.layout
+        w1, g1, o1 = model_state_bytes(dense, self.state, lay.zero_stage, self.shard_n, lay.offload_optimizer)
+        w2, g2, o2 = model_state_bytes(experts, self.state, lay.zero_stage, self.expert_shard, lay.offload_optimizer)
+        per_mb = acts + (self.emb_act if first else 0.0)
+        activations = per_mb * self.in_flight[rank] + transient
+        buffers = self.reserved + (self.logits if last else 0.0)
+        if lay.zero_stage == 3 and layers:
+            buffers += 2 * gather_biggest * self.state.weights
+        memory = w1 + w2 + g1 + g2 + o1 + o2 + activations + buffers
+        return StageTerms(f, b, tail, memory, layers)
+
+    # -- a whole split ---------------------------------------------------------------------------
+    def step_s(self, terms: list[StageTerms]) -> float:
+        pipe, _ = pipeline_time_s(self.layout.schedule, [t.forward_s for t in terms], [t.backward_s for t in terms],
+                                  self.m, self.v)
+        return pipe + max(t.tail_s for t in terms)
+
+    def evaluate(self, chunks: list[int], recompute: list[tuple[Recompute, int]]) -> tuple[float, list[StageTerms]]:
+        """Step time and per-stage terms of one split (layers per chunk) and per-rank recompute choice."""
+        terms = [self.stage_terms(r, layers, *recompute[r]) for r, layers in enumerate(self.rank_layers(chunks))]
+        return self.step_s(terms), terms
+
+    def fits(self, terms: list[StageTerms]) -> bool:
+        return all(t.memory_bytes <= self.capacity for t in terms)
+
+    def default_chunks(self) -> list[int]:
+        return default_layer_split(self.model.num_layers, self.p * self.v)
+
+    def stage_options(self, n_layers: int) -> list[tuple[Recompute, int]]:
+        """Every recompute choice of a stage with ``n_layers`` layers: none, or 1..n of them selective / full."""
+        return [(Recompute.none, 0)] + [(k, c) for k in RECOMPUTE_KINDS for c in range(1, n_layers + 1)]
+
+    def greedy(self, chunks: list[int]) -> tuple[float, list[StageTerms], list[tuple[Recompute, int]]] | None:
+        """Per stage, the fastest recompute choice that fits its memory (a feasible upper bound), or None.
+
+        Within one kind, more recomputed layers only add time and only save memory, so the fastest
+        fitting choice of each kind is its smallest fitting count (found by bisection)."""
+        choices, terms = [], []
+        for r, layers in enumerate(self.rank_layers(chunks)):
+            moe_prefix = [0]
+            for i in layers:
+                moe_prefix.append(moe_prefix[-1] + self.kinds[i])
+            n, n_moe = len(layers), moe_prefix[-1]
+
+            def at(kind: Recompute, count: int) -> StageTerms:
+                rm = moe_prefix[count]
+                return self.stage_terms_counts(r, n - n_moe, n_moe, kind, count - rm, rm)
+
+            none = at(Recompute.none, 0)
+            if none.memory_bytes <= self.capacity:
+                terms.append(none)
+                choices.append((Recompute.none, 0))
+                continue
+            best = None
+            for kind in RECOMPUTE_KINDS:
+                if at(kind, n).memory_bytes > self.capacity:
+                    continue
+                lo, hi = 1, n  # smallest count that fits
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if at(kind, mid).memory_bytes <= self.capacity:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                t = at(kind, lo)
+                if best is None or t.forward_s + t.backward_s + t.tail_s < best[0].forward_s + best[0].backward_s + best[0].tail_s:
+                    best = (t, (kind, lo))
+            if best is None:
+                return None
+            terms.append(best[0])
+            choices.append(best[1])
+        return self.step_s(terms), terms, choices
+
+    def min_memory(self, chunks: list[int]) -> float:
+        """Memory of the most loaded stage with every layer fully recomputed (the least this split can need)."""
+        return max(self.stage_terms(r, layers, Recompute.full, len(layers)).memory_bytes
+                   for r, layers in enumerate(self.rank_layers(chunks)))
+
+    def layout_for(self, chunks: list[int], recompute: list[tuple[Recompute, int]]) -> ParallelLayout:
+        """The full layout of a solution: explicit split (None when it is the default one) and recompute."""
+        kinds = {k for k, c in recompute if c > 0}
+        update: dict = {"layers_per_stage": None if chunks == self.default_chunks() else list(chunks)}
+        rank_sizes = [len(x) for x in self.rank_layers(chunks)]
+        uniform = [((k, c) if c > 0 else (Recompute.none, 0)) for k, c in recompute]
+        if all(c == 0 for _, c in uniform):
+            update["recompute"] = Recompute.none
+        elif len(kinds) == 1 and all(c == n for (_, c), n in zip(uniform, rank_sizes)):
+            update["recompute"] = kinds.pop()
+        else:
+            update["recompute_per_stage"] = [
+                StageRecompute(kind=k if c > 0 else Recompute.none, num_layers=None if c == n else c)
+                for (k, c), n in zip(uniform, rank_sizes)
+            ]
+            update["recompute"] = Recompute.none
+        return self.layout.model_copy(update=update)
+
+
+def recompute_bound_s(sm: StageModel) -> float:
+    """Least recompute time (seconds per micro-batch, summed over ranks) any split needs to fit memory.
+
+    Rank ``r`` keeping ``n`` blocks without recompute needs ``e_r + n·u_r`` bytes with
+    ``u_r = states per block + in_flight_r · activations per block``: it holds ``(C - e_r)/u_r``
+    blocks for free. The layers beyond what all ranks hold for free must shed
+    ``u_r`` bytes each; recompute sheds at most ``ρ`` bytes (× in-flight) per second of extra
+    backward, so each costs at least ``u_r / (in_flight_r · ρ)`` seconds, cheapest on the rank
+    with the most micro-batches in flight. A relaxation (fractional layers, no transient, no
+    gather buffers), so a valid lower bound.
+    """
+    lay = sm.layout
+    per_state = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.shard_n, lay.offload_optimizer))
+    per_state_e = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.expert_shard, lay.offload_optimizer))
+    rho = 0.0
+    for kc in sm.kind_cost.values():
+        for kind in RECOMPUTE_KINDS:
+            extra = kc.backward_s[kind] - kc.backward_s[Recompute.none]
+            saved = kc.activations[Recompute.none] - kc.activations[kind]
+            if extra > 0 and saved > 0:
+                rho = max(rho, saved / extra)
+    free = 0.0
+    marginal = math.inf
+    for r in range(sm.p):
+        fl = sm.in_flight[r]
+        u = min(kc.dense_params * per_state + kc.expert_params * per_state_e + fl * kc.activations[Recompute.none]
+                for kc in sm.kind_cost.values())
+        e = sm.reserved
+        if r == 0:
+            e += sm.emb_params * per_state + fl * sm.emb_act
+        if r == sm.p - 1:
+            e += sm.head_params * per_state + sm.logits
+        free += max(0.0, (sm.capacity - e) / u) if u > 0 else math.inf
+        if rho > 0:
+            marginal = min(marginal, u / (fl * rho))
+    excess = sm.model.num_layers - free
+    if excess <= 0 or not math.isfinite(marginal):
+        return 0.0
+    return excess * marginal
