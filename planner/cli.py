@@ -125,6 +125,60 @@ def _layout(
 
 
 # ---------------------------------------------------------------- rendering
+def describe_recompute(lay: ParallelLayout) -> str:
+    if lay.recompute_per_stage is None:
+        return lay.recompute.value
+    parts = []
+    for i, r in enumerate(lay.recompute_per_stage):
+        parts.append(f"s{i}:{r.kind.value}" + (f"x{r.num_layers}" if r.num_layers is not None and r.kind is not Recompute.none else ""))
+    return "per stage [" + " ".join(parts) + "]"
+
+
+def layout_summary(lay: ParallelLayout) -> str:
+    return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
+            f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
+            f"{f' ep{lay.ep}' if lay.ep > 1 else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
+            f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''} mb{lay.micro_batch_size}"
+            f" {lay.schedule.value if lay.pp > 1 else ''} rc:{describe_recompute(lay)}"
+            f"{f' split{lay.layers_per_stage}' if lay.layers_per_stage else ''}")
+
+
+def render_search(plan: Plan, top_families: int = 12) -> None:
+    """Alternatives, why the other families lost, and what the search did."""
+    best = plan.prediction
+    if plan.alternatives:
+        at = Table(title=f"Top {len(plan.alternatives) + 1} plans")
+        for col in ("#", "layout", "step", "MFU", "memory", "vs best", "why slower"):
+            at.add_column(col, justify="right" if col in ("#", "step", "MFU", "memory", "vs best") else "left")
+        at.add_row("1", layout_summary(plan.layout), f"{best.step_time_s:.3f} s", f"{best.mfu:.1%}",
+                   f"{best.memory.total_bytes / GiB:.1f} GiB", "", "chosen")
+        for i, alt in enumerate(plan.alternatives, 2):
+            p = alt.prediction
+            at.add_row(str(i), layout_summary(alt.layout), f"{p.step_time_s:.3f} s" if p else "-", f"{p.mfu:.1%}" if p else "-",
+                       f"{p.memory.total_bytes / GiB:.1f} GiB" if p else "-",
+                       f"{alt.slower_by:+.2%}" if alt.slower_by is not None else "", alt.reason)
+        console.print(at)
+    rep = plan.search
+    if rep is None:
+        return
+    ft = Table(title=f"Why the other structures lost (best of each; {len(rep.families)} structures)")
+    for col in ("structure", "candidates", "best step", "vs chosen", "reason"):
+        ft.add_column(col, justify="right" if col in ("candidates", "best step", "vs chosen") else "left")
+    for fam in rep.families[:top_families]:
+        ft.add_row(fam.family, str(fam.members), f"{fam.best_step_s:.3f} s" if fam.best_step_s else "-",
+                   f"{fam.slower_by:+.1%}" if fam.slower_by is not None else "-", fam.reason)
+    if len(rep.families) > top_families:
+        ft.add_row(f"... {len(rep.families) - top_families} more", "", "", "", "see --json")
+    console.print(ft)
+    removed = sum(rep.removed_by_rule.values())
+    console.print(f"search: {rep.candidates_considered:,} candidates; {removed:,} removed by rules, {rep.dominated:,} dominated, "
+                  f"{rep.memory_infeasible:,} do not fit, {rep.pruned_by_bound:,} pruned by bound, {rep.evaluated:,} priced, "
+                  f"{rep.solved:,} solved by CP-SAT {dict(rep.solver_status_counts)}, {rep.closed_without_solver:,} closed "
+                  f"without it; {rep.wall_s:.2f} s. Chosen plan: {plan.solver_status}")
+    for rule, count in sorted(rep.removed_by_rule.items(), key=lambda x: -x[1]):
+        console.print(f"  removed {count:,}: {rule} (e.g. {rep.rule_examples.get(rule, '')})")
+
+
 def render_prediction(plan: Plan) -> None:
     p, lay = plan.prediction, plan.layout
     console.print(f"[bold]{plan.model.name}[/] on [bold]{plan.cluster}[/] ({plan.num_gpus} GPUs), "
@@ -132,7 +186,8 @@ def render_prediction(plan: Plan) -> None:
     console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
                   f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
-                  f", recompute {lay.recompute.value}{', optimizer offload' if lay.offload_optimizer else ''}")
+                  f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
     t.add_row("step time", f"{p.step_time_s:.3f} s")
     t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_gpu:,.0f} per GPU)")
@@ -222,6 +277,132 @@ def predict(
         print(plan.model_dump_json(indent=2))
     else:
         render_prediction(plan)
+
+
+@app.command()
+def plan(
+    model: Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")] = None,
+    model_file: Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")] = None,
+    hf_config: Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")] = None,
+    nodes: Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")] = None,
+    profile: Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")] = None,
+    global_batch: Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")] = None,
+    global_batch_tokens: Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")] = None,
+    seq: Annotated[int, typer.Option(min=1, help="sequence length")] = 4096,
+    precision: Annotated[Precision, typer.Option()] = Precision.bf16,
+    optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
+    unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
+    moe_imbalance: Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")] = 1.0,
+    top: Annotated[int, typer.Option("--top", min=1, max=50, help="alternatives to keep (top K plans)")] = 5,
+    max_micro_batch: Annotated[int, typer.Option(min=1, help="largest micro-batch size to consider")] = 16,
+    max_vp: Annotated[int, typer.Option(min=1, help="most virtual stages per rank to consider")] = 8,
+    max_tp: Annotated[Optional[int], typer.Option(min=1, help="largest TP degree (default: GPUs per node)")] = None,
+    zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
+    schedules: Annotated[str, typer.Option(help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
+    no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
+    no_hsdp: Annotated[bool, typer.Option(help="shard states over all data-parallel ranks only")] = False,
+    tp_overlap: Annotated[bool, typer.Option(help="the framework overlaps TP collectives with GEMMs")] = False,
+    dp_overlap: Annotated[bool, typer.Option(help="the framework overlaps gradient reduction / weight gathers")] = True,
+    ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
+    time_budget: Annotated[float, typer.Option(min=0.1, help="seconds after which the search stops and returns its best")] = 20.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
+) -> None:
+    """Search every layout (TP/PP/DP/SP/CP/EP x ZeRO x recompute x micro-batch x schedule) for the fastest that fits."""
+    from rich.progress import Progress
+
+    from planner.search import SearchOptions, search
+
+    spec = load_model(model, model_file, hf_config)
+    prof = load_profile(cluster, nodes, profile)
+    if global_batch is None and global_batch_tokens is None:
+        fail("give --global-batch (sequences) or --global-batch-tokens")
+    training = TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
+                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
+                              moe_load_imbalance=moe_imbalance)
+    opts = SearchOptions(top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
+                         zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
+                         schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
+                         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
+                         time_budget_s=time_budget)
+    if as_json:
+        result = search(spec, training, prof, opts)
+    else:
+        with Progress(transient=True, console=err_console) as bar:
+            task = bar.add_task("searching layouts", total=None)
+            result = search(spec, training, prof, opts, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if out is not None:
+        out.write_text(result.model_dump_json(indent=2))
+    if as_json:
+        print(result.model_dump_json(indent=2))
+        return
+    render_prediction(result)
+    render_search(result)
+    if out is not None:
+        console.print(f"plan written to {out}")
+
+
+def _int_list(text: str, flag: str, allowed: set[int]) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise AutoparError(flag, text, "give comma-separated integers, e.g. 1,3", problem="is not a list of integers") from None
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise AutoparError(flag, text, f"choose from {sorted(allowed)}", problem="has values outside the allowed set")
+    return values
+
+
+def _schedules(text: str) -> tuple[Schedule, ...]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    known = {s.value: s for s in Schedule}
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise AutoparError("--schedules", text, "choose from " + ", ".join(known), problem="names an unknown schedule")
+    return tuple(known[n] for n in names)
+
+
+def _load_plan(path: Path) -> Plan:
+    try:
+        return Plan.model_validate_json(_read(path, "PLAN.json"))
+    except ValidationError as exc:
+        fail(f"{path} is not a valid Plan:\n  " + describe_validation_error(exc, "plan"))
+        raise  # unreachable
+
+
+@app.command()
+def explain(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
+) -> None:
+    """Show a saved plan: its prediction, the alternatives and why the rest lost."""
+    saved = _load_plan(plan_file)
+    render_prediction(saved)
+    if saved.search is None and not saved.alternatives:
+        console.print("this plan was given by hand (autopar predict): there is no search to explain")
+        return
+    render_search(saved)
+
+
+@app.command()
+def export(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
+    to: Annotated[str, typer.Option("--to", help="megatron | deepspeed | torchtitan")],
+    out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="write the files here instead of printing them")] = None,
+) -> None:
+    """Write the launch arguments / config of a plan for Megatron-LM, DeepSpeed or torchtitan."""
+    from planner.export import export_plan
+
+    files = export_plan(_load_plan(plan_file), to)
+    if out_dir is None:
+        for name, text in files.items():
+            print(f"# ===== {name} =====")
+            print(text)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out_dir / name).write_text(text)
+        console.print(f"wrote {out_dir / name}")
 
 
 @app.command()

@@ -44,9 +44,11 @@ from planner.cost.predict import predict
 from planner.contracts import Collective
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
-from planner.search.stages import StageModel, recompute_bound_s
+from planner.search.stages import StageModel, optimizer_time_s, recompute_bound_s
 
 GIB = 2**30
+SEED_STRUCTURES = 48
+EXPLAINED_FAMILIES = 12  # structures whose best plan is priced in full to say why it lost  # structures priced first, on one plain leaf each, to start the bound
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Structure:
     emb_s: float = 0.0
     head_s: float = 0.0
     forward_work_s: float = 0.0  # the forward part of work_s
+    forward_ratio: float = 0.5  # largest forward / (forward + backward) of any block, embedding or head
 
     @property
     def family(self) -> str:
@@ -194,6 +197,9 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     st.emb_s, st.head_s = ef.total_s + eb.total_s, hf.total_s + hb.total_s
     st.work_s = sum(st.layer_times) + st.emb_s + st.head_s
     st.forward_work_s = sum(per_kind[model.is_moe_layer(i)][1] for i in range(model.num_layers)) + ef.total_s + hf.total_s
+    ratios = [f / t for t, f in per_kind.values() if t > 0]
+    ratios += [x.total_s / (x.total_s + y.total_s) for x, y in ((ef, eb), (hf, hb)) if x.total_s + y.total_s > 0]
+    st.forward_ratio = max(ratios) if ratios else 0.5
     if st.pp > 1:
         p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (st.tp if opts.pp_scatter_gather else 1)
         st.p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes)
@@ -223,7 +229,7 @@ def min_max_stage(st: Structure) -> float:
         return True
 
     lo, hi = st.work_s / p, st.work_s + 2 * st.p2p_s
-    for _ in range(40):
+    for _ in range(24):
         mid = (lo + hi) / 2
         if fits(mid):
             hi = mid
@@ -263,8 +269,11 @@ def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recomp
     if sched is Schedule.interleaved_1f1b:
         return (m - 1 / v) * avg + total / v
     if sched is Schedule.zero_bubble:
-        # m·max + Σ_{i≠i*} f_i with f_{i*} <= max
-        return max((m - 1) * minmax + st.forward_work_s + v * p * st.p2p_s, m * minmax)
+        # m·T* + Σ_i f_i - f_{i*}; the slowest stage's forward is at most ρ of its work (ρ: the
+        # largest forward share of any block, embedding or head) plus its sends: f* <= ρ(T* - 2t) + t
+        rho = st.forward_ratio
+        forwards = st.forward_work_s + v * p * st.p2p_s
+        return max((m - rho) * minmax + forwards + (2 * rho - 1) * v * st.p2p_s, m * minmax)
     return (m - 1) * minmax + total
 
 
@@ -319,7 +328,8 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     status_counts: dict[str, int] = defaultdict(int)
     shortfall = [math.inf, ""]
     pending: list[tuple] = []
-    budget_hit = False
+    for st in structs:
+        families.setdefault(st.family, {"members": 0, "best": None, "reason": ""})
 
     def kth() -> float:
         return values[opts.top_k - 1] if len(values) >= opts.top_k else math.inf
@@ -346,106 +356,152 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if not fam["reason"]:
             fam["reason"] = f"does not fit: {why} {need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB"
 
-    # phase A: price every leaf that its bound does not rule out on the default split
-    leaf_id = 0
+    priced: set[tuple] = set()
+    ids = iter(range(1, 1 << 60))
+    nonlocal_state = {"prefix_ok": None, "budget_hit": False}
+
+    def dp_splits_of(st: Structure, count_rules: bool) -> dict[int, list[tuple[int, int]]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for zero in opts.zero_stages:
+            if zero == 0:
+                out[zero] = [(1, st.dp)]
+            else:
+                shards = divisors(st.dp) if opts.hsdp else [st.dp]
+                out[zero] = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
+                if count_rules and len(out[zero]) < len(shards):
+                    rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
+                                 len(shards) - len(out[zero]))
+        return out
+
+    def price_leaf(si: int, st: Structure, sched: Schedule, v: int, sb: float, minmax: float, zero: int, rep: int,
+                   shard: int, offload: bool, reshard: bool) -> None:
+        key = (si, sched, v, zero, rep, shard, offload, reshard)
+        if key in priced:
+            return
+        priced.add(key)
+        label = f"{st.family} zero{zero}" + (f" hsdp{rep}x{shard}" if rep > 1 else "") + (" offload" if offload else "")
+        shard_n = shard * st.cp
+        dense = all_params_dense / (st.tp * st.pp)
+        expert = all_params_expert / (st.tp * st.ep * st.pp)
+        need = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
+            model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
+        if need > capacity:
+            no_fit(st, need, label, "model states alone need")
+            return
+        opt_lb = optimizer_time_s(profile, training, zero, shard_n, max(shard_n // st.ep, 1), offload, dense, expert)
+        if sb + opt_lb >= kth():
+            report["pruned"] += 1
+            return
+        if time.perf_counter() - t0 > opts.time_budget_s:
+            nonlocal_state["budget_hit"] = True
+            report["pruned"] += 1
+            return
+        layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+                              reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
+        try:
+            sm = StageModel(model, training, profile, layout, block_cache=cache)
+        except AutoparError as err:
+            rules.remove(f"{err.field}: {err.problem}", str(err))
+            return
+        rec_s = recompute_bound_s(sm)
+        sb_leaf = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_s) if rec_s > 0 else sb
+        lb = leaf_bound(sm, st, sb_leaf, minmax if v == 1 else st.work_s / st.pp + 2 * v * st.p2p_s, dense, expert)
+        if lb >= kth():
+            report["pruned"] += 1
+            return
+        report["evaluated"] += 1
+        leaf_id = next(ids)
+        if nonlocal_state["prefix_ok"] is None:
+            nonlocal_state["prefix_ok"] = layer_kind_prefix(sm) is not None
+        prefix_ok = nonlocal_state["prefix_ok"]
+        if st.pp == 1:  # one stage: no split to choose; per kind, the fewest recomputed layers that fit
+            best = None
+            for kind, count in sm.fewest_recomputed(model.num_layers):
+                val, terms = sm.evaluate([model.num_layers], [(kind, count)])
+                if sm.fits(terms) and (best is None or val < best[0]):
+                    best = (val, kind, count)
+            if best is None:
+                no_fit(st, sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
+                return
+            record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)")
+            report["closed"] += 1
+            return
+        chunks = sm.default_chunks()
+        greedy = sm.greedy(chunks)
+        if greedy is not None:
+            met = greedy[0] <= lb * (1 + 1e-9)
+            record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
+                   "OPTIMAL (bound)" if met else "FEASIBLE (default split)")
+            if met:
+                report["closed"] += 1
+                return
+        if prefix_ok:
+            pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
+                            greedy[2] if greedy else None))
+        elif greedy is None:
+            no_fit(st, sm.min_memory(chunks), label, "needs, even with full recompute,")
+
+    minmax_of: dict[int, float] = {}
+
+    def minmax_for(si: int) -> float:
+        if si not in minmax_of:
+            minmax_of[si] = min_max_stage(structs[si])
+        return minmax_of[si]
+
+    # seed: one plain leaf (1F1B or single stage, ZeRO-1, no offload) of the most promising
+    # structures, so the bound prunes from the start
+    seed_zero = 1 if 1 in opts.zero_stages else opts.zero_stages[0]
+    for si, st in enumerate(structs[:SEED_STRUCTURES]):
+        sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
+        if sched is Schedule.interleaved_1f1b:
+            continue
+        sb = schedule_bound(st, sched, 1, minmax_for(si))
+        price_leaf(si, st, sched, 1, sb, minmax_for(si), seed_zero, 1, st.dp, False, True)
+
+    # phase A: price every leaf that its bound does not rule out, on the default split
     for si, st in enumerate(structs):
         if progress:
             progress(si, len(structs))
-        fam = families.setdefault(st.family, {"members": 0, "best": None, "reason": ""})
+        fam = families[st.family]
         scheds = schedule_choices(st, model, opts, rules)
-        dp_splits: dict[int, list[tuple[int, int]]] = {}
-        for zero in opts.zero_stages:
-            if zero == 0:
-                dp_splits[zero] = [(1, st.dp)]
-            else:
-                shards = divisors(st.dp) if opts.hsdp else [st.dp]
-                dp_splits[zero] = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
-                if len(dp_splits[zero]) < len(shards):
-                    rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
-                                 len(shards) - len(dp_splits[zero]))
+        dp_splits = dp_splits_of(st, count_rules=True)
         per_sched = sum(len(x) * (1 + (z >= 1 and opts.offload)) * (2 if z == 3 else 1) for z, x in dp_splits.items())
         fam["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
-        if st.bound_s >= kth() or budget_hit:
+        if st.bound_s >= kth() or nonlocal_state["budget_hit"]:
             report["pruned"] += per_sched * len(scheds)
             if not fam["reason"]:
                 fam["reason"] = f"lower bound {st.bound_s:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
             continue
-        minmax = min_max_stage(st)
+        minmax = minmax_for(si)
         for sched, v in scheds:
             if sched is Schedule.gpipe and Schedule.one_f_one_b in opts.schedules:
                 report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
             sb = schedule_bound(st, sched, v, minmax if v == 1 else 0.0)
+            if sb >= kth():
+                report["pruned"] += per_sched
+                continue
+            # the recompute that memory forces even on the leaf with the least state memory
+            # (highest ZeRO stage, fully sharded, offloaded) bounds every leaf of this schedule
+            frugal_zero = max(opts.zero_stages)
+            frugal = _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
+                                  offload_optimizer=opts.offload and frugal_zero >= 1)
+            try:
+                rec_min = recompute_bound_s(StageModel(model, training, profile, frugal, block_cache=cache))
+            except AutoparError:
+                rec_min = 0.0
+            if rec_min > 0:
+                sb = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_min)
+                if sb >= kth():
+                    report["pruned"] += per_sched
+                    continue
             for zero, splits in dp_splits.items():
                 for rep, shard in splits:
                     for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
                         for reshard in ((True, False) if zero == 3 else (True,)):
-                            label = f"{st.family} zero{zero}" + (f" hsdp{rep}x{shard}" if rep > 1 else "") + (" offload" if offload else "")
-                            shard_n = shard * st.cp
-                            dense = all_params_dense / (st.tp * st.pp)
-                            expert = all_params_expert / (st.tp * st.ep * st.pp)
-                            need = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
-                                model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
-                            if need > capacity:
-                                no_fit(st, need, label, "model states alone need")
-                                continue
-                            if sb >= kth():
-                                report["pruned"] += 1
-                                continue
-                            if time.perf_counter() - t0 > opts.time_budget_s:
-                                budget_hit = True
-                                report["pruned"] += 1
-                                continue
-                            layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
-                                                  offload_optimizer=offload, reshard_after_forward=reshard,
-                                                  schedule=sched, virtual_stages=v)
-                            try:
-                                sm = StageModel(model, training, profile, layout, block_cache=cache)
-                            except AutoparError as err:
-                                rules.remove(f"{err.field}: {err.problem}", str(err))
-                                continue
-                            rec_s = recompute_bound_s(sm)
-                            if rec_s > 0:
-                                sb_leaf = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_s)
-                            else:
-                                sb_leaf = sb
-                            lb = leaf_bound(sm, st, sb_leaf, minmax if v == 1 else st.work_s / st.pp + 2 * v * st.p2p_s,
-                                            dense, expert)
-                            if lb >= kth():
-                                report["pruned"] += 1
-                                continue
-                            report["evaluated"] += 1
-                            leaf_id += 1
-                            if prefix_ok is None:
-                                prefix_ok = layer_kind_prefix(sm) is not None
-                            if st.pp == 1:  # one stage: no split to choose, every recompute choice priced
-                                best = None
-                                for kind, count in sm.stage_options(model.num_layers):
-                                    val, terms = sm.evaluate([model.num_layers], [(kind, count)])
-                                    if sm.fits(terms) and (best is None or val < best[0]):
-                                        best = (val, kind, count)
-                                if best is None:
-                                    no_fit(st, sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
-                                    continue
-                                record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st,
-                                       "OPTIMAL (enumerated)")
-                                report["closed"] += 1
-                                continue
-                            chunks = sm.default_chunks()
-                            greedy = sm.greedy(chunks)
-                            if greedy is not None:
-                                met = greedy[0] <= lb * (1 + 1e-9)
-                                record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
-                                       "OPTIMAL (bound)" if met else "FEASIBLE (default split)")
-                                if met:
-                                    report["closed"] += 1
-                                    continue
-                            if prefix_ok:
-                                pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
-                                                greedy[2] if greedy else None))
-                            elif greedy is None:
-                                no_fit(st, sm.min_memory(chunks), label, "needs, even with full recompute,")
+                            price_leaf(si, st, sched, v, sb, minmax, zero, rep, shard, offload, reshard)
+    budget_hit = nonlocal_state["budget_hit"]
 
     # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first
     pending.sort(key=lambda x: (x[0], x[1]))
@@ -486,17 +542,19 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         alternatives.append(Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
                                         reason=why_slower(pred, best_pred)))
     fam_out = []
-    for name, fam in families.items():
+    ranked_fams = sorted(families.items(), key=lambda kv: (kv[1]["best"] is None, kv[1]["best"].step_s if kv[1]["best"] else 0.0))
+    for n, (name, fam) in enumerate(ranked_fams):
         b = fam["best"]
         if b is not None and b.layout == best.layout:
-            reason = "the chosen plan's family"
+            reason = "the chosen plan's structure"
+        elif b is not None and n < EXPLAINED_FAMILIES:
+            reason = why_slower(predict(model, training, profile, b.layout), best_pred)
         elif b is not None:
-            reason = f"best member {b.step_s:.3f} s: " + (fam["reason"] or "slower")
+            reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
         else:
             reason = fam["reason"] or "not reached"
         fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
                                      slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"], reason=reason))
-    fam_out.sort(key=lambda f: (f.best_step_s is None, f.best_step_s or 0.0))
     search_report = SearchReport(
         candidates_considered=report["considered"] + sum(rules.counts.values()),
         removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],

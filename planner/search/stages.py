@@ -87,6 +87,19 @@ class Affine:
         return self.alpha + self.slope * x if x > 0 else 0.0
 
 
+def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int, expert_shard: int,
+                     offload: bool, dense_params: float, expert_params: float) -> float:
+    """Optimizer step of a stage holding these parameters per GPU (as in ``predict``): HBM-bound on the
+    GPU, or copies over the host link plus the CPU step when offloaded."""
+    local = dense_params / (shard_n if zero_stage >= 1 else 1) + expert_params / (expert_shard if zero_stage >= 1 else 1)
+    if offload:
+        state = state_bytes_per_param(training)
+        copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
+            profile, local * state.weights, to_device=True)
+        return copies + local * optimizer_step_bytes_per_param(training) / profile.assumptions.cpu_optimizer_bytes_per_s
+    return memory_time_s(profile, local * optimizer_step_bytes_per_param(training))
+
+
 class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
@@ -97,38 +110,42 @@ class StageModel:
         self.m = check_layout(model, training, base, profile.num_gpus)
         self.model, self.training, self.profile, self.layout = model, training, profile, base
         self.p, self.v = base.pp, base.virtual_stages
-        self.kinds = [model.is_moe_layer(i) for i in range(model.num_layers)]
+        cache = block_cache if block_cache is not None else {}
+        kinds_key = ("kinds", id(model))
+        if kinds_key not in cache:
+            cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
+        self.kinds = cache[kinds_key][1]
         groups = mesh_groups(base, profile.gpus_per_node)
         mb = MicroBatch(base.micro_batch_size, training.seq_length, base.cp, base.tp, base.sp,
                         training.precision, training.flash_attention, training.moe_load_imbalance)
         self.mb = mb
         elt = training.precision.bytes
-        shape = ActivationShape(base.micro_batch_size, mb.local_seq, training.seq_length, base.tp, base.sp)
-        cache = block_cache if block_cache is not None else {}
-        self.kind_cost: dict[bool, KindCost] = {}
-        for kind in sorted(set(self.kinds)):
-            index = self.kinds.index(kind)
-            key = (kind, mb, base.ep, groups["tp"], groups["cp"], groups["ep"], base.tp_comm_overlap,
-                   base.ep_comm_overlap)
-            if key not in cache:
-                cache[key] = block_cost(profile, model, index, mb, base, groups)
-            bc = cache[key]
-            acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
-                                              fp8=training.precision is Precision.fp8,
-                                              moe_imbalance=training.moe_load_imbalance)
-                    for r in Recompute}
-            dense, expert = layer_params(model, index)
-            self.kind_cost[kind] = KindCost(
-                forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
-                dense_params=dense / base.tp, expert_params=expert / (base.tp * base.ep),
-                gather_params=(dense + expert) / base.tp,
-            )
-        emb_f, emb_b = embedding_cost(profile, model, mb, groups)
-        head_f, head_b = lm_head_cost(profile, model, mb, groups)
-        self.emb = (emb_f.total_s, emb_b.total_s)
-        self.head = (head_f.total_s, head_b.total_s)
-        p2p_bytes = mb.tokens * model.hidden_size * elt / (base.tp if base.pp_scatter_gather else 1)
-        self.p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if base.pp > 1 else 0.0
+        # everything below depends only on the micro-batch shape and the tp/cp/ep groups: shared
+        # by every candidate with the same ones
+        shared_key = ("shared", mb, base.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], base.tp_comm_overlap,
+                      base.ep_comm_overlap, base.pp_scatter_gather, base.pp > 1)
+        if shared_key not in cache:
+            shape = ActivationShape(base.micro_batch_size, mb.local_seq, training.seq_length, base.tp, base.sp)
+            kind_cost: dict[bool, KindCost] = {}
+            for kind in sorted(set(self.kinds)):
+                index = self.kinds.index(kind)
+                bc = block_cost(profile, model, index, mb, base, groups)
+                acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
+                                                  fp8=training.precision is Precision.fp8,
+                                                  moe_imbalance=training.moe_load_imbalance)
+                        for r in Recompute}
+                dense, expert = layer_params(model, index)
+                kind_cost[kind] = KindCost(
+                    forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
+                    dense_params=dense / base.tp, expert_params=expert / (base.tp * base.ep),
+                    gather_params=(dense + expert) / base.tp,
+                )
+            emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+            head_f, head_b = lm_head_cost(profile, model, mb, groups)
+            p2p_bytes = mb.tokens * model.hidden_size * elt / (base.tp if base.pp_scatter_gather else 1)
+            p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if base.pp > 1 else 0.0
+            cache[shared_key] = (kind_cost, (emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s), p2p_s)
+        self.kind_cost, self.emb, self.head, self.p2p_s = cache[shared_key]
         self.emb_params = embedding_params(model) / base.tp
         tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
         self.head_params = (lm_head_params(model) + tied) / base.tp
@@ -146,8 +163,10 @@ class StageModel:
         self.logits = logits_bytes(model, mb.tokens, base.tp)
         self.capacity = float(profile.device.memory_bytes)
         # data-parallel collective times as affine functions of the parameters a stage holds
-        self.dense_dp = self._affine_traffic(dense=True)
-        self.expert_dp = self._affine_traffic(dense=False)
+        dp_key = ("dp", base.zero_stage, base.dp_shard, base.dp_replicate, base.cp, base.tp, base.ep)
+        if dp_key not in cache:
+            cache[dp_key] = (self._affine_traffic(dense=True), self._affine_traffic(dense=False))
+        self.dense_dp, self.expert_dp = cache[dp_key]
 
     # -- data parallel -------------------------------------------------------------------------
     def _affine_traffic(self, dense: bool) -> dict[str, Affine]:
@@ -172,13 +191,8 @@ class StageModel:
 
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
         lay = self.layout
-        local = dense_params / (self.shard_n if lay.zero_stage >= 1 else 1) + expert_params / (
-            self.expert_shard if lay.zero_stage >= 1 else 1)
-        if lay.offload_optimizer:
-            copies = host_copy_time_s(self.profile, local * self.state.grads, to_device=False) + host_copy_time_s(
-                self.profile, local * self.state.weights, to_device=True)
-            return copies + local * self.step_bytes / self.profile.assumptions.cpu_optimizer_bytes_per_s
-        return memory_time_s(self.profile, local * self.step_bytes)
+        return optimizer_time_s(self.profile, self.training, lay.zero_stage, self.shard_n, self.expert_shard,
+                                lay.offload_optimizer, dense_params, expert_params)
 
     def exposed(self, comm_s: float, window_s: float) -> float:
         return comm_s - hidden_time_s(comm_s, window_s, self.eff)
@@ -271,6 +285,27 @@ class StageModel:
     def stage_options(self, n_layers: int) -> list[tuple[Recompute, int]]:
         """Every recompute choice of a stage with ``n_layers`` layers: none, or 1..n of them selective / full."""
         return [(Recompute.none, 0)] + [(k, c) for k in RECOMPUTE_KINDS for c in range(1, n_layers + 1)]
+
+    def fewest_recomputed(self, n_layers: int) -> list[tuple[Recompute, int]]:
+        """For a single stage: none, and per recompute kind the smallest count that fits (bisection).
+
+        Within a kind each more recomputed layer adds ``Δ`` to every micro-batch (``m·Δ``) and takes
+        at most ``eff·Δ`` off the tail, so the step only grows with the count: these are the only
+        candidates for the fastest choice."""
+        out = [(Recompute.none, 0)]
+        layers = list(range(n_layers))
+        for kind in RECOMPUTE_KINDS:
+            if self.stage_terms(0, layers, kind, n_layers).memory_bytes > self.capacity:
+                continue
+            lo, hi = 1, n_layers
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.stage_terms(0, layers, kind, mid).memory_bytes <= self.capacity:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            out.append((kind, lo))
+        return out
 
     def greedy(self, chunks: list[int]) -> tuple[float, list[StageTerms], list[tuple[Recompute, int]]] | None:
         """Per stage, the fastest recompute choice that fits its memory (a feasible upper bound), or None.

@@ -1,0 +1,289 @@
+"""The planner's search: its decomposition equals predict, CP-SAT and the whole search equal brute force,
+the divisibility rules, memory-infeasible cases, and the plan / explain / export commands."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from planner.contracts import ParallelLayout, Plan, Recompute, Schedule, TrainingConfig
+from planner.cost.predict import check_layout, predict
+from planner.errors import AutoparError
+from planner.presets import get_preset
+from planner.reference import reference_profile
+from planner.search import SearchOptions, search
+from planner.search.brute import brute_force_search, brute_force_stages, compositions
+from planner.search.cpsat import solve_stages
+from planner.search.engine import Rules, min_max_stage, price_structure, structures
+from planner.search.stages import StageModel
+
+
+def small(name: str, layers: int):  # noqa: ANN201
+    """A preset cut to ``layers`` blocks (MoE presets keep at most 2 leading dense blocks)."""
+    m = get_preset(name)
+    update: dict = {"num_layers": layers}
+    if m.moe is not None:
+        update["moe"] = m.moe.model_copy(update={"first_dense_layers": min(m.moe.first_dense_layers, 2)})
+    return m.model_copy(update=update)
+
+
+# ------------------------------------------------------------------ decomposition == predict
+DECOMPOSITION_CASES = [
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp_shard=2, zero_stage=1, sp=True), 64, 4096),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.interleaved_1f1b,
+                                      virtual_stages=2), 64, 4096),
+    ("llama3-8b", "dgx-a100-80gb", 2, dict(tp=1, pp=4, dp_shard=4, zero_stage=2, schedule=Schedule.zero_bubble), 64, 4096),
+    ("mixtral-8x7b", "dgx-h100", 4, dict(tp=2, pp=4, dp_shard=4, ep=4, zero_stage=1, offload_optimizer=True), 64, 4096),
+    ("deepseek-v3", "dgx-h100", 16, dict(tp=1, pp=8, dp_shard=16, ep=16, zero_stage=1,
+                                         schedule=Schedule.interleaved_1f1b, virtual_stages=2), 256, 4096),
+    ("gpt3-175b", "dgx-a100-80gb", 16, dict(tp=8, pp=8, dp_replicate=2, zero_stage=0, schedule=Schedule.gpipe), 64, 2048),
+]
+
+
+@pytest.mark.parametrize("name,system,nodes,layout,gbs,seq", DECOMPOSITION_CASES)
+def test_stage_model_equals_predict_on_random_splits(name, system, nodes, layout, gbs, seq):  # noqa: ANN001
+    """Every split and per-stage recompute the search prices must cost exactly what predict says."""
+    model, prof = get_preset(name), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
+    sm = StageModel(model, tr, prof, ParallelLayout(**layout))
+    rng = random.Random(7)
+    n = sm.p * sm.v
+    for _ in range(12):
+        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, model.num_layers])]
+        rec = []
+        for layers in sm.rank_layers(chunks):
+            kind = rng.choice(list(Recompute))
+            rec.append((kind, 0 if kind is Recompute.none else rng.randint(0, len(layers))))
+        step, terms = sm.evaluate(chunks, rec)
+        pred = predict(model, tr, prof, sm.layout_for(chunks, rec))
+        assert step == pytest.approx(pred.step_time_s, rel=1e-12)
+        assert max(t.memory_bytes for t in terms) == pytest.approx(pred.memory.total_bytes, rel=1e-9)
+        assert sm.fits(terms) == pred.memory.fits
+
+
+# ------------------------------------------------------------------ CP-SAT == brute force per candidate
+CPSAT_CASES = [
+    ("llama3-8b", 8, "dgx-h100", 1, dict(tp=2, pp=4, zero_stage=1), 32, 4096),
+    ("llama3-8b", 8, "dgx-h100", 1, dict(tp=1, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.zero_bubble), 32, 4096),
+    ("llama3-70b", 8, "dgx-a100-40gb", 1, dict(tp=2, pp=2, dp_shard=2, zero_stage=1,
+                                                 schedule=Schedule.interleaved_1f1b, virtual_stages=2), 32, 4096),
+    ("deepseek-v3", 6, "dgx-h100", 2, dict(tp=1, pp=2, dp_shard=8, ep=8, zero_stage=2), 32, 4096),
+    ("llama3-70b", 12, "dgx-a100-40gb", 2, dict(tp=4, pp=4, zero_stage=0), 64, 4096),
+    ("gpt3-175b", 8, "dgx-a100-40gb", 1, dict(tp=1, pp=8, zero_stage=0), 16, 2048),
+    ("gpt3-175b", 8, "dgx-a100-80gb", 1, dict(tp=2, pp=4, zero_stage=1, schedule=Schedule.gpipe), 8, 2048),
+    ("mixtral-8x7b", 6, "dgx-a100-40gb", 1, dict(tp=2, pp=2, dp_shard=2, ep=2, zero_stage=1, offload_optimizer=True),
+     16, 4096),
+]
+
+
+@pytest.mark.parametrize("name,layers,system,nodes,layout,gbs,seq", CPSAT_CASES)
+def test_cpsat_split_equals_brute_force(name, layers, system, nodes, layout, gbs, seq):  # noqa: ANN001
+    model, prof = small(name, layers), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
+    sm = StageModel(model, tr, prof, ParallelLayout(**layout))
+    brute = brute_force_stages(sm)
+    sol = solve_stages(sm, time_limit_s=20)
+    if brute is None:
+        assert sol.status == "INFEASIBLE"
+        return
+    assert sol.status == "OPTIMAL"
+    value = sm.evaluate(sol.chunks, sol.recompute)[0]
+    assert value == pytest.approx(brute[0], rel=1e-6)
+    pred = predict(model, tr, prof, sm.layout_for(sol.chunks, sol.recompute))
+    assert pred.memory.fits
+    assert pred.step_time_s == pytest.approx(value, rel=1e-12)
+
+
+def test_cpsat_moves_layers_off_the_head_stage():
+    """A 2-stage pipeline of 8 equal layers: the LM head makes the last stage slower, so the optimum
+    gives it fewer layers than the first (uneven split, found by CP-SAT, not the default one)."""
+    model = small("llama3-8b", 8)
+    prof = reference_profile("dgx-h100", 1)
+    tr = TrainingConfig(global_batch_size=32, seq_length=4096)
+    sm = StageModel(model, tr, prof, ParallelLayout(tp=2, pp=4, zero_stage=1))
+    sol = solve_stages(sm)
+    assert sol.status == "OPTIMAL"
+    assert sol.chunks != sm.default_chunks()
+    assert sol.chunks[-1] < max(sol.chunks)
+    assert sm.evaluate(sol.chunks, sol.recompute)[0] < sm.greedy(sm.default_chunks())[0]
+
+
+def test_cpsat_reports_infeasible_when_nothing_fits():
+    model = small("gpt3-175b", 8)
+    prof = reference_profile("dgx-a100-40gb", 1)
+    tr = TrainingConfig(global_batch_size=8, seq_length=2048)
+    sm = StageModel(model, tr, prof, ParallelLayout(tp=1, pp=2, dp_shard=4, zero_stage=0))
+    assert brute_force_stages(sm) is None
+    assert solve_stages(sm).status == "INFEASIBLE"
+
+
+def test_compositions_counts():
+    assert len(list(compositions(8, 4))) == 35  # C(7, 3)
+    assert all(sum(c) == 8 and min(c) >= 1 for c in compositions(8, 4))
+
+
+# ------------------------------------------------------------------ whole search == brute force
+BRUTE_OPTS = dict(max_micro_batch_size=2, max_virtual_stages=2, zero_stages=(0, 1), hsdp=False, offload=False)
+SEARCH_CASES = [
+    ("gpt3-175b", 8, "dgx-a100-80gb", 1, 8, 2048, dict(max_tp=1)),  # memory forces a pipeline
+    ("gpt3-175b", 8, "dgx-a100-40gb", 1, 8, 2048, {}),
+    ("llama3-70b", 8, "dgx-a100-40gb", 1, 16, 4096, dict(max_tp=2)),
+    ("mixtral-8x7b", 6, "dgx-a100-40gb", 1, 16, 4096, {}),
+    ("llama3-8b", 8, "dgx-h100", 1, 16, 4096, dict(zero_stages=(0, 1, 3), max_tp=2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layers,system,nodes,gbs,seq,extra", SEARCH_CASES)
+def test_search_equals_exhaustive_brute_force(name, layers, system, nodes, gbs, seq, extra):  # noqa: ANN001
+    model, prof = small(name, layers), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
+    opts = SearchOptions(**{**BRUTE_OPTS, **extra})
+    plan = search(model, tr, prof, opts)
+    brute = brute_force_search(model, tr, prof, opts)
+    assert brute is not None
+    assert plan.prediction.step_time_s == pytest.approx(brute[0], rel=1e-6)
+    assert plan.prediction.memory.fits
+    assert plan.solver_status and plan.solver_status.startswith("OPTIMAL")
+
+
+def test_search_uses_pipeline_and_uneven_split_when_memory_forces_it():
+    model, prof = small("gpt3-175b", 8), reference_profile("dgx-a100-80gb", 1)
+    tr = TrainingConfig(global_batch_size=8, seq_length=2048)
+    plan = search(model, tr, prof, SearchOptions(**{**BRUTE_OPTS, "max_tp": 1}))
+    assert plan.layout.pp > 1
+    assert plan.prediction.memory.fits
+    assert plan.search.solved + plan.search.closed_without_solver >= 1
+
+
+# ------------------------------------------------------------------ rules
+def test_divisibility_rules_remove_and_name_candidates():
+    model = get_preset("llama3-70b")  # 64 heads, 8 kv heads, 80 layers
+    prof = reference_profile("dgx-h100", 4)  # 32 GPUs
+    tr = TrainingConfig(global_batch_size=48, seq_length=4096)
+    rules = Rules()
+    found = structures(model, tr, prof, SearchOptions(max_micro_batch_size=4), rules)
+    assert found
+    for st in found:
+        layout = ParallelLayout(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, dp_shard=st.dp, micro_batch_size=st.mb)
+        check_layout(model, tr, layout, prof.num_gpus)  # every surviving structure is a valid layout
+        assert st.tp <= prof.gpus_per_node and 48 % (st.dp * st.mb) == 0
+    assert rules.counts["tp > GPUs per node (tensor parallel stays inside a node)"] > 0
+    assert rules.counts["dp must divide global_batch_size"] > 0  # dp=32 does not divide 48
+    assert "micro_batch_size > 4 (search option)" in rules.counts
+    assert "dp=" in rules.examples["dp must divide global_batch_size"]
+
+
+def test_head_and_expert_rules():
+    model = get_preset("mixtral-8x7b")  # 32 heads, 8 kv heads, 8 experts
+    prof = reference_profile("dgx-h100", 2)
+    tr = TrainingConfig(global_batch_size=16, seq_length=4096)
+    rules = Rules()
+    found = structures(model, tr, prof, SearchOptions(max_tp=16), rules)
+    assert all(8 % st.ep == 0 and (st.dp * st.cp) % st.ep == 0 for st in found)
+    assert rules.counts["tp must divide num_kv_heads or be a multiple of it"] == 0  # powers of two all divide
+    assert rules.counts["ep must divide dp x cp (experts are folded over data/context ranks)"] > 0
+    odd = get_preset("gpt3-6.7b")  # 32 heads
+    odd = odd.model_copy(update={"num_attention_heads": 20, "num_kv_heads": 20, "hidden_size": 2560})
+    rules2 = Rules()
+    structures(odd, tr, reference_profile("dgx-h100", 2), SearchOptions(), rules2)
+    assert rules2.counts["tp must divide num_attention_heads"] > 0  # tp=8 vs 20 heads
+    assert rules2.examples["tp must divide num_attention_heads"] == "tp=8, heads=20"
+
+
+def test_sequence_rules():
+    model = get_preset("llama3-8b")
+    tr = TrainingConfig(global_batch_size=8, seq_length=4098)  # 2·cp never divides it for cp > 1
+    rules = Rules()
+    found = structures(model, tr, reference_profile("dgx-h100", 1), SearchOptions(), rules)
+    assert all(st.cp == 1 for st in found)
+    assert rules.counts["2 x cp must divide seq_length (causal load balancing)"] > 0
+    assert all(not st.sp or 4098 % st.tp == 0 for st in found)
+    assert rules.counts["sp needs tp to divide seq_length / cp"] > 0
+
+
+def test_min_max_stage_is_a_lower_bound_of_every_split():
+    model, prof = small("llama3-8b", 10), reference_profile("dgx-h100", 1)
+    tr = TrainingConfig(global_batch_size=32, seq_length=4096)
+    st = next(s for s in structures(model, tr, prof, SearchOptions(), Rules()) if s.pp == 4 and s.tp == 2 and s.mb == 1)
+    price_structure(st, model, tr, prof, SearchOptions(), {})
+    bound = min_max_stage(st)
+    sm = StageModel(model, tr, prof, ParallelLayout(tp=2, pp=4, zero_stage=0, sp=st.sp, cp=st.cp))
+    best = min(max(t.forward_s + t.backward_s for t in sm.evaluate(c, [(Recompute.none, 0)] * 4)[1])
+               for c in compositions(10, 4))
+    assert bound <= best * (1 + 1e-9)
+    assert bound >= best * 0.99  # and tight
+
+
+# ------------------------------------------------------------------ infeasible
+def test_nothing_fits_names_the_shortfall_and_fixes():
+    model = get_preset("llama3.1-405b")
+    prof = reference_profile("dgx-a100-40gb", 1)
+    tr = TrainingConfig(global_batch_size=8, seq_length=8192)
+    with pytest.raises(AutoparError) as info:
+        search(model, tr, prof, SearchOptions(offload=False))
+    msg = str(info.value)
+    assert "GiB" in msg and "has no layout" in msg
+    assert "more GPUs" in msg and "offload" in msg and "recompute" in msg
+
+
+# ------------------------------------------------------------------ plan contents
+def test_plan_has_ranked_alternatives_and_explanations():
+    model = get_preset("llama3-8b")
+    prof = reference_profile("dgx-h100", 2)
+    tr = TrainingConfig(global_batch_size=64, seq_length=4096)
+    plan = search(model, tr, prof, SearchOptions(top_k=4))
+    assert len(plan.alternatives) == 3
+    times = [plan.prediction.step_time_s] + [a.prediction.step_time_s for a in plan.alternatives]
+    assert times == sorted(times)
+    for alt in plan.alternatives:
+        assert alt.slower_by >= 0 and "step time" in alt.reason
+    rep = plan.search
+    assert rep.candidates_considered > rep.evaluated > 0
+    assert rep.families[0].reason == "the chosen plan's structure"
+    assert any("largest difference" in f.reason for f in rep.families[1:])
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert again == plan
+
+
+# ------------------------------------------------------------------ CLI
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_plan_explain_export(tmp_path):  # noqa: ANN001
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "64",
+                "--seq", "4096", "--top", "3", "--zero-stages", "1", "--no-hsdp", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Top 3 plans" in r.stdout and "Why the other structures lost" in r.stdout
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.layout.zero_stage == 1 and plan.layout.dp_replicate == 1
+    r = run_cli("explain", str(out))
+    assert r.returncode == 0 and "Top 3 plans" in r.stdout
+    r = run_cli("export", str(out), "--to", "megatron", "--out-dir", str(tmp_path / "mlm"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "mlm" / "megatron_args.sh").read_text()
+    assert f"--tensor-model-parallel-size {plan.layout.tp}" in text
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "8", "--json", "--top", "2")
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["search"]["evaluated"] > 0
+
+
+def test_cli_plan_bad_input_is_one_line(tmp_path):  # noqa: ANN001
+    r = run_cli("plan", "--model", "llama3-8b", "--global-batch", "8", "--zero-stages", "1,5")
+    assert r.returncode == 2 and "--zero-stages" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("plan", "--model", "llama3-8b", "--global-batch", "8", "--schedules", "1f1b,dualpipe")
+    assert r.returncode == 2 and "dualpipe" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": "1"}')
+    r = run_cli("explain", str(bad))
+    assert r.returncode == 2 and "not a valid Plan" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("plan", "--model", "llama3.1-405b", "--cluster", "dgx-a100-40gb", "--global-batch", "8", "--seq", "8192",
+                "--no-offload")
+    assert r.returncode == 2 and "GiB" in r.stderr and "Traceback" not in r.stderr
