@@ -26,12 +26,15 @@ run: install
 	$(VENV)/bin/autopar predict --model llama3.1-70b --cluster dgx-h100 --nodes 8 \
 		--global-batch 256 --seq 8192 --tp 8 --pp 2 --dp 4 --sp --zero 1 \
 		--schedule interleaved_1f1b --vp 5 --micro-batch 1 --recompute selective
+	@echo "== autopar plan: the fastest layout of Llama 3.1 70B on the same 64 GPUs (search) =="
+	$(VENV)/bin/autopar plan --model llama3.1-70b --cluster dgx-h100 --nodes 8 --global-batch 256 --seq 8192 --top 3
 
 test: install
 	$(PY) -m pytest -q -n 2 tests
 
 bench: install
 	$(PY) benchmarks/validate_published.py
+	$(PY) benchmarks/search.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

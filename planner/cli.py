@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.contracts import (
@@ -128,14 +129,14 @@ def _layout(
 def describe_recompute(lay: ParallelLayout) -> str:
     if lay.recompute_per_stage is None:
         return lay.recompute.value
-    parts = []
+    parts: list[str] = []
     for i, r in enumerate(lay.recompute_per_stage):
         parts.append(f"s{i}:{r.kind.value}" + (f"x{r.num_layers}" if r.num_layers is not None and r.kind is not Recompute.none else ""))
     return "per stage [" + " ".join(parts) + "]"
 
 
 def layout_summary(lay: ParallelLayout) -> str:
-    return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
+    return escape(f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
             f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
             f"{f' ep{lay.ep}' if lay.ep > 1 else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
             f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''} mb{lay.micro_batch_size}"
@@ -186,8 +187,8 @@ def render_prediction(plan: Plan) -> None:
     console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
                   f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
-                  f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
-                  f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
+                  f", recompute {escape(describe_recompute(lay))}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f"{escape(f', layers per stage {lay.layers_per_stage}') if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
     t.add_row("step time", f"{p.step_time_s:.3f} s")
     t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_gpu:,.0f} per GPU)")

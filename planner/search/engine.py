@@ -181,24 +181,31 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     groups = mesh_groups(layout, profile.gpus_per_node)
     mb = MicroBatch(st.mb, training.seq_length, st.cp, st.tp, st.sp, training.precision,
                     training.flash_attention, training.moe_load_imbalance)
+    kinds_key = ("kinds", id(model))
+    if kinds_key not in cache:
+        cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
+    kinds = cache[kinds_key][1]
     per_kind = {}
-    for kind in (False, True):
-        if kind not in {model.is_moe_layer(i) for i in range(model.num_layers)}:
-            continue
-        index = next(i for i in range(model.num_layers) if model.is_moe_layer(i) == kind)
-        key = (kind, mb, st.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap, layout.ep_comm_overlap)
+    for kind in sorted(set(kinds)):
+        key = ("work", kind, mb, st.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
+               layout.ep_comm_overlap)
         if key not in cache:
-            cache[key] = block_cost(profile, model, index, mb, layout, groups)
-        bc = cache[key]
-        per_kind[kind] = (bc.forward.total_s + bc.backward_s(Recompute.none), bc.forward.total_s)
-    st.layer_times = [per_kind[model.is_moe_layer(i)][0] for i in range(model.num_layers)]
-    ef, eb = embedding_cost(profile, model, mb, groups)
-    hf, hb = lm_head_cost(profile, model, mb, groups)
-    st.emb_s, st.head_s = ef.total_s + eb.total_s, hf.total_s + hb.total_s
-    st.work_s = sum(st.layer_times) + st.emb_s + st.head_s
-    st.forward_work_s = sum(per_kind[model.is_moe_layer(i)][1] for i in range(model.num_layers)) + ef.total_s + hf.total_s
+            bc = block_cost(profile, model, kinds.index(kind), mb, layout, groups)
+            cache[key] = (bc.forward.total_s + bc.backward_s(Recompute.none), bc.forward.total_s)
+        per_kind[kind] = cache[key]
+    st.layer_times = [per_kind[k][0] for k in kinds]
+    head_key = ("emb+head", mb, groups["tp"])
+    if head_key not in cache:
+        ef, eb = embedding_cost(profile, model, mb, groups)
+        hf, hb = lm_head_cost(profile, model, mb, groups)
+        cache[head_key] = (ef.total_s, eb.total_s, hf.total_s, hb.total_s)
+    ef_s, eb_s, hf_s, hb_s = cache[head_key]
+    st.emb_s, st.head_s = ef_s + eb_s, hf_s + hb_s
+    counts = {k: kinds.count(k) for k in per_kind}
+    st.work_s = sum(counts[k] * per_kind[k][0] for k in per_kind) + st.emb_s + st.head_s
+    st.forward_work_s = sum(counts[k] * per_kind[k][1] for k in per_kind) + ef_s + hf_s
     ratios = [f / t for t, f in per_kind.values() if t > 0]
-    ratios += [x.total_s / (x.total_s + y.total_s) for x, y in ((ef, eb), (hf, hb)) if x.total_s + y.total_s > 0]
+    ratios += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
     st.forward_ratio = max(ratios) if ratios else 0.5
     if st.pp > 1:
         p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (st.tp if opts.pp_scatter_gather else 1)
