@@ -87,10 +87,13 @@ def layout_summary(layout: ParallelLayout) -> str:
     parts.append(f"mb{layout.micro_batch_size}")
     if layout.recompute_per_stage is not None:
         per = [f"{r.kind.value}" + (f":{r.num_layers}" if r.num_layers is not None else "") for r in layout.recompute_per_stage]
-        if len(set(per)) == 1:
-            parts.append(f"recompute[{per[0]} x{len(per)} stages]")
-        else:
-            parts.append("recompute[" + ",".join(per) + "]")
+        runs: list[list] = []  # run-length: [choice, stages]
+        for choice in per:
+            if runs and runs[-1][0] == choice:
+                runs[-1][1] += 1
+            else:
+                runs.append([choice, 1])
+        parts.append("recompute/stage[" + ",".join(c + (f" x{n}" if n > 1 else "") for c, n in runs) + "]")
     else:
         parts.append(f"recompute={layout.recompute.value}")
     if layout.layers_per_stage is not None and len(set(layout.layers_per_stage)) > 1:
@@ -305,13 +308,17 @@ def expert_options(layout: ParallelLayout) -> SearchOptions:
 def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
     print(f"\n== 3. at least as good as the experts: {data} ==")
     cases, skipped = build_cases(load_rows(data))
-    print(f"rows turned into cases: {len(cases)} (skipped by build_cases: {len(skipped)})")
+    print(f"rows turned into cases: {len(cases)}; skipped by build_cases: {len(skipped)}")
+    for sk in skipped:
+        print(f"   skipped {sk.run_id}: {sk.reason}")
     if limit is not None:
         cases = cases[:limit]
         print(f"(--rows {limit}: first {len(cases)} cases only)")
     below: list[str] = []
     failures: list[str] = []
     ratios: list[float] = []
+    walls: list[float] = []
+    budget_hit: list[str] = []
     start = time.perf_counter()
     for case in cases:
         print(f"\n-- {case.run_id}: {case.model.name}, {case.profile.num_gpus} x {case.profile.device.name}, "
@@ -338,6 +345,9 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
         mine = plan.prediction
         ratio = published.step_time_s / mine.step_time_s
         ratios.append(ratio)
+        walls.append(wall)
+        if "time budget" in (plan.solver_status or ""):
+            budget_hit.append(case.run_id)
         print(f"   planner:   {layout_summary(plan.layout)}  -> {mine.step_time_s:.3f} s, MFU {mine.mfu:.1%}")
         print(f"   ratio {ratio:.3f}  search wall {wall:.2f} s  status: {plan.solver_status}")
         diff = structure_diff(case.layout, plan.layout)
@@ -349,6 +359,8 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
     elapsed = time.perf_counter() - start
     print(f"\nsection 3: {len(cases)} rows in {elapsed:.0f} s; ratios: min {min(ratios, default=float('nan')):.3f} "
           f"median {sorted(ratios)[len(ratios) // 2] if ratios else float('nan'):.3f}")
+    print(f"search wall: total {sum(walls):.0f} s, max {max(walls, default=0.0):.2f} s; stopped at its time budget "
+          f"on {len(budget_hit)} rows" + (": " + ", ".join(budget_hit) if budget_hit else ""))
     print(f"rows with ratio < 1.0: {len(below)}" + (": " + "; ".join(below) if below else ""))
     print(f"rows that failed: {len(failures)}" + (": " + "; ".join(failures) if failures else ""))
     n = len(ratios) + len(failures)

@@ -295,14 +295,26 @@ class Found:
 
 def leaf_bound(sm: StageModel, st: Structure, sched_bound: float, max_stage: float, dense: float, expert: float) -> float:
     """Schedule bound, raised where per-micro-batch ZeRO-2/3 traffic outlasts the compute it hides
-    behind (a stage takes at least ``max(F + B, c_f + c_b)``), plus the optimizer step of an
-    average stage. ``dense``/``expert`` are an average stage's parameters per GPU."""
-    grad, _, gather = sm.traffic(dense, expert)
+    behind (a stage takes at least ``max(F + B, c_f + c_b)``), plus a bound on the slowest tail.
+
+    The tail of the stage with the most parameters is at least its optimizer step, and at least its
+    once-per-step traffic ``c`` minus what its backward can hide, ``c - eff·T`` with ``T`` the
+    slowest stage. The pipeline term grows by ``(m - 1)`` per second of ``T`` (more for the other
+    schedules) and the tail shrinks by at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the
+    smallest ``T``. ``dense``/``expert`` are an average stage's parameters per GPU (collective and
+    optimizer times are affine in them, so the largest stage has at least the average)."""
+    grad, replica, gather = sm.traffic(dense, expert)
     per_mb = (gather * sm.gathers_per_mb if sm.gathers_per_mb else 0.0) + (grad if sm.grads_per_mb else 0.0)
     bound = sched_bound
+    t_min = max_stage
     if per_mb > max_stage:
         bound = sched_bound + (st.m - 1) * (per_mb - max_stage)
-    return bound + sm.optimizer_s(dense, expert)
+        t_min = per_mb
+    tail = sm.optimizer_s(dense, expert)
+    if st.m >= 2:
+        per_step = replica + (0.0 if sm.grads_per_mb else grad) + (0.0 if sm.gathers_per_mb else gather)
+        tail = max(tail, per_step - sm.eff * t_min)
+    return bound + tail
 
 
 def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
@@ -571,7 +583,8 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     )
     return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
                 precision=training.precision, prediction=best_pred, alternatives=alternatives,
-                solver_status=best.status + (" (search stopped at its time budget)" if budget_hit else ""),
+                solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every bound was closed "
+                               f"(the chosen candidate's own split: {best.status})" if budget_hit else best.status),
                 search=search_report)
 
 
