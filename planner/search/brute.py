@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from planner.contracts import Recompute
+from planner.contracts import ParallelLayout, Recompute
 from planner.search.stages import StageModel, StageTerms
 
 
@@ -43,7 +43,7 @@ def brute_force_stages(sm: StageModel) -> tuple[float, list[int], list[tuple[Rec
     return best
 
 
-def brute_force_search(model, training, profile, options=None) -> tuple[float, "ParallelLayout"] | None:  # noqa: ANN001
+def brute_force_search(model, training, profile, options=None) -> tuple[float, ParallelLayout] | None:  # noqa: ANN001
     """Fastest layout over the whole search space, by pricing every leaf and every split: (step s, layout).
 
     The same space as :func:`planner.search.engine.search` (its structures, schedules incl. GPipe,

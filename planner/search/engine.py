@@ -338,7 +338,6 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     all_params_expert = sum(layer_params(model, i)[1] for i in range(model.num_layers))
     capacity = float(profile.device.memory_bytes)
     reserved = float(profile.assumptions.reserved_memory_bytes)
-    prefix_ok = None
 
     results: dict[int, Found] = {}  # leaf id -> best known solution
     values: list[float] = []  # sorted step times of every priced leaf
