@@ -58,6 +58,22 @@ def describe_validation_error(exc: ValidationError, what: str) -> str:
 
 
 # ---------------------------------------------------------------- inputs
+# options shared by `predict` and `plan`
+OptModel = Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")]
+OptModelFile = Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")]
+OptHfConfig = Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
+OptCluster = Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")]
+OptNodes = Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")]
+OptProfile = Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")]
+OptGlobalBatch = Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")]
+OptGlobalBatchTokens = Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")]
+OptSeq = Annotated[int, typer.Option(min=1, help="sequence length")]
+OptPrecision = Annotated[Precision, typer.Option()]
+OptOptimizer = Annotated[Optimizer, typer.Option()]
+OptUnfusedAttention = Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")]
+OptMoeImbalance = Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")]
+
+
 def load_model(model: str | None, model_file: Path | None, hf_config: Path | None) -> ModelSpec:
     from planner.hf_config import model_spec_from_hf_config
     from planner.presets import get_preset
@@ -88,6 +104,15 @@ def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -
         raise AutoparError("--nodes", nodes, f"drop --nodes (this measured profile has {loaded.num_nodes} nodes) "
                            "or measure the cluster you plan for", problem="cannot change a measured profile")
     return loaded.with_nodes(nodes)
+
+
+def load_training(seq: int, global_batch: int | None, global_batch_tokens: int | None, precision: Precision,
+                  optimizer: Optimizer, unfused_attention: bool, moe_imbalance: float) -> TrainingConfig:
+    if global_batch is None and global_batch_tokens is None:
+        fail("give --global-batch (sequences) or --global-batch-tokens")
+    return TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
+                          precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
+                          moe_load_imbalance=moe_imbalance)
 
 
 def _read(path: Path, flag: str) -> str:
@@ -227,19 +252,19 @@ def render_prediction(plan: Plan) -> None:
 # ---------------------------------------------------------------- commands
 @app.command()
 def predict(
-    model: Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")] = None,
-    model_file: Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")] = None,
-    hf_config: Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")] = None,
-    cluster: Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")] = None,
-    nodes: Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")] = None,
-    profile: Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")] = None,
-    global_batch: Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")] = None,
-    global_batch_tokens: Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")] = None,
-    seq: Annotated[int, typer.Option(min=1, help="sequence length")] = 4096,
-    precision: Annotated[Precision, typer.Option()] = Precision.bf16,
-    optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
-    unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
-    moe_imbalance: Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")] = 1.0,
+    model: OptModel = None,
+    model_file: OptModelFile = None,
+    hf_config: OptHfConfig = None,
+    cluster: OptCluster = None,
+    nodes: OptNodes = None,
+    profile: OptProfile = None,
+    global_batch: OptGlobalBatch = None,
+    global_batch_tokens: OptGlobalBatchTokens = None,
+    seq: OptSeq = 4096,
+    precision: OptPrecision = Precision.bf16,
+    optimizer: OptOptimizer = Optimizer.adamw,
+    unfused_attention: OptUnfusedAttention = False,
+    moe_imbalance: OptMoeImbalance = 1.0,
     tp: Annotated[int, typer.Option(min=1, help="tensor parallel degree")] = 1,
     pp: Annotated[int, typer.Option(min=1, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, help="context parallel degree")] = 1,
@@ -264,11 +289,8 @@ def predict(
 
     spec = load_model(model, model_file, hf_config)
     prof = load_profile(cluster, nodes, profile)
-    if global_batch is None and global_batch_tokens is None:
-        fail("give --global-batch (sequences) or --global-batch-tokens")
-    training = TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
-                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
-                              moe_load_imbalance=moe_imbalance)
+    training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
+                             moe_imbalance)
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap)
     prediction: Prediction = run_prediction(spec, training, prof, layout)
@@ -282,19 +304,19 @@ def predict(
 
 @app.command()
 def plan(
-    model: Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")] = None,
-    model_file: Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")] = None,
-    hf_config: Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")] = None,
-    cluster: Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")] = None,
-    nodes: Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")] = None,
-    profile: Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")] = None,
-    global_batch: Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")] = None,
-    global_batch_tokens: Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")] = None,
-    seq: Annotated[int, typer.Option(min=1, help="sequence length")] = 4096,
-    precision: Annotated[Precision, typer.Option()] = Precision.bf16,
-    optimizer: Annotated[Optimizer, typer.Option()] = Optimizer.adamw,
-    unfused_attention: Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")] = False,
-    moe_imbalance: Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")] = 1.0,
+    model: OptModel = None,
+    model_file: OptModelFile = None,
+    hf_config: OptHfConfig = None,
+    cluster: OptCluster = None,
+    nodes: OptNodes = None,
+    profile: OptProfile = None,
+    global_batch: OptGlobalBatch = None,
+    global_batch_tokens: OptGlobalBatchTokens = None,
+    seq: OptSeq = 4096,
+    precision: OptPrecision = Precision.bf16,
+    optimizer: OptOptimizer = Optimizer.adamw,
+    unfused_attention: OptUnfusedAttention = False,
+    moe_imbalance: OptMoeImbalance = 1.0,
     top: Annotated[int, typer.Option("--top", min=1, max=50, help="alternatives to keep (top K plans)")] = 5,
     max_micro_batch: Annotated[int, typer.Option(min=1, help="largest micro-batch size to consider")] = 16,
     max_vp: Annotated[int, typer.Option(min=1, help="most virtual stages per rank to consider")] = 8,
@@ -317,11 +339,8 @@ def plan(
 
     spec = load_model(model, model_file, hf_config)
     prof = load_profile(cluster, nodes, profile)
-    if global_batch is None and global_batch_tokens is None:
-        fail("give --global-batch (sequences) or --global-batch-tokens")
-    training = TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
-                              precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
-                              moe_load_imbalance=moe_imbalance)
+    training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
+                             moe_imbalance)
     opts = SearchOptions(top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,

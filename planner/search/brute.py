@@ -50,7 +50,7 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
     ZeRO stages, HSDP groups, offload and resharding), without bounds, dominance or CP-SAT.
     """
     from planner.errors import AutoparError
-    from planner.search.engine import SearchOptions, Rules, divisors, schedule_choices, structures, _base_layout
+    from planner.search.engine import SearchOptions, Rules, leaf_choices, schedule_choices, structures, _base_layout
 
     opts = options or SearchOptions()
     rules = Rules()
@@ -58,20 +58,15 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
     cache: dict = {}
     for st in structures(model, training, profile, opts, rules):
         for sched, v in schedule_choices(st, model, opts, rules):
-            for zero in opts.zero_stages:
-                splits = [(1, st.dp)] if zero == 0 else [
-                    (st.dp // d, d) for d in (divisors(st.dp) if opts.hsdp else [st.dp]) if (d * st.cp) % st.ep == 0]
-                for rep, shard in splits:
-                    for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
-                        for reshard in ((True, False) if zero == 3 else (True,)):
-                            layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
-                                                  offload_optimizer=offload, reshard_after_forward=reshard,
-                                                  schedule=sched, virtual_stages=v)
-                            try:
-                                sm = StageModel(model, training, profile, layout, block_cache=cache)
-                            except AutoparError:
-                                continue
-                            found = brute_force_stages(sm)
-                            if found is not None and (best is None or found[0] < best[0]):
-                                best = (found[0], sm.layout_for(found[1], found[2]))
+            for zero, rep, shard, offload, reshard in leaf_choices(st, opts):
+                layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
+                                      offload_optimizer=offload, reshard_after_forward=reshard,
+                                      schedule=sched, virtual_stages=v)
+                try:
+                    sm = StageModel(model, training, profile, layout, block_cache=cache)
+                except AutoparError:
+                    continue
+                found = brute_force_stages(sm)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = (found[0], sm.layout_for(found[1], found[2]))
     return best

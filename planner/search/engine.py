@@ -36,15 +36,12 @@ from planner.contracts import (
     SearchReport,
     TrainingConfig,
 )
-from planner.cost.comm import collective_time_s, mesh_groups
-from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
 from planner.cost.memory import model_state_bytes, state_bytes_per_param
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import predict
-from planner.contracts import Collective
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
-from planner.search.stages import StageModel, optimizer_time_s, recompute_bound_s
+from planner.search.stages import StageModel, optimizer_time_s, recompute_bound_s, shared_costs
 
 GIB = 2**30
 SEED_STRUCTURES = 48
@@ -177,39 +174,18 @@ def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:
 def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                     opts: SearchOptions, cache: dict) -> None:
     """Fill the structure's per-micro-batch work and its lower bound ``m · (W/p + 2·t_p2p)``."""
-    layout = _base_layout(st, opts)
-    groups = mesh_groups(layout, profile.gpus_per_node)
-    mb = MicroBatch(st.mb, training.seq_length, st.cp, st.tp, st.sp, training.precision,
-                    training.flash_attention, training.moe_load_imbalance)
-    kinds_key = ("kinds", id(model))
-    if kinds_key not in cache:
-        cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
-    kinds = cache[kinds_key][1]
-    per_kind = {}
-    for kind in sorted(set(kinds)):
-        key = ("work", kind, mb, st.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
-               layout.ep_comm_overlap)
-        if key not in cache:
-            bc = block_cost(profile, model, kinds.index(kind), mb, layout, groups)
-            cache[key] = (bc.forward.total_s + bc.backward_s(Recompute.none), bc.forward.total_s)
-        per_kind[kind] = cache[key]
-    st.layer_times = [per_kind[k][0] for k in kinds]
-    head_key = ("emb+head", mb, groups["tp"])
-    if head_key not in cache:
-        ef, eb = embedding_cost(profile, model, mb, groups)
-        hf, hb = lm_head_cost(profile, model, mb, groups)
-        cache[head_key] = (ef.total_s, eb.total_s, hf.total_s, hb.total_s)
-    ef_s, eb_s, hf_s, hb_s = cache[head_key]
+    sc = shared_costs(model, training, profile, _base_layout(st, opts), cache)
+    per_kind = {k: (kc.forward_s + kc.backward_s[Recompute.none], kc.forward_s) for k, kc in sc.kind_cost.items()}
+    st.layer_times = [per_kind[k][0] for k in sc.kinds]
+    (ef_s, eb_s), (hf_s, hb_s) = sc.emb, sc.head
     st.emb_s, st.head_s = ef_s + eb_s, hf_s + hb_s
-    counts = {k: kinds.count(k) for k in per_kind}
+    counts = {k: sc.kinds.count(k) for k in per_kind}
     st.work_s = sum(counts[k] * per_kind[k][0] for k in per_kind) + st.emb_s + st.head_s
     st.forward_work_s = sum(counts[k] * per_kind[k][1] for k in per_kind) + ef_s + hf_s
     ratios = [f / t for t, f in per_kind.values() if t > 0]
     ratios += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
     st.forward_ratio = max(ratios) if ratios else 0.5
-    if st.pp > 1:
-        p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (st.tp if opts.pp_scatter_gather else 1)
-        st.p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes)
+    st.p2p_s = sc.p2p_s
     st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
 
 
@@ -261,6 +237,27 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
                 out.append((sched, v))
         else:
             out.append((sched, 1))
+    return out
+
+
+def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None) -> list[tuple[int, int, int, bool, bool]]:
+    """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
+    reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
+    group size whose ranks (× cp) can hold the expert groups; offload needs ZeRO >= 1."""
+    out = []
+    for zero in opts.zero_stages:
+        if zero == 0:
+            splits = [(1, st.dp)]
+        else:
+            shards = divisors(st.dp) if opts.hsdp else [st.dp]
+            splits = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
+            if rules is not None and len(splits) < len(shards):
+                rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
+                             len(shards) - len(splits))
+        for rep, shard in splits:
+            for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
+                for reshard in ((True, False) if zero == 3 else (True,)):
+                    out.append((zero, rep, shard, offload, reshard))
     return out
 
 
@@ -378,19 +375,6 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     ids = iter(range(1, 1 << 60))
     nonlocal_state = {"prefix_ok": None, "budget_hit": False}
 
-    def dp_splits_of(st: Structure, count_rules: bool) -> dict[int, list[tuple[int, int]]]:
-        out: dict[int, list[tuple[int, int]]] = {}
-        for zero in opts.zero_stages:
-            if zero == 0:
-                out[zero] = [(1, st.dp)]
-            else:
-                shards = divisors(st.dp) if opts.hsdp else [st.dp]
-                out[zero] = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
-                if count_rules and len(out[zero]) < len(shards):
-                    rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
-                                 len(shards) - len(out[zero]))
-        return out
-
     def price_leaf(si: int, st: Structure, sched: Schedule, v: int, sb: float, minmax: float, zero: int, rep: int,
                    shard: int, offload: bool, reshard: bool) -> None:
         key = (si, sched, v, zero, rep, shard, offload, reshard)
@@ -482,8 +466,8 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             progress(si, len(structs))
         fam = families[st.family]
         scheds = schedule_choices(st, model, opts, rules)
-        dp_splits = dp_splits_of(st, count_rules=True)
-        per_sched = sum(len(x) * (1 + (z >= 1 and opts.offload)) * (2 if z == 3 else 1) for z, x in dp_splits.items())
+        leaves = leaf_choices(st, opts, rules)
+        per_sched = len(leaves)
         fam["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
         if st.bound_s >= kth() or nonlocal_state["budget_hit"]:
@@ -514,11 +498,8 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 if sb >= kth():
                     report["pruned"] += per_sched
                     continue
-            for zero, splits in dp_splits.items():
-                for rep, shard in splits:
-                    for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
-                        for reshard in ((True, False) if zero == 3 else (True,)):
-                            price_leaf(si, st, sched, v, sb, minmax, zero, rep, shard, offload, reshard)
+            for zero, rep, shard, offload, reshard in leaves:
+                price_leaf(si, st, sched, v, sb, minmax, zero, rep, shard, offload, reshard)
     budget_hit = nonlocal_state["budget_hit"]
 
     # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first

@@ -87,6 +87,58 @@ class Affine:
         return self.alpha + self.slope * x if x > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class SharedCosts:
+    """What a candidate's blocks, embedding, head and pipeline send cost: depends only on the
+    micro-batch shape and the tp/cp/ep/pp groups, so it is computed once per such shape."""
+
+    kinds: list[bool]  # per block: MoE?
+    mb: MicroBatch
+    kind_cost: dict[bool, KindCost]
+    emb: tuple[float, float]  # (forward, backward) seconds
+    head: tuple[float, float]
+    p2p_s: float
+
+
+def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
+                 cache: dict) -> SharedCosts:
+    """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part),
+    memoised in ``cache`` across the candidates of one search."""
+    kinds_key = ("kinds", id(model))
+    if kinds_key not in cache:
+        cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
+    kinds = cache[kinds_key][1]
+    groups = mesh_groups(layout, profile.gpus_per_node)
+    mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
+                    training.precision, training.flash_attention, training.moe_load_imbalance)
+    key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
+           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1)
+    if key not in cache:
+        elt = training.precision.bytes
+        shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+        kind_cost: dict[bool, KindCost] = {}
+        for kind in sorted(set(kinds)):
+            index = kinds.index(kind)
+            bc = block_cost(profile, model, index, mb, layout, groups)
+            acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
+                                              fp8=training.precision is Precision.fp8,
+                                              moe_imbalance=training.moe_load_imbalance)
+                    for r in Recompute}
+            dense, expert = layer_params(model, index)
+            kind_cost[kind] = KindCost(
+                forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
+                dense_params=dense / layout.tp, expert_params=expert / (layout.tp * layout.ep),
+                gather_params=(dense + expert) / layout.tp,
+            )
+        emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+        head_f, head_b = lm_head_cost(profile, model, mb, groups)
+        p2p_bytes = mb.tokens * model.hidden_size * elt / (layout.tp if layout.pp_scatter_gather else 1)
+        p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
+        cache[key] = SharedCosts(kinds, mb, kind_cost, (emb_f.total_s, emb_b.total_s),
+                                 (head_f.total_s, head_b.total_s), p2p_s)
+    return cache[key]
+
+
 def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int, expert_shard: int,
                      offload: bool, dense_params: float, expert_params: float) -> float:
     """Optimizer step of a stage holding these parameters per GPU (as in ``predict``): HBM-bound on the
@@ -111,41 +163,10 @@ class StageModel:
         self.model, self.training, self.profile, self.layout = model, training, profile, base
         self.p, self.v = base.pp, base.virtual_stages
         cache = block_cache if block_cache is not None else {}
-        kinds_key = ("kinds", id(model))
-        if kinds_key not in cache:
-            cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
-        self.kinds = cache[kinds_key][1]
-        groups = mesh_groups(base, profile.gpus_per_node)
-        mb = MicroBatch(base.micro_batch_size, training.seq_length, base.cp, base.tp, base.sp,
-                        training.precision, training.flash_attention, training.moe_load_imbalance)
-        self.mb = mb
+        shared = shared_costs(model, training, profile, base, cache)
+        self.kinds, self.mb = shared.kinds, shared.mb
+        self.kind_cost, self.emb, self.head, self.p2p_s = shared.kind_cost, shared.emb, shared.head, shared.p2p_s
         elt = training.precision.bytes
-        # everything below depends only on the micro-batch shape and the tp/cp/ep groups: shared
-        # by every candidate with the same ones
-        shared_key = ("shared", mb, base.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], base.tp_comm_overlap,
-                      base.ep_comm_overlap, base.pp_scatter_gather, base.pp > 1)
-        if shared_key not in cache:
-            shape = ActivationShape(base.micro_batch_size, mb.local_seq, training.seq_length, base.tp, base.sp)
-            kind_cost: dict[bool, KindCost] = {}
-            for kind in sorted(set(self.kinds)):
-                index = self.kinds.index(kind)
-                bc = block_cost(profile, model, index, mb, base, groups)
-                acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
-                                                  fp8=training.precision is Precision.fp8,
-                                                  moe_imbalance=training.moe_load_imbalance)
-                        for r in Recompute}
-                dense, expert = layer_params(model, index)
-                kind_cost[kind] = KindCost(
-                    forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
-                    dense_params=dense / base.tp, expert_params=expert / (base.tp * base.ep),
-                    gather_params=(dense + expert) / base.tp,
-                )
-            emb_f, emb_b = embedding_cost(profile, model, mb, groups)
-            head_f, head_b = lm_head_cost(profile, model, mb, groups)
-            p2p_bytes = mb.tokens * model.hidden_size * elt / (base.tp if base.pp_scatter_gather else 1)
-            p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if base.pp > 1 else 0.0
-            cache[shared_key] = (kind_cost, (emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s), p2p_s)
-        self.kind_cost, self.emb, self.head, self.p2p_s = cache[shared_key]
         self.emb_params = embedding_params(model) / base.tp
         tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
         self.head_params = (lm_head_params(model) + tied) / base.tp
@@ -158,9 +179,9 @@ class StageModel:
         self.gathers_per_mb = (2 if base.reshard_after_forward else 1) if base.zero_stage == 3 else 0
         self.in_flight = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
                           for r in range(base.pp)]
-        self.emb_act = elt * mb.tokens * model.hidden_size / (base.tp if base.sp else 1)
+        self.emb_act = elt * self.mb.tokens * model.hidden_size / (base.tp if base.sp else 1)
         self.reserved = float(profile.assumptions.reserved_memory_bytes)
-        self.logits = logits_bytes(model, mb.tokens, base.tp)
+        self.logits = logits_bytes(model, self.mb.tokens, base.tp)
         self.capacity = float(profile.device.memory_bytes)
         # data-parallel collective times as affine functions of the parameters a stage holds
         dp_key = ("dp", base.zero_stage, base.dp_shard, base.dp_replicate, base.cp, base.tp, base.ep)
