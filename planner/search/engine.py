@@ -41,7 +41,7 @@ from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
-from planner.search.stages import StageModel, optimizer_time_s, recompute_bound_s, shared_costs
+from planner.search.stages import LeafComm, StageModel, memory_minmax_s, recompute_bound_s, shared_costs
 
 GIB = 2**30
 SEED_STRUCTURES = 48
@@ -93,6 +93,7 @@ class Structure:
     head_s: float = 0.0
     forward_work_s: float = 0.0  # the forward part of work_s
     forward_ratio: float = 0.5  # largest forward / (forward + backward) of any block, embedding or head
+    forward_ratio_min: float = 0.0  # smallest, with the slowest (recomputing) backward, sends included
 
     @property
     def family(self) -> str:
@@ -185,6 +186,10 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     ratios = [f / t for t, f in per_kind.values() if t > 0]
     ratios += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
     st.forward_ratio = max(ratios) if ratios else 0.5
+    lows = [kc.forward_s / (kc.forward_s + max(kc.backward_s.values())) for kc in sc.kind_cost.values()
+            if kc.forward_s > 0]
+    lows += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
+    st.forward_ratio_min = min(lows + [0.5])
     st.p2p_s = sc.p2p_s
     st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
 
@@ -261,23 +266,40 @@ def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None)
     return out
 
 
-def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float = 0.0) -> float:
-    """Lower bound of the pipeline phase (no data-parallel traffic; ``recompute_s``: least recompute
-    time over all ranks that memory forces, see :func:`~planner.search.stages.recompute_bound_s`)."""
+def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float = 0.0,
+                   comm_f: float = 0.0, comm_b: float = 0.0) -> float:
+    """Lower bound of the pipeline phase.
+
+    ``minmax``: a lower bound on the slowest rank's ``f + b`` valid for this schedule's chunking;
+    ``recompute_s``: least recompute time over all ranks that memory forces (see
+    :func:`~planner.search.stages.recompute_bound_s`); ``comm_f``/``comm_b``: per-micro-batch
+    ZeRO-2/3 collectives of a rank holding the average parameters (affine in them, so the ranks'
+    sum is ``p·comm``). A rank's forward is at least ``max(F, c_f)`` (compute and the collective it
+    hides behind), so the ranks' summed work is at least
+    ``total = max(ΣF, p·c_f) + max(ΣB, p·c_b)`` and the slowest rank at least ``total/p``.
+    """
     m, p = st.m, st.pp
+    fwd = st.forward_work_s + v * p * st.p2p_s
+    bwd = st.work_s - st.forward_work_s + v * p * st.p2p_s + recompute_s
+    compute = fwd + bwd
     if p == 1:
-        return m * (st.work_s + 2 * st.p2p_s + recompute_s)
-    total = st.work_s + 2 * v * p * st.p2p_s + recompute_s  # Σ over ranks of (f + b)
-    avg = total / p
-    minmax = max(minmax, avg)
+        return m * (max(fwd, comm_f) + max(bwd, comm_b))
+    total = max(fwd, p * comm_f) + max(bwd, p * comm_b)  # Σ over ranks of (f + b)
+    minmax = max(minmax, total / p)
     if sched is Schedule.interleaved_1f1b:
-        return (m - 1 / v) * avg + total / v
+        return (m - 1 / v) * minmax + total / v
     if sched is Schedule.zero_bubble:
-        # m·T* + Σ_i f_i - f_{i*}; the slowest stage's forward is at most ρ of its work (ρ: the
-        # largest forward share of any block, embedding or head) plus its sends: f* <= ρ(T* - 2t) + t
+        # m·T* + Σ_{i≠i*} f_i: every other rank's forward is at least the smallest forward share
+        # ρ_min of its compute (recompute included), which sums to at least compute - T*; the
+        # expression increases with T* (m >= 1 > ρ_min), so the lower bound of T* may stand in
+        others = m * minmax + st.forward_ratio_min * max(0.0, compute - minmax)
+        if comm_f or comm_b:
+            return others
+        # without collectives in the stages, the slowest stage's forward is at most ρ of its work
+        # (ρ: the largest forward share of any block, embedding or head) plus its sends:
+        # f* <= ρ(T* - 2t) + t
         rho = st.forward_ratio
-        forwards = st.forward_work_s + v * p * st.p2p_s
-        return max((m - rho) * minmax + forwards + (2 * rho - 1) * v * st.p2p_s, m * minmax)
+        return max((m - rho) * minmax + fwd + (2 * rho - 1) * v * st.p2p_s, others)
     return (m - 1) * minmax + total
 
 
@@ -290,27 +312,25 @@ class Found:
     status: str = field(compare=False)
 
 
-def leaf_bound(sm: StageModel, st: Structure, sched_bound: float, max_stage: float, dense: float, expert: float) -> float:
-    """Schedule bound, raised where per-micro-batch ZeRO-2/3 traffic outlasts the compute it hides
-    behind (a stage takes at least ``max(F + B, c_f + c_b)``), plus a bound on the slowest tail.
+def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float, comm: LeafComm) -> float:
+    """Schedule bound with the per-micro-batch ZeRO-2/3 collectives (:func:`schedule_bound`), plus a
+    bound on the slowest tail.
 
-    The tail of the stage with the most parameters is at least its optimizer step, and at least its
+    ``comm`` is the data-parallel side of a stage holding the average parameters per GPU
+    (collective and optimizer times are affine in them, so the largest stage has at least the
+    average). The tail of that stage is at least its optimizer step, and at least its
     once-per-step traffic ``c`` minus what its backward can hide, ``c - eff·T`` with ``T`` the
     slowest stage. The pipeline term grows by ``(m - 1)`` per second of ``T`` (more for the other
     schedules) and the tail shrinks by at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the
-    smallest ``T``. ``dense``/``expert`` are an average stage's parameters per GPU (collective and
-    optimizer times are affine in them, so the largest stage has at least the average)."""
-    grad, replica, gather = sm.traffic(dense, expert)
-    per_mb = (gather * sm.gathers_per_mb if sm.gathers_per_mb else 0.0) + (grad if sm.grads_per_mb else 0.0)
-    bound = sched_bound
-    t_min = max_stage
-    if per_mb > max_stage:
-        bound = sched_bound + (st.m - 1) * (per_mb - max_stage)
-        t_min = per_mb
-    tail = sm.optimizer_s(dense, expert)
+    smallest ``T``."""
+    gpm = comm.gathers_per_mb
+    comm_f = comm.gather_s if gpm else 0.0
+    comm_b = (comm.gather_s * (gpm - 1) if gpm else 0.0) + (comm.grad_s if comm.grads_per_mb else 0.0)
+    bound = schedule_bound(st, sched, v, minmax, recompute_s, comm_f, comm_b)
+    tail = comm.optimizer_s
     if st.m >= 2:
-        per_step = replica + (0.0 if sm.grads_per_mb else grad) + (0.0 if sm.gathers_per_mb else gather)
-        tail = max(tail, per_step - sm.eff * t_min)
+        per_step = comm.replica_s + (0.0 if comm.grads_per_mb else comm.grad_s) + (0.0 if gpm else comm.gather_s)
+        tail = max(tail, per_step - comm.eff * max(minmax, comm_f + comm_b))
     return bound + tail
 
 
@@ -375,8 +395,11 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     ids = iter(range(1, 1 << 60))
     nonlocal_state = {"prefix_ok": None, "budget_hit": False}
 
-    def price_leaf(si: int, st: Structure, sched: Schedule, v: int, sb: float, minmax: float, zero: int, rep: int,
-                   shard: int, offload: bool, reshard: bool) -> None:
+    def price_leaf(si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
+                   rep: int, shard: int, offload: bool, reshard: bool) -> None:
+        """Bound one leaf, cheapest test first; price it on the default split, queue it for CP-SAT.
+        ``minmax``: the v=1 contiguous min-max stage (0 for interleaved); ``rec_min``: recompute
+        that memory forces on every leaf of this schedule."""
         key = (si, sched, v, zero, rep, shard, offload, reshard)
         if key in priced:
             return
@@ -390,27 +413,37 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if need > capacity:
             no_fit(st, need, label, "model states alone need")
             return
-        opt_lb = optimizer_time_s(profile, training, zero, shard_n, max(shard_n // st.ep, 1), offload, dense, expert)
-        if sb + opt_lb >= kth():
+        layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+                              reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
+        comm = LeafComm.of(profile, training, layout, dense, expert, cache)
+        if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
             report["pruned"] += 1
             return
         if time.perf_counter() - t0 > opts.time_budget_s:
             nonlocal_state["budget_hit"] = True
             report["pruned"] += 1
             return
-        layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
-                              reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
         try:
             sm = StageModel(model, training, profile, layout, block_cache=cache)
         except AutoparError as err:
             rules.remove(f"{err.field}: {err.problem}", str(err))
             return
         rec_s = recompute_bound_s(sm)
-        sb_leaf = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_s) if rec_s > 0 else sb
-        lb = leaf_bound(sm, st, sb_leaf, minmax if v == 1 else st.work_s / st.pp + 2 * v * st.p2p_s, dense, expert)
+        lb = leaf_bound(st, sched, v, minmax, rec_s, comm)
         if lb >= kth():
             report["pruned"] += 1
             return
+        if st.pp > 1:
+            # the slowest rank once every rank fits its own memory (recompute where it must)
+            mem_stage = memory_minmax_s(sm)
+            if not math.isfinite(mem_stage):
+                no_fit(st, sm.min_memory(sm.default_chunks()), label, "needs, on the default split with full recompute,")
+                return
+            if mem_stage > minmax:
+                lb = leaf_bound(st, sched, v, mem_stage, rec_s, comm)
+                if lb >= kth():
+                    report["pruned"] += 1
+                    return
         report["evaluated"] += 1
         leaf_id = next(ids)
         if nonlocal_state["prefix_ok"] is None:
@@ -457,8 +490,7 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
         if sched is Schedule.interleaved_1f1b:
             continue
-        sb = schedule_bound(st, sched, 1, minmax_for(si))
-        price_leaf(si, st, sched, 1, sb, minmax_for(si), seed_zero, 1, st.dp, False, True)
+        price_leaf(si, st, sched, 1, minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 
     # phase A: price every leaf that its bound does not rule out, on the default split
     for si, st in enumerate(structs):
@@ -480,26 +512,30 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if sched is Schedule.gpipe and Schedule.one_f_one_b in opts.schedules:
                 report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
-            sb = schedule_bound(st, sched, v, minmax if v == 1 else 0.0)
-            if sb >= kth():
+            stage_min = minmax if v == 1 else 0.0
+            if schedule_bound(st, sched, v, stage_min) >= kth():
                 report["pruned"] += per_sched
                 continue
-            # the recompute that memory forces even on the leaf with the least state memory
-            # (highest ZeRO stage, fully sharded, offloaded) bounds every leaf of this schedule
+            # the recompute and the slowest rank that memory forces even on the leaf with the least
+            # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
             frugal_zero = max(opts.zero_stages)
             frugal = _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
                                   offload_optimizer=opts.offload and frugal_zero >= 1)
             try:
-                rec_min = recompute_bound_s(StageModel(model, training, profile, frugal, block_cache=cache))
+                frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
+                rec_min = recompute_bound_s(frugal_sm)
+                if st.pp > 1:
+                    stage_min = max(stage_min, memory_minmax_s(frugal_sm))
             except AutoparError:
                 rec_min = 0.0
-            if rec_min > 0:
-                sb = schedule_bound(st, sched, v, minmax if v == 1 else 0.0, rec_min)
-                if sb >= kth():
-                    report["pruned"] += per_sched
-                    continue
+            if not math.isfinite(stage_min):
+                report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
+                continue
+            if (rec_min > 0 or stage_min > minmax) and schedule_bound(st, sched, v, stage_min, rec_min) >= kth():
+                report["pruned"] += per_sched
+                continue
             for zero, rep, shard, offload, reshard in leaves:
-                price_leaf(si, st, sched, v, sb, minmax, zero, rep, shard, offload, reshard)
+                price_leaf(si, st, sched, v, stage_min, rec_min, zero, rep, shard, offload, reshard)
     budget_hit = nonlocal_state["budget_hit"]
 
     # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first

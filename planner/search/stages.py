@@ -152,6 +152,56 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
     return memory_time_s(profile, local * optimizer_step_bytes_per_param(training))
 
 
+def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout,
+              cache: dict) -> tuple[dict[str, Affine], dict[str, Affine]]:
+    """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params``
+    (they are α-β), memoised per data-parallel grouping: they do not depend on pp or the split."""
+    key = ("dp", layout.zero_stage, layout.dp_shard, layout.dp_replicate, layout.cp, layout.tp, layout.ep)
+    if key not in cache:
+        def affine(dense: bool) -> dict[str, Affine]:
+            def at(x: float) -> dict[str, float]:
+                tr = dp_traffic(profile, layout, training, x if dense else 0.0, 0.0 if dense else x)
+                return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
+            x1, x2 = 1e6, 1e9
+            t1, t2 = at(x1), at(x2)
+            out = {}
+            for k in t1:
+                slope = (t2[k] - t1[k]) / (x2 - x1)
+                out[k] = Affine(t1[k] - slope * x1, slope)
+            return out
+        cache[key] = (affine(True), affine(False))
+    return cache[key]
+
+
+@dataclass(frozen=True)
+class LeafComm:
+    """A candidate's data-parallel side for a stage holding the average parameters: what
+    :func:`planner.search.engine.leaf_bound` needs, computable without a :class:`StageModel`."""
+
+    grad_s: float
+    replica_s: float
+    gather_s: float
+    gathers_per_mb: int  # ZeRO-3: 2 with resharding after forward, else 1; 0 below ZeRO-3
+    grads_per_mb: bool  # ZeRO-2/3 reduce-scatter gradients every micro-batch
+    optimizer_s: float
+    eff: float  # share of a collective the compute window hides
+
+    @classmethod
+    def of(cls, profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, dense: float,
+           expert: float, cache: dict) -> LeafComm:
+        d, e = dp_affine(profile, training, layout, cache)
+        shard_n = layout.dp_shard * layout.cp
+        return cls(
+            grad_s=d["grad"](dense) + e["grad"](expert), replica_s=d["replica"](dense) + e["replica"](expert),
+            gather_s=d["gather"](dense) + e["gather"](expert),
+            gathers_per_mb=(2 if layout.reshard_after_forward else 1) if layout.zero_stage == 3 else 0,
+            grads_per_mb=layout.zero_stage >= 2,
+            optimizer_s=optimizer_time_s(profile, training, layout.zero_stage, shard_n, max(shard_n // layout.ep, 1),
+                                         layout.offload_optimizer, dense, expert),
+            eff=profile.assumptions.async_overlap_efficiency if layout.dp_comm_overlap else 0.0,
+        )
+
+
 class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
@@ -183,26 +233,9 @@ class StageModel:
         self.reserved = float(profile.assumptions.reserved_memory_bytes)
         self.logits = logits_bytes(model, self.mb.tokens, base.tp)
         self.capacity = float(profile.device.memory_bytes)
-        # data-parallel collective times as affine functions of the parameters a stage holds
-        dp_key = ("dp", base.zero_stage, base.dp_shard, base.dp_replicate, base.cp, base.tp, base.ep)
-        if dp_key not in cache:
-            cache[dp_key] = (self._affine_traffic(dense=True), self._affine_traffic(dense=False))
-        self.dense_dp, self.expert_dp = cache[dp_key]
+        self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
 
     # -- data parallel -------------------------------------------------------------------------
-    def _affine_traffic(self, dense: bool) -> dict[str, Affine]:
-        """grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params`` (they are α-β)."""
-        def at(x: float) -> dict[str, float]:
-            tr = dp_traffic(self.profile, self.layout, self.training, x if dense else 0.0, 0.0 if dense else x)
-            return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
-        x1, x2 = 1e6, 1e9
-        t1, t2 = at(x1), at(x2)
-        out = {}
-        for k in t1:
-            slope = (t2[k] - t1[k]) / (x2 - x1)
-            out[k] = Affine(t1[k] - slope * x1, slope)
-        return out
-
     def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
         """(grad, replica, gather) seconds of a stage's data-parallel collectives."""
         d, e = self.dense_dp, self.expert_dp
@@ -432,3 +465,80 @@ def recompute_bound_s(sm: StageModel) -> float:
     if excess <= 0 or not math.isfinite(marginal):
         return 0.0
     return excess * marginal
+
+
+def memory_minmax_s(sm: StageModel) -> float:
+    """Lower bound on the slowest pipeline rank's ``F + B`` (one micro-batch) once every rank must
+    fit its own memory; ``math.inf`` when no split fits at any speed.
+
+    Rank ``r`` with fixed time ``x_r`` (sends, embedding, head) and fixed bytes ``e_r`` holds ``n``
+    blocks of time ``t`` and bytes ``u_r = states + in_flight_r·activations`` within a time cap
+    ``T`` and the capacity ``C`` iff some recompute count ``c`` (real, ``0 <= c <= n``) of a kind
+    that adds ``Δ`` seconds and sheds ``s_r`` bytes per block satisfies
+    ``e_r + n·u_r - c·s_r <= C`` and ``x_r + n·t + c·Δ <= T``; eliminating ``c`` gives
+    ``n <= min(((T - x_r)/Δ + (C - e_r)/s_r) / (u_r/s_r + t/Δ), (C - e_r)/(u_r - s_r), (T - x_r)/t)``.
+    ``T`` is feasible when the ranks' whole-block capacities add up to the blocks of the most
+    common kind (the other kind counted as free). The smallest feasible ``T`` (bisection) bounds
+    any contiguous, interleaved or uneven split: layer order, the full-recompute transient and
+    ZeRO-3 gather buffers are relaxed away, so it never exceeds the true slowest rank.
+    """
+    counts: dict[bool, int] = {}
+    for k in sm.kinds:
+        counts[k] = counts.get(k, 0) + 1
+    kind, n_major = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    kc = sm.kind_cost[kind]
+    lay = sm.layout
+    per_state = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.shard_n, lay.offload_optimizer))
+    per_state_e = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.expert_shard, lay.offload_optimizer))
+    states = kc.dense_params * per_state + kc.expert_params * per_state_e
+    a_none = kc.activations[Recompute.none]
+    t = kc.forward_s + kc.backward_s[Recompute.none]
+    options = [(kc.backward_s[r] - kc.backward_s[Recompute.none], a_none - kc.activations[r]) for r in RECOMPUTE_KINDS]
+    options = [(d, s) for d, s in options if s > 0]
+    ranks = []
+    for r in range(sm.p):
+        fl = sm.in_flight[r]
+        x = 2 * sm.v * sm.p2p_s
+        e = sm.reserved
+        if r == 0:
+            x += sum(sm.emb)
+            e += sm.emb_params * per_state + fl * sm.emb_act
+        if r == sm.p - 1:
+            x += sum(sm.head)
+            e += sm.head_params * per_state + sm.logits
+        room = sm.capacity - e
+        if room < 0:
+            return math.inf
+        ranks.append((x, room, states + fl * a_none, [(d, fl * s) for d, s in options]))
+
+    def holds(cap: float) -> bool:
+        total = 0
+        for x, room, u, opts in ranks:
+            slack = cap - x
+            if slack < 0:
+                return False
+            best = min(room / u if u > 0 else math.inf, slack / t if t > 0 else math.inf)
+            for d, s in opts:
+                n = min(room / (u - s) if u > s else math.inf, slack / t if t > 0 else math.inf)
+                if d > 0:
+                    n = min(n, (slack / d + room / s) / (u / s + t / d))
+                best = max(best, n)
+            total += math.floor(best + 1e-9) if math.isfinite(best) else n_major
+            if total >= n_major:
+                return True
+        return False
+
+    worst = max(d for d, _ in options) if options else 0.0
+    hi = max(x for x, *_ in ranks) + n_major * (t + worst)
+    if not holds(hi):
+        return math.inf
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    return lo
