@@ -71,20 +71,30 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
 
     eff_int = int(round(sm.eff * S))
     mdl = cp_model.CpModel()
-    chunks = [mdl.NewIntVar(1, L, f"c{j}") for j in range(n_chunks)]
-    mdl.Add(sum(chunks) == L)
-    bounds = [mdl.NewConstant(0)]
-    for j in range(n_chunks):
-        b = mdl.NewIntVar(0, L, f"B{j + 1}")
-        mdl.Add(b == bounds[-1] + chunks[j])
-        bounds.append(b)
-    # blocks of kind a in each chunk: min(B_{j+1}, D) - min(B_j, D)
-    capped = []
-    for j, b in enumerate(bounds):
-        cb = mdl.NewIntVar(0, d_count, f"mB{j}")
-        mdl.AddMinEquality(cb, [b, mdl.NewConstant(d_count)])
-        capped.append(cb)
-    a_in_chunk = [capped[j + 1] - capped[j] for j in range(n_chunks)]
+    # one block kind: a rank's time and memory depend only on how many blocks it holds, not on how
+    # they fall into its v chunks, so the decision is one count per rank (p variables instead of
+    # p·v interchangeable chunk sizes, which only slow the proof down); the chunks are then as
+    # even as each rank's count allows
+    single = d_count == L
+    if single:
+        rank_n = [mdl.NewIntVar(v, L, f"n{r}") for r in range(p)]
+        mdl.Add(sum(rank_n) == L)
+        chunks = rank_n
+    else:
+        chunks = [mdl.NewIntVar(1, L, f"c{j}") for j in range(n_chunks)]
+        mdl.Add(sum(chunks) == L)
+        bounds = [mdl.NewConstant(0)]
+        for j in range(n_chunks):
+            b = mdl.NewIntVar(0, L, f"B{j + 1}")
+            mdl.Add(b == bounds[-1] + chunks[j])
+            bounds.append(b)
+        # blocks of kind a in each chunk: min(B_{j+1}, D) - min(B_j, D)
+        capped = []
+        for j, b in enumerate(bounds):
+            cb = mdl.NewIntVar(0, d_count, f"mB{j}")
+            mdl.AddMinEquality(cb, [b, mdl.NewConstant(d_count)])
+            capped.append(cb)
+        a_in_chunk = [capped[j + 1] - capped[j] for j in range(n_chunks)]
 
     # a bound on any stage's time (base units): every layer fully recomputed, all traffic exposed
     all_dense = L * max(ka.dense_params, kb.dense_params if kb else 0.0) + sm.emb_params + sm.head_params
@@ -97,13 +107,17 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
     stage_T, stage_F, tails, rs_vars, rf_vars = [], [], [], [], []
     for r in range(p):
         first, last = r == 0, r == p - 1
-        mine = [c * p + r for c in range(v)]
-        n = mdl.NewIntVar(1, L, f"n{r}")
-        mdl.Add(n == sum(chunks[j] for j in mine))
-        na = mdl.NewIntVar(0, min(L, d_count), f"na{r}")
-        mdl.Add(na == sum(a_in_chunk[j] for j in mine))
-        nb = mdl.NewIntVar(0, L - d_count, f"nb{r}")
-        mdl.Add(nb == n - na)
+        if single:
+            n = na = rank_n[r]
+            nb = mdl.NewConstant(0)
+        else:
+            mine = [c * p + r for c in range(v)]
+            n = mdl.NewIntVar(1, L, f"n{r}")
+            mdl.Add(n == sum(chunks[j] for j in mine))
+            na = mdl.NewIntVar(0, min(L, d_count), f"na{r}")
+            mdl.Add(na == sum(a_in_chunk[j] for j in mine))
+            nb = mdl.NewIntVar(0, L - d_count, f"nb{r}")
+            mdl.Add(nb == n - na)
         # recompute: one kind per rank, a count of its layers (kind-a blocks come first in the rank)
         zsel = mdl.NewBoolVar(f"sel{r}")
         rs = mdl.NewIntVar(0, L, f"Rs{r}")
@@ -233,7 +247,8 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
             mdl.AddHint(rf, count if kind is Recompute.full else 0)
 
     if hint is not None:
-        for var, value in zip(chunks, hint[0]):
+        values = [sum(hint[0][c * p + r] for c in range(v)) for r in range(p)] if single else hint[0]
+        for var, value in zip(chunks, values):
             mdl.AddHint(var, value)
 
     t_max = mdl.NewIntVar(0, big_time, "Tmax")
@@ -262,7 +277,7 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
         objective = (m - 1) * t_max + sum(stage_T) + tail_max
         scale = 1
     # among equally fast solutions prefer the one recomputing least (adds < 1e-9 of the objective)
-    # and, for interleaving, chunks as even as the step time allows
+    # and, for interleaving, chunks (one kind: ranks' counts) as even as the step time allows
     c_max = mdl.NewIntVar(1, L, "cmax")
     for c in chunks:
         mdl.Add(c_max >= c)
@@ -279,6 +294,9 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return StageSolution([], [], name, None, solver.WallTime())
     sol_chunks = [solver.Value(c) for c in chunks]
+    if single:  # rank r's count over its chunks r, r+p, ...: as even as possible, larger first
+        per_rank = sol_chunks
+        sol_chunks = [per_rank[j % p] // v + (1 if j // p < per_rank[j % p] % v else 0) for j in range(n_chunks)]
     rec: list[tuple[Recompute, int]] = []
     for r in range(p):
         rs_v, rf_v = solver.Value(rs_vars[r]), solver.Value(rf_vars[r])
