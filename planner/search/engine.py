@@ -200,20 +200,23 @@ def min_max_stage(st: Structure) -> float:
     if p == 1:
         return st.work_s + 2 * st.p2p_s
 
+    n = len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+
     def fits(cap: float) -> bool:
         """Greedy: fill each stage as far as ``cap`` allows, leaving one layer for each later stage."""
-        i, n = 0, len(times)
+        i = 0
         for stage in range(p):
-            load = 2 * st.p2p_s + (st.emb_s if stage == 0 else 0.0)
+            base = 2 * st.p2p_s + (st.emb_s if stage == 0 else 0.0)
             if stage == p - 1:
-                return load + sum(times[i:]) + st.head_s <= cap
-            take = 0
-            while i + take < n - (p - 1 - stage) and (take == 0 or load + times[i + take] <= cap):
-                load += times[i + take]
-                take += 1
-            if load > cap:
+                return base + prefix[n] - prefix[i] + st.head_s <= cap
+            j = bisect.bisect_right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
+            j = min(max(j, i + 1), n - (p - 1 - stage))
+            if base + prefix[j] - prefix[i] > cap:
                 return False
-            i += take
+            i = j
         return True
 
     lo, hi = st.work_s / p, st.work_s + 2 * st.p2p_s
@@ -413,9 +416,12 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if need > capacity:
             no_fit(st, need, label, "model states alone need")
             return
-        layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
-                              reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
-        comm = LeafComm.of(profile, training, layout, dense, expert, cache)
+        def make_layout() -> ParallelLayout:
+            return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+                                reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
+
+        comm = LeafComm.of(profile, training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload, reshard,
+                           opts.dp_comm_overlap, dense, expert, cache)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
             report["pruned"] += 1
             return
@@ -424,7 +430,7 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             report["pruned"] += 1
             return
         try:
-            sm = StageModel(model, training, profile, layout, block_cache=cache)
+            sm = StageModel(model, training, profile, make_layout(), block_cache=cache)
         except AutoparError as err:
             rules.remove(f"{err.field}: {err.problem}", str(err))
             return
@@ -435,7 +441,7 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             return
         if st.pp > 1:
             # the slowest rank once every rank fits its own memory (recompute where it must)
-            mem_stage = memory_minmax_s(sm)
+            mem_stage = memory_minmax_s(sm, minmax)
             if not math.isfinite(mem_stage):
                 no_fit(st, sm.min_memory(sm.default_chunks()), label, "needs, on the default split with full recompute,")
                 return
@@ -525,7 +531,7 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
                 rec_min = recompute_bound_s(frugal_sm)
                 if st.pp > 1:
-                    stage_min = max(stage_min, memory_minmax_s(frugal_sm))
+                    stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min))
             except AutoparError:
                 rec_min = 0.0
             if not math.isfinite(stage_min):

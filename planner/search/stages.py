@@ -22,6 +22,7 @@ so the two cannot drift apart.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.contracts import (
@@ -152,15 +153,21 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
     return memory_time_s(profile, local * optimizer_step_bytes_per_param(training))
 
 
-def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout,
-              cache: dict) -> tuple[dict[str, Affine], dict[str, Affine]]:
+def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
+              cache: dict, key: tuple | None = None) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params``
-    (they are α-β), memoised per data-parallel grouping: they do not depend on pp or the split."""
-    key = ("dp", layout.zero_stage, layout.dp_shard, layout.dp_replicate, layout.cp, layout.tp, layout.ep)
+    (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep)``:
+    they do not depend on pp or the split. ``layout`` may be a factory, called on a cache miss."""
+    if key is None:
+        lay = layout() if callable(layout) else layout
+        key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep)
+    key = ("dp", *key)
     if key not in cache:
+        lay = layout() if callable(layout) else layout
+
         def affine(dense: bool) -> dict[str, Affine]:
             def at(x: float) -> dict[str, float]:
-                tr = dp_traffic(profile, layout, training, x if dense else 0.0, 0.0 if dense else x)
+                tr = dp_traffic(profile, lay, training, x if dense else 0.0, 0.0 if dense else x)
                 return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
             x1, x2 = 1e6, 1e9
             t1, t2 = at(x1), at(x2)
@@ -187,19 +194,27 @@ class LeafComm:
     eff: float  # share of a collective the compute window hides
 
     @classmethod
-    def of(cls, profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, dense: float,
-           expert: float, cache: dict) -> LeafComm:
-        d, e = dp_affine(profile, training, layout, cache)
-        shard_n = layout.dp_shard * layout.cp
-        return cls(
+    def of(cls, profile: ClusterProfile, training: TrainingConfig, make_layout: Callable[[], ParallelLayout],
+           key: tuple[int, int, int, int, int, int], offload: bool, reshard: bool, dp_comm_overlap: bool,
+           dense: float, expert: float, cache: dict) -> LeafComm:
+        """``key``: (zero, dp_shard, dp_replicate, cp, tp, ep); ``make_layout`` builds the layout
+        only when the data-parallel costs of this grouping are not cached yet."""
+        memo = ("leafcomm", key, offload, reshard, dp_comm_overlap, dense, expert)
+        if memo in cache:
+            return cache[memo]
+        zero, shard, _, cp, _, ep = key
+        d, e = dp_affine(profile, training, make_layout, cache, key)
+        shard_n = shard * cp
+        out = cls(
             grad_s=d["grad"](dense) + e["grad"](expert), replica_s=d["replica"](dense) + e["replica"](expert),
             gather_s=d["gather"](dense) + e["gather"](expert),
-            gathers_per_mb=(2 if layout.reshard_after_forward else 1) if layout.zero_stage == 3 else 0,
-            grads_per_mb=layout.zero_stage >= 2,
-            optimizer_s=optimizer_time_s(profile, training, layout.zero_stage, shard_n, max(shard_n // layout.ep, 1),
-                                         layout.offload_optimizer, dense, expert),
-            eff=profile.assumptions.async_overlap_efficiency if layout.dp_comm_overlap else 0.0,
+            gathers_per_mb=(2 if reshard else 1) if zero == 3 else 0,
+            grads_per_mb=zero >= 2,
+            optimizer_s=optimizer_time_s(profile, training, zero, shard_n, max(shard_n // ep, 1), offload, dense, expert),
+            eff=profile.assumptions.async_overlap_efficiency if dp_comm_overlap else 0.0,
         )
+        cache[memo] = out
+        return out
 
 
 class StageModel:
@@ -467,7 +482,7 @@ def recompute_bound_s(sm: StageModel) -> float:
     return excess * marginal
 
 
-def memory_minmax_s(sm: StageModel) -> float:
+def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
     """Lower bound on the slowest pipeline rank's ``F + B`` (one micro-batch) once every rank must
     fit its own memory; ``math.inf`` when no split fits at any speed.
 
@@ -480,7 +495,8 @@ def memory_minmax_s(sm: StageModel) -> float:
     ``T`` is feasible when the ranks' whole-block capacities add up to the blocks of the most
     common kind (the other kind counted as free). The smallest feasible ``T`` (bisection) bounds
     any contiguous, interleaved or uneven split: layer order, the full-recompute transient and
-    ZeRO-3 gather buffers are relaxed away, so it never exceeds the true slowest rank.
+    ZeRO-3 gather buffers are relaxed away, so it never exceeds the true slowest rank. ``known``: a
+    lower bound already known (the bisection starts there; the result is at least it).
     """
     counts: dict[bool, int] = {}
     for k in sm.kinds:
@@ -532,13 +548,13 @@ def memory_minmax_s(sm: StageModel) -> float:
     hi = max(x for x, *_ in ranks) + n_major * (t + worst)
     if not holds(hi):
         return math.inf
-    lo = 0.0
-    for _ in range(40):
+    lo = min(known, hi)
+    if holds(lo):
+        return lo
+    while hi - lo > 1e-5 * hi:
         mid = (lo + hi) / 2
         if holds(mid):
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-6 * hi:
-            break
     return lo
