@@ -8,6 +8,7 @@ rate of the nearest measured shapes (in log space), so the datasheet never enter
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -26,6 +27,7 @@ def peak_flops(profile: ClusterProfile, precision: Precision) -> float:
     return next(iter(peaks.values())) * 1e12
 
 
+@functools.lru_cache(maxsize=65536)
 def wave_efficiency(m: int, n: int, sm_count: int | None, tiles: tuple[tuple[int, int], ...]) -> float:
     """Useful fraction of the GPU's tile slots for an (m×n) output, best over the library's tiles.
 
@@ -92,7 +94,7 @@ def gemm_fwd_bwd_s(
 def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
     a = profile.assumptions
     flops = 2.0 * m * n * k
-    waves = wave_efficiency(m, n, profile.device.sm_count, tuple(a.gemm_tiles))
+    waves = wave_efficiency(m, n, profile.device.sm_count, tuple(tuple(t) for t in a.gemm_tiles))
     compute = flops / (_matmul_rate(profile, precision) * waves * k_efficiency(k, a.gemm_k_overhead))
     elt = 1 if precision is Precision.fp8 else precision.bytes
     out = 4 if precision is Precision.fp32 else 2  # FP8 GEMMs write 16-bit outputs

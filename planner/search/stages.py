@@ -115,28 +115,33 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
            layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1)
     if key not in cache:
-        elt = training.precision.bytes
-        shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
-        kind_cost: dict[bool, KindCost] = {}
-        for kind in sorted(set(kinds)):
-            index = kinds.index(kind)
-            bc = block_cost(profile, model, index, mb, layout, groups)
-            acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
-                                              fp8=training.precision is Precision.fp8,
-                                              moe_imbalance=training.moe_load_imbalance)
-                    for r in Recompute}
-            dense, expert = layer_params(model, index)
-            kind_cost[kind] = KindCost(
-                forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
-                dense_params=dense / layout.tp, expert_params=expert / (layout.tp * layout.ep),
-                gather_params=(dense + expert) / layout.tp,
-            )
-        emb_f, emb_b = embedding_cost(profile, model, mb, groups)
-        head_f, head_b = lm_head_cost(profile, model, mb, groups)
-        p2p_bytes = mb.tokens * model.hidden_size * elt / (layout.tp if layout.pp_scatter_gather else 1)
+        # blocks, embedding and head do not depend on pp: shared by every pipeline depth
+        core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
+                    layout.ep_comm_overlap)
+        if core_key not in cache:
+            elt = training.precision.bytes
+            shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+            kind_cost: dict[bool, KindCost] = {}
+            for kind in sorted(set(kinds)):
+                index = kinds.index(kind)
+                bc = block_cost(profile, model, index, mb, layout, groups)
+                acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
+                                                  fp8=training.precision is Precision.fp8,
+                                                  moe_imbalance=training.moe_load_imbalance)
+                        for r in Recompute}
+                dense, expert = layer_params(model, index)
+                kind_cost[kind] = KindCost(
+                    forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
+                    dense_params=dense / layout.tp, expert_params=expert / (layout.tp * layout.ep),
+                    gather_params=(dense + expert) / layout.tp,
+                )
+            emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+            head_f, head_b = lm_head_cost(profile, model, mb, groups)
+            cache[core_key] = (kind_cost, (emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s))
+        kind_cost, emb, head = cache[core_key]
+        p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (layout.tp if layout.pp_scatter_gather else 1)
         p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
-        cache[key] = SharedCosts(kinds, mb, kind_cost, (emb_f.total_s, emb_b.total_s),
-                                 (head_f.total_s, head_b.total_s), p2p_s)
+        cache[key] = SharedCosts(kinds, mb, kind_cost, emb, head, p2p_s)
     return cache[key]
 
 
@@ -525,20 +530,30 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
         room = sm.capacity - e
         if room < 0:
             return math.inf
-        ranks.append((x, room, states + fl * a_none, [(d, fl * s) for d, s in options]))
+        u = states + fl * a_none
+        # per recompute kind (Δ, s = fl·shed): the memory-only cap room/(u - s) and the joint cap
+        # (slack/Δ + room/s)/(u/s + t/Δ) = (slack + Δ·room/s)/(Δ·u/s + t)
+        caps = []
+        for d, shed in options:
+            s_r = fl * shed
+            mem_cap = room / (u - s_r) if u > s_r else math.inf
+            caps.append((mem_cap, d * room / s_r, d * u / s_r + t) if d > 0 else (mem_cap, math.inf, 1.0))
+        ranks.append((x, room / u if u > 0 else math.inf, caps))
 
     def holds(cap: float) -> bool:
         total = 0
-        for x, room, u, opts in ranks:
+        for x, plain, caps in ranks:
             slack = cap - x
             if slack < 0:
                 return False
-            best = min(room / u if u > 0 else math.inf, slack / t if t > 0 else math.inf)
-            for d, s in opts:
-                n = min(room / (u - s) if u > s else math.inf, slack / t if t > 0 else math.inf)
-                if d > 0:
-                    n = min(n, (slack / d + room / s) / (u / s + t / d))
-                best = max(best, n)
+            best = plain
+            for mem_cap, alpha, beta in caps:
+                n = min(mem_cap, (slack + alpha) / beta)
+                if n > best:
+                    best = n
+            timed = slack / t if t > 0 else math.inf
+            if timed < best:
+                best = timed
             total += math.floor(best + 1e-9) if math.isfinite(best) else n_major
             if total >= n_major:
                 return True
@@ -551,7 +566,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
     lo = min(known, hi)
     if holds(lo):
         return lo
-    while hi - lo > 1e-5 * hi:
+    while hi - lo > 1e-4 * hi:
         mid = (lo + hi) / 2
         if holds(mid):
             hi = mid
