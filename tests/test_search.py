@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import itertools
+import math
 import sys
 
 import pytest
@@ -19,7 +21,7 @@ from planner.search import SearchOptions, search
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
 from planner.search.engine import Rules, min_max_stage, price_structure, structures
-from planner.search.stages import StageModel
+from planner.search.stages import StageModel, memory_minmax_s
 
 
 def small(name: str, layers: int):  # noqa: ANN201
@@ -218,6 +220,36 @@ def test_min_max_stage_is_a_lower_bound_of_every_split():
                for c in compositions(10, 4))
     assert bound <= best * (1 + 1e-9)
     assert bound >= best * 0.99  # and tight
+
+
+@pytest.mark.parametrize("seq", [16384, 24576, 32768])
+def test_memory_bound_is_a_lower_bound_of_every_fitting_split(seq):  # noqa: ANN001
+    """memory_minmax_s never exceeds the slowest stage of any split and per-stage recompute that
+    fits (and is inf exactly when none fits); the frugal leaf's bound without ZeRO-3 buffers holds
+    for every ZeRO stage. Memory binds here: the bound is above the unconstrained best."""
+    model, prof = small("mixtral-8x7b", 6), reference_profile("dgx-a100-40gb", 1)
+    tr = TrainingConfig(global_batch_size=16, seq_length=seq)
+    binding = 0
+    for zero, offload in ((0, False), (1, False), (1, True), (3, False)):
+        for sched, v in ((Schedule.one_f_one_b, 1), (Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1)):
+            lay = ParallelLayout(tp=1, pp=2, dp_shard=4, ep=4, zero_stage=zero, offload_optimizer=offload,
+                                 schedule=sched, virtual_stages=v)
+            sm = StageModel(model, tr, prof, lay)
+            frugal = StageModel(model, tr, prof, lay.model_copy(update={"zero_stage": 3, "offload_optimizer": True}))
+            bound, frugal_bound = memory_minmax_s(sm), memory_minmax_s(frugal, gather_buffers=False)
+            best = unconstrained = math.inf
+            for chunks in compositions(6, 2 * v):
+                ranks = sm.rank_layers(list(chunks))
+                for rec in itertools.product(*[sm.stage_options(len(x)) for x in ranks]):
+                    terms = sm.evaluate(list(chunks), list(rec))[1]
+                    slowest = max(t.forward_s + t.backward_s for t in terms)
+                    unconstrained = min(unconstrained, slowest)
+                    if sm.fits(terms):
+                        best = min(best, slowest)
+            assert math.isinf(bound) == math.isinf(best)
+            assert bound <= best * (1 + 1e-9) and frugal_bound <= best * (1 + 1e-9)
+            binding += bound > unconstrained * 1.01
+    assert binding >= 3
 
 
 # ------------------------------------------------------------------ infeasible

@@ -531,7 +531,8 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
                 rec_min = recompute_bound_s(frugal_sm)
                 if st.pp > 1:
-                    stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min))
+                    # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)
+                    stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min, gather_buffers=False))
             except AutoparError:
                 rec_min = 0.0
             if not math.isfinite(stage_min):

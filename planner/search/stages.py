@@ -487,7 +487,7 @@ def recompute_bound_s(sm: StageModel) -> float:
     return excess * marginal
 
 
-def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
+def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = True) -> float:
     """Lower bound on the slowest pipeline rank's ``F + B`` (one micro-batch) once every rank must
     fit its own memory; ``math.inf`` when no split fits at any speed.
 
@@ -499,9 +499,12 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
     ``n <= min(((T - x_r)/Δ + (C - e_r)/s_r) / (u_r/s_r + t/Δ), (C - e_r)/(u_r - s_r), (T - x_r)/t)``.
     ``T`` is feasible when the ranks' whole-block capacities add up to the blocks of the most
     common kind (the other kind counted as free). The smallest feasible ``T`` (bisection) bounds
-    any contiguous, interleaved or uneven split: layer order, the full-recompute transient and
-    ZeRO-3 gather buffers are relaxed away, so it never exceeds the true slowest rank. ``known``: a
-    lower bound already known (the bisection starts there; the result is at least it).
+    any contiguous, interleaved or uneven split: layer order and integral recompute counts are
+    relaxed away, so it never exceeds the true slowest rank. Charged as ``predict`` charges them:
+    the ZeRO-3 gather buffer of a block of the counted kind (on a rank holding any) and, for full
+    recompute, the transient of one block's activations. ``known``: a lower bound already known
+    (the bisection starts there; the result is at least it). ``gather_buffers=False`` leaves the
+    ZeRO-3 buffer out, for a bound that must also hold for the same layout below ZeRO-3.
     """
     counts: dict[bool, int] = {}
     for k in sm.kinds:
@@ -514,8 +517,13 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
     states = kc.dense_params * per_state + kc.expert_params * per_state_e
     a_none = kc.activations[Recompute.none]
     t = kc.forward_s + kc.backward_s[Recompute.none]
-    options = [(kc.backward_s[r] - kc.backward_s[Recompute.none], a_none - kc.activations[r]) for r in RECOMPUTE_KINDS]
-    options = [(d, s) for d, s in options if s > 0]
+    # (Δ seconds, bytes shed per micro-batch in flight, transient bytes) per recompute kind: a fully
+    # recomputed block rebuilds its activations for a moment
+    options = [(kc.backward_s[r] - kc.backward_s[Recompute.none], a_none - kc.activations[r],
+                a_none if r is Recompute.full else 0.0) for r in RECOMPUTE_KINDS]
+    options = [o for o in options if o[1] > 0]
+    # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
+    gather_buffer = 2 * kc.gather_params * sm.state.weights if lay.zero_stage == 3 and gather_buffers else 0.0
     ranks = []
     for r in range(sm.p):
         fl = sm.in_flight[r]
@@ -527,17 +535,17 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
         if r == sm.p - 1:
             x += sum(sm.head)
             e += sm.head_params * per_state + sm.logits
-        room = sm.capacity - e
-        if room < 0:
+        if sm.capacity - e < 0:
             return math.inf
+        room = max(sm.capacity - e - gather_buffer, 0.0)  # holding any block of this kind
         u = states + fl * a_none
         # per recompute kind (Δ, s = fl·shed): the memory-only cap room/(u - s) and the joint cap
         # (slack/Δ + room/s)/(u/s + t/Δ) = (slack + Δ·room/s)/(Δ·u/s + t)
         caps = []
-        for d, shed in options:
-            s_r = fl * shed
-            mem_cap = room / (u - s_r) if u > s_r else math.inf
-            caps.append((mem_cap, d * room / s_r, d * u / s_r + t) if d > 0 else (mem_cap, math.inf, 1.0))
+        for d, shed, transient in options:
+            s_r, room_k = fl * shed, max(room - transient, 0.0)
+            mem_cap = room_k / (u - s_r) if u > s_r else math.inf
+            caps.append((mem_cap, d * room_k / s_r, d * u / s_r + t) if d > 0 else (mem_cap, math.inf, 1.0))
         ranks.append((x, room / u if u > 0 else math.inf, caps))
 
     def holds(cap: float) -> bool:
@@ -559,7 +567,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0) -> float:
                 return True
         return False
 
-    worst = max(d for d, _ in options) if options else 0.0
+    worst = max(o[0] for o in options) if options else 0.0
     hi = max(x for x, *_ in ranks) + n_major * (t + worst)
     if not holds(hi):
         return math.inf
