@@ -264,6 +264,15 @@ def test_nothing_fits_names_the_shortfall_and_fixes():
     assert "more GPUs" in msg and "offload" in msg and "recompute" in msg
 
 
+def test_budget_spent_before_any_layout_is_not_reported_as_nothing_fits():
+    model, prof = get_preset("llama3-8b"), reference_profile("dgx-h100", 1)
+    tr = TrainingConfig(global_batch_size=32, seq_length=4096)
+    with pytest.raises(AutoparError) as info:
+        search(model, tr, prof, SearchOptions(time_budget_s=1e-9))
+    assert info.value.field == "time_budget_s"
+    assert "--time-budget" in str(info.value) and "has no layout" not in str(info.value)
+
+
 # ------------------------------------------------------------------ plan contents
 def test_plan_has_ranked_alternatives_and_explanations():
     model = get_preset("llama3-8b")

@@ -575,6 +575,12 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     ranked = sorted(results.values())[: opts.top_k]
     wall = time.perf_counter() - t0
     if not ranked:
+        if budget_hit:
+            raise AutoparError(
+                "time_budget_s", f"{opts.time_budget_s:g}",
+                "raise the search time budget (autopar plan --time-budget SECONDS)",
+                problem=f"ran out before any layout was priced ({report['considered']:,} candidates considered); "
+                        "no layout was shown not to fit")
         raise _nothing_fits(model, training, profile, shortfall, report)
     best = ranked[0]
     best_pred = predict(model, training, profile, best.layout)
