@@ -346,7 +346,7 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
         ratio = published.step_time_s / mine.step_time_s
         ratios.append(ratio)
         walls.append(wall)
-        if "time budget" in (plan.solver_status or ""):
+        if "budget" in (plan.solver_status or ""):
             budget_hit.append(case.run_id)
         print(f"   planner:   {layout_summary(plan.layout)}  -> {mine.step_time_s:.3f} s, MFU {mine.mfu:.1%}")
         print(f"   ratio {ratio:.3f}  search wall {wall:.2f} s  status: {plan.solver_status}")

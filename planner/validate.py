@@ -56,6 +56,15 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "g
 #  - torchtitan and Meta's Llama 3 stack: flash attention, FSDP, SP with TP.
 _ERA_2021 = re.compile(r"Narayanan|Korthikanti|BLOOM|bigscience|MT-NLG|Megatron-Turing", re.I)
 _MCORE = re.compile(r"Megatron-Core|NeMo|Megatron-Bridge", re.I)
+# A cell that only says the source gives no value ("none stated", "not stated", "unknown", "n/a", "-")
+# is a blank cell: the value is unstated, not "none".
+_UNSTATED = re.compile(r"(?:(?:none|not)\s+(?:stated|given|reported)|unknown|n/?a|-+|\?)", re.I)
+
+
+def unstated(text: str | None) -> str:
+    """The cell's text, or ``""`` when it only says the source does not state a value."""
+    t = (text or "").strip()
+    return "" if _UNSTATED.fullmatch(t) else t
 
 
 @dataclass
@@ -301,7 +310,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if not mbs_options or gbs % (dp * mbs_options[0]):
         return Skipped(run_id, source, f"global batch {gbs} is not divisible by dp x micro_batch = {dp * (mbs or 1)}")
 
-    vp_text = (row.get("virtual_pipeline_stages") or "").strip()
+    vp_text = unstated(row.get("virtual_pipeline_stages"))
     schedule, v = Schedule.one_f_one_b, 1
     if pp > 1:
         if "dualpipe" in vp_text.lower():
@@ -317,7 +326,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         elif not vp_text:
             schedule, v = Schedule.interleaved_1f1b, 0  # unpublished: interleaving depth chosen below
 
-    sp_text = (row.get("sequence_parallel") or "").lower()
+    sp_text = unstated(row.get("sequence_parallel")).lower()
     sp = sp_text.startswith("on") if sp_text else (tp > 1 and not era2021)
     if not sp_text and tp > 1:
         defaults.append(f"sequence_parallel={'on' if sp else 'off'}")
@@ -345,7 +354,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
         ep_comm_overlap="dualpipe" in vp_text.lower(),
     )
-    rc_text = (row.get("activation_recompute") or "").lower()
+    rc_text = unstated(row.get("activation_recompute")).lower()
     per_stage = None
     if "torchtitan" in fw and rc_text.startswith("selective"):
         # torchtitan's "selective layer" checkpoints every other block; its per-op SAC recomputes

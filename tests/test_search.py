@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from planner.contracts import ParallelLayout, Plan, Recompute, Schedule, TrainingConfig
+from planner.contracts import LinkLevel, ParallelLayout, Plan, Recompute, Schedule, TrainingConfig
 from planner.cost.predict import check_layout, predict
 from planner.errors import AutoparError
 from planner.presets import get_preset
@@ -20,8 +20,8 @@ from planner.reference import reference_profile
 from planner.search import SearchOptions, search
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
-from planner.search.engine import Rules, min_max_stage, price_structure, structures
-from planner.search.stages import StageModel, memory_minmax_s
+from planner.search.engine import Rules, leaf_bound, min_max_stage, price_structure, structures
+from planner.search.stages import LeafComm, StageModel, memory_minmax_s, recompute_bound_s
 
 
 def small(name: str, layers: int):  # noqa: ANN201
@@ -222,6 +222,36 @@ def test_min_max_stage_is_a_lower_bound_of_every_split():
     assert bound >= best * 0.99  # and tight
 
 
+@pytest.mark.parametrize("name,layers,pp,nodes", [("llama3-8b", 7, 3, 3), ("gpt3-175b", 9, 2, 4), ("llama3-70b", 12, 8, 4)])
+def test_uniform_min_max_stage_equals_every_split_minimum(name, layers, pp, nodes):  # noqa: ANN001
+    """Equal layers take the closed form: it equals the best contiguous split's slowest stage (to 1e-9),
+    never above it."""
+    model, prof = small(name, layers), reference_profile("dgx-a100-80gb", nodes)
+    tr = TrainingConfig(global_batch_size=96, seq_length=2048)
+    found = [s for s in structures(model, tr, prof, SearchOptions(), Rules()) if s.pp == pp][:6]
+    assert found
+    for st in found:
+        price_structure(st, model, tr, prof, SearchOptions(), {})
+        assert len(set(st.layer_times)) == 1
+        best = min(max(2 * st.p2p_s + n * st.layer_times[0]
+                       + (st.emb_s if r == 0 else 0.0) + (st.head_s if r == pp - 1 else 0.0)
+                       for r, n in enumerate(c)) for c in compositions(layers, pp))
+        bound = min_max_stage(st)
+        assert best * (1 - 1e-9) <= bound <= best
+
+
+def test_shared_block_costs_equal_unshared_ones_for_every_expert_degree():
+    """Dense blocks, activations and the embedding/head are memoised across expert-parallel degrees:
+    a search-wide cache must give exactly what a fresh cache computes for each layout."""
+    from planner.search.stages import shared_costs
+    model, prof = small("deepseek-v3", 4), reference_profile("dgx-h100", 4)
+    tr = TrainingConfig(global_batch_size=64, seq_length=4096)
+    shared: dict = {}
+    for ep, mb, tp in itertools.product((1, 2, 4, 8, 16), (1, 2), (1, 2)):
+        lay = ParallelLayout(tp=tp, pp=2, dp_shard=16 // tp, ep=ep, micro_batch_size=mb)
+        assert shared_costs(model, tr, prof, lay, shared) == shared_costs(model, tr, prof, lay, {})
+
+
 @pytest.mark.parametrize("seq", [16384, 24576, 32768])
 def test_memory_bound_is_a_lower_bound_of_every_fitting_split(seq):  # noqa: ANN001
     """memory_minmax_s never exceeds the slowest stage of any split and per-stage recompute that
@@ -250,6 +280,57 @@ def test_memory_bound_is_a_lower_bound_of_every_fitting_split(seq):  # noqa: ANN
             assert bound <= best * (1 + 1e-9) and frugal_bound <= best * (1 + 1e-9)
             binding += bound > unconstrained * 1.01
     assert binding >= 3
+
+
+@pytest.mark.parametrize("name,layers", [("llama3-8b", 4), ("mixtral-8x7b", 4)])
+def test_leaf_bound_with_exposed_zero_traffic_is_a_lower_bound_of_every_split(name, layers):  # noqa: ANN001
+    """leaf_bound (per-micro-batch ZeRO-2/3 collectives partly exposed, ``max(F + (1-eff)C, C + (1-eff)F)``)
+    never exceeds the step of any split and per-stage recompute, on a network slow enough that the
+    collectives outlast the compute; and it binds (is above the bound that ignores them)."""
+    model = small(name, layers)
+    prof = reference_profile("dgx-a100-40gb", 2, nic_gbit_per_gpu=25)
+    tr = TrainingConfig(global_batch_size=16, seq_length=4096)
+    opts = SearchOptions()
+    structs = [s for s in structures(model, tr, prof, opts, Rules()) if s.tp == 1 and s.cp == 1 and s.pp in (1, 2)
+               and s.mb == 1 and s.ep in (1, 2)]
+    cache: dict = {}
+    binding = checked = per_mb_checked = 0
+    for st in structs:
+        price_structure(st, model, tr, prof, opts, cache)
+        scheds = [(Schedule.one_f_one_b, 1)] + ([(Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1)]
+                                                if st.pp > 1 else [])
+        for (sched, v), zero, reshard, overlap, offload in itertools.product(scheds, (1, 2, 3), (True, False),
+                                                                             (True, False), (False, True)):
+            if (zero < 3 and not reshard) or (offload and zero == 2):
+                continue
+            lay = ParallelLayout(tp=1, pp=st.pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero, reshard_after_forward=reshard,
+                                 schedule=sched, virtual_stages=v, micro_batch_size=1, dp_comm_overlap=overlap,
+                                 offload_optimizer=offload)
+            sm = StageModel(model, tr, prof, lay, block_cache=cache)
+            dense = sum(sm.kind_cost[k].dense_params for k in sm.kinds) + sm.emb_params + sm.head_params
+            expert = sum(sm.kind_cost[k].expert_params for k in sm.kinds)
+            comm = LeafComm.of(prof, tr, lambda lay=lay: lay, (zero, st.dp, 1, 1, 1, st.ep), offload, reshard, overlap,
+                               dense / st.pp, expert / st.pp, {})
+            minmax = min_max_stage(st) if v == 1 else 0.0
+            bound = leaf_bound(st, sched, v, minmax, recompute_bound_s(sm), comm)
+            plain = leaf_bound(st, sched, v, minmax, recompute_bound_s(sm),
+                               LeafComm(0.0, comm.replica_s, comm.gather_s if zero == 3 else 0.0, 0, False,
+                                        comm.optimizer_s, comm.eff))
+            best = math.inf
+            for chunks in compositions(layers, st.pp * v):
+                ranks = sm.rank_layers(list(chunks))
+                for rec in itertools.product(*[sm.stage_options(len(x)) for x in ranks]):
+                    val, terms = sm.evaluate(list(chunks), list(rec))
+                    if sm.fits(terms):
+                        best = min(best, val)
+            if math.isinf(best):
+                continue
+            checked += 1
+            assert bound <= best * (1 + 1e-9), (st, sched, v, zero, reshard, overlap, offload, bound, best)
+            if zero >= 2:
+                per_mb_checked += 1
+                binding += bound > plain * 1.001
+    assert checked >= 20 and binding >= per_mb_checked // 3
 
 
 # ------------------------------------------------------------------ infeasible
@@ -328,3 +409,49 @@ def test_cli_plan_bad_input_is_one_line(tmp_path):  # noqa: ANN001
     r = run_cli("plan", "--model", "llama3.1-405b", "--cluster", "dgx-a100-40gb", "--global-batch", "8", "--seq", "8192",
                 "--no-offload")
     assert r.returncode == 2 and "GiB" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_equally_fast_plans_rank_the_smaller_memory_footprint_first():
+    model, prof = small("llama3-8b", 8), reference_profile("dgx-h100", 1)
+    tr = TrainingConfig(global_batch_size=64, seq_length=2048)
+    plan = search(model, tr, prof, SearchOptions(top_k=8, max_tp=1, max_pp=1, max_cp=1))
+    ties = [a for a in plan.alternatives if abs(a.prediction.step_time_s - plan.prediction.step_time_s)
+            <= 1e-9 * plan.prediction.step_time_s]
+    assert ties, "this instance has equally fast layouts (ZeRO stages whose traffic hides fully)"
+    for alt in ties:
+        assert alt.prediction.memory.total_bytes >= plan.prediction.memory.total_bytes
+        assert alt.reason.startswith("as fast, but needs")
+
+
+def test_gemm_memo_is_scoped_to_the_search_and_changes_nothing():
+    from planner.cost.compute import gemm_time_s
+    from planner.cost.memo import _MEMO as _GEMM_MEMO, memoised as memoised_gemms
+
+    prof, other = reference_profile("dgx-h100", 1), reference_profile("dgx-a100-40gb", 1)
+    plain = gemm_time_s(prof, 4096, 4096, 4096, tr_precision := TrainingConfig(global_batch_size=1, seq_length=8).precision, 3)
+    with memoised_gemms(prof):
+        assert gemm_time_s(prof, 4096, 4096, 4096, tr_precision, 3) == plain
+        assert gemm_time_s(prof, 4096, 4096, 4096, tr_precision, 3) == plain  # from the memo
+        assert len(_GEMM_MEMO.get()[1]) == 1
+        gemm_time_s(other, 4096, 4096, 4096, tr_precision)  # another profile is not memoised here
+        assert len(_GEMM_MEMO.get()[1]) == 1
+    assert _GEMM_MEMO.get() is None
+    model = small("llama3-8b", 4)
+    tr = TrainingConfig(global_batch_size=16, seq_length=2048)
+    with_memo = search(model, tr, prof, SearchOptions(top_k=3))
+    import planner.search.engine as engine
+
+    without = engine._search(model, tr, prof, SearchOptions(top_k=3), None)
+    assert [a.layout for a in with_memo.alternatives] == [a.layout for a in without.alternatives]
+    assert with_memo.prediction.step_time_s == without.prediction.step_time_s
+
+
+def test_profile_without_host_link_plans_without_offload_and_says_why():
+    """A measured profile may lack host<->device links: offload is then no choice, not a crash."""
+    profile = reference_profile("dgx-a100-80gb", 1)
+    profile = profile.model_copy(update={"links": [x for x in profile.links if x.level is not LinkLevel.host_device]})
+    model = get_preset("llama2-7b").model_copy(update={"num_layers": 4})
+    plan = search(model, TrainingConfig(seq_length=1024, global_batch_size=16), profile)
+    assert not plan.layout.offload_optimizer
+    assert all(not a.layout.offload_optimizer for a in plan.alternatives)
+    assert plan.search.removed_by_rule["optimizer offload needs a host<->device link in the profile"] == 1

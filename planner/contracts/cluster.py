@@ -168,8 +168,8 @@ class ClusterProfile(Contract):
     name: str
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     device: DeviceSpec
-    gpus_per_node: int = Field(gt=0)
-    num_nodes: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=1024, description="devices (or CPU ranks) per node")
+    num_nodes: int = Field(gt=0, le=1_000_000)
     environment: Environment = Field(default_factory=Environment)
     compute: ComputeProfile = Field(default_factory=ComputeProfile)
     links: list[LinkProfile] = Field(default_factory=list)

@@ -7,9 +7,11 @@ ranks are ``stride`` apart has ``min(n, gpus_per_node // stride)`` members on ea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
+from planner.cost.memo import memo_for
 from planner.errors import AutoparError
 
 
@@ -25,6 +27,7 @@ class GroupPlacement:
         return LinkLevel.intra_node if self.per_node >= self.size else LinkLevel.inter_node
 
 
+@functools.lru_cache(maxsize=4096)
 def placement(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
     """Members per node of a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
     if size <= 1:
@@ -64,6 +67,17 @@ def find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective,
 
     A level without an entry for this collective falls back to its all-reduce entry, then to any entry.
     """
+    memo = memo_for(profile)
+    if memo is None:
+        return _find_link(profile, level, collective, group_size)
+    key = ("link", level, collective, group_size)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _find_link(profile, level, collective, group_size)
+    return found
+
+
+def _find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective, group_size: int) -> LinkProfile:
     on_level = [link for link in profile.links if link.level is level]
     if not on_level:
         raise AutoparError(

@@ -3,7 +3,8 @@
 Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_efficiency · waves ·
 K/(K+K0)), bytes / (hbm · memory_efficiency))``. These are times of the work itself; the fixed cost of
 launching each kernel is added per kernel by the caller (:mod:`planner.cost.layer`). Measured profiles interpolate the achieved
-rate of the nearest measured shapes (in log space), so the datasheet never enters.
+rate of the nearest measured shapes with a local linear fit in log space (:func:`local_log_fit`),
+so the datasheet never enters.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import functools
 import math
 
-
 from planner.contracts import ClusterProfile, Precision
+from planner.cost.memo import memo_for
 
 
 def peak_flops(profile: ClusterProfile, precision: Precision) -> float:
@@ -71,10 +72,21 @@ def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Prec
     """Time of ``count`` GEMMs of (m×k)·(k×n) on one GPU."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
+    memo = memo_for(profile)
+    if memo is not None:
+        key = ("gemm", m, n, k, precision)
+        one = memo.get(key)
+        if one is None:
+            one = memo[key] = _one_gemm_time(profile, m, n, k, precision)
+        return count * one
+    return count * _one_gemm_time(profile, m, n, k, precision)
+
+
+def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
     table = [p for p in profile.compute.gemm if p.precision is precision]
     if table:
-        return count * _interpolated_gemm_time(table, m, n, k)
-    return count * _roofline_gemm_time(profile, m, n, k, precision)
+        return _interpolated_gemm_time(table, m, n, k)
+    return _roofline_gemm_time(profile, m, n, k, precision)
 
 
 def gemm_fwd_bwd_s(
@@ -105,20 +117,66 @@ def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precisi
 
 
 def _interpolated_gemm_time(table, m: int, n: int, k: int) -> float:  # noqa: ANN001
-    """Achieved rate of the nearest measured shapes (inverse-distance in log m, log n, log k)."""
+    """Measured GEMMs: achieved rate fitted locally in log space (see :func:`local_log_fit`) on
+    (log m, log n, log k); the measured time itself at a measured shape."""
     target = (math.log(m), math.log(n), math.log(k))
-    scored = []
-    for p in table:
-        d = math.dist(target, (math.log(p.m), math.log(p.n), math.log(p.k)))
-        rate = 2.0 * p.m * p.n * p.k / p.time_s
-        if d < 1e-9:
-            return 2.0 * m * n * k / rate
-        scored.append((d, rate))
-    scored.sort()
-    nearest = scored[:4]
-    weights = [1.0 / d**2 for d, _ in nearest]
-    log_rate = sum(w * math.log(r) for w, (_, r) in zip(weights, nearest)) / sum(weights)
-    return 2.0 * m * n * k / math.exp(log_rate)
+    points = [((math.log(p.m), math.log(p.n), math.log(p.k)), math.log(2.0 * p.m * p.n * p.k / p.time_s)) for p in table]
+    return 2.0 * m * n * k / math.exp(local_log_fit(points, target))
+
+
+def local_log_fit(points: list[tuple[tuple[float, ...], float]], target: tuple[float, ...]) -> float:
+    """Value at ``target`` of a weighted local linear fit through the nearest ``points`` (x, y).
+
+    Used on x = logs of the shape, y = log of the achieved rate: between measured shapes this is
+    multilinear interpolation in log space (on a cell of a rectilinear grid, the fit through its
+    2^d corners; weights ``1/distance⁴`` keep points beyond the cell from tilting it), so a shape halfway between a slow small GEMM
+    and a fast large one gets the geometric mean of their rates instead of the nearest one's.
+    Neighbours: the 2^d + d nearest (with ties); a small ridge keeps slopes along directions the
+    neighbours do not span at zero (one point: its rate everywhere); the result is clamped to the
+    neighbours' range, so it never extrapolates a rate beyond what was measured.
+    """
+    scored = sorted((math.dist(target, x), x, y) for x, y in points)
+    if scored[0][0] < 1e-9:
+        return scored[0][2]
+    dim = len(target)
+    want = min(len(scored), 2**dim + dim)
+    cutoff = scored[want - 1][0] * (1 + 1e-9)
+    near = [s for s in scored if s[0] <= cutoff]
+    # normal equations of min sum w (y - c - b.(x - target))^2 + ridge |b|^2, unknowns (c, b)
+    size = dim + 1
+    a = [[0.0] * size for _ in range(size)]
+    rhs = [0.0] * size
+    total_w = 0.0
+    for d, x, y in near:
+        w = 1.0 / d**4
+        total_w += w
+        row = [1.0, *(xi - ti for xi, ti in zip(x, target))]
+        for r in range(size):
+            rhs[r] += w * row[r] * y
+            for c in range(size):
+                a[r][c] += w * row[r] * row[c]
+    for r in range(1, size):
+        a[r][r] += 1e-3 * total_w
+    value = _solve(a, rhs)[0]
+    ys = [y for _, _, y in near]
+    return min(max(value, min(ys)), max(ys))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a small, well-conditioned system)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 def causal_work_fraction(seq_length: int, block: int = 128) -> float:
@@ -151,7 +209,7 @@ def attention_time_s(
     table = [p for p in profile.compute.attention if p.precision is precision and p.causal == causal]
     flops = 2.0 * batch * q_len * kv_len * heads * (qk_dim + v_dim)
     if table and flash:
-        fwd, bwd = _interpolated_attention(table, batch, q_len, heads, qk_dim, flops)
+        fwd, bwd = _interpolated_attention(table, batch, q_len, heads, kv_heads, qk_dim, flops)
         return fwd, bwd
     if flash:
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
@@ -169,14 +227,18 @@ def attention_time_s(
     return gemms + memory_time_s(profile, 9.0 * scores), 2.0 * gemms + memory_time_s(profile, 11.0 * scores)
 
 
-def _interpolated_attention(table, batch, seq, heads, head_dim, flops):  # noqa: ANN001
-    """Measured attention: achieved FLOP rate of the nearest measured (seq, heads·batch, head_dim)."""
-    target = (math.log(seq), math.log(batch * heads), math.log(head_dim))
-    best = min(
-        table,
-        key=lambda p: math.dist(target, (math.log(p.seq_length), math.log(p.batch * p.num_heads), math.log(p.head_dim))),
-    )
-    ref_flops = 4.0 * best.batch * best.seq_length**2 * best.num_heads * best.head_dim
-    return flops * best.forward_time_s / ref_flops, flops * best.backward_time_s / ref_flops
+def _interpolated_attention(table, batch, seq, heads, kv_heads, head_dim, flops):  # noqa: ANN001
+    """Measured attention: forward and backward FLOP rates fitted locally in log space
+    (:func:`local_log_fit`) on (log seq, log batch·heads, log batch·kv_heads, log head_dim)."""
 
+    def coords(b, s, h, kv, d):  # noqa: ANN001, ANN202
+        return (math.log(s), math.log(b * h), math.log(b * kv), math.log(d))
 
+    target = coords(batch, seq, heads, kv_heads, head_dim)
+    fwd_pts, bwd_pts = [], []
+    for p in table:
+        x = coords(p.batch, p.seq_length, p.num_heads, p.num_kv_heads, p.head_dim)
+        ref_flops = 4.0 * p.batch * p.seq_length**2 * p.num_heads * p.head_dim
+        fwd_pts.append((x, math.log(ref_flops / p.forward_time_s)))
+        bwd_pts.append((x, math.log(ref_flops / p.backward_time_s)))
+    return flops / math.exp(local_log_fit(fwd_pts, target)), flops / math.exp(local_log_fit(bwd_pts, target))

@@ -18,6 +18,8 @@ The search stops when the next bound is no better than the k-th best plan found.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 import time
 from collections import defaultdict
@@ -27,6 +29,7 @@ from planner.contracts import (
     Alternative,
     ClusterProfile,
     FamilyOutcome,
+    LinkLevel,
     ModelSpec,
     ParallelLayout,
     Plan,
@@ -38,10 +41,18 @@ from planner.contracts import (
 )
 from planner.cost.memory import model_state_bytes, state_bytes_per_param
 from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.memo import memoised
 from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
-from planner.search.stages import LeafComm, StageModel, memory_minmax_s, recompute_bound_s, shared_costs
+from planner.search.stages import (
+    LeafComm,
+    SharedCosts,
+    StageModel,
+    memory_minmax_s,
+    recompute_bound_s,
+    shared_costs,
+)
 
 GIB = 2**30
 SEED_STRUCTURES = 48
@@ -60,6 +71,10 @@ class SearchOptions:
     hsdp: bool = True
     offload: bool = True
     max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
+    max_pp: int | None = None  # default: no limit but the layer count
+    max_cp: int | None = None
+    max_ep: int | None = None
+    sequence_parallel: bool = True  # False: never split norms/dropout over the TP group
     # framework features (not searched): what the training stack does
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
@@ -67,7 +82,7 @@ class SearchOptions:
     pp_scatter_gather: bool = True
     solver_time_limit_s: float = 1.0
     time_budget_s: float = 30.0
-    workers: int = 2
+    workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
 
 
 def divisors(n: int) -> list[int]:
@@ -94,10 +109,11 @@ class Structure:
     forward_work_s: float = 0.0  # the forward part of work_s
     forward_ratio: float = 0.5  # largest forward / (forward + backward) of any block, embedding or head
     forward_ratio_min: float = 0.0  # smallest, with the slowest (recomputing) backward, sends included
+    family: str = field(init=False)
 
-    @property
-    def family(self) -> str:
-        return f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+    def __post_init__(self) -> None:
+        self.family = (f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp} dp{self.dp}"
+                       + (f" ep{self.ep}" if self.ep > 1 else ""))
 
 
 class Rules:
@@ -130,6 +146,9 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
             rules.remove("tp must divide num_kv_heads or be a multiple of it", f"tp={tp}, kv_heads={k}")
             continue
         for cp in divisors(n // tp):
+            if opts.max_cp is not None and cp > opts.max_cp:
+                rules.remove(f"cp > {opts.max_cp} (search option max_cp)", f"cp={cp}")
+                continue
             if cp > 1 and s % (2 * cp):
                 rules.remove("2 x cp must divide seq_length (causal load balancing)", f"cp={cp}, seq={s}")
                 continue
@@ -137,11 +156,14 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                 if pp > L:
                     rules.remove("pp > num_layers", f"pp={pp}, layers={L}")
                     continue
+                if opts.max_pp is not None and pp > opts.max_pp:
+                    rules.remove(f"pp > {opts.max_pp} (search option max_pp)", f"pp={pp}")
+                    continue
                 dp = n // (tp * cp * pp)
                 if gbs % dp:
                     rules.remove("dp must divide global_batch_size", f"dp={dp}, batch={gbs}")
                     continue
-                for sp in ((False, True) if tp > 1 else (False,)):
+                for sp in ((False, True) if tp > 1 and opts.sequence_parallel else (False,)):
                     if sp and (s // cp) % tp:
                         rules.remove("sp needs tp to divide seq_length / cp", f"tp={tp}, cp={cp}, seq={s}")
                         continue
@@ -149,6 +171,9 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                     if model.moe is not None:
                         eps = []
                         for ep in divisors(model.moe.num_experts):
+                            if opts.max_ep is not None and ep > opts.max_ep:
+                                rules.remove(f"ep > {opts.max_ep} (search option max_ep)", f"ep={ep}")
+                                continue
                             if (dp * cp) % ep:
                                 rules.remove("ep must divide dp x cp (experts are folded over data/context ranks)",
                                              f"ep={ep}, dp x cp={dp * cp}")
@@ -174,24 +199,43 @@ def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:
 
 def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                     opts: SearchOptions, cache: dict) -> None:
-    """Fill the structure's per-micro-batch work and its lower bound ``m · (W/p + 2·t_p2p)``."""
-    sc = shared_costs(model, training, profile, _base_layout(st, opts), cache)
+    """Fill the structure's per-micro-batch work and its lower bound ``m · (W/p + 2·t_p2p)``.
+
+    The blocks, embedding and head depend only on (tp, sp, cp, ep, micro-batch) and the pipeline
+    send only on (tp, cp, micro-batch, pp, dp) (see :func:`~planner.search.stages.shared_costs`),
+    so both are memoised in ``cache`` under those keys: most structures build no layout."""
+    flags = (opts.tp_comm_overlap, opts.ep_comm_overlap, opts.pp_scatter_gather, opts.dp_comm_overlap)
+    core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.mb, flags)
+    p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
+    core, p2p_s = cache.get(core_key), cache.get(p2p_key)
+    if core is None or p2p_s is None:
+        sc = shared_costs(model, training, profile, _base_layout(st, opts), cache)
+        p2p_s = cache[p2p_key] = sc.p2p_s
+        if core is None:
+            core = cache[core_key] = _structure_work(sc)
+    (st.layer_times, st.emb_s, st.head_s, st.work_s, st.forward_work_s, st.forward_ratio,
+     st.forward_ratio_min) = core
+    st.p2p_s = p2p_s
+    st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
+
+
+def _structure_work(sc: SharedCosts) -> tuple[list[float], float, float, float, float, float, float]:
+    """(per-layer f+b, embedding f+b, head f+b, whole-model f+b, its forward part, largest and
+    smallest forward share) of one micro-batch without recompute: see :class:`Structure`.
+    The layer list is shared by every structure of this shape and must not be mutated."""
     per_kind = {k: (kc.forward_s + kc.backward_s[Recompute.none], kc.forward_s) for k, kc in sc.kind_cost.items()}
-    st.layer_times = [per_kind[k][0] for k in sc.kinds]
+    layer_times = [per_kind[k][0] for k in sc.kinds]
     (ef_s, eb_s), (hf_s, hb_s) = sc.emb, sc.head
-    st.emb_s, st.head_s = ef_s + eb_s, hf_s + hb_s
+    emb_s, head_s = ef_s + eb_s, hf_s + hb_s
     counts = {k: sc.kinds.count(k) for k in per_kind}
-    st.work_s = sum(counts[k] * per_kind[k][0] for k in per_kind) + st.emb_s + st.head_s
-    st.forward_work_s = sum(counts[k] * per_kind[k][1] for k in per_kind) + ef_s + hf_s
+    work_s = sum(counts[k] * per_kind[k][0] for k in per_kind) + emb_s + head_s
+    forward_work_s = sum(counts[k] * per_kind[k][1] for k in per_kind) + ef_s + hf_s
     ratios = [f / t for t, f in per_kind.values() if t > 0]
     ratios += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
-    st.forward_ratio = max(ratios) if ratios else 0.5
     lows = [kc.forward_s / (kc.forward_s + max(kc.backward_s.values())) for kc in sc.kind_cost.values()
             if kc.forward_s > 0]
     lows += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
-    st.forward_ratio_min = min(lows + [0.5])
-    st.p2p_s = sc.p2p_s
-    st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
+    return (layer_times, emb_s, head_s, work_s, forward_work_s, max(ratios) if ratios else 0.5, min(lows + [0.5]))
 
 
 def min_max_stage(st: Structure) -> float:
@@ -199,6 +243,10 @@ def min_max_stage(st: Structure) -> float:
     p, times = st.pp, st.layer_times
     if p == 1:
         return st.work_s + 2 * st.p2p_s
+    send = 2 * st.p2p_s
+    if all(t == times[0] for t in times):
+        bases = [(send + st.emb_s, 1), (send, p - 2), (send + st.head_s, 1)]
+        return _uniform_min_max(len(times), times[0], [(b, c) for b, c in bases if c > 0])
 
     n = len(times)
     prefix = [0.0]
@@ -209,7 +257,7 @@ def min_max_stage(st: Structure) -> float:
         """Greedy: fill each stage as far as ``cap`` allows, leaving one layer for each later stage."""
         i = 0
         for stage in range(p):
-            base = 2 * st.p2p_s + (st.emb_s if stage == 0 else 0.0)
+            base = send + (st.emb_s if stage == 0 else 0.0)
             if stage == p - 1:
                 return base + prefix[n] - prefix[i] + st.head_s <= cap
             j = bisect.bisect_right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
@@ -219,7 +267,7 @@ def min_max_stage(st: Structure) -> float:
             i = j
         return True
 
-    lo, hi = st.work_s / p, st.work_s + 2 * st.p2p_s
+    lo, hi = st.work_s / p, st.work_s + send
     for _ in range(24):
         mid = (lo + hi) / 2
         if fits(mid):
@@ -227,6 +275,39 @@ def min_max_stage(st: Structure) -> float:
         else:
             lo = mid
     return lo
+
+
+def _uniform_min_max(n: int, t: float, stages: list[tuple[float, int]]) -> float:
+    """Exact min-max of :func:`min_max_stage` when all ``n`` layers take ``t``; ``stages``: (fixed
+    time, how many stages have it), every stage holding at least one layer.
+
+    A cap ``T`` admits a split iff every stage holds one layer (``T >= b + t``) and the stages'
+    capacities ``floor((T - b)/t)`` add up to ``n`` (any counts within the capacities, at least
+    one each, make a contiguous split). The optimum is the time of its slowest stage, so it is
+    ``b + k·t`` for one stage's ``b`` and an integer ``k``: per fixed time, bisect the smallest
+    feasible ``k`` (feasibility grows with ``T``) and take the least of those caps. The floor
+    rounds up by ``1e-9`` of a layer and the result is lowered by ``1e-12`` relative: rounding
+    only ever makes the bound smaller, so it stays a lower bound of every split's slowest stage."""
+    if t <= 0:
+        return max(b for b, _ in stages)
+    floor_b = max(b for b, _ in stages) + t  # every stage holds a layer
+
+    def feasible(cap: float) -> bool:
+        return cap >= floor_b * (1 - 1e-12) and sum(c * math.floor((cap - b) / t + 1e-9) for b, c in stages) >= n
+
+    best = math.inf
+    for b, _ in stages:
+        lo, hi = 1, n  # b + n·t is feasible: that stage alone can hold every layer
+        if not feasible(b + hi * t):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(b + mid * t):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min(best, b + lo * t)
+    return best * (1 - 1e-12)
 
 
 def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules: Rules) -> list[tuple[Schedule, int]]:
@@ -248,46 +329,69 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
     return out
 
 
-def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None) -> list[tuple[int, int, int, bool, bool]]:
+def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None) -> tuple[tuple[int, int, int, bool, bool], ...]:
     """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
     reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
     group size whose ranks (× cp) can hold the expert groups; offload needs ZeRO >= 1."""
-    out = []
+    out, removed = _leaf_choices(st.dp, st.cp, st.ep, opts)
+    if rules is not None and removed:
+        rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_choices(dp: int, cp: int, ep: int, opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, bool, bool], ...], int]:
+    out, removed = [], 0
     for zero in opts.zero_stages:
         if zero == 0:
-            splits = [(1, st.dp)]
+            splits = [(1, dp)]
         else:
-            shards = divisors(st.dp) if opts.hsdp else [st.dp]
-            splits = [(st.dp // d, d) for d in shards if (d * st.cp) % st.ep == 0]
-            if rules is not None and len(splits) < len(shards):
-                rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}",
-                             len(shards) - len(splits))
+            shards = divisors(dp) if opts.hsdp else [dp]
+            splits = [(dp // d, d) for d in shards if (d * cp) % ep == 0]
+            removed += len(shards) - len(splits)
         for rep, shard in splits:
             for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
                 for reshard in ((True, False) if zero == 3 else (True,)):
                     out.append((zero, rep, shard, offload, reshard))
-    return out
+    return tuple(out), removed  # cached: immutable
+
+
+def _rank_work(st: Structure, v: int, recompute_s: float, comm_f: float, comm_b: float,
+               eff: float) -> tuple[float, float, float]:
+    """(Σ forward compute, Σ backward compute, Σ (f + b) with the per-micro-batch collectives) over
+    the ranks for one micro-batch; see :func:`schedule_bound`."""
+    p = st.pp
+    fwd = st.forward_work_s + v * p * st.p2p_s
+    bwd = st.work_s - st.forward_work_s + v * p * st.p2p_s + recompute_s
+    keep = 1.0 - eff
+
+    def with_comm(work: float, comm: float) -> float:
+        return max(work + keep * comm, comm + keep * work) if comm else work
+
+    return fwd, bwd, with_comm(fwd, p * comm_f) + with_comm(bwd, p * comm_b)
 
 
 def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float = 0.0,
-                   comm_f: float = 0.0, comm_b: float = 0.0) -> float:
+                   comm_f: float = 0.0, comm_b: float = 0.0, eff: float = 1.0) -> float:
     """Lower bound of the pipeline phase.
+
+    Every term grows with the collectives (``comm_f = comm_b = 0`` bounds every ZeRO stage).
 
     ``minmax``: a lower bound on the slowest rank's ``f + b`` valid for this schedule's chunking;
     ``recompute_s``: least recompute time over all ranks that memory forces (see
     :func:`~planner.search.stages.recompute_bound_s`); ``comm_f``/``comm_b``: per-micro-batch
     ZeRO-2/3 collectives of a rank holding the average parameters (affine in them, so the ranks'
-    sum is ``p·comm``). A rank's forward is at least ``max(F, c_f)`` (compute and the collective it
-    hides behind), so the ranks' summed work is at least
-    ``total = max(ΣF, p·c_f) + max(ΣB, p·c_b)`` and the slowest rank at least ``total/p``.
+    sum is ``p·comm``). A rank's forward with its collective is ``f + c - eff·min(c, f)``
+    (``eff``: the share of a collective its compute window hides), which equals
+    ``max(f + (1-eff)·c, c + (1-eff)·f)``: convex, so the ranks' sum is at least
+    ``max(F + (1-eff)·C, C + (1-eff)·F)`` with ``F = Σf``, ``C = p·c``; likewise the backward. The
+    slowest rank is at least the summed work over ``p``.
     """
     m, p = st.m, st.pp
-    fwd = st.forward_work_s + v * p * st.p2p_s
-    bwd = st.work_s - st.forward_work_s + v * p * st.p2p_s + recompute_s
+    fwd, bwd, total = _rank_work(st, v, recompute_s, comm_f, comm_b, eff)
     compute = fwd + bwd
     if p == 1:
-        return m * (max(fwd, comm_f) + max(bwd, comm_b))
-    total = max(fwd, p * comm_f) + max(bwd, p * comm_b)  # Σ over ranks of (f + b)
+        return m * total
     minmax = max(minmax, total / p)
     if sched is Schedule.interleaved_1f1b:
         return (m - 1 / v) * minmax + total / v
@@ -296,14 +400,30 @@ def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recomp
         # ρ_min of its compute (recompute included), which sums to at least compute - T*; the
         # expression increases with T* (m >= 1 > ρ_min), so the lower bound of T* may stand in
         others = m * minmax + st.forward_ratio_min * max(0.0, compute - minmax)
-        if comm_f or comm_b:
-            return others
-        # without collectives in the stages, the slowest stage's forward is at most ρ of its work
-        # (ρ: the largest forward share of any block, embedding or head) plus its sends:
-        # f* <= ρ(T* - 2t) + t
+        # the slowest rank's forward compute is at most ρ of its compute (ρ: the largest forward
+        # share of any block, embedding or head; recompute only lowers it), which is at most
+        # T* - 2vt: f* = fc* + vt + g* with g* its exposed forward collective. Every rank's forward
+        # holds its own g_i, so Σ_{i≠i*} f_i = Σf - f* >= fwd + g* - f* = fwd - fc* - vt
+        # >= fwd - ρ(T* - 2vt) - vt, and m·T* + Σ_{i≠i*} f_i >= (m - ρ)·T* + fwd + (2ρ - 1)·vt,
+        # which grows with T* (m >= 1 > ρ): with or without collectives in the stages
         rho = st.forward_ratio
         return max((m - rho) * minmax + fwd + (2 * rho - 1) * v * st.p2p_s, others)
     return (m - 1) * minmax + total
+
+
+@dataclass(frozen=True)
+class _LeafLabel:
+    """A leaf's name in messages, formatted only when one is shown (most leaves are pruned unnamed)."""
+
+    family: str
+    zero: int
+    rep: int
+    shard: int
+    offload: bool
+
+    def __str__(self) -> str:
+        return (f"{self.family} zero{self.zero}" + (f" hsdp{self.rep}x{self.shard}" if self.rep > 1 else "")
+                + (" offload" if self.offload else ""))
 
 
 @dataclass(order=True)
@@ -321,28 +441,56 @@ def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_
 
     ``comm`` is the data-parallel side of a stage holding the average parameters per GPU
     (collective and optimizer times are affine in them, so the largest stage has at least the
-    average). The tail of that stage is at least its optimizer step, and at least its
-    once-per-step traffic ``c`` minus what its backward can hide, ``c - eff·T`` with ``T`` the
-    slowest stage. The pipeline term grows by ``(m - 1)`` per second of ``T`` (more for the other
-    schedules) and the tail shrinks by at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the
-    smallest ``T``."""
+    average). The tail of a stage is its optimizer step plus the exposed part of its once-per-step
+    traffic ``c``, which is at least ``(1 - eff)·c`` and at least ``c - eff·T`` with ``T`` the slowest
+    stage (the windows it hides behind are that stage's forward and backward). Both are convex in
+    the stage's parameters, so the most loaded stage has at least the average's. The pipeline term
+    grows by ``(m - 1)`` per second of ``T`` (more for the other schedules) and the tail shrinks by
+    at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the smallest ``T``."""
     gpm = comm.gathers_per_mb
     comm_f = comm.gather_s if gpm else 0.0
     comm_b = (comm.gather_s * (gpm - 1) if gpm else 0.0) + (comm.grad_s if comm.grads_per_mb else 0.0)
-    bound = schedule_bound(st, sched, v, minmax, recompute_s, comm_f, comm_b)
-    tail = comm.optimizer_s
+    bound = schedule_bound(st, sched, v, minmax, recompute_s, comm_f, comm_b, comm.eff)
+    per_step = _per_step_s(comm)
+    exposed = (1.0 - comm.eff) * per_step
     if st.m >= 2:
-        per_step = comm.replica_s + (0.0 if comm.grads_per_mb else comm.grad_s) + (0.0 if gpm else comm.gather_s)
-        tail = max(tail, per_step - comm.eff * max(minmax, comm_f + comm_b))
-    return bound + tail
+        # the smallest slowest-stage time the pipeline term above was priced at
+        t_min = max(minmax, _rank_work(st, v, recompute_s, comm_f, comm_b, comm.eff)[2] / st.pp)
+        exposed = max(exposed, per_step - comm.eff * t_min)
+    return bound + comm.optimizer_s + exposed
+
+
+def _per_step_s(comm: LeafComm) -> float:
+    """Once-per-step data-parallel traffic of a stage holding the average parameters."""
+    gpm = comm.gathers_per_mb
+    return comm.replica_s + (0.0 if comm.grads_per_mb else comm.grad_s) + (0.0 if gpm else comm.gather_s)
+
+
+def leaf_tail_bound(comm: LeafComm) -> float:
+    """The part of :func:`leaf_bound` that does not depend on the schedule: the optimizer step and
+    the exposed once-per-step traffic ``(1 - eff)·c`` of a stage holding the average parameters.
+    ``leaf_bound >= schedule_bound(...) (no collectives) + leaf_tail_bound``: its pipeline
+    term grows with the per-micro-batch collectives (``with_comm >= work``, and every schedule's
+    bound grows with the summed work and the slowest rank) and its tail is at least this."""
+    return comm.optimizer_s + (1.0 - comm.eff) * _per_step_s(comm)
 
 
 def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
            options: SearchOptions | None = None, progress=None) -> Plan:  # noqa: ANN001 - rich progress callback
     """The fastest layout that fits, with the top-k alternatives and why the rest lost."""
+    with memoised(profile):  # thousands of layouts share a few thousand GEMM shapes and link lookups
+        return _search(model, training, profile, options, progress)
+
+
+def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, options: SearchOptions | None,
+            progress) -> Plan:  # noqa: ANN001
     opts = options or SearchOptions()
     t0 = time.perf_counter()
     rules = Rules()
+    if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
+        # nothing to price the optimizer-state copies with: offload is not a choice on this profile
+        opts = dataclasses.replace(opts, offload=False)
+        rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
     cache: dict = {}
     structs = structures(model, training, profile, opts, rules)
     if not structs:
@@ -386,17 +534,40 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if fam["best"] is None or step < fam["best"].step_s:
             fam["best"] = item
 
-    def no_fit(st: Structure, need: float, label: str, why: str) -> None:
+    def no_fit(st: Structure, need: float, label: _LeafLabel, why: str) -> None:
         report["infeasible"] += 1
         if need - capacity < shortfall[0]:
-            shortfall[:] = [need - capacity, label]
+            shortfall[:] = [need - capacity, str(label)]
         fam = families[st.family]
         if not fam["reason"]:
             fam["reason"] = f"does not fit: {why} {need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB"
 
     priced: set[tuple] = set()
+    states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
     ids = iter(range(1, 1 << 60))
     nonlocal_state = {"prefix_ok": None, "budget_hit": False}
+
+    def states_need_of(st: Structure, zero: int, shard: int, offload: bool) -> float:
+        """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
+        shard_n = shard * st.cp
+        key = (st.tp * st.pp, st.ep, zero, shard_n, offload)
+        need = states_need.get(key)
+        if need is None:
+            dense = all_params_dense / (st.tp * st.pp)
+            expert = all_params_expert / (st.tp * st.ep * st.pp)
+            need = states_need[key] = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
+                model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
+        return need
+
+    def leaf_comm(st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
+        """The leaf's data-parallel side (it does not depend on the schedule; memoised)."""
+        def make_layout() -> ParallelLayout:
+            return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+                                reshard_after_forward=reshard)
+
+        return LeafComm.of(profile, training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload, reshard,
+                           opts.dp_comm_overlap, all_params_dense / (st.tp * st.pp),
+                           all_params_expert / (st.tp * st.ep * st.pp), cache)
 
     def price_leaf(si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
                    rep: int, shard: int, offload: bool, reshard: bool) -> None:
@@ -407,21 +578,17 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if key in priced:
             return
         priced.add(key)
-        label = f"{st.family} zero{zero}" + (f" hsdp{rep}x{shard}" if rep > 1 else "") + (" offload" if offload else "")
-        shard_n = shard * st.cp
-        dense = all_params_dense / (st.tp * st.pp)
-        expert = all_params_expert / (st.tp * st.ep * st.pp)
-        need = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
-            model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
+        label = _LeafLabel(st.family, zero, rep, shard, offload)
+        need = states_need_of(st, zero, shard, offload)
         if need > capacity:
             no_fit(st, need, label, "model states alone need")
             return
+
         def make_layout() -> ParallelLayout:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
 
-        comm = LeafComm.of(profile, training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload, reshard,
-                           opts.dp_comm_overlap, dense, expert, cache)
+        comm = leaf_comm(st, zero, rep, shard, offload, reshard)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
             report["pruned"] += 1
             return
@@ -514,12 +681,26 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 fam["reason"] = f"lower bound {st.bound_s:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
             continue
         minmax = minmax_for(si)
+        # per leaf, its schedule-free tail bound (None: its model states alone do not fit, which
+        # price_leaf reports), and the least of them: a floor every leaf's tail stands on; computed
+        # once the first schedule survives its own bound
+        tails: list[float | None] = []
+        tail_min = 0.0
         for sched, v in scheds:
             if sched is Schedule.gpipe and Schedule.one_f_one_b in opts.schedules:
                 report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
             stage_min = minmax if v == 1 else 0.0
-            if schedule_bound(st, sched, v, stage_min) >= kth():
+            plain = schedule_bound(st, sched, v, stage_min)
+            if plain >= kth():
+                report["pruned"] += per_sched
+                continue
+            if not tails:
+                tails = [leaf_tail_bound(leaf_comm(st, zero, rep, shard, offload, reshard))
+                         if states_need_of(st, zero, shard, offload) <= capacity else None
+                         for zero, rep, shard, offload, reshard in leaves]
+                tail_min = min((t for t in tails if t is not None), default=0.0)
+            if plain + tail_min >= kth():
                 report["pruned"] += per_sched
                 continue
             # the recompute and the slowest rank that memory forces even on the leaf with the least
@@ -538,10 +719,14 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if not math.isfinite(stage_min):
                 report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
                 continue
-            if (rec_min > 0 or stage_min > minmax) and schedule_bound(st, sched, v, stage_min, rec_min) >= kth():
+            base = schedule_bound(st, sched, v, stage_min, rec_min)
+            if base + tail_min >= kth():
                 report["pruned"] += per_sched
                 continue
-            for zero, rep, shard, offload, reshard in leaves:
+            for (zero, rep, shard, offload, reshard), tail in zip(leaves, tails):
+                if tail is not None and base + tail >= kth():
+                    report["pruned"] += 1  # leaf_bound would be at least this
+                    continue
                 price_leaf(si, st, sched, v, stage_min, rec_min, zero, rep, shard, offload, reshard)
     budget_hit = nonlocal_state["budget_hit"]
 
@@ -582,11 +767,14 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 problem=f"ran out before any layout was priced ({report['considered']:,} candidates considered); "
                         "no layout was shown not to fit")
         raise _nothing_fits(model, training, profile, shortfall, report)
-    best = ranked[0]
-    best_pred = predict(model, training, profile, best.layout)
+    preds = [predict(model, training, profile, found.layout) for found in ranked]
+    # equally fast plans (to 1e-9): the one needing the least memory per GPU first
+    fastest = ranked[0].step_s
+    order = sorted(range(len(ranked)), key=lambda i: (round(ranked[i].step_s / fastest, 9), preds[i].memory.total_bytes, i))
+    ranked, preds = [ranked[i] for i in order], [preds[i] for i in order]
+    best, best_pred = ranked[0], preds[0]
     alternatives = []
-    for alt in ranked[1:]:
-        pred = predict(model, training, profile, alt.layout)
+    for alt, pred in zip(ranked[1:], preds[1:]):
         alternatives.append(Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
                                         reason=why_slower(pred, best_pred)))
     fam_out = []
@@ -625,6 +813,9 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
         for c in p.comm:
             out[f"exposed {c.kind} communication"] = out.get(f"exposed {c.kind} communication", 0.0) + c.exposed_s
         return out
+    if abs(pred.step_time_s - best.step_time_s) <= 1e-9 * best.step_time_s:
+        return (f"as fast, but needs {pred.memory.total_bytes / GIB:.1f} GiB per GPU against the chosen plan's "
+                f"{best.memory.total_bytes / GIB:.1f} GiB (equal step times: the smaller footprint ranks first)")
     a, b = terms(pred), terms(best)
     deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
     worst = max(deltas, key=deltas.get)

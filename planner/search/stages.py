@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from planner.contracts import (
     ClusterProfile,
     Collective,
+    LinkLevel,
     ModelSpec,
     ParallelLayout,
     Precision,
@@ -35,7 +36,7 @@ from planner.contracts import (
     StageRecompute,
     TrainingConfig,
 )
-from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups
+from planner.cost.comm import collective_time_s, find_link, hidden_time_s, host_copy_time_s, mesh_groups
 from planner.cost.compute import memory_time_s
 from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
 from planner.cost.memory import (
@@ -119,29 +120,49 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
         core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
                     layout.ep_comm_overlap)
         if core_key not in cache:
-            elt = training.precision.bytes
-            shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
-            kind_cost: dict[bool, KindCost] = {}
-            for kind in sorted(set(kinds)):
-                index = kinds.index(kind)
-                bc = block_cost(profile, model, index, mb, layout, groups)
-                acts = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
-                                                  fp8=training.precision is Precision.fp8,
-                                                  moe_imbalance=training.moe_load_imbalance)
-                        for r in Recompute}
-                dense, expert = layer_params(model, index)
-                kind_cost[kind] = KindCost(
-                    forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute}, activations=acts,
-                    dense_params=dense / layout.tp, expert_params=expert / (layout.tp * layout.ep),
-                    gather_params=(dense + expert) / layout.tp,
-                )
-            emb_f, emb_b = embedding_cost(profile, model, mb, groups)
-            head_f, head_b = lm_head_cost(profile, model, mb, groups)
-            cache[core_key] = (kind_cost, (emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s))
+            kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache)
+                         for kind in sorted(set(kinds))}
+            # the embedding and head see the TP group only: shared by every expert-parallel degree
+            ends_key = ("ends", mb, groups["tp"])
+            if ends_key not in cache:
+                emb_f, emb_b = embedding_cost(profile, model, mb, groups)
+                head_f, head_b = lm_head_cost(profile, model, mb, groups)
+                cache[ends_key] = ((emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s))
+            cache[core_key] = (kind_cost, *cache[ends_key])
         kind_cost, emb, head = cache[core_key]
         p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (layout.tp if layout.pp_scatter_gather else 1)
         p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
         cache[key] = SharedCosts(kinds, mb, kind_cost, emb, head, p2p_s)
+    return cache[key]
+
+
+def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
+               mb: MicroBatch, groups: dict, index: int, cache: dict) -> KindCost:
+    """:class:`KindCost` of block ``index``'s kind. A dense block neither routes tokens nor holds
+    experts, so its cost is shared by every expert-parallel degree; the activation bytes depend on
+    the micro-batch shape only (``tests/test_search.py`` checks both against an unshared cache)."""
+    moe = model.is_moe_layer(index)
+    ep_part = (layout.ep, groups["ep"], layout.ep_comm_overlap) if moe else ()
+    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, *ep_part)
+    if key not in cache:
+        params_key = ("layer-params", id(model), index)
+        if params_key not in cache:
+            cache[params_key] = (model, layer_params(model, index))
+        dense, expert = cache[params_key][1]
+        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp)
+        if acts_key not in cache:
+            shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+            elt = training.precision.bytes
+            cache[acts_key] = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
+                                                         fp8=training.precision is Precision.fp8,
+                                                         moe_imbalance=training.moe_load_imbalance)
+                               for r in Recompute}
+        bc = block_cost(profile, model, index, mb, layout, groups)
+        cache[key] = KindCost(
+            forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute},
+            activations=cache[acts_key], dense_params=dense / layout.tp,
+            expert_params=expert / (layout.tp * layout.ep), gather_params=(dense + expert) / layout.tp,
+        )
     return cache[key]
 
 
@@ -254,6 +275,21 @@ class StageModel:
         self.logits = logits_bytes(model, self.mb.tokens, base.tp)
         self.capacity = float(profile.device.memory_bytes)
         self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
+        # per-parameter constants of the optimizer step and model states (both linear in the
+        # parameter count, see optimizer_time_s and model_state_bytes), hoisted out of stage_terms
+        zero = base.zero_stage
+        self._opt_div = (self.shard_n if zero >= 1 else 1, self.expert_shard if zero >= 1 else 1)
+        if base.offload_optimizer:
+            d2h = find_link(profile, LinkLevel.host_device, Collective.device_to_host, 1)
+            h2d = find_link(profile, LinkLevel.host_device, Collective.host_to_device, 1)
+            self._opt_alpha = d2h.alpha_s + h2d.alpha_s
+            self._opt_rate = (self.state.grads / d2h.busbw_bytes_per_s + self.state.weights / h2d.busbw_bytes_per_s
+                              + self.step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s)
+        else:
+            self._opt_alpha = 0.0
+            self._opt_rate = memory_time_s(profile, self.step_bytes)
+        self._state_dense = sum(model_state_bytes(1.0, self.state, zero, self.shard_n, base.offload_optimizer))
+        self._state_expert = sum(model_state_bytes(1.0, self.state, zero, self.expert_shard, base.offload_optimizer))
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
@@ -264,9 +300,11 @@ class StageModel:
                 d["gather"](dense_params) + e["gather"](expert_params))
 
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
-        lay = self.layout
-        return optimizer_time_s(self.profile, self.training, lay.zero_stage, self.shard_n, self.expert_shard,
-                                lay.offload_optimizer, dense_params, expert_params)
+        """:func:`optimizer_time_s` of this layout, from constants computed once."""
+        local = dense_params / self._opt_div[0] + expert_params / self._opt_div[1]
+        if local <= 0:
+            return 0.0
+        return self._opt_alpha + local * self._opt_rate
 
     def exposed(self, comm_s: float, window_s: float) -> float:
         return comm_s - hidden_time_s(comm_s, window_s, self.eff)
@@ -289,32 +327,20 @@ class StageModel:
                            r_moe: int) -> StageTerms:
         """As :meth:`stage_terms`, from counts: blocks of each kind and how many of each are recomputed."""
         first, last = rank == 0, rank == self.p - 1
-        f = b = 0.0
-        dense = experts = 0.0
-        acts = 0.0
-        transient = 0.0
-        gather_biggest = 0.0
         if kind is Recompute.none:
             r_dense = r_moe = 0
+        f = b = 0.0
         for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
-            if n == 0:
-                continue
-            kc = self.kind_cost[moe]
-            f += n * kc.forward_s
-            b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
-            dense += n * kc.dense_params
-            experts += n * kc.expert_params
-            acts += (n - rc) * kc.activations[Recompute.none] + rc * kc.activations[kind]
-            if rc and kind is Recompute.full:
-                transient = max(transient, kc.activations[Recompute.none])
-            gather_biggest = max(gather_biggest, kc.gather_params)
+            if n:
+                kc = self.kind_cost[moe]
+                f += n * kc.forward_s
+                b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
+        dense, experts, acts, transient, gather_biggest = self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe)
         layers = n_dense + n_moe
         if first:
             f, b = f + self.emb[0], b + self.emb[1]
-            dense += self.emb_params
         if last:
             f, b = f + self.head[0], b + self.head[1]
-            dense += self.head_params
         f += self.v * self.p2p_s
         b += self.v * self.p2p_s
         grad_s, replica_s, gather_s = self.traffic(dense, experts)
@@ -328,16 +354,47 @@ class StageModel:
         f += self.exposed(gather_f, f)
         b += self.exposed(gather_b + grad_mb, b)
         # memory
-        lay = self.layout
-        w1, g1, o1 = model_state_bytes(dense, self.state, lay.zero_stage, self.shard_n, lay.offload_optimizer)
-        w2, g2, o2 = model_state_bytes(experts, self.state, lay.zero_stage, self.expert_shard, lay.offload_optimizer)
-        per_mb = acts + (self.emb_act if first else 0.0)
-        activations = per_mb * self.in_flight[rank] + transient
-        buffers = self.reserved + (self.logits if last else 0.0)
-        if lay.zero_stage == 3 and layers:
-            buffers += 2 * gather_biggest * self.state.weights
-        memory = w1 + w2 + g1 + g2 + o1 + o2 + activations + buffers
+        memory = self._memory(rank, dense, experts, acts, transient, gather_biggest, layers)
         return StageTerms(f, b, tail, memory, layers)
+
+    def _memory(self, rank: int, dense: float, experts: float, acts: float, transient: float, gather_biggest: float,
+                layers: int) -> float:
+        """Peak bytes of pipeline rank ``rank`` (as in ``predict``): model states, activations of the
+        micro-batches in flight plus the full-recompute transient, reserve, logits, ZeRO-3 gather buffers."""
+        per_mb = acts + (self.emb_act if rank == 0 else 0.0)
+        activations = per_mb * self.in_flight[rank] + transient
+        buffers = self.reserved + (self.logits if rank == self.p - 1 else 0.0)
+        if self.layout.zero_stage == 3 and layers:
+            buffers += 2 * gather_biggest * self.state.weights
+        return dense * self._state_dense + experts * self._state_expert + activations + buffers
+
+    def stage_memory_counts(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
+                            r_moe: int) -> float:
+        """``stage_terms_counts(...).memory_bytes`` without the timing terms (for fit tests)."""
+        if kind is Recompute.none:
+            r_dense = r_moe = 0
+        return self._memory(rank, *self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe), n_dense + n_moe)
+
+    def _holdings(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
+                  r_moe: int) -> tuple[float, float, float, float, float]:
+        """What a rank holds: (dense params, expert params, activations per micro-batch, the
+        full-recompute transient, the biggest block's gathered params) — embedding and head included."""
+        dense = experts = acts = transient = gather_biggest = 0.0
+        for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
+            if n == 0:
+                continue
+            kc = self.kind_cost[moe]
+            dense += n * kc.dense_params
+            experts += n * kc.expert_params
+            acts += (n - rc) * kc.activations[Recompute.none] + rc * kc.activations[kind]
+            if rc and kind is Recompute.full:
+                transient = max(transient, kc.activations[Recompute.none])
+            gather_biggest = max(gather_biggest, kc.gather_params)
+        if rank == 0:
+            dense += self.emb_params
+        if rank == self.p - 1:
+            dense += self.head_params
+        return dense, experts, acts, transient, gather_biggest
 
     # -- a whole split ---------------------------------------------------------------------------
     def step_s(self, terms: list[StageTerms]) -> float:
@@ -397,19 +454,22 @@ class StageModel:
                 rm = moe_prefix[count]
                 return self.stage_terms_counts(r, n - n_moe, n_moe, kind, count - rm, rm)
 
-            none = at(Recompute.none, 0)
-            if none.memory_bytes <= self.capacity:
-                terms.append(none)
+            def fits(kind: Recompute, count: int) -> bool:
+                rm = moe_prefix[count]
+                return self.stage_memory_counts(r, n - n_moe, n_moe, kind, count - rm, rm) <= self.capacity
+
+            if fits(Recompute.none, 0):
+                terms.append(at(Recompute.none, 0))
                 choices.append((Recompute.none, 0))
                 continue
             best = None
             for kind in RECOMPUTE_KINDS:
-                if at(kind, n).memory_bytes > self.capacity:
+                if not fits(kind, n):
                     continue
                 lo, hi = 1, n  # smallest count that fits
                 while lo < hi:
                     mid = (lo + hi) // 2
-                    if at(kind, mid).memory_bytes <= self.capacity:
+                    if fits(kind, mid):
                         hi = mid
                     else:
                         lo = mid + 1
