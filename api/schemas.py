@@ -1,0 +1,186 @@
+"""Request and response bodies of the ``/v1`` API (the documents themselves are the planner's contracts)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig
+
+T = TypeVar("T")
+MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    total: int = Field(description="rows matching the filters")
+    limit: int
+    offset: int
+
+
+class ProfileSummary(BaseModel):
+    id: int
+    cluster: str
+    version: int
+    kind: Literal["measured", "reference"]
+    gpu_name: str
+    gpus_per_node: int
+    num_nodes: int
+    measured_at: datetime
+    uploaded_at: datetime
+    content_hash: str
+
+
+class ProfileOut(ProfileSummary):
+    profile: ClusterProfile
+
+
+class ProfileUploaded(ProfileOut):
+    created: bool = Field(description="False: the same content was stored before; this is that profile")
+
+
+class ClusterSummary(BaseModel):
+    name: str
+    latest_profile_id: int
+    versions: int
+    kind: str
+    gpu_name: str
+    gpus_per_node: int
+    num_nodes: int
+
+
+class ModelRef(Strict):
+    """Exactly one of a preset name, a full ModelSpec, or a Hugging Face ``config.json`` (as JSON)."""
+
+    preset: str | None = Field(None, description="e.g. 'llama3.1-70b' (GET /v1/presets lists them)")
+    spec: ModelSpec | None = None
+    hf_config: dict[str, Any] | None = Field(None, description="the contents of a transformers config.json")
+    name: str | None = Field(None, max_length=200, description="name for an hf_config model")
+
+    @model_validator(mode="after")
+    def _one(self) -> ModelRef:
+        given = [k for k in ("preset", "spec", "hf_config") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of preset, spec or hf_config (got {given or 'none'})")
+        return self
+
+
+class PlanOptions(Strict):
+    top_k: int = Field(5, ge=1, le=50, description="alternatives to keep")
+    max_tp: int | None = Field(None, ge=1, description="largest TP degree (default: GPUs per node)")
+    max_pp: int | None = Field(None, ge=1, description="largest pipeline depth (1 = no pipeline parallelism)")
+    max_cp: int | None = Field(None, ge=1, description="largest context-parallel degree (1 = none)")
+    max_ep: int | None = Field(None, ge=1, description="largest expert-parallel degree (1 = none)")
+    sequence_parallel: bool = True
+    zero_stages: list[int] = Field([0, 1, 2, 3], min_length=1, description="ZeRO stages to consider")
+    schedules: list[Schedule] = Field(list(Schedule), min_length=1)
+    hsdp: bool = True
+    offload: bool = True
+    max_micro_batch_size: int = Field(16, ge=1, le=1024)
+    max_virtual_stages: int = Field(8, ge=1, le=64)
+    memory_headroom: float = Field(
+        0.0, ge=0.0, lt=0.9, description="fraction of each GPU's memory kept free on top of the profile's reserve")
+    tp_comm_overlap: bool = False
+    dp_comm_overlap: bool = True
+    ep_comm_overlap: bool = False
+    time_budget_s: float | None = Field(
+        None, gt=0, description="seconds after which the search returns its best (default: 20, or the server's limit if lower)")
+
+    @model_validator(mode="after")
+    def _zero(self) -> PlanOptions:
+        bad = [z for z in self.zero_stages if z not in (0, 1, 2, 3)]
+        if bad:
+            raise ValueError(f"zero_stages={bad} are not ZeRO stages; use values from 0, 1, 2, 3")
+        return self
+
+
+class PlanRequest(Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
+         "cluster": "dgx-h100", "num_nodes": 2, "options": {"top_k": 3}},
+        {"model": {"preset": "mixtral-8x7b"}, "training": {"seq_length": 4096, "global_batch_tokens": 1048576},
+         "cluster": "dgx-a100-80gb", "num_nodes": 4, "options": {"max_pp": 4, "memory_headroom": 0.1}},
+    ]})
+
+    model: ModelRef
+    training: TrainingConfig
+    profile_id: int | None = Field(None, ge=1, le=MAX_ID, description="a stored profile (GET /v1/profiles)")
+    cluster: str | None = Field(None, max_length=200, description="a cluster name: its newest profile")
+    num_nodes: int | None = Field(None, ge=1, le=100_000, description="reference profiles only: nodes to plan for")
+    options: PlanOptions = Field(default_factory=PlanOptions)
+
+    @model_validator(mode="after")
+    def _where(self) -> PlanRequest:
+        if (self.profile_id is None) == (self.cluster is None):
+            raise ValueError("give exactly one of profile_id or cluster")
+        return self
+
+
+class Explanation(BaseModel):
+    """Why no plan was produced: the field at fault, its value, and what would fix it."""
+
+    field: str
+    value: str
+    problem: str
+    fix: str
+    message: str
+
+
+class PlanSummary(BaseModel):
+    id: int
+    created_at: datetime
+    status: Literal["ok", "infeasible"]
+    model_name: str
+    num_gpus: int
+    profile_id: int
+    cluster: str
+    step_time_s: float | None
+
+
+class PlanOut(PlanSummary):
+    request: dict[str, Any]
+    plan: Plan | None = None
+    explanation: Explanation | None = None
+    reused: bool = Field(False, description="the search result was reused from an identical earlier request")
+
+
+class RunSubmit(Strict):
+    plan_id: int = Field(ge=1, le=MAX_ID)
+    report: RunReport
+
+
+class RunSummary(BaseModel):
+    id: int
+    plan_id: int
+    created_at: datetime
+    predicted_step_s: float | None
+    measured_step_s: float
+    error: float | None = Field(description="predicted / measured - 1")
+
+
+class RunOut(RunSummary):
+    report: RunReport
+    predicted_tokens_per_s: float | None
+    measured_tokens_per_s: float
+    predicted_peak_memory_bytes: int | None
+    measured_peak_memory_bytes: int
+
+
+class RunErrorSummary(BaseModel):
+    runs: int
+    runs_with_prediction: int
+    median_abs_error: float | None
+    p90_abs_error: float | None
+    max_abs_error: float | None
+    mean_signed_error: float | None = Field(description="> 0: the model predicts slower than measured")
+
+
+class PresetOut(BaseModel):
+    name: str
+    spec: ModelSpec

@@ -1,0 +1,261 @@
+"""What the service does with its database: every read and write of profiles, plans and runs.
+
+Routes and pages call these functions with a :class:`~api.db.Database`; each write is one transaction.
+Races between concurrent clients are settled by the database's unique constraints (content hash,
+cluster name, cluster + version), never by checking first and writing after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.db import Cluster, Database, PlanRow, Profile, RunRow
+from planner.contracts import ClusterProfile, RunReport
+from planner.errors import AutoparError
+
+WRITE_RETRIES = 8
+
+
+class NotFound(LookupError):
+    def __init__(self, what: str, key: object):
+        super().__init__(f"{what} {key!r} not found")
+        self.what, self.key = what, key
+
+
+def canonical_hash(doc: Any) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def profile_hash(profile: ClusterProfile) -> str:
+    """Hash of what was measured: the profile without its timestamp (re-uploading a file is no new version)."""
+    return canonical_hash(profile.model_dump(mode="json", exclude={"created_at"}))
+
+
+def _paged(db: Database, q, order, limit: int, offset: int) -> tuple[list, int]:  # noqa: ANN001
+    """Rows of select ``q`` in ``order`` (one page) and how many rows match in all."""
+    with db.read() as session:
+        total = session.scalar(select(func.count()).select_from(q.subquery()))
+        return list(session.execute(q.order_by(*order).limit(limit).offset(offset)).all()), total or 0
+
+
+# -- profiles -------------------------------------------------------------------------------------
+
+def _cluster_id(session: Session, name: str) -> int:
+    found = session.scalar(select(Cluster.id).where(Cluster.name == name))
+    if found is not None:
+        return found
+    row = Cluster(name=name)
+    session.add(row)
+    session.flush()  # a concurrent insert of the same name fails here; the caller retries
+    return row.id
+
+
+def upload_profile(db: Database, profile: ClusterProfile) -> tuple[Profile, Cluster, bool]:
+    """Store ``profile`` as the next version of its cluster, or return the stored copy of the same content."""
+    digest = profile_hash(profile)
+    for _ in range(WRITE_RETRIES):
+        with db.write() as session:
+            try:
+                existing = session.scalar(select(Profile).where(Profile.content_hash == digest))
+                if existing is not None:
+                    cluster = session.get(Cluster, existing.cluster_id)
+                    session.commit()
+                    return existing, cluster, False
+                cid = _cluster_id(session, profile.name)
+                version = (session.scalar(select(func.max(Profile.version)).where(Profile.cluster_id == cid)) or 0) + 1
+                row = Profile(cluster_id=cid, version=version, content_hash=digest, kind=profile.kind,
+                              gpu_name=profile.device.name, gpus_per_node=profile.gpus_per_node,
+                              num_nodes=profile.num_nodes, measured_at=profile.created_at,
+                              body=profile.model_dump(mode="json"))
+                session.add(row)
+                session.flush()
+                cluster = session.get(Cluster, cid)
+                session.commit()
+                return row, cluster, True
+            except IntegrityError:
+                session.rollback()  # same content, cluster or version stored concurrently: look again
+    raise RuntimeError(f"could not store profile {profile.name!r} after {WRITE_RETRIES} attempts under contention")
+
+
+def get_profile(db: Database, profile_id: int) -> tuple[Profile, Cluster]:
+    with db.read() as session:
+        row = session.get(Profile, profile_id)
+        if row is None:
+            raise NotFound("profile", profile_id)
+        return row, session.get(Cluster, row.cluster_id)
+
+
+def latest_profile(db: Database, cluster: str) -> tuple[Profile, Cluster]:
+    with db.read() as session:
+        c = session.scalar(select(Cluster).where(Cluster.name == cluster))
+        if c is None:
+            raise NotFound("cluster", cluster)
+        row = session.scalar(select(Profile).where(Profile.cluster_id == c.id).order_by(Profile.version.desc()).limit(1))
+        if row is None:
+            raise NotFound("cluster", cluster)
+        return row, c
+
+
+def list_profiles(db: Database, *, gpu: str | None = None, kind: str | None = None, cluster: str | None = None,
+                  since: datetime | None = None, until: datetime | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[tuple[Profile, Cluster]], int]:
+    """Profiles newest first; ``gpu`` matches the device name case-insensitively as a substring."""
+    q = select(Profile, Cluster).join(Cluster, Cluster.id == Profile.cluster_id)
+    if gpu:
+        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower()))
+    if kind:
+        q = q.where(Profile.kind == kind)
+    if cluster:
+        q = q.where(Cluster.name == cluster)
+    if since:
+        q = q.where(Profile.measured_at >= since)
+    if until:
+        q = q.where(Profile.measured_at <= until)
+    rows, total = _paged(db, q, (Profile.uploaded_at.desc(), Profile.id.desc()), limit, offset)
+    return [(p, c) for p, c in rows], total
+
+
+def cluster_history(db: Database, name: str) -> list[tuple[Profile, Cluster]]:
+    with db.read() as session:
+        c = session.scalar(select(Cluster).where(Cluster.name == name))
+        if c is None:
+            raise NotFound("cluster", name)
+        rows = session.scalars(select(Profile).where(Profile.cluster_id == c.id).order_by(Profile.version)).all()
+        return [(p, c) for p in rows]
+
+
+def list_clusters(db: Database, *, gpu: str | None = None, kind: str | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[tuple[Cluster, Profile, int]], int]:
+    """Clusters by name, each with its newest profile and its number of versions."""
+    newest = (select(Profile.cluster_id, func.max(Profile.version).label("v"), func.count().label("n"))
+              .group_by(Profile.cluster_id).subquery())
+    q = (select(Cluster, Profile, newest.c.n).join(newest, newest.c.cluster_id == Cluster.id)
+         .join(Profile, (Profile.cluster_id == Cluster.id) & (Profile.version == newest.c.v)))
+    if gpu:
+        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower()))
+    if kind:
+        q = q.where(Profile.kind == kind)
+    rows, total = _paged(db, q, (Cluster.name,), limit, offset)
+    return [(c, p, n) for c, p, n in rows], total
+
+
+def load_reference_profiles(db: Database) -> list[tuple[Profile, Cluster, bool]]:
+    """Store the reference profile of every system in ``planner.reference`` (one node) if not stored yet."""
+    from planner.reference import list_systems, reference_profile
+
+    return [upload_profile(db, reference_profile(system, 1)) for system in list_systems()]
+
+
+# -- plans -----------------------------------------------------------------------------------------
+
+def find_reusable_plan(db: Database, request_hash: str) -> PlanRow | None:
+    with db.read() as session:
+        return session.scalar(select(PlanRow).where(PlanRow.request_hash == request_hash)
+                              .order_by(PlanRow.id).limit(1))
+
+
+def store_plan(db: Database, *, profile_id: int, request: dict, request_hash: str, status: str, model_name: str,
+               num_gpus: int, step_time_s: float | None, plan: dict | None, explanation: dict | None) -> PlanRow:
+    with db.write() as session, session.begin():
+        row = PlanRow(profile_id=profile_id, request=request, request_hash=request_hash, status=status,
+                      model_name=model_name, num_gpus=num_gpus, step_time_s=step_time_s, plan=plan,
+                      explanation=explanation)
+        session.add(row)
+    return row
+
+
+def get_plan(db: Database, plan_id: int) -> tuple[PlanRow, Cluster]:
+    with db.read() as session:
+        row = session.get(PlanRow, plan_id)
+        if row is None:
+            raise NotFound("plan", plan_id)
+        prof = session.get(Profile, row.profile_id)
+        return row, session.get(Cluster, prof.cluster_id)
+
+
+def list_plans(db: Database, *, model: str | None = None, status: str | None = None, profile_id: int | None = None,
+               limit: int = 50, offset: int = 0) -> tuple[list[tuple[PlanRow, Cluster]], int]:
+    q = (select(PlanRow, Cluster).join(Profile, Profile.id == PlanRow.profile_id)
+         .join(Cluster, Cluster.id == Profile.cluster_id))
+    if model:
+        q = q.where(func.lower(PlanRow.model_name).contains(model.lower()))
+    if status:
+        q = q.where(PlanRow.status == status)
+    if profile_id:
+        q = q.where(PlanRow.profile_id == profile_id)
+    rows, total = _paged(db, q, (PlanRow.id.desc(),), limit, offset)
+    return [(p, c) for p, c in rows], total
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+def store_run(db: Database, plan_id: int, report: RunReport) -> RunRow:
+    with db.write() as session, session.begin():
+        plan = session.get(PlanRow, plan_id)
+        if plan is None:
+            raise NotFound("plan", plan_id)
+        if plan.status != "ok":
+            raise AutoparError("plan_id", plan_id, "run a plan whose status is 'ok'",
+                               problem="is an infeasible plan request (no layout to run)")
+        planned = plan.plan["layout"]
+        ran = report.layout.model_dump(mode="json")
+        if planned["tp"] != ran["tp"] or planned["pp"] != ran["pp"] or planned["cp"] != ran["cp"] or \
+                planned["dp_replicate"] * planned["dp_shard"] != ran["dp_replicate"] * ran["dp_shard"]:
+            raise AutoparError(
+                "report.layout", {k: ran[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")},
+                f"post the run to the plan it executed (this plan is tp={planned['tp']} pp={planned['pp']} "
+                f"cp={planned['cp']} dp={planned['dp_replicate'] * planned['dp_shard']})",
+                problem="does not match the plan's mesh")
+        row = RunRow(plan_id=plan_id, predicted_step_s=plan.step_time_s, measured_step_s=report.median_step_time_s,
+                     report=report.model_dump(mode="json"))
+        session.add(row)
+    return row
+
+
+def get_run(db: Database, run_id: int) -> tuple[RunRow, PlanRow]:
+    with db.read() as session:
+        row = session.get(RunRow, run_id)
+        if row is None:
+            raise NotFound("run", run_id)
+        return row, session.get(PlanRow, row.plan_id)
+
+
+def list_runs(db: Database, *, plan_id: int | None = None, limit: int = 50,
+              offset: int = 0) -> tuple[list[RunRow], int]:
+    q = select(RunRow)
+    if plan_id:
+        q = q.where(RunRow.plan_id == plan_id)
+    rows, total = _paged(db, q, (RunRow.id.desc(),), limit, offset)
+    return [r for (r,) in rows], total
+
+
+def run_error_summary(db: Database) -> dict:
+    """Prediction error (predicted / measured - 1) over every stored run that has a prediction."""
+    with db.read() as session:
+        pairs = session.execute(select(RunRow.predicted_step_s, RunRow.measured_step_s)).all()
+    errors = [p / m - 1 for p, m in pairs if p is not None and m > 0]
+    abs_err = sorted(abs(e) for e in errors)
+
+    def pct(q: float) -> float | None:
+        if not abs_err:
+            return None
+        return abs_err[min(len(abs_err) - 1, int(round(q * (len(abs_err) - 1))))]
+
+    return dict(runs=len(pairs), runs_with_prediction=len(errors),
+                median_abs_error=statistics.median(abs_err) if abs_err else None, p90_abs_error=pct(0.9),
+                max_abs_error=abs_err[-1] if abs_err else None,
+                mean_signed_error=statistics.fmean(errors) if errors else None)
+
+
+def counts(db: Database) -> dict[str, int]:
+    with db.read() as session:
+        return {name: session.scalar(select(func.count()).select_from(table)) or 0
+                for name, table in (("clusters", Cluster), ("profiles", Profile), ("plans", PlanRow), ("runs", RunRow))}

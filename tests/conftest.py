@@ -1,0 +1,150 @@
+"""Shared fixtures: database URLs for the storage tests, SQLite and a real PostgreSQL.
+
+PostgreSQL: ``AUTOPAR_TEST_POSTGRES`` (a server URL, default ``postgresql://postgres@127.0.0.1:5432/test``).
+Where none answers, the tests try to start the system's cluster (``pg_ctlcluster``, Debian's
+packages); if that fails they are skipped with the reason — except in CI (``CI`` set), where a
+missing PostgreSQL is a failure: `.ci/run` starts one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+PG_SERVER = os.environ.get("AUTOPAR_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+_pg_state: dict = {}
+
+
+def _pg_connect(url: str):  # noqa: ANN202
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True, connect_timeout=3)
+
+
+def _start_system_postgres() -> str:
+    """Start the Debian cluster if one is installed; '' on success, else what went wrong."""
+    etc = Path("/etc/postgresql")
+    if not etc.is_dir() or not any(etc.iterdir()):
+        return "no PostgreSQL cluster under /etc/postgresql (apt-get install postgresql)"
+    version = sorted(p.name for p in etc.iterdir())[-1]
+    try:
+        out = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"pg_ctlcluster failed: {exc}"
+    return "" if out.returncode == 0 else f"pg_ctlcluster {version} main start: {out.stderr.strip() or out.stdout.strip()}"
+
+
+def postgres_server() -> str:
+    """The server URL, or pytest.skip/fail with the reason it is unavailable."""
+    if "url" not in _pg_state:
+        try:
+            _pg_connect(PG_SERVER).close()
+            _pg_state["url"] = PG_SERVER
+        except Exception as first:  # noqa: BLE001
+            why = _start_system_postgres()
+            try:
+                if why:
+                    raise RuntimeError(why)
+                _pg_connect(PG_SERVER).close()
+                _pg_state["url"] = PG_SERVER
+            except Exception as exc:  # noqa: BLE001
+                _pg_state["url"] = None
+                _pg_state["why"] = f"PostgreSQL at {PG_SERVER} unavailable ({first}); starting one: {exc}"
+    if _pg_state["url"] is None:
+        if os.environ.get("CI"):
+            pytest.fail(_pg_state["why"] + " — CI must run the storage tests on PostgreSQL (.ci/run starts it)")
+        pytest.skip(_pg_state["why"])
+    return _pg_state["url"]
+
+
+def fresh_postgres_database() -> tuple[str, callable]:
+    """A new empty database on the server: (SQLAlchemy-ready URL, drop function)."""
+    server = postgres_server()
+    name = f"autopar_t_{uuid.uuid4().hex[:12]}"
+    with _pg_connect(server) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = server.rsplit("/", 1)[0]
+
+    def drop() -> None:
+        with _pg_connect(server) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"{base}/{name}", drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path):  # noqa: ANN201
+    """An empty database of each kind the service supports."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'autopar.db'}"
+        return
+    url, drop = fresh_postgres_database()
+    try:
+        yield url
+    finally:
+        drop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """``uvicorn api.app:create_app`` in a subprocess on a free loopback port, ready when entered."""
+
+    def __init__(self, database_url: str, **env: str):
+        self.database_url, self.env = database_url, env
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = ""
+
+    def __enter__(self) -> LiveServer:
+        import sys
+        import tempfile
+        import time
+
+        import httpx
+
+        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        env = {**os.environ, "DATABASE_URL": self.database_url, **self.env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
+                                      "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server did not become ready:\n{self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.seek(0)
+        self.log = self._log.read()
+        self._log.close()
+        os.unlink(self._log.name)
+
+
+@pytest.fixture
+def live_server():  # noqa: ANN201
+    """The LiveServer class: ``with live_server(database_url, ENV="x") as server: server.url``."""
+    return LiveServer

@@ -1,0 +1,223 @@
+"""The human pages: every page renders stored data (measured and reference profiles, feasible,
+pipelined and infeasible plans, runs) with its SVG charts, escapes what users typed, and answers
+unknown ids with an HTML 404 page."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.settings import Settings
+
+EVIL = "<script>alert(1)</script>"
+SMALL_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
+              "cluster": "dgx-h100", "num_nodes": 2}
+INFEASIBLE_PLAN = {"model": {"preset": "llama3.1-405b"}, "training": {"seq_length": 8192, "global_batch_size": 64},
+                   "cluster": "dgx-a100-40gb"}
+# llama3-8b does not fit one 40 GB A100 without pipelining when TP, CP, ZeRO and offload are ruled out
+PIPELINE_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
+                 "cluster": "dgx-a100-40gb", "num_nodes": 1,
+                 "options": {"max_tp": 1, "max_cp": 1, "zero_stages": [0], "offload": False, "top_k": 3}}
+
+
+def measured_profile(client: TestClient, name: str = "lab-h100") -> dict:
+    """A measured profile built from the dgx-h100 reference: links with points, compute tables."""
+    ref_id = next(c["latest_profile_id"] for c in client.get("/v1/clusters").json()["items"] if c["name"] == "dgx-h100")
+    body = client.get(f"/v1/profiles/{ref_id}").json()["profile"]
+    body.update(kind="measured", name=name)
+    body["environment"] = {"hostnames": ["node-a"], "backend": "nccl", "cuda_version": "12.4", "torch_version": "2.5"}
+    for link in body["links"]:
+        factor = {"all_reduce": 2 * 7 / 8, "all_gather": 7 / 8, "reduce_scatter": 7 / 8, "all_to_all": 7 / 8}.get(
+            link["collective"], 1.0)
+        link["group_size"] = 8
+        link["points"] = [{"bytes": b, "time_s": link["alpha_s"] * 1.1 + b * factor / link["busbw_bytes_per_s"] * 1.05}
+                          for b in (2**e for e in range(12, 31, 3))]
+    body["compute"]["gemm"] = [{"precision": "bf16", "m": s, "n": s, "k": s, "time_s": 2 * s**3 / (min(700, s / 20) * 1e12)}
+                               for s in (256, 512, 1024, 2048, 4096, 8192)]
+    body["compute"]["attention"] = [
+        {"precision": "bf16", "batch": 1, "seq_length": s, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+         "causal": True, "forward_time_s": 4 * s * s * 32 * 128 * 0.5 / 300e12,
+         "backward_time_s": 2.5 * 4 * s * s * 32 * 128 * 0.5 / 250e12} for s in (1024, 4096, 16384)]
+    body["compute"]["elementwise"] = [
+        {"op": op, "precision": "bf16", "bytes": b, "time_s": 4e-6 + b / 2.8e12}
+        for op in ("rmsnorm", "silu_mul") for b in (2**20, 2**24, 2**28, 2**31)]
+    r = client.post("/v1/profiles", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One service with a small plan, a pipelined plan, an infeasible one, a run and a measured profile."""
+    db = tmp_path_factory.mktemp("pages") / "t.db"
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{db}"))) as c:
+        small = c.post("/v1/plans", json=SMALL_PLAN).json()
+        infeasible = c.post("/v1/plans", json=INFEASIBLE_PLAN).json()
+        pipeline = c.post("/v1/plans", json=PIPELINE_PLAN).json()
+        assert small["status"] == "ok" and infeasible["status"] == "infeasible"
+        assert pipeline["plan"]["layout"]["pp"] > 1, pipeline["plan"]["layout"]
+        lay = small["plan"]["layout"]
+        run = c.post("/v1/runs", json={"plan_id": small["id"], "report": {
+            "layout": lay, "device": "cpu", "num_ranks": small["num_gpus"], "warmup_steps": 1,
+            "steps": [{"step": 0, "loss": 10.0, "time_s": 1.0}, {"step": 1, "loss": 9.5, "time_s": 1.1}],
+            "median_step_time_s": 1.0, "tokens_per_s": 1000, "peak_memory_bytes_per_rank": [1]}})
+        assert run.status_code == 201, run.text
+        measured = measured_profile(c)
+        evil = measured_profile(c, name=EVIL)
+        evil_plan = c.post("/v1/plans", json={**SMALL_PLAN, "cluster": EVIL, "num_nodes": None,
+                                              "training": {"seq_length": 2048, "global_batch_size": 8}}).json()
+        yield dict(client=c, small=small, infeasible=infeasible, pipeline=pipeline, run=run.json(),
+                   measured=measured, evil=evil, evil_plan=evil_plan)
+
+
+def html(site: dict, url: str, status: int = 200) -> str:
+    r = site["client"].get(url)
+    assert r.status_code == status, (url, r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("text/html")
+    return r.text
+
+
+def svg_shapes(page: str) -> int:
+    assert "<svg" in page
+    return len(re.findall(r"<(?:path|rect|circle)\b", page))
+
+
+def test_index_lists_clusters_plans_and_filters(site: dict) -> None:
+    page = html(site, "/")
+    for name in ("dgx-h100", "dgx-a100-40gb", "lab-h100", "llama3-8b", "/runs", "/docs"):
+        assert name in page
+    assert f'href="/profiles/{site["measured"]["id"]}"' in page
+    def clusters(url: str) -> str:  # the clusters table, before the recent plans
+        return html(site, url).split("Recent plans")[0]
+
+    filtered = clusters("/?kind=measured")
+    assert "lab-h100" in filtered and "dgx-a100-40gb" not in filtered
+    assert "dgx-a100-40gb" in clusters("/?gpu=a100") and "lab-h100" not in clusters("/?gpu=a100")
+    assert "No clusters match" in html(site, "/?gpu=nothing-like-this")
+    html(site, "/?kind=bogus&gpu=%00")  # odd filters are ignored, never a 500
+
+
+def test_reference_profile_page_draws_fits_and_model(site: dict) -> None:
+    ref_id = next(c["latest_profile_id"] for c in site["client"].get("/v1/clusters").json()["items"]
+                  if c["name"] == "dgx-h100")
+    page = html(site, f"/profiles/{ref_id}")
+    assert svg_shapes(page) > 20
+    assert page.count("<svg") >= 6  # three link levels, GEMM, attention, elementwise
+    assert "no measured points" in page and "model (no measurements)" in page
+    assert "matmul efficiency" in page and "H100" in page
+
+
+def test_measured_profile_page_draws_points(site: dict) -> None:
+    page = html(site, f"/profiles/{site['measured']['id']}")
+    assert len(re.findall(r"<circle\b", page)) > 40  # measured points of links and compute
+    assert "bf16 measured" in page and "rmsnorm measured" in page and "forward measured" in page
+    assert "model (no measurements)" not in page
+    assert "node-a" in page and "12.4" in page
+
+
+def test_profile_versions_are_linked(site: dict) -> None:
+    c = site["client"]
+    body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]
+    body["assumptions"]["matmul_efficiency"] = 0.5
+    v2 = c.post("/v1/profiles", json=body).json()
+    page = html(site, f"/profiles/{v2['id']}")
+    assert f'href="/profiles/{site["measured"]["id"]}"' in page and "v2" in page
+
+
+def test_plan_page_shows_layout_prediction_and_charts(site: dict) -> None:
+    plan = site["small"]
+    page = html(site, f"/plans/{plan['id']}")
+    assert svg_shapes(page) > 10
+    for text in ("Memory per GPU", "capacity", "exposed", "Timeline of one step", "Alternatives",
+                 "candidates considered", "Removed by rule", "MFU", "tokens/s", "ZeRO-"):
+        assert text in page, text
+    assert f'href="/runs/{site["run"]["id"]}"' in page
+
+
+def test_pipeline_plan_page_draws_a_timeline(site: dict) -> None:
+    plan = site["pipeline"]
+    pp = plan["plan"]["layout"]["pp"]
+    page = html(site, f"/plans/{plan['id']}")
+    timeline = page[page.index('class="chart timeline"'):]
+    timeline = timeline[:timeline.index("</svg>")]
+    for i in range(pp):
+        assert f">stage {i}<" in timeline
+    assert len(re.findall(r"<rect\b", timeline)) > pp * 16  # forward and backward boxes on every stage
+    assert "micro-batch 0" in timeline
+
+
+def test_infeasible_plan_page_explains(site: dict) -> None:
+    plan = site["infeasible"]
+    page = html(site, f"/plans/{plan['id']}")
+    assert "No layout: why" in page
+    for key in ("field", "value", "problem", "fix"):
+        text = str(plan["explanation"][key])
+        assert text.replace("'", "&#39;").replace('"', "&#34;").replace("<", "&lt;").replace(">", "&gt;")[:40] in page
+
+
+def test_plans_and_runs_lists(site: dict) -> None:
+    page = html(site, "/plans")
+    assert f'href="/plans/{site["infeasible"]["id"]}"' in page and "infeasible" in page
+    assert "llama3.1-405b" in html(site, "/plans?status=infeasible")
+    assert "llama3.1-405b" not in html(site, "/plans?status=ok")
+    html(site, "/plans?offset=100000&status=nope")
+    runs = html(site, "/runs")
+    assert "<circle" in runs and "y = x" in runs
+    assert f'href="/plans/{site["small"]["id"]}"' in runs
+    run = html(site, f"/runs/{site['run']['id']}")
+    assert "Step time per step" in run and "<circle" in run
+
+
+def test_user_text_is_escaped(site: dict) -> None:
+    assert site["evil_plan"]["status"] in ("ok", "infeasible")
+    for url in ("/", f"/profiles/{site['evil']['id']}", f"/plans/{site['evil_plan']['id']}", "/plans",
+                "/?gpu=" + EVIL):
+        page = html(site, url)
+        assert EVIL not in page, url
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page, url
+
+
+@pytest.mark.parametrize("url", ["/profiles/999999", "/plans/999999", "/runs/999999", "/plans/abc", "/profiles/0",
+                                 "/runs/99999999999999999999", "/profiles/-1"])
+def test_unknown_ids_are_html_404_pages(site: dict, url: str) -> None:
+    page = html(site, url, 404)
+    assert "Not found" in page and "<nav>" in page
+
+
+def test_static_files(site: dict) -> None:
+    c = site["client"]
+    r = c.get("/static/style.css")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/css")
+    assert c.get("/static/nope.css").status_code == 404
+    assert c.get("/static/..%2Fpages.py").status_code == 404
+
+
+def test_pages_with_nothing_stored(tmp_path) -> None:  # noqa: ANN001
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/empty.db", load_reference=False)
+    with TestClient(create_app(settings)) as c:
+        for url in ("/", "/plans", "/runs"):
+            r = c.get(url)
+            assert r.status_code == 200, url
+        assert "no runs with a prediction yet" in c.get("/runs").text
+
+
+def test_pages_are_not_in_the_api_schema(site: dict) -> None:
+    paths = site["client"].get("/openapi.json").json()["paths"]
+    assert not any(p == "/" or p.startswith(("/plans", "/profiles", "/runs", "/static")) for p in paths)
+
+
+def test_unknown_paths_get_an_html_404_and_the_api_keeps_json(tmp_path) -> None:  # noqa: ANN001
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 'x.db'}", load_reference=False))) as c:
+        page = c.get("/no/such/page")
+        assert page.status_code == 404 and "text/html" in page.headers["content-type"] and "/no/such/page" in page.text
+        api = c.get("/v1/no-such-endpoint")
+        assert api.status_code == 404 and api.json() == {"detail": "Not Found"}
+        assert c.post("/v1/presets").status_code == 405
