@@ -1,0 +1,124 @@
+"""``autopar profile``: measure this cluster (under torchrun) and write / upload a ClusterProfile."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from planner.errors import AutoparError
+
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def _progress_factory():  # noqa: ANN202
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def make():  # noqa: ANN202
+        with Progress(TextColumn("{task.description:<70}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=False) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(label: str, done: int, total: int) -> None:
+                stage = label.split(":", 1)[0]
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(label, total=total)
+                bar.update(tasks[stage], description=label[:70], completed=done, total=total)
+
+            yield progress
+
+    return make
+
+
+def publish(profile_json: str, out: Path | None, server: str | None, token: str | None) -> dict | None:
+    """Write the JSON to ``out`` and POST the very same bytes to ``{server}/v1/profiles``."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(profile_json)
+    if server is None:
+        return None
+    import httpx
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        r = httpx.post(f"{server.rstrip('/')}/v1/profiles", content=profile_json.encode(), headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        raise AutoparError("--server", server, "check the URL and that `autopar serve` is running there",
+                           problem=f"could not be reached ({exc})") from None
+    if r.status_code not in (200, 201):
+        raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}"
+                           + ("; pass --token" if r.status_code in (401, 403) else ""), problem="refused the profile")
+    return r.json()
+
+
+def profile(
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the ClusterProfile JSON here")] = None,
+    server: Annotated[Optional[str], typer.Option(help="POST the profile to {server}/v1/profiles")] = None,
+    token: Annotated[Optional[str], typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
+    name: Annotated[Optional[str], typer.Option(help="cluster name (default from the device and shape)")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer sizes (links up to 16 MiB every 4x), quick compute grid")] = False,
+    model: Annotated[Optional[str], typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
+    tp_degrees: Annotated[Optional[str], typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
+    precisions: Annotated[Optional[str], typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,
+    min_bytes: Annotated[Optional[int], typer.Option(help="smallest message (default 4096)")] = None,
+    max_bytes: Annotated[Optional[int], typer.Option(help="largest message (default 256 MiB, quick 16 MiB)")] = None,
+    ranks_per_node: Annotated[Optional[int], typer.Option(
+        help="treat consecutive blocks of K ranks as nodes (emulated nodes, labelled so in the profile); "
+             "default torchrun's LOCAL_WORLD_SIZE")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds a collective may wait before the run stops (dead/hung rank)")] = 300.0,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads per rank (default cores / ranks on the host)")] = None,
+) -> None:
+    """Measure this cluster: links on every rank (all-reduce, all-gather, reduce-scatter, all-to-all,
+    p2p; within and across nodes, fitted to α-β), compute on rank 0; write/upload a ClusterProfile.
+
+    Run it under torchrun, one rank per GPU (or several CPU ranks):
+
+      torchrun --standalone --nproc-per-node 4 $(which autopar) profile --quick --out p.json
+
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host:29500 -m profiler --server URL --token T
+
+    Started without torchrun it measures a world of one process (compute and host copies, no links).
+    """
+    from profiler.run import ProfileOptions, RankFailure, dist_env, run_profile
+
+    d = dist_env()
+    opts = ProfileOptions(name=name, quick=quick, model=model, tp_degrees=tp_degrees, precisions=precisions,
+                          min_bytes=min_bytes, max_bytes=max_bytes, ranks_per_node=ranks_per_node,
+                          timeout_s=timeout, threads=threads)
+    t0 = time.perf_counter()
+    try:
+        if out is None and server is None:
+            raise AutoparError("--out", None, "give --out PATH and/or --server URL", problem="and --server are both missing")
+        result = run_profile(opts, progress_factory=_progress_factory())
+    except AutoparError as exc:
+        if d.local_rank == 0:  # every rank finds the same problem: say it once per host
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except RankFailure as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    if result is None:
+        return
+    text = result.model_dump_json(indent=2)
+    try:
+        uploaded = publish(text, out, server, token)
+    except AutoparError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    from profiler.links import link_fit_report
+
+    rows = link_fit_report(result)
+    worst = max((r["worst_rel_err"] for r in rows if r["level"] != "host_device"), default=0.0)
+    err.print(f"profile '{result.name}': {result.num_nodes} node(s) x {result.gpus_per_node} rank(s), "
+              f"{len(result.links)} links (worst α-β error {worst:.0%}), {len(result.compute.gemm)} GEMM points, "
+              f"in {time.perf_counter() - t0:.1f} s")
+    if out is not None:
+        err.print(f"wrote {out}")
+    if uploaded is not None:
+        err.print(f"uploaded to {server}: profile #{uploaded.get('id')} ({'new' if uploaded.get('created') else 'already stored'})")

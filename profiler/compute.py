@@ -1,0 +1,449 @@
+"""Compute measurements on one device: GEMMs, attention, bandwidth-bound ops → a ``ComputeProfile``.
+
+Runs in one process on one device (the orchestrator calls it on one rank per node while the others
+wait). What is measured is a :class:`ComputeGrid`: by default the GEMM shapes a transformer block
+produces (forward ``Y = X·W`` as ``(tokens, out, in)``, input gradient ``dX = dY·Wᵀ`` as
+``(tokens, in, out)``, weight gradient ``dW = Xᵀ·dY`` as ``(in, out, tokens)``, the same (m, n, k)
+convention as :func:`planner.cost.compute.gemm_fwd_bwd_s`) for a model's hidden / FFN / head sizes
+at each TP degree, or a model-free grid from small to large; causal SDPA across sequence lengths and
+head layouts (forward, and backward timed on its own); and the norm / SwiGLU / residual add /
+softmax-cross-entropy ops, in each precision the device runs.
+
+``achieved_matmul_tflops[p]`` is the best GEMM rate seen in precision ``p``;
+``achieved_memory_bandwidth_bytes_per_s`` is the best rate of the largest residual add (the op whose
+bytes are least ambiguous: read two tensors, write one), so caches do not inflate it on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from planner.contracts import ModelSpec, Precision
+from planner.contracts.cluster import AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
+from planner.errors import AutoparError
+from profiler.timing import TimingResult, sync, time_fn
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]
+
+DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+ELEMENTWISE_OPS = ("rmsnorm", "silu_mul", "add", "softmax_cross_entropy")
+
+
+@dataclass
+class ComputeGrid:
+    """What :func:`measure_compute` measures and how carefully.
+
+    ``gemm``: (m, n, k) of ``(m×k)·(k×n)``; ``attention``: (batch, seq, heads, kv_heads, head_dim),
+    causal; ``elementwise_bytes``: size in bytes of the activation each elementwise op reads.
+    GEMMs above ``max_gemm_flops`` (a CPU time budget) are skipped at measure time and left to the
+    planner's interpolation; likewise attention above ``max_attention_flops``.
+    """
+
+    gemm: list[tuple[int, int, int]]
+    attention: list[tuple[int, int, int, int, int]]
+    elementwise_bytes: list[int]
+    precisions: list[Precision]
+    warmup: int = 2
+    trials: int = 5
+    min_time_s: float = 0.0
+    max_gemm_flops: float | None = None
+    max_attention_flops: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------- precisions
+
+
+def _fp8_matmul_problem(device: torch.device) -> str | None:
+    """Why FP8 matmul cannot run on ``device`` (None = it can)."""
+    if device.type != "cuda":
+        return f"FP8 matmul needs a CUDA device (this is {device.type})"
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn"
+    try:
+        a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+        b = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        sync(device)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not supported here"
+        return f"torch._scaled_mm failed on {torch.cuda.get_device_name(device)}: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def unsupported_precisions(device: torch.device) -> dict[Precision, str]:
+    """Precisions ``device`` cannot measure, each with the reason."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return {
+            Precision.fp16: "CPU fp16 matmul is an unoptimised fallback (~100x slower than bf16); not a training precision on CPU",
+            Precision.fp8: "FP8 matmul needs a CUDA device with FP8 tensor cores",
+        }
+    out: dict[Precision, str] = {}
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        out[Precision.bf16] = f"{torch.cuda.get_device_name(device)} has no bf16 support"
+    problem = _fp8_matmul_problem(device)
+    if problem:
+        out[Precision.fp8] = problem
+    return out
+
+
+def supported_precisions(device: torch.device) -> list[Precision]:
+    """Precisions measured on ``device``: CPU fp32 and bf16; CUDA adds fp16 and fp8 where torch can run
+    an FP8 matmul there (``torch._scaled_mm``); the reasons for what is left out are logged."""
+    device = torch.device(device)
+    missing = unsupported_precisions(device)
+    for p, why in missing.items():
+        log.info("precision %s not measured on %s: %s", p.value, device, why)
+    return [p for p in Precision if p not in missing]
+
+
+def parse_precisions(text: str, device: torch.device | None = None) -> list[Precision]:
+    """``"bf16,fp32"`` → precisions, checked against what ``device`` (default: CUDA if present, else
+    CPU) can run — before anything is measured."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    names = [t.strip().lower() for t in (text or "").split(",") if t.strip()]
+    if not names:
+        raise AutoparError(
+            "--precisions", text, "give a comma-separated list, e.g. --precisions bf16,fp32", problem="is empty"
+        )
+    known = {p.value: p for p in Precision}
+    out: list[Precision] = []
+    for name in names:
+        if name not in known:
+            raise AutoparError(
+                "--precisions", name, "choose from " + ", ".join(known), problem="is not a known precision"
+            )
+        out.append(known[name])
+    missing = unsupported_precisions(device)
+    for p in out:
+        if p in missing:
+            can = ",".join(q.value for q in Precision if q not in missing)
+            raise AutoparError(
+                "--precisions",
+                p.value,
+                f"this {device.type} device can measure {can} ({missing[p]})",
+                problem=f"cannot run on {device.type}",
+            )
+    return list(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------------------------- grid
+
+
+def linear_shapes(model: ModelSpec, tp: int) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each linear of a block (and the LM head) on one TP rank."""
+    h, a, d = model.hidden_size, model.num_attention_heads, model.head_size
+    up_mult = 2 if model.ffn_kind == "swiglu" else 1
+    shapes: dict[str, tuple[int, int]] = {}
+    if model.mla is not None:
+        m = model.mla
+        dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            shapes["q_down"] = (m.q_lora_rank, h)
+            shapes["q_up"] = (max(a * dqk // tp, 1), m.q_lora_rank)
+        else:
+            shapes["q"] = (max(a * dqk // tp, 1), h)
+        shapes["kv_down"] = (m.kv_lora_rank + m.qk_rope_head_dim, h)
+        shapes["kv_up"] = (max(a * (m.qk_nope_head_dim + m.v_head_dim) // tp, 1), m.kv_lora_rank)
+        shapes["attn_out"] = (h, max(a * m.v_head_dim // tp, 1))
+    else:
+        shapes["qkv"] = (max((a * d + 2 * model.kv_heads * d) // tp, 1), h)
+        shapes["attn_out"] = (h, max(a * d // tp, 1))
+    ffn = model.ffn_hidden_size
+    if model.moe is not None:
+        ffn = model.moe.expert_ffn_hidden_size  # routed experts; the dense/shared FFN added below
+        shapes["expert_up"] = (max(up_mult * ffn // tp, 1), h)
+        shapes["expert_down"] = (h, max(ffn // tp, 1))
+    shapes["mlp_up"] = (max(up_mult * model.ffn_hidden_size // tp, 1), h)
+    shapes["mlp_down"] = (h, max(model.ffn_hidden_size // tp, 1))
+    shapes["lm_head"] = (max(model.vocab_size // tp, 1), h)
+    return shapes
+
+
+def linear_gemms(tokens: int, out_features: int, in_features: int) -> list[tuple[int, int, int]]:
+    """The three GEMMs of a linear layer: forward, input gradient, weight gradient as (m, n, k)."""
+    return [
+        (tokens, out_features, in_features),  # Y = X·W
+        (tokens, in_features, out_features),  # dX = dY·Wᵀ
+        (in_features, out_features, tokens),  # dW = Xᵀ·dY
+    ]
+
+
+def _default_precisions(device_type: str) -> list[Precision]:
+    if device_type == "cpu":
+        return [Precision.fp32, Precision.bf16]
+    if device_type == "cuda" and torch.cuda.is_available():
+        return supported_precisions(torch.device("cuda"))
+    return [Precision.fp32, Precision.bf16, Precision.fp16]
+
+
+def default_grid(
+    model: ModelSpec | None = None,
+    tp_degrees: list[int] | None = None,
+    micro_batch_tokens: list[int] | None = None,
+    quick: bool = False,
+    device_type: str = "cpu",
+) -> ComputeGrid:
+    """The shapes to measure: a model's (at each TP degree and micro-batch token count) or a
+    model-free grid from small to large; sized for the device (a CPU does far fewer FLOP/s)."""
+    cpu = device_type == "cpu"
+    precisions = _default_precisions(device_type)
+    if cpu:
+        timing = dict(warmup=1, trials=3, min_time_s=0.003) if quick else dict(warmup=2, trials=5, min_time_s=0.02)
+        caps = dict(max_gemm_flops=4e9 if quick else 1e11, max_attention_flops=2e9 if quick else 5e10)
+    else:
+        timing = dict(warmup=3, trials=5, min_time_s=0.002) if quick else dict(warmup=5, trials=7, min_time_s=0.005)
+        caps = dict(max_gemm_flops=None, max_attention_flops=None)
+
+    if model is not None:
+        tps = tp_degrees or [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0]
+        if micro_batch_tokens:
+            tokens_list = micro_batch_tokens
+        elif cpu:
+            tokens_list = [256] if quick else [256, 1024]
+        else:
+            tokens_list = [4096] if quick else [2048, 4096, 8192, 16384]
+        gemm: list[tuple[int, int, int]] = []
+        attention: list[tuple[int, int, int, int, int]] = []
+        for tp in tps:
+            heads = max(model.num_attention_heads // tp, 1)
+            kv_heads = heads if model.mla is not None else max(model.kv_heads // tp, 1)
+            for tokens in tokens_list:
+                for out_f, in_f in linear_shapes(model, tp).values():
+                    gemm.extend(linear_gemms(tokens, out_f, in_f))
+                attention.append((1, tokens, heads, kv_heads, model.head_size))
+        elt_bytes = sorted({t * model.hidden_size * 2 for t in tokens_list} | {max(tokens_list) * model.hidden_size * 8})
+    else:
+        if cpu:
+            # 2x apart: rates are interpolated between neighbours, and 4x apart is too coarse for 15%
+            sizes = [64, 128, 256, 512, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
+            # from 256: torch's CPU flash kernels change regime below ~192 (s=160 backward is slower
+            # than s=192), which no interpolation between 128 and 256 can follow
+            seqs = [256, 512, 1024] if quick else [256, 512, 1024, 2048]
+            layouts = [(8, 8, 64), (8, 2, 64)] if quick else [(4, 4, 64), (8, 2, 64), (8, 8, 64), (16, 16, 64), (8, 8, 128)]
+            elt_bytes = [1 << 20, 16 << 20] if quick else [256 << 10, 2 << 20, 16 << 20, 64 << 20]
+        else:
+            sizes = [512, 1024, 2048, 4096, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
+            seqs = [1024, 2048, 4096, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+            layouts = [(32, 8, 128)] if quick else [(8, 8, 128), (32, 8, 128), (64, 8, 128), (16, 16, 64)]
+            elt_bytes = [16 << 20, 256 << 20] if quick else [1 << 20, 16 << 20, 256 << 20, 1 << 30]
+        gemm = [(m, n, k) for m in sizes for n in sizes for k in sizes]
+        attention = [(1, s, h, kv, d) for (h, kv, d) in layouts for s in seqs]
+    return ComputeGrid(
+        gemm=list(dict.fromkeys(gemm)),
+        attention=list(dict.fromkeys(attention)),
+        elementwise_bytes=sorted(set(elt_bytes)),
+        precisions=precisions,
+        **timing,
+        **caps,
+    )
+
+
+# ------------------------------------------------------------------------------------------ measure
+
+
+def _time(fn: Callable[[], object], device: torch.device, grid: ComputeGrid) -> TimingResult:
+    return time_fn(fn, device=device, warmup=grid.warmup, trials=grid.trials, min_time_s=grid.min_time_s)
+
+
+def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device) -> Callable[[], object] | None:
+    """A closure running one (m×k)·(k×n) GEMM in ``precision``; None if the shape cannot run in it."""
+    if precision is Precision.fp8:
+        if k % 16 or n % 16:
+            return None  # torch._scaled_mm needs k and n multiples of 16
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    dtype = DTYPES[precision]
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    return lambda: torch.matmul(a, b, out=out)
+
+
+def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> GemmPoint | None:
+    fn = _gemm_fn(m, n, k, precision, device)
+    if fn is None:
+        return None
+    result = _time(fn, device, grid)
+    return GemmPoint(precision=precision, m=m, n=n, k=k, time_s=max(result.median_s, 1e-12))
+
+
+def _attention_dtype(precision: Precision) -> torch.dtype:
+    # FP8 recipes keep the attention core in bf16 (Transformer Engine, torchao float8)
+    return torch.bfloat16 if precision is Precision.fp8 else DTYPES[precision]
+
+
+def measure_attention(
+    batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
+    device: torch.device, grid: ComputeGrid,
+) -> AttentionPoint:
+    """Causal SDPA forward, and its backward timed on its own (autograd.grad on a retained graph)."""
+    dtype = _attention_dtype(precision)
+    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    gqa = kv_heads != heads
+
+    def forward() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    with torch.no_grad():
+        fwd = _time(forward, device, grid)
+    out = forward()
+    grad = torch.randn_like(out)
+    bwd = _time(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), device, grid)
+    return AttentionPoint(
+        precision=precision, batch=batch, seq_length=seq, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, causal=True, forward_time_s=max(fwd.median_s, 1e-12),
+        backward_time_s=max(bwd.median_s, 1e-12),
+    )
+
+
+def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.device) -> tuple[Callable[[], object], int]:
+    """(closure, bytes read + written) for ``op`` on an activation of about ``nbytes`` bytes.
+
+    Bytes follow the planner's accounting of the same op: rmsnorm reads x and writes y (2E),
+    silu_mul reads gate and up and writes the product (3E), add reads two and writes one (3E);
+    softmax_cross_entropy over (tokens × vocab) logits upcasts to fp32 if needed (read E, write 4
+    bytes per logit) then log-softmax reads and writes fp32 (8 bytes per logit); the loss is negligible.
+    """
+    dtype = DTYPES[precision]
+    elt = torch.finfo(dtype).bits // 8
+    numel = max(nbytes // elt, 1024)
+    hidden = 1024 if numel >= 1024 * 16 else 64
+    rows = max(numel // hidden, 1)
+    E = rows * hidden * elt
+    if op == "rmsnorm":
+        x = torch.randn(rows, hidden, device=device, dtype=dtype)
+        w = torch.ones(hidden, device=device, dtype=dtype)
+        return (lambda: F.rms_norm(x, (hidden,), w, 1e-5)), 2 * E
+    if op == "silu_mul":
+        g = torch.randn(rows, hidden, device=device, dtype=dtype)
+        u = torch.randn(rows, hidden, device=device, dtype=dtype)
+        return (lambda: F.silu(g) * u), 3 * E
+    if op == "add":
+        a = torch.randn(rows, hidden, device=device, dtype=dtype)
+        b = torch.randn(rows, hidden, device=device, dtype=dtype)
+        out = torch.empty_like(a)
+        return (lambda: torch.add(a, b, out=out)), 3 * E
+    if op == "softmax_cross_entropy":
+        vocab = 32768 if device.type != "cpu" else 4096
+        vocab = min(vocab, numel)
+        tokens = max(numel // vocab, 1)
+        logits = torch.randn(tokens, vocab, device=device, dtype=dtype)
+        target = torch.randint(0, vocab, (tokens,), device=device)
+        count = tokens * vocab
+        upcast = 0 if dtype == torch.float32 else count * (elt + 4)
+        return (lambda: F.cross_entropy(logits.float(), target)), upcast + 8 * count
+    raise ValueError(f"op={op!r} is not one of {ELEMENTWISE_OPS}")
+
+
+def measure_elementwise(op: str, nbytes: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> ElementwisePoint:
+    fn, moved = _elementwise_case(op, nbytes, precision, device)
+    result = _time(fn, device, grid)
+    return ElementwisePoint(op=op, precision=precision, bytes=moved, time_s=max(result.median_s, 1e-12))
+
+
+def _check_precisions(grid: ComputeGrid, device: torch.device) -> None:
+    missing = unsupported_precisions(device)
+    for p in grid.precisions:
+        if p in missing:
+            raise AutoparError(
+                "precisions", p.value,
+                "measure only " + ",".join(q.value for q in Precision if q not in missing) + f" here ({missing[p]})",
+                problem=f"cannot run on {device.type}",
+            )
+
+
+def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress | None = None) -> ComputeProfile:
+    """Measure ``grid`` on ``device`` (this process only) and return the tables and achieved peaks.
+
+    ``progress(label, done, total)`` is called before each measurement (done = finished so far) and
+    once at the end with done == total.
+    """
+    device = torch.device(device)
+    _check_precisions(grid, device)
+    gemm_jobs = [(s, p) for p in grid.precisions for s in grid.gemm]
+    attn_jobs = [(c, p) for p in grid.precisions for c in grid.attention]
+    elt_precisions = [p for p in grid.precisions if p is not Precision.fp8]  # fp8 recipes keep bf16 activations
+    elt_jobs = [(op, b, p) for p in elt_precisions for b in grid.elementwise_bytes for op in ELEMENTWISE_OPS]
+    total = len(gemm_jobs) + len(attn_jobs) + len(elt_jobs)
+    done = 0
+
+    def tick(label: str) -> None:
+        if progress is not None:
+            progress(label, done, total)
+
+    profile = ComputeProfile()
+    skipped_gemm = skipped_attn = 0
+    with torch.no_grad():
+        for (m, n, k), p in gemm_jobs:
+            tick(f"GEMM {p.value} {m}x{n}x{k}")
+            if grid.max_gemm_flops is None or 2.0 * m * n * k <= grid.max_gemm_flops:
+                point = measure_gemm(m, n, k, p, device, grid)
+                if point is not None:
+                    profile.gemm.append(point)
+            else:
+                skipped_gemm += 1
+            done += 1
+    fp8_from_bf16: dict[tuple, AttentionPoint] = {}
+    for (b, s, h, kv, d), p in attn_jobs:
+        tick(f"attention {p.value} b{b} s{s} h{h}/{kv} d{d}")
+        if grid.max_attention_flops is not None and 2.0 * b * s * s * h * d > grid.max_attention_flops:
+            skipped_attn += 1
+        else:
+            key = (b, s, h, kv, d)
+            if p is Precision.fp8 and key in fp8_from_bf16:  # same bf16 kernel: reuse the measurement
+                point = fp8_from_bf16[key].model_copy(update={"precision": Precision.fp8})
+            else:
+                point = measure_attention(b, s, h, kv, d, p, device, grid)
+                if p is Precision.bf16:
+                    fp8_from_bf16[key] = point
+            profile.attention.append(point)
+        done += 1
+    with torch.no_grad():
+        for op, nbytes, p in elt_jobs:
+            tick(f"{op} {p.value} {nbytes / 2**20:.1f} MiB")
+            profile.elementwise.append(measure_elementwise(op, nbytes, p, device, grid))
+            done += 1
+    tick("compute done")
+    if skipped_gemm or skipped_attn:
+        log.info("skipped %d GEMMs and %d attention configs over the %s time budget", skipped_gemm, skipped_attn, device.type)
+
+    rates: dict[Precision, float] = {}
+    for g in profile.gemm:
+        rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)
+    profile.achieved_matmul_tflops = rates
+    adds = [e for e in profile.elementwise if e.op == "add"]
+    if adds:
+        largest = max(grid.elementwise_bytes)
+        big = [e for e in adds if e.bytes >= 3 * largest * 0.99] or adds
+        profile.achieved_memory_bandwidth_bytes_per_s = max(e.bytes / e.time_s for e in big)
+    return ComputeProfile.model_validate(profile.model_dump())
+
+
+__all__ = [
+    "ComputeGrid",
+    "default_grid",
+    "linear_gemms",
+    "linear_shapes",
+    "measure_attention",
+    "measure_compute",
+    "measure_elementwise",
+    "measure_gemm",
+    "parse_precisions",
+    "supported_precisions",
+    "unsupported_precisions",
+]

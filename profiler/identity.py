@@ -1,0 +1,120 @@
+"""Who is being measured: device name, count and memory, software versions, hostnames of all ranks."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+
+from planner.contracts import Precision
+from planner.contracts.cluster import ComputeProfile, DeviceSpec, Environment
+
+
+def host_memory_bytes() -> int:
+    """Total RAM of this host (os.sysconf, else /proc/meminfo)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return _meminfo("MemTotal")
+
+
+def available_memory_bytes(device) -> int:
+    """Memory a measurement can still allocate: free device memory on CUDA, MemAvailable on a CPU host."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    avail = _meminfo("MemAvailable")
+    return avail or host_memory_bytes()
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_count(device_type: str) -> int:
+    import torch
+
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def environment(hostnames: list[str], backend: str, emulated_nodes: bool) -> Environment:
+    import torch
+
+    nccl = None
+    if backend == "nccl":
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001 - a version string is best effort
+            nccl = None
+    if emulated_nodes:
+        hostnames = [f"{h} [emulated node {i}]" for i, h in enumerate(hostnames)]
+    return Environment(hostnames=hostnames, driver_version=driver_version() if backend == "nccl" else None,
+                       cuda_version=torch.version.cuda, torch_version=torch.__version__,
+                       nccl_version=nccl, backend=backend)  # type: ignore[arg-type]
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[DeviceSpec, list[str]]:
+    """DeviceSpec of this rank's device. On CPU the peaks are the *measured* matmul rates (no
+    datasheet), and memory is the host RAM shared by the node's ranks."""
+    import torch
+
+    notes: list[str] = []
+    achieved = dict(compute.achieved_matmul_tflops)
+    bw = compute.achieved_memory_bandwidth_bytes_per_s
+    if getattr(device, "type", str(device)) == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        peaks = {p: v for p, v in achieved.items() if v > 0}
+        notes.append(f"{props.name}: peak_tflops are the best measured GEMM rates (no datasheet lookup)")
+        if Precision.bf16 not in peaks and Precision.fp16 not in peaks:
+            peaks[Precision.bf16] = max(peaks.values(), default=1.0)
+        spec = DeviceSpec(name=props.name, memory_bytes=int(props.total_memory), peak_tflops=peaks,
+                          hbm_bandwidth_bytes_per_s=bw or 1e12, sm_count=props.multi_processor_count)
+        return spec, notes
+    total = host_memory_bytes()
+    per_rank = max(1, total // max(1, ranks_per_node))
+    peaks = {p: v for p, v in achieved.items() if v > 0}
+    if Precision.bf16 not in peaks and Precision.fp16 not in peaks:
+        # no 16-bit GEMM measured (e.g. --precisions fp32): the best rate stands in for the 16-bit peak
+        peaks[Precision.bf16] = max(peaks.values(), default=0.01)
+        notes.append("no bf16/fp16 GEMM measured: peak_tflops['bf16'] is the best measured rate")
+    notes.append("CPU device: peak_tflops are the measured achieved matmul TFLOP/s (no datasheet peak for a CPU); "
+                 f"memory_bytes is host RAM / {ranks_per_node} ranks per node; bandwidth is the measured residual-add rate")
+    spec = DeviceSpec(name=f"CPU: {cpu_name()} ({torch.get_num_threads()} threads/rank)", memory_bytes=per_rank,
+                      peak_tflops=peaks, hbm_bandwidth_bytes_per_s=bw or 1e10)
+    return spec, notes

@@ -1,0 +1,431 @@
+"""Link measurements: collectives and point-to-point per level and group size, fitted to α-β.
+
+Every collective is timed on the *full buffer* the planner prices (:func:`planner.cost.comm.collective_time_s`):
+the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
+the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
+group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
+dominate). A rank's time is its median over trials; the time recorded is the maximum over ranks
+(the slowest rank finishes the collective).
+
+The points are fitted to ``t = alpha_s + slope · bytes`` by least squares on the *relative* error
+(weights ``1/t²``, so a 4 KiB message counts as much as a 256 MiB one), with ``alpha_s ≥ 0``. The
+slope becomes a bus bandwidth in the planner's own convention:
+
+- intra-node, and across nodes with one rank per node: ``busbw = ring_factor(collective, n) / slope``
+  (2(n-1)/n all-reduce; (n-1)/n all-gather, reduce-scatter, all-to-all; 1 p2p);
+- across nodes with ``g > 1`` ranks per node, the planner prices ring collectives at
+  ``min(intra busbw, g · per-rank network busbw)`` and all-to-all by its off-node share
+  ``bytes·(n-g)/n / network busbw``; the stored per-rank network busbw is ``factor / (g · slope)``
+  resp. ``((n-g)/n) / slope`` (network-bound), so the planner's formula reproduces the fit.
+
+:func:`link_fit_report` checks the fit the way the planner uses it: it predicts every measured
+point with ``collective_time_s`` and reports R² and the worst relative error.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
+from planner.contracts.cluster import TimedPoint
+from planner.cost.comm import GroupPlacement, collective_time_s, ring_factor
+
+COLLECTIVES = (Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all,
+               Collective.p2p)
+KIB, MIB = 1024, 1024 * 1024
+DEFAULT_MIN_BYTES = 4 * KIB
+DEFAULT_MAX_BYTES = 256 * MIB
+QUICK_MAX_BYTES = 16 * MIB
+
+
+# ------------------------------------------------------------------------------------------- sizes
+
+
+def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_MAX_BYTES, quick: bool = False) -> list[int]:
+    """Powers of two from ``min_bytes`` to ``max_bytes`` (both included): every 2x, or every 4x when quick."""
+    step = 4 if quick else 2
+    sizes, s = [], max(1, int(min_bytes))
+    while s < max_bytes:
+        sizes.append(s)
+        s *= step
+    sizes.append(int(max_bytes))
+    return sorted(set(sizes))
+
+
+def reps_for(nbytes: int) -> int:
+    """Back-to-back calls per trial: many for small messages (latency-bound), one for large ones."""
+    if nbytes <= 64 * KIB:
+        return 8
+    if nbytes <= MIB:
+        return 4
+    if nbytes <= 8 * MIB:
+        return 2
+    return 1
+
+
+def buffer_bytes_per_rank(collective: Collective, nbytes: int, group_size: int) -> int:
+    """Bytes of tensors one rank allocates to run ``collective`` on an ``nbytes`` buffer."""
+    if collective is Collective.all_gather:
+        return nbytes + nbytes // group_size  # output + input shard
+    if collective is Collective.reduce_scatter:
+        return nbytes + nbytes // group_size
+    return 2 * nbytes  # all-reduce (tensor + spare), all-to-all in/out, p2p send/recv
+
+
+# --------------------------------------------------------------------------------------------- fit
+
+
+@dataclass
+class Fit:
+    alpha_s: float
+    slope_s_per_byte: float
+    r2: float
+    worst_rel_err: float
+
+
+def _r2(ts: list[float], pred: list[float]) -> float:
+    mean = statistics.fmean(ts)
+    ss_tot = sum((t - mean) ** 2 for t in ts)
+    ss_res = sum((t - p) ** 2 for t, p in zip(ts, pred))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+
+
+def fit_alpha_beta(points: list[TimedPoint]) -> Fit:
+    """Weighted least squares of ``t = alpha + slope·bytes`` minimising relative error, ``alpha ≥ 0``.
+
+    R² is the ordinary coefficient of determination of the times; ``worst_rel_err`` is the largest
+    ``|pred - t| / t`` over the points.
+    """
+    if not points:
+        raise ValueError("no points to fit")
+    bs = [float(p.bytes) for p in points]
+    ts = [float(p.time_s) for p in points]
+    ws = [1.0 / (t * t) for t in ts]
+    sw = sum(ws)
+    swb = sum(w * b for w, b in zip(ws, bs))
+    swbb = sum(w * b * b for w, b in zip(ws, bs))
+    swt = sum(w * t for w, t in zip(ws, ts))
+    swbt = sum(w * b * t for w, b, t in zip(ws, bs, ts))
+    det = sw * swbb - swb * swb
+    alpha, slope = (0.0, 0.0)
+    if len(points) >= 2 and det > 0:
+        slope = (sw * swbt - swb * swt) / det
+        alpha = (swt - slope * swb) / sw
+    if len(points) < 2 or det <= 0 or alpha < 0:  # through the origin
+        alpha = 0.0
+        slope = swbt / swbb if swbb > 0 else 0.0
+    if slope <= 0:  # flat (latency-bound over the whole range): alpha = weighted mean, no byte term
+        slope = 0.0
+        alpha = swt / sw
+    pred = [alpha + slope * b for b in bs]
+    worst = max(abs(p - t) / t for p, t in zip(pred, ts))
+    return Fit(alpha, slope, _r2(ts, pred), worst)
+
+
+MIN_SLOPE = 1e-18  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s, i.e. "free")
+
+
+def busbw_from_slope(collective: Collective, slope: float, group_size: int, per_node: int, level: LinkLevel) -> float:
+    """The busbw the planner's formula needs so its byte term equals ``slope·bytes`` (module docstring)."""
+    slope = max(slope, MIN_SLOPE)
+    n, g = group_size, per_node
+    if collective is Collective.p2p:
+        return 1.0 / slope
+    if level is LinkLevel.inter_node and g > 1:
+        if collective is Collective.all_to_all:
+            return ((n - g) / n) / slope
+        return ring_factor(collective, n) / (g * slope)
+    return ring_factor(collective, n) / slope
+
+
+def fit_link(level: LinkLevel, collective: Collective, group_size: int, per_node: int, points: list[TimedPoint],
+             source: str) -> LinkProfile:
+    fit = fit_alpha_beta(points)
+    return LinkProfile(level=level, collective=collective, group_size=group_size, alpha_s=fit.alpha_s,
+                       busbw_bytes_per_s=busbw_from_slope(collective, fit.slope_s_per_byte, group_size, per_node, level),
+                       points=points, fit_r2=fit.r2, source=source)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def link_placement(profile: ClusterProfile, link: LinkProfile) -> GroupPlacement:
+    """Where the measured group sat: intra-node groups live on one node; inter-node groups are one
+    rank per node (size = nodes) or all ranks (size/nodes per node)."""
+    n = link.group_size or 2
+    if link.level is LinkLevel.inter_node:
+        return GroupPlacement(n, max(1, n // profile.num_nodes))
+    return GroupPlacement(n, n)
+
+
+def link_fit_report(profile: ClusterProfile, *, print_table: bool = False) -> list[dict]:
+    """For each measured link: R² and worst relative error of the planner's own prediction
+    (``collective_time_s`` on this profile, the link looked up as the planner does) vs the points."""
+    rows: list[dict] = []
+    for link in profile.links:
+        if not link.points:
+            continue
+        if link.level is LinkLevel.host_device:
+            pred = [link.alpha_s + p.bytes / link.busbw_bytes_per_s for p in link.points]
+        else:
+            # only this level's entry of this group size, plus the intra-node entries the planner
+            # may take the minimum with, so the prediction is of *this* link
+            others = [x for x in profile.links if x.level is LinkLevel.intra_node and x is not link
+                      and link.level is LinkLevel.inter_node]
+            sub = profile.model_copy(update={"links": [link, *others]})
+            group = link_placement(profile, link)
+            pred = [collective_time_s(sub, link.collective, group, p.bytes) for p in link.points]
+        ts = [p.time_s for p in link.points]
+        errs = [(q - t) / t for q, t in zip(pred, ts)]
+        worst_i = max(range(len(errs)), key=lambda i: abs(errs[i]))
+        rows.append({
+            "level": link.level.value, "collective": link.collective.value, "group_size": link.group_size,
+            "alpha_us": link.alpha_s * 1e6, "busbw_GBps": link.busbw_bytes_per_s / 1e9,
+            "r2": _r2(ts, pred), "fit_r2": link.fit_r2, "worst_rel_err": abs(errs[worst_i]),
+            "worst_at_bytes": link.points[worst_i].bytes, "points": len(ts),
+        })
+    if print_table:
+        print(f"{'level':<12}{'collective':<16}{'n':>3}{'alpha us':>10}{'busbw GB/s':>12}{'R2':>8}{'worst err':>11}  at")
+        for r in rows:
+            print(f"{r['level']:<12}{r['collective']:<16}{r['group_size'] or '-':>3}{r['alpha_us']:>10.1f}"
+                  f"{r['busbw_GBps']:>12.3f}{r['r2']:>8.4f}{r['worst_rel_err'] * 100:>10.1f}%  {r['worst_at_bytes']} B")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- measure
+
+
+@dataclass
+class GroupSpec:
+    """A set of disjoint groups measured concurrently (every rank is in at most one of them)."""
+
+    level: LinkLevel
+    size: int
+    per_node: int
+    ranks: list[list[int]]
+    label: str
+    collectives: tuple[Collective, ...] = COLLECTIVES
+
+
+@dataclass
+class LinkPlan:
+    specs: list[GroupSpec]
+    sizes: list[int]
+    trials: int = 5
+    warmup: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_groups(world: int, ranks_per_node: int, emulated: bool = False) -> list[GroupSpec]:
+    """Intra-node groups of every power of two up to the node size; across nodes one rank per node
+    (and all ranks, if nodes hold more than one). Consecutive blocks of ``ranks_per_node`` ranks are nodes."""
+    nodes = world // ranks_per_node
+    tag = " (emulated nodes)" if emulated else ""
+    no_p2p = tuple(c for c in COLLECTIVES if c is not Collective.p2p)
+    specs: list[GroupSpec] = []
+    size = 2
+    while size <= ranks_per_node:
+        groups = [list(range(start, start + size)) for start in range(0, world, size)]
+        specs.append(GroupSpec(LinkLevel.intra_node, size, size, groups, f"intra-node x{size}{tag}",
+                               collectives=COLLECTIVES if size == 2 else no_p2p))
+        size *= 2
+    if nodes > 1:
+        per_node_groups = [[node * ranks_per_node + local for node in range(nodes)] for local in range(ranks_per_node)]
+        specs.append(GroupSpec(LinkLevel.inter_node, nodes, 1, per_node_groups,
+                               f"across {nodes} nodes, 1 rank each{tag}",
+                               collectives=COLLECTIVES if nodes == 2 else no_p2p))
+        if nodes > 2:  # point-to-point between neighbouring nodes, pairs side by side
+            pairs = [[2 * k * ranks_per_node + local, (2 * k + 1) * ranks_per_node + local]
+                     for k in range(nodes // 2) for local in range(ranks_per_node)]
+            specs.append(GroupSpec(LinkLevel.inter_node, 2, 1, pairs, f"across 2 nodes, pairs{tag}",
+                                   collectives=(Collective.p2p,)))
+        if ranks_per_node > 1:
+            specs.append(GroupSpec(LinkLevel.inter_node, world, ranks_per_node, [list(range(world))],
+                                   f"across {nodes} nodes, all {world} ranks{tag}", collectives=no_p2p))
+    return specs
+
+
+def _op(collective: Collective, nbytes: int, group, group_ranks: list[int], rank: int, device) -> Callable[[], None]:
+    """One call of ``collective`` on an ``nbytes`` buffer in ``group`` (bytes as the planner counts them)."""
+    import torch
+    import torch.distributed as dist
+
+    n = len(group_ranks)
+    numel = max(n, nbytes // 4) // n * n  # float32, divisible by the group size
+    if collective is Collective.all_reduce:
+        t = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(t, group=group)
+    if collective is Collective.all_gather:
+        out = torch.empty(numel, device=device)
+        inp = torch.ones(numel // n, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp, group=group)
+    if collective is Collective.reduce_scatter:
+        inp = torch.ones(numel, device=device)
+        out = torch.empty(numel // n, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, inp, group=group)
+    if collective is Collective.all_to_all:
+        inp = torch.ones(numel, device=device)
+        out = torch.empty(numel, device=device)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    # p2p: ping-pong between the pair; one call = one message each way, timed as two one-way trips
+    buf = torch.ones(numel, device=device)
+    me = group_ranks.index(rank)
+    peer = group_ranks[1 - me]
+
+    def pingpong() -> None:
+        if me == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+
+    return pingpong
+
+
+def _sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], None] | None = None,
+                  fail_hook: Callable[[str], None] | None = None) -> list[LinkProfile]:
+    """Run on every rank of the world (all ranks must call it with the same plan); returns the fitted
+    links on every rank (times are reduced to the slowest rank with an all-reduce MAX)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # create every subgroup on every rank, in the same order (new_group is collective)
+    handles: list[tuple[GroupSpec, object, list[int] | None]] = []
+    for spec in plan.specs:
+        mine = None
+        my_group = None
+        for ranks in spec.ranks:
+            g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                mine, my_group = ranks, g
+        handles.append((spec, my_group, mine))
+    jobs = [(spec, group, mine, c) for spec, group, mine in handles for c in spec.collectives]
+    total = len(jobs) * len(plan.sizes)
+    done = 0
+    links: list[LinkProfile] = []
+    for spec, group, mine, collective in jobs:
+        times = torch.zeros(len(plan.sizes), dtype=torch.float64)
+        for i, nbytes in enumerate(plan.sizes):
+            label = f"{collective.value} {spec.label} {_human(nbytes)}"
+            if progress is not None:
+                progress(label, done, total)
+            if fail_hook is not None:
+                fail_hook(label)
+            if mine is not None:
+                op = _op(collective, nbytes, group, mine, rank, device)
+                reps = reps_for(nbytes)
+                for _ in range(plan.warmup * (reps if i == 0 else 1)):  # the first size also warms the group up
+                    op()
+                _sync(device)
+                trial_s = []
+                for _ in range(plan.trials):
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        op()
+                    _sync(device)
+                    trial_s.append((time.perf_counter() - t0) / reps)
+                per_call = statistics.median(trial_s)
+                if collective is Collective.p2p:
+                    per_call /= 2.0  # a ping-pong is two one-way messages
+                times[i] = per_call
+                del op
+            done += 1
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest rank of any group at this level
+        points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(plan.sizes, times.tolist())]
+        size = 2 if collective is Collective.p2p else spec.size
+        per_node = spec.per_node
+        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) concurrently, {plan.trials} trials, "
+                  f"median per rank, max over ranks, α-β weighted least squares (relative error)")
+        links.append(fit_link(spec.level, collective, size, per_node, points, source))
+    if progress is not None:
+        progress("links done", total, total)
+    return links
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            v = nbytes / scale
+            return f"{v:.0f} {unit}" if math.isclose(v, round(v)) else f"{v:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+# ------------------------------------------------------------------------------------ host/device
+
+
+def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list[LinkProfile], list[str]]:
+    """Host↔device copy bandwidth (pinned; pageable noted). On CPU there is no device: the host
+    memory copy bandwidth stands in (a "device" that *is* host memory), said in the source."""
+    import torch
+
+    notes: list[str] = []
+    is_cuda = getattr(device, "type", str(device)) == "cuda"
+    out: list[LinkProfile] = []
+    directions = [(Collective.host_to_device, True), (Collective.device_to_host, False)]
+    pageable: dict[str, float] = {}
+    for collective, to_device in directions:
+        points = []
+        for nbytes in sizes:
+            numel = max(1, nbytes // 4)
+            if is_cuda:
+                host = torch.empty(numel, pin_memory=True)
+                dev = torch.empty(numel, device=device)
+            else:
+                host = torch.empty(numel)
+                dev = torch.empty(numel)
+            dst, src = (dev, host) if to_device else (host, dev)
+            src.fill_(1.0)
+
+            def copy() -> None:
+                dst.copy_(src, non_blocking=is_cuda)
+
+            t = _time_copy(copy, device, trials, reps_for(nbytes))
+            points.append(TimedPoint(bytes=numel * 4, time_s=max(t, 1e-9)))
+        if is_cuda:
+            host = torch.empty(max(1, sizes[-1] // 4))  # pageable, largest size only (what offload without pinning gets)
+            dev = torch.empty_like(host, device=device)
+            dst, src = (dev, host) if to_device else (host, dev)
+            pageable[collective.value] = sizes[-1] / _time_copy(lambda: dst.copy_(src), device, trials, 1)
+        src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
+                    "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
+                    "the host link so optimizer-offload plans can still be priced")
+        fit = fit_alpha_beta(points)
+        out.append(LinkProfile(level=LinkLevel.host_device, collective=collective, group_size=1, alpha_s=fit.alpha_s,
+                               busbw_bytes_per_s=1.0 / max(fit.slope_s_per_byte, MIN_SLOPE), points=points,
+                               fit_r2=fit.r2, source=src_text))
+    if is_cuda:
+        notes.append("host<->device pageable (unpinned) copy bandwidth at the largest size: "
+                     + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in pageable.items()))
+    else:
+        notes.append("CPU profile: there is no device, so no real host<->device link exists; the host_device "
+                     "entries are RAM-to-RAM copies (pinned vs pageable does not apply) standing in for it")
+    return out, notes
+
+
+def _time_copy(fn: Callable[[], None], device, trials: int, reps: int) -> float:
+    fn()
+    _sync(device)
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        ts.append((time.perf_counter() - t0) / reps)
+    return statistics.median(ts)

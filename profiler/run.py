@@ -1,0 +1,288 @@
+"""`autopar profile` under torchrun: validate, measure links on every rank and compute on rank 0,
+assemble and validate a measured ``ClusterProfile`` on rank 0.
+
+Order: everything that can be checked is checked *before* the process group starts (device count,
+precisions, --ranks-per-node, message sizes against memory, preset, TP degrees), so an impossible
+request stops with one line naming the field on every rank at once. The process group is created
+with ``--timeout``: a rank that dies or hangs makes the others' collectives raise instead of waiting
+forever; each surviving rank prints which phase failed and exits non-zero, and torchrun names the
+rank that failed first ("Root Cause") and stops the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from planner.contracts import ClusterProfile, Collective, ModelSpec
+from planner.contracts.cluster import Assumptions
+from planner.errors import AutoparError
+from profiler import identity
+from profiler.links import (
+    DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank, measure_host_device,
+    measure_links, message_sizes, plan_groups,
+)
+
+DIE_ENV = "AUTOPAR_PROFILE_TEST_DIE_RANK"  # test hook: this rank exits abruptly during the link phase
+
+
+@dataclass
+class ProfileOptions:
+    name: str | None = None
+    quick: bool = False
+    model: str | None = None
+    tp_degrees: str | None = None
+    precisions: str | None = None
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+    ranks_per_node: int | None = None
+    timeout_s: float = 300.0
+    threads: int | None = None
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    under_torchrun: bool
+
+
+@dataclass
+class Checked:
+    """Everything validated, ready to measure."""
+
+    dist: Dist
+    device_type: str
+    ranks_per_node: int
+    num_nodes: int
+    emulated: bool
+    model: ModelSpec | None
+    tp_degrees: list[int] | None
+    precisions: list | None
+    sizes: list[int]
+    threads: int
+    notes: list[str] = field(default_factory=list)
+
+
+def dist_env() -> Dist:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return Dist(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)), True)
+    return Dist(0, 1, 0, 1, False)
+
+
+def _parse_tp(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        tps = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise AutoparError("--tp-degrees", text, "give comma-separated integers, e.g. 1,2,4", problem="is not a list of integers") from None
+    if not tps or any(t < 1 for t in tps):
+        raise AutoparError("--tp-degrees", text, "give positive integers, e.g. 1,2,4", problem="is not valid")
+    return tps
+
+
+def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
+    """Validate the request against this machine; raises AutoparError (field, value, fix) before anything runs."""
+    import torch
+
+    from profiler.compute import parse_precisions
+
+    d = d or dist_env()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    notes: list[str] = []
+    if device_type == "cuda" and d.local_world > torch.cuda.device_count():
+        raise AutoparError("--nproc-per-node", d.local_world,
+                           f"start at most {torch.cuda.device_count()} ranks per node (one per GPU)",
+                           problem=f"is more ranks than the {torch.cuda.device_count()} GPUs on this node")
+    rpn = opts.ranks_per_node if opts.ranks_per_node is not None else d.local_world
+    if rpn < 1 or d.world % rpn:
+        divisors = [k for k in range(1, d.world + 1) if d.world % k == 0]
+        raise AutoparError("--ranks-per-node", rpn, f"choose a divisor of the world size {d.world}: "
+                           + ", ".join(map(str, divisors)), problem=f"does not divide the {d.world} ranks into nodes")
+    emulated = rpn != d.local_world
+    if emulated:
+        notes.append(f"EMULATED NODES: --ranks-per-node {rpn} treats consecutive blocks of {rpn} ranks as nodes "
+                     f"(torchrun started {d.local_world} per host); inter_node links are not a real network")
+    if opts.timeout_s <= 0:
+        raise AutoparError("--timeout", opts.timeout_s, "give seconds > 0, e.g. --timeout 300", problem="is not positive")
+    model = None
+    if opts.model:
+        from planner.presets import get_preset
+
+        model = get_preset(opts.model)
+    tps = _parse_tp(opts.tp_degrees)
+    if tps and model is not None:
+        bad = [t for t in tps if model.num_attention_heads % t]
+        if bad:
+            raise AutoparError("--tp-degrees", opts.tp_degrees,
+                               f"use degrees dividing {model.name}'s {model.num_attention_heads} attention heads",
+                               problem="does not divide the attention heads")
+    precisions = parse_precisions(opts.precisions, torch.device(device_type)) if opts.precisions else None
+    min_b = opts.min_bytes if opts.min_bytes is not None else DEFAULT_MIN_BYTES
+    max_b = opts.max_bytes if opts.max_bytes is not None else (QUICK_MAX_BYTES if opts.quick else DEFAULT_MAX_BYTES)
+    if min_b < 4:
+        raise AutoparError("--min-bytes", min_b, "give at least 4 bytes (one float32)", problem="is too small")
+    if max_b < min_b:
+        raise AutoparError("--max-bytes", max_b, f"give at least --min-bytes={min_b}", problem="is below --min-bytes")
+    # memory: the largest message's buffers on every rank sharing this host's (or this GPU's) memory
+    def per_rank_bytes(nbytes: int) -> int:
+        return max(max(buffer_bytes_per_rank(coll, nbytes, max(d.world, 2)) for coll in Collective), 2 * nbytes)
+
+    per_rank = per_rank_bytes(max_b)
+    sharing = d.local_world if device_type == "cpu" else 1
+    need = per_rank * sharing
+    avail = identity.available_memory_bytes(torch.device(device_type, d.local_rank) if device_type == "cuda"
+                                            else torch.device("cpu"))
+    if need > 0.8 * avail:
+        fits = max_b
+        while fits > min_b and per_rank_bytes(fits) * sharing > 0.8 * avail:
+            fits //= 2
+        raise AutoparError("--max-bytes", max_b,
+                           f"use --max-bytes {fits} or less ({sharing} rank(s) x ~2 buffers of the largest message "
+                           f"= {need / 2**30:.1f} GiB; {avail / 2**30:.1f} GiB available)",
+                           problem="does not fit in memory")
+    sizes = message_sizes(min_b, max_b, quick=opts.quick)
+    if opts.quick:
+        notes.append(f"QUICK MODE: messages {min_b} B to {max_b} B every 4x ({len(sizes)} sizes), 5 trials; "
+                     "a full profile goes to 256 MiB every 2x with 7 trials; quick compute grid")
+    cores = os.cpu_count() or 1
+    threads = opts.threads if opts.threads else max(1, cores // max(1, d.local_world))
+    if threads < 1:
+        raise AutoparError("--threads", threads, "give a positive thread count", problem="is not positive")
+    return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)
+
+
+def _die_hook(rank: int):
+    want = os.environ.get(DIE_ENV)
+    if want is None or int(want) != rank:
+        return None
+    count = {"n": 0}
+
+    def hook(label: str) -> None:
+        count["n"] += 1
+        if count["n"] == 3:  # a few measurements in: the others are mid-collective
+            sys.stderr.write(f"[test hook {DIE_ENV}] rank {rank} exits abruptly during '{label}'\n")
+            sys.stderr.flush()
+            os._exit(17)
+
+    return hook
+
+
+def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile | None:  # noqa: ANN001
+    """Measure and return the profile on rank 0 (None on the other ranks). ``progress_factory()``
+    (rank 0 only) returns a context manager whose value is a ``progress(label, done, total)`` callable."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    c = check(opts)
+    d = c.dist
+    torch.set_num_threads(c.threads)
+    backend = "nccl" if c.device_type == "cuda" else "gloo"
+    if c.device_type == "cuda":
+        torch.cuda.set_device(d.local_rank)
+        device = torch.device("cuda", d.local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=opts.timeout_s)
+    if d.under_torchrun:
+        dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    phase = "start"
+    t_start = time.perf_counter()
+    try:
+        phase = "identity (gather hostnames)"
+        hostnames: list = [None] * d.world
+        dist.all_gather_object(hostnames, identity.hostname())
+        if c.emulated:  # one name per emulated node: the hosts of its first rank
+            node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
+        else:
+            node_hosts = list(dict.fromkeys(hostnames)) if len(set(hostnames)) == c.num_nodes else \
+                [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
+        ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
+        with ctx as progress:
+            def report(stage: str):
+                if progress is None:
+                    return None
+                return lambda label, done, total: progress(f"{stage}: {label}", done, total)
+
+            phase = "links"
+            plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
+                            trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3)
+            links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
+            phase = "compute (rank 0 measures, the others wait)"
+            compute = None
+            host_links, host_notes = [], []
+            if d.rank == 0:
+                from profiler.compute import default_grid, measure_compute
+
+                grid = default_grid(c.model, c.tp_degrees, quick=opts.quick, device_type=c.device_type)
+                if c.precisions:
+                    grid.precisions = c.precisions
+                compute = measure_compute(device, grid, progress=report("compute"))
+                host_sizes = message_sizes(c.sizes[0], c.sizes[-1], quick=True)
+                host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
+                grid_notes = list(grid.notes)
+            # the others wait here; rank 0's compute can take minutes, so wait with a monitored
+            # barrier of its own (generous) timeout on gloo rather than the collective timeout
+            _wait_for_rank0(dist, backend, max(opts.timeout_s, 3600.0))
+        if d.rank != 0:
+            dist.destroy_process_group()
+            return None
+        phase = "assemble"
+        spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
+        env = identity.environment(node_hosts if c.emulated else hostnames, backend, c.emulated)
+        assumptions = Assumptions()
+        sources = [
+            f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",
+            f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
+            "compute: rank 0 only (one table stands for every device)",
+            *c.notes, *dev_notes, *host_notes, *grid_notes,
+        ]
+        if c.device_type == "cpu":
+            assumptions = Assumptions(reserved_memory_bytes=64 * 1024**2, notes=[
+                "reserved_memory_bytes=64 MiB: a CPU rank has no CUDA context or NCCL buffers (allocator slack only)",
+                f"cpu_optimizer_bytes_per_s left at the default; device memory bandwidth measured "
+                f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s",
+            ])
+        name = opts.name or f"{'emulated-' if c.emulated else ''}{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}" \
+                            f"-{c.num_nodes}x{c.ranks_per_node}"
+        profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,
+                                 num_nodes=c.num_nodes, environment=env, compute=compute,
+                                 links=[*links, *host_links], assumptions=assumptions,
+                                 sources=[*sources, f"measured in {time.perf_counter() - t_start:.1f} s"])
+        profile = ClusterProfile.model_validate(profile.model_dump())
+        dist.destroy_process_group()
+        return profile
+    except AutoparError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - collective failures: name the rank and the phase, then stop
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RankFailure(d.rank, d.world, phase, msg) from exc
+
+
+def _wait_for_rank0(dist, backend: str, timeout_s: float) -> None:  # noqa: ANN001
+    if backend == "gloo":
+        # wait_all_ranks: rank 0 reports every rank that did not arrive (died or hung), by number
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+class RankFailure(RuntimeError):
+    """A collective failed on this rank because another rank died, hung or raised."""
+
+    def __init__(self, rank: int, world: int, phase: str, detail: str):
+        self.rank, self.phase, self.detail = rank, phase, detail
+        super().__init__(f"rank {rank}/{world}: a collective failed during {phase} — another rank died, hung or "
+                         f"raised ({detail}); torchrun's report names the rank that failed first")

@@ -1,0 +1,148 @@
+"""`autopar profile` for real: 4 gloo ranks under torchrun on CPU, 2 emulated nodes of 2.
+
+One quick run (module fixture) is reused: it writes --out and uploads to a live server at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from planner.contracts import ClusterProfile, Collective, LinkLevel, TrainingConfig
+from planner.presets import get_preset
+from planner.search import search
+from profiler.links import link_fit_report
+
+VENV_BIN = Path(sys.executable).parent
+AUTOPAR = str(VENV_BIN / "autopar")
+TORCHRUN = str(VENV_BIN / "torchrun")
+FIVE = {Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all, Collective.p2p}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    return {**env, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), AUTOPAR, "profile", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    return proc, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    from conftest import LiveServer
+
+    tmp = tmp_path_factory.mktemp("profile")
+    out = tmp / "profile.json"
+    with LiveServer(f"sqlite:///{tmp}/x.db", AUTOPAR_TOKENS="s3cret") as server:
+        proc, wall = torchrun(4, "--quick", "--ranks-per-node", "2", "--out", str(out), "--server", server.url,
+                              "--token", "s3cret", "--name", "ci-cpu", timeout=420)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        listing = httpx.get(f"{server.url}/v1/profiles").json()
+        stored = [httpx.get(f"{server.url}/v1/profiles/{item['id']}").json() for item in listing["items"]
+                  if item.get("cluster", item.get("name")) == "ci-cpu" or "ci-cpu" in json.dumps(item)]
+    print(f"\nautopar profile --quick on 4 ranks: {wall:.1f} s wall")
+    return {"out": out, "wall": wall, "proc": proc, "stored": stored,
+            "profile": ClusterProfile.model_validate_json(out.read_text())}
+
+
+@pytest.mark.slow
+def test_quick_profile_validates_and_has_every_link(quick_run):
+    p: ClusterProfile = quick_run["profile"]
+    assert p.kind == "measured" and p.num_nodes == 2 and p.gpus_per_node == 2
+    assert p.environment.backend == "gloo" and len(p.environment.hostnames) == 2
+    assert any("emulated" in h for h in p.environment.hostnames)
+    assert any("EMULATED NODES" in s for s in p.sources) and any("QUICK MODE" in s for s in p.sources)
+    for level in (LinkLevel.intra_node, LinkLevel.inter_node):
+        got = {link.collective for link in p.links if link.level is level}
+        assert got == FIVE, level
+    for link in p.links:
+        assert len(link.points) >= 7 and link.fit_r2 is not None, link
+        if link.level is not LinkLevel.host_device:
+            assert link.points[0].bytes == 4096 and link.points[-1].bytes == 16 << 20
+    assert {link.collective for link in p.links if link.level is LinkLevel.host_device} == {
+        Collective.host_to_device, Collective.device_to_host}
+    assert p.compute.gemm and p.compute.achieved_matmul_tflops
+    assert p.device.peak_tflops and p.assumptions.reserved_memory_bytes < 1 << 30
+
+
+@pytest.mark.slow
+def test_planner_plans_from_measured_profile(quick_run):
+    model = get_preset("llama3-8b").model_copy(update={"num_layers": 4})
+    plan = search(model, TrainingConfig(seq_length=512, global_batch_size=8), quick_run["profile"])
+    assert plan.prediction.step_time_s > 0
+    assert plan.layout.tp * plan.layout.pp * plan.layout.cp * plan.layout.dp_shard * plan.layout.dp_replicate == 4
+
+
+@pytest.mark.slow
+def test_link_fit_report_on_measured_profile(quick_run):
+    rows = link_fit_report(quick_run["profile"], print_table=True)
+    levels = {(r["level"], r["collective"]) for r in rows}
+    assert {("intra_node", c.value) for c in FIVE} <= levels and {("inter_node", c.value) for c in FIVE} <= levels
+    for r in rows:
+        assert r["fit_r2"] is not None and r["worst_rel_err"] >= 0
+
+
+@pytest.mark.slow
+def test_upload_stores_the_same_profile(quick_run):
+    assert len(quick_run["stored"]) == 1
+    stored = ClusterProfile.model_validate(quick_run["stored"][0]["profile"])
+    assert stored == quick_run["profile"]
+    assert "uploaded to" in quick_run["proc"].stderr
+
+
+def _no_measuring(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode != 0
+    assert "links:" not in proc.stderr and "compute:" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_ranks_per_node_must_divide_world(tmp_path):
+    proc, wall = torchrun(4, "--quick", "--ranks-per-node", "3", "--out", str(tmp_path / "p.json"), timeout=60)
+    _no_measuring(proc)
+    assert "--ranks-per-node=3" in proc.stderr and "1, 2, 4" in proc.stderr, proc.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def _single(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([AUTOPAR, "profile", *args], capture_output=True, text=True, timeout=60, env=_env(**env))
+
+
+def test_unknown_precision_stops_before_measuring(tmp_path):
+    proc = _single("--quick", "--precisions", "bf16,fp9", "--out", str(tmp_path / "p.json"))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "--precisions='fp9'" in proc.stderr, proc.stderr
+
+
+def test_max_bytes_too_large_for_memory_stops(tmp_path):
+    proc = _single("--max-bytes", str(1 << 50), "--out", str(tmp_path / "p.json"))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "--max-bytes" in proc.stderr and "does not fit in memory" in proc.stderr, proc.stderr
+
+
+def test_missing_output_stops(tmp_path):
+    proc = _single("--quick")
+    assert proc.returncode == 2 and "--out" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dead_rank_ends_the_run_naming_it(tmp_path):
+    proc, wall = torchrun(4, "--quick", "--ranks-per-node", "2", "--timeout", "20", "--out", str(tmp_path / "p.json"),
+                          timeout=240, AUTOPAR_PROFILE_TEST_DIE_RANK="2")
+    text = proc.stdout + proc.stderr
+    print(f"dead rank: exit {proc.returncode} after {wall:.1f} s")
+    assert proc.returncode != 0
+    assert wall < 150  # the 20 s collective timeout fires; a hang would run into the 240 s limit
+    assert re.search(r"rank\s*:\s*2 \(local_rank: 2\)", text), text[-3000:]
+    assert not (tmp_path / "p.json").exists()

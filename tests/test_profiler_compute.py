@@ -1,0 +1,188 @@
+"""profiler.compute and profiler.timing: real measurements on this CPU with a tiny grid."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from planner.contracts import ClusterProfile, ComputeProfile, Precision
+from planner.cost.compute import attention_time_s, gemm_time_s
+from planner.errors import AutoparError
+from planner.presets import get_preset
+from planner.reference import reference_profile
+from profiler.compute import (
+    ComputeGrid,
+    default_grid,
+    linear_gemms,
+    linear_shapes,
+    measure_compute,
+    parse_precisions,
+    supported_precisions,
+)
+from profiler.timing import time_fn
+
+CPU = torch.device("cpu")
+
+TINY = ComputeGrid(
+    gemm=[(64, 64, 64), (256, 256, 256), (512, 512, 512)],
+    attention=[(1, 128, 4, 4, 32), (1, 256, 4, 2, 32)],
+    elementwise_bytes=[1 << 20],
+    precisions=[Precision.fp32, Precision.bf16],
+    warmup=1,
+    trials=5,
+    min_time_s=0.002,
+)
+
+
+@pytest.fixture(scope="module")
+def measured() -> ComputeProfile:
+    # One intra-op thread: on the shared 2-core test machine (xdist workers beside torchrun tests) a
+    # multi-threaded GEMM waits at its thread barrier for a descheduled sibling, a ~16 ms stall that
+    # can swamp a 64^3 matmul's microseconds in most trials. The profiler itself pins threads per rank.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    calls: list[tuple[str, int, int]] = []
+    try:
+        profile = measure_compute(
+            CPU, TINY, progress=lambda label, done, total: calls.append((label, done, total))
+        )
+    finally:
+        torch.set_num_threads(threads)
+    total = calls[0][2]
+    assert total == 3 * 2 + 2 * 2 + 4 * 2
+    assert calls[-1][1:] == (total, total)
+    assert [c[1] for c in calls] == sorted(c[1] for c in calls)
+    return profile
+
+
+def cluster_with(compute: ComputeProfile) -> ClusterProfile:
+    base = reference_profile("dgx-h100", 1)
+    device = {"name": "test cpu", "memory_bytes": 8 << 30, "peak_tflops": {"bf16": 1.0, "fp32": 0.5},
+              "hbm_bandwidth_bytes_per_s": 50e9}
+    return ClusterProfile.model_validate(
+        {**base.model_dump(), "kind": "measured", "name": "test-cpu", "device": device,
+         "compute": compute.model_dump(), "gpus_per_node": 1}
+    )
+
+
+def test_time_fn_repeats_tiny_ops_to_min_time():
+    x = torch.ones(16)
+    result = time_fn(lambda: x.add_(1), device=CPU, warmup=3, trials=4, min_time_s=0.005)
+    assert len(result.trials) == 4
+    assert result.calls_per_trial > 1
+    assert 0 < result.median_s < 0.005
+    assert result.iqr_s >= 0
+
+
+def test_time_fn_measures_a_sleep():
+    result = time_fn(lambda: time.sleep(0.01), device=CPU, warmup=1, trials=3)
+    assert 0.009 < result.median_s < 0.05
+
+
+def test_points_positive_finite_and_bigger_gemms_take_longer(measured):
+    for g in measured.gemm:
+        assert math.isfinite(g.time_s) and g.time_s > 0
+    for a in measured.attention:
+        assert math.isfinite(a.forward_time_s) and a.forward_time_s > 0 and a.backward_time_s > 0
+    for e in measured.elementwise:
+        assert math.isfinite(e.time_s) and e.time_s > 0 and e.bytes > 0
+    assert {e.op for e in measured.elementwise} == {"rmsnorm", "silu_mul", "add", "softmax_cross_entropy"}
+    for p in TINY.precisions:
+        times = {(g.m, g.n, g.k): g.time_s for g in measured.gemm if g.precision is p}
+        assert len(times) == 3
+        assert times[(64, 64, 64)] < times[(256, 256, 256)] < times[(512, 512, 512)]
+    gqa = [a for a in measured.attention if a.num_kv_heads == 2]
+    assert len(gqa) == 2
+
+
+def test_achieved_peaks_plausible_and_profile_validates(measured):
+    assert set(measured.achieved_matmul_tflops) == {Precision.fp32, Precision.bf16}
+    for tflops in measured.achieved_matmul_tflops.values():
+        assert 0 < tflops < 10
+    bw = measured.achieved_memory_bandwidth_bytes_per_s
+    assert bw is not None and 1e8 < bw < 1e13
+    ComputeProfile.model_validate(measured.model_dump(mode="json"))
+    cluster_with(measured)
+
+
+def test_planner_returns_measured_time_at_measured_shape(measured):
+    cluster = cluster_with(measured)
+    for g in measured.gemm:
+        assert gemm_time_s(cluster, g.m, g.n, g.k, g.precision) == pytest.approx(g.time_s, rel=1e-9)
+    for a in measured.attention:
+        fwd, bwd = attention_time_s(
+            cluster, batch=a.batch, q_len=a.seq_length, kv_len=a.seq_length, heads=a.num_heads,
+            kv_heads=a.num_kv_heads, qk_dim=a.head_dim, v_dim=a.head_dim, precision=a.precision,
+            causal=True, flash=True,
+        )
+        assert fwd == pytest.approx(a.forward_time_s, rel=1e-9)
+        assert bwd == pytest.approx(a.backward_time_s, rel=1e-9)
+
+
+def test_supported_and_parsed_precisions():
+    assert supported_precisions(CPU) == [Precision.fp32, Precision.bf16]
+    assert parse_precisions("bf16, fp32", CPU) == [Precision.bf16, Precision.fp32]
+    with pytest.raises(AutoparError) as err:
+        parse_precisions("bf16,int4", CPU)
+    assert err.value.field == "--precisions" and err.value.value == "int4"
+    assert "fp32" in err.value.fix and "bf16" in err.value.fix
+    with pytest.raises(AutoparError) as err:
+        parse_precisions("fp8", CPU)
+    assert err.value.field == "--precisions" and err.value.value == "fp8"
+    assert "fp32,bf16" in err.value.fix
+    with pytest.raises(AutoparError):
+        parse_precisions(" ", CPU)
+
+
+def test_measure_refuses_unsupported_precision_before_measuring():
+    grid = ComputeGrid(gemm=[(8, 8, 8)], attention=[], elementwise_bytes=[], precisions=[Precision.fp8])
+    with pytest.raises(AutoparError, match="fp8"):
+        measure_compute(CPU, grid, progress=lambda *a: pytest.fail("measured before validating"))
+
+
+def test_default_grid_for_a_model_has_every_linear_gemm_at_each_tp():
+    model = get_preset("llama3-8b")
+    grid = default_grid(model, tp_degrees=[1, 2, 4, 8], micro_batch_tokens=[4096])
+    shapes = set(grid.gemm)
+    h, ffn, a, kv, d = 4096, 14336, 32, 8, 128
+    for tp in (1, 2, 4, 8):
+        expected = {
+            "qkv": ((a + 2 * kv) * d // tp, h), "attn_out": (h, a * d // tp),
+            "mlp_up": (2 * ffn // tp, h), "mlp_down": (h, ffn // tp), "lm_head": (128256 // tp, h),
+        }
+        assert linear_shapes(model, tp) == expected
+        for out_f, in_f in expected.values():
+            fwd, dgrad, wgrad = linear_gemms(4096, out_f, in_f)
+            assert fwd == (4096, out_f, in_f) and dgrad == (4096, in_f, out_f) and wgrad == (in_f, out_f, 4096)
+            assert {fwd, dgrad, wgrad} <= shapes
+        assert (1, 4096, a // tp, max(kv // tp, 1), d) in grid.attention
+    assert len(grid.gemm) == len(shapes)  # no duplicates
+    assert grid.precisions == [Precision.fp32, Precision.bf16]
+
+
+def test_default_grids_without_a_model():
+    quick = default_grid(quick=True)
+    full = default_grid()
+    assert len(quick.gemm) < len(full.gemm)
+    assert len(quick.attention) <= len(full.attention)
+    for grid in (quick, full):
+        assert grid.gemm and grid.attention and grid.elementwise_bytes
+        assert min(m * n * k for m, n, k in grid.gemm) < max(m * n * k for m, n, k in grid.gemm) / 1000
+
+
+def test_planner_interpolates_log_rate_between_measured_shapes():
+    """Halfway (in log space) between a slow small GEMM and a fast large one: the geometric mean of
+    their rates; beyond the table: no rate above the fastest neighbour measured."""
+    from planner.contracts import GemmPoint
+
+    def point(s: int, tflops: float) -> GemmPoint:
+        return GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, time_s=2 * s**3 / (tflops * 1e12))
+
+    cluster = cluster_with(ComputeProfile(gemm=[point(64, 0.01), point(256, 0.04)]))
+    rate = 2 * 128**3 / gemm_time_s(cluster, 128, 128, 128, Precision.bf16) / 1e12
+    assert rate == pytest.approx(0.02, rel=0.01)
+    big = 2 * 4096**3 / gemm_time_s(cluster, 4096, 4096, 4096, Precision.bf16) / 1e12
+    assert big == pytest.approx(0.04, rel=1e-6)
