@@ -1,0 +1,112 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), keyed by plan-independent parameter names.
+
+``<root>/step_<N>/`` holds, after N optimizer steps:
+
+- ``model``: every parameter by its fully qualified name in the unsplit model (the built-in
+  model's names survive the pipeline split; ``get_state_dict`` strips the DDP / FSDP / recompute
+  wrappers), as plain tensors or DTensor shards — whatever this plan holds;
+- ``optim``: AdamW's state *flattened* by parameter name (``state.<fqn>.exp_avg``, ``...exp_avg_sq``,
+  ``...step``, ``param_groups.<fqn>.lr`` ...), so it is independent of which rank owns which
+  parameter and in which order the optimizer saw them;
+- ``progress``: the next step to run (the data position: batches are a pure function of the step)
+  and the loss/time of every step so far.
+
+DCP writes each rank's shards plus global metadata; loading plans the reads from the *current*
+plan's shapes and placements, so a checkpoint saved under one plan loads under another (PP2xDP2 ->
+DP4, TP2xDP2 -> FSDP4, 4 ranks -> 2 ranks): DCP reshards tensors and DTensors alike.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The highest step saved completely under ``root`` (DCP writes ``.metadata`` last), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
+    return max(steps, default=None)
+
+
+def _module(parts: list[nn.Module]) -> nn.Module | list[nn.Module]:
+    return parts if len(parts) > 1 else parts[0]
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1 (ZeroRedundancyOptimizer): the AdamW over this rank's partition of the parameters. Its
+    flattened state holds exactly the names this rank owns, so the ranks' files together hold every
+    parameter's state once, loadable by any plan."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _state(parts: list[nn.Module], optimizer: torch.optim.Optimizer, progress: dict) -> dict:
+    model_sd, optim_sd = get_state_dict(_module(parts), _local_optimizer(optimizer), options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd, "progress": progress}
+
+
+class Checkpointer:
+    """Saves every ``every`` steps (synchronously, or with ``dcp.async_save`` overlapping the next
+    steps: at most one save in flight) and loads the newest step."""
+
+    def __init__(self, root: str | Path, *, every: int = 0, use_async: bool = False) -> None:
+        self.root, self.every, self.use_async = Path(root), every, use_async
+        self._pending: Future | None = None
+        # an async save runs its collectives in a background thread: on the training's own process group
+        # they would interleave with the step's collectives (a hang), so it gets a group of its own
+        self._group = dist.new_group(backend="gloo") if use_async else None
+
+    def due(self, steps_done: int) -> bool:
+        return self.every > 0 and steps_done % self.every == 0
+
+    def save(self, steps_done: int, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+             progress: dict) -> Path:
+        """Collective: every rank writes its shards of the state after ``steps_done`` steps."""
+        self.wait()
+        path = step_dir(self.root, steps_done)
+        state = _state(parts, optimizer, {**progress, "step": steps_done})
+        if self.use_async:
+            result = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+            self._pending = getattr(result, "upload_completion", result)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+        return path
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has been written."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def load(self, step: int, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+        """Load ``step_<step>`` into this plan's parts and optimizer (resharding); returns ``progress``."""
+        return load_checkpoint(self.root, step, parts, optimizer)
+
+
+def load_checkpoint(root: str | Path, step: int, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """Read ``root/step_<step>`` into the state dicts of *this* plan, then set them (collective)."""
+    path = step_dir(root, step)
+    state = _state(parts, optimizer, {"step": 0, "losses": [], "times": []})
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(_module(parts), _local_optimizer(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=OPTIONS)
+    dist.barrier()
+    return state["progress"]

@@ -1,0 +1,574 @@
+"""Apply a ParallelLayout's non-pipeline dimensions to a model (chunk), with torch's own building blocks.
+
+Order (:func:`parallelize`; each step sees the result of the previous one):
+
+1. tensor parallel (+ sequence parallel, loss-parallel head) — ``parallelize_module`` with Colwise
+   (wq/wk/wv/w1/w3, head) / Rowwise (wo/w2, embedding) and, with ``sp``, SequenceParallel norms;
+2. context parallel — every attention all-gathers K/V over the ``cp`` group (:mod:`executor.cp`);
+3. expert parallel — routed experts ``Shard(0)`` over the ``ep`` mesh (:mod:`executor.moe`);
+4. activation recompute — the plan's kind on the first N blocks of the stage (:func:`apply_recompute`);
+5. data parallel — ZeRO-0: DDP (composable ``replicate``; with DTensor parameters (TP/EP) or a
+   pipeline stage, :class:`GradAllReduce`); ZeRO-1: the same + ``ZeroRedundancyOptimizer``
+   (:func:`build_optimizer`); ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)``; ZeRO-3:
+   ``fully_shard(reshard_after_forward=layout.reshard_after_forward)``; HSDP over a 2-D
+   (dp_replicate, dp_shard x cp) mesh when dp_replicate > 1; each block first, then the root.
+   bf16/fp16 plans get FSDP2's ``MixedPrecisionPolicy`` (fp32 gradient reduction); ZeRO-0/1 run in
+   the dtype the model was built in. Optimizer offload is FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
+
+Mesh (:func:`build_mesh`): dims ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost first, every dim
+kept even at size 1 (so every named sub-mesh exists under every plan). With expert parallelism
+``dp_shard`` is itself split into ``(edp, ep)`` (ep innermost): EP folds over the sharded
+data-parallel ranks, as in torchtitan/Megatron. (Real systems fold EP over dp_shard x cp; here MoE
+with cp > 1 is refused — routing statistics would cover part of a sequence, see
+:func:`check_supported` — so dp_shard x cp = dp_shard.) Expert weights are ``Shard(0)`` over ``ep``
+and data-parallel (FSDP or all-reduce) over the ``dp_replicate x edp`` ranks that hold the same shard.
+
+Gradient convention (:func:`loss_scale`): each rank's loss is its token-loss sum / the step's global
+token count, times N = dp_replicate x dp_shard x cp (the ranks DDP/FSDP average over). Averaging N
+copies of N x (local share) gives the sum of the shares: the single-process gradient of the mean loss
+over the global batch. Expert shards under EP already receive the gradient of every rank of their EP
+group through the all-to-all, so their reduction over the N / ep holders divides by N, not N / ep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from executor.adapters import ModelAdapter, builtin_adapter, get_submodule
+from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
+from planner.errors import AutoparError
+
+
+# ---------------------------------------------------------------- mesh
+@dataclass
+class Meshes:
+    """The one mesh authority: the world ``DeviceMesh`` and its named (flattened) sub-meshes.
+
+    ``meshes[name]`` gives a dim of the world mesh (``pp``, ``dp_replicate``, ``dp_shard`` (or
+    ``edp``, ``ep``), ``cp``, ``tp``) or one of the sub-meshes :func:`build_mesh` flattens:
+    ``dp`` (ranks reading different data), ``dp_shard_cp`` (the FSDP shard group), ``dp_cp`` (every
+    rank holding the same dense parameters), ``expert_dp`` (every rank holding the same expert
+    shard), and, with dp_replicate > 1 under ZeRO-2/3, the 2-D HSDP meshes ``hsdp`` / ``expert_hsdp``.
+    :func:`build_mesh` returns this rather than the bare DeviceMesh so that the flattened meshes are
+    book-kept in one place (torch deprecates slicing flattened dims off the root mesh)."""
+
+    world: DeviceMesh
+    layout: ParallelLayout
+    _named: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self._named[name] if name in self._named else self.world[name]
+
+    def _flatten(self, name: str, dims: tuple[str, ...]) -> None:
+        self._named[name] = self.world[dims]._flatten(name)
+
+    def coord(self, name: str) -> tuple[int, int]:
+        """(rank, size) of this process along a named (or flattened) dimension."""
+        m = self[name]
+        return m.get_local_rank(), m.size()
+
+    def fsdp(self) -> DeviceMesh:
+        """FSDP mesh of dense parameters: 1-D ``dp_shard_cp``, or 2-D ``hsdp`` when dp_replicate > 1."""
+        return self["hsdp"] if self.layout.dp_replicate > 1 else self["dp_shard_cp"]
+
+    def expert_fsdp(self) -> DeviceMesh:
+        """FSDP mesh of EP-sharded expert weights: 1-D ``edp``, or 2-D ``expert_hsdp``."""
+        return self["expert_hsdp"] if self.layout.dp_replicate > 1 else self["edp"]
+
+
+def mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Sizes and names of the world mesh, outermost first (TP innermost: neighbouring ranks)."""
+    if layout.ep > 1:
+        edp = layout.dp_shard // layout.ep
+        return ((layout.pp, layout.dp_replicate, edp, layout.ep, layout.cp, layout.tp),
+                ("pp", "dp_replicate", "edp", "ep", "cp", "tp"))
+    return ((layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+            ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def build_mesh(layout: ParallelLayout, world_size: int, device_type: str) -> Meshes:
+    """The world mesh of ``layout`` with every sub-mesh the executor uses, flattened once.
+
+    Raises AutoparError when pp x dp_replicate x dp_shard x cp x tp differs from ``world_size`` or
+    ep does not divide dp_shard. Collective: every rank calls it with the same layout."""
+    shape, names = mesh_shape(layout)
+    total = layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp
+    if total != world_size:
+        raise AutoparError(
+            "layout", f"pp={layout.pp} x dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} "
+            f"x cp={layout.cp} x tp={layout.tp} = {total}",
+            f"launch {total} processes, or use a layout whose degrees multiply to {world_size}",
+            problem=f"does not equal the {world_size} processes of this run")
+    if layout.ep > 1 and layout.dp_shard % layout.ep:
+        raise AutoparError("layout.ep", layout.ep, "use an ep that divides dp_shard (EP folds over dp_shard)",
+                           problem=f"does not divide dp_shard={layout.dp_shard}")
+    meshes = Meshes(init_device_mesh(device_type, shape, mesh_dim_names=names), layout)
+    # flattening creates process groups (collective): same order on every rank
+    shard = ("edp", "ep") if layout.ep > 1 else ("dp_shard",)
+    if layout.ep > 1:
+        meshes._flatten("dp_shard", shard)
+        meshes._flatten("expert_dp", ("dp_replicate", "edp"))
+    meshes._flatten("dp", ("dp_replicate", *shard))
+    meshes._flatten("dp_shard_cp", (*shard, "cp"))
+    meshes._flatten("dp_cp", ("dp_replicate", *shard, "cp"))
+    if layout.dp_replicate > 1 and layout.zero_stage >= 2:  # slicing a flattened dim: only where needed
+        meshes._named["hsdp"] = meshes.world[("dp_replicate", "dp_shard_cp")]
+        if layout.ep > 1:
+            meshes._named["expert_hsdp"] = meshes.world[("dp_replicate", "edp")]
+    return meshes
+
+
+def data_rank(meshes: Meshes) -> tuple[int, int]:
+    """(dp_rank, dp_size): this rank's rows of the global batch (:func:`executor.data.split_batch`)."""
+    return meshes.coord("dp")
+
+
+def cp_rank(meshes: Meshes) -> int:
+    """This rank's index in its context-parallel group."""
+    return meshes["cp"].get_local_rank()
+
+
+def cp_shard_batch(tokens: torch.Tensor, targets: torch.Tensor,
+                   meshes: Meshes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's sequence positions of ``tokens``/``targets`` [B, S] under context parallelism:
+    the load-balanced chunks r and 2cp-1-r (:func:`executor.cp.load_balanced_positions`), and the
+    global positions [S/cp] the model needs for RoPE and the causal mask. cp = 1: unchanged, arange(S)."""
+    seq = tokens.shape[1]
+    if meshes.layout.cp == 1:
+        return tokens, targets, torch.arange(seq)
+    from executor.cp import load_balanced_positions
+
+    pos = load_balanced_positions(seq, meshes.layout.cp, cp_rank(meshes))
+    return tokens[:, pos.to(tokens.device)], targets[:, pos.to(targets.device)], pos
+
+
+def grad_scale(layout: ParallelLayout) -> int:
+    """N = dp_replicate x dp_shard x cp: the ranks the data-parallel reduction averages over; each
+    rank multiplies its loss (token-loss sum / global tokens of the step) by N."""
+    return layout.dp_replicate * layout.dp_shard * layout.cp
+
+
+def loss_scale(meshes: Meshes) -> int:
+    """:func:`grad_scale` of the mesh's layout (equals ``meshes['dp_cp'].size()``)."""
+    return grad_scale(meshes.layout)
+
+
+# ---------------------------------------------------------------- what this executor can run
+@dataclass(frozen=True)
+class _ModelFacts:
+    heads: int
+    kv_heads: int
+    vocab: int
+    ffn: int
+    tied: bool
+    num_experts: int  # 0: dense
+
+
+def _facts(spec_or_model: ModelSpec | nn.Module) -> _ModelFacts:
+    """Head counts, vocabulary, FFN width, tying and experts of a ModelSpec, a built-in or an HF model."""
+    spec = spec_or_model if isinstance(spec_or_model, ModelSpec) else getattr(spec_or_model, "spec", None)
+    if isinstance(spec, ModelSpec):
+        return _ModelFacts(spec.num_attention_heads, spec.kv_heads, spec.vocab_size, spec.ffn_hidden_size,
+                           spec.tied_embeddings, spec.moe.num_experts if spec.moe else 0)
+    cfg = spec_or_model.config  # a Hugging Face model
+    heads = cfg.num_attention_heads
+    return _ModelFacts(heads, getattr(cfg, "num_key_value_heads", None) or heads, cfg.vocab_size,
+                       cfg.intermediate_size, bool(getattr(cfg, "tie_word_embeddings", False)),
+                       getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0) or 0)
+
+
+def check_supported(layout: ParallelLayout, spec_or_model: ModelSpec | nn.Module,
+                    training: TrainingConfig | None = None, *, hf: bool = False) -> None:
+    """Raise AutoparError (field, value, reason, fix) for a layout this executor cannot honour exactly,
+    before any process starts. ``hf``: the model is a Hugging Face one (no CP/EP/selective hooks); a
+    module that is not the built-in decoder counts as one."""
+    m = _facts(spec_or_model)
+    hf = hf or (isinstance(spec_or_model, nn.Module) and not isinstance(getattr(spec_or_model, "spec", None),
+                                                                         ModelSpec))
+
+    def refuse(name: str, value: object, fix: str, problem: str) -> None:
+        raise AutoparError(name, value, fix, problem=problem)
+
+    if layout.ep > 1:
+        if not m.num_experts:
+            refuse("layout.ep", layout.ep, "use ep=1 for a dense model", "needs a Mixture-of-Experts model")
+        if layout.dp_shard % layout.ep:
+            refuse("layout.ep", layout.ep, "use an ep dividing dp_shard (EP folds over the sharded "
+                   "data-parallel ranks)", f"does not divide dp_shard={layout.dp_shard}")
+        if m.num_experts % layout.ep:
+            refuse("layout.ep", layout.ep, f"use an ep dividing num_experts={m.num_experts}",
+                   "does not split the experts evenly")
+    if m.num_experts and layout.cp > 1:
+        refuse("layout.cp", layout.cp, "use cp=1 for Mixture-of-Experts models",
+               "splits each sequence, but MoE capacity and load-balancing statistics are per forward: "
+               "a rank would route half a sequence and the loss would differ from the plan's model")
+    if layout.tp > 1:
+        if m.heads % layout.tp or m.kv_heads % layout.tp:
+            refuse("layout.tp", layout.tp, "use a tp dividing both head counts",
+                   f"does not divide num_attention_heads={m.heads} and num_kv_heads={m.kv_heads}")
+        if m.vocab % layout.tp or m.ffn % layout.tp:
+            refuse("layout.tp", layout.tp, "use a tp dividing vocab_size and ffn_hidden_size",
+                   f"does not divide vocab_size={m.vocab} and ffn_hidden_size={m.ffn} evenly")
+        if m.tied:
+            refuse("layout.tp", layout.tp, "use tp=1 or untied embeddings",
+                   "with tied embeddings is not implemented (the head and the embedding shard differently)")
+        if m.num_experts:
+            refuse("layout.tp", layout.tp, "use ep (and tp=1) for MoE models",
+                   "is not implemented for MoE experts (they are not tensor-parallel sharded)")
+    if layout.zero_stage == 1 and (layout.tp > 1 or layout.ep > 1):
+        refuse("layout.zero_stage", 1, "use zero_stage 2 or 3 (FSDP2) with tp/ep > 1",
+               "uses torch's ZeroRedundancyOptimizer, which shards plain (non-DTensor) parameters only")
+    if layout.offload_optimizer and layout.zero_stage < 2:
+        refuse("layout.offload_optimizer", True, "use zero_stage 2 or 3 (FSDP2 CPUOffloadPolicy)",
+               f"is implemented with FSDP2 offload, not with zero_stage {layout.zero_stage}")
+    if hf and (layout.cp > 1 or layout.ep > 1):
+        refuse("layout", f"cp={layout.cp}, ep={layout.ep}", "use cp=1 and ep=1 for Hugging Face models, or "
+               "the built-in model", "context/expert parallelism is implemented for the built-in model only")
+    selective = layout.recompute is Recompute.selective or any(
+        s.kind is Recompute.selective for s in layout.recompute_per_stage or [])
+    if hf and selective:
+        refuse("layout.recompute", "selective", "use full or none for Hugging Face models",
+               "needs the built-in attention's recompute hook")
+    if training is not None:
+        split = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
+        if training.seq_length % split:
+            refuse("training.seq_length", training.seq_length, f"use a multiple of {split}",
+                   "does not split into the chunks context/sequence parallelism need "
+                   "(2 x cp if cp > 1, times tp with sp)")
+
+
+# ---------------------------------------------------------------- tensor / sequence parallel
+def _adapter(model: nn.Module) -> ModelAdapter:
+    """Module paths of ``model`` (:mod:`executor.adapters`): the built-in decoder (it carries its
+    ModelSpec as ``.spec``) or a Hugging Face causal LM."""
+    if isinstance(getattr(model, "spec", None), ModelSpec):
+        return builtin_adapter(model)
+    from executor.hf import hf_adapter
+
+    return hf_adapter(model)
+
+
+def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
+    """Megatron TP plan of one decoder layer (module path -> style). Without SP the layer's input and
+    output are replicated; with SP they are sequence-sharded (Shard(1)): norms run on the shard, the
+    attention/MLP inputs are all-gathered and o_proj/down_proj reduce-scatter their outputs."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    out = Shard(1) if layout.sp else Replicate()
+    local = not (hf and layout.sp)  # HF with SP: the residual stream stays a DTensor (see apply_tp)
+    attn, mlp = a.attention, a.mlp
+    plan: dict = {f"{attn}.{a.q_proj}": ColwiseParallel(), f"{attn}.{a.k_proj}": ColwiseParallel(),
+                  f"{attn}.{a.v_proj}": ColwiseParallel(),
+                  f"{attn}.{a.o_proj}": RowwiseParallel(output_layouts=out, use_local_output=local),
+                  f"{mlp}.{a.gate_proj}": ColwiseParallel(),
+                  f"{mlp}.{a.down_proj}": RowwiseParallel(output_layouts=out, use_local_output=local)}
+    if a.up_proj is not None:  # SwiGLU's second input projection
+        plan[f"{mlp}.{a.up_proj}"] = ColwiseParallel()
+    if layout.sp:
+        plan[a.attention_norm] = SequenceParallel()
+        plan[a.ffn_norm] = SequenceParallel()
+        if hf:  # self_attn(hidden_states=..., ...)
+            plan[attn] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        else:  # Attention.forward(x, cos, sin, positions)
+            plan[attn] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None))
+        plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
+             hf: bool | None = None) -> None:
+    """Megatron-style TP (+SP) on every decoder layer, the embedding (row-wise: vocabulary-sharded
+    table) and the head (column-wise), module paths from the model's adapter. The head's output stays a
+    DTensor sharded over the vocabulary, so the cross-entropy must run under :func:`loss_context`
+    (loss-parallel: no all-gather of the logits).
+
+    Hugging Face with SP: the HF model derives its causal mask and position ids from the embedding
+    output's shape, so the embedding (and every o_proj/down_proj) returns a sequence-sharded DTensor
+    whose shape is the full sequence; the built-in model takes positions explicitly and passes plain
+    local tensors between layers, as torchtitan does. ``hf``: whether ``model`` is a Hugging Face one
+    (None: told by the model)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    a = _adapter(model)
+    hf = a.family == "hf" if hf is None else hf
+    sp = layout.sp
+    top: dict = {}
+    if _has(model, a.embedding):
+        top[a.embedding] = RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=Shard(1) if sp else Replicate(),
+                                           use_local_output=not (hf and sp))
+    if sp and _has(model, a.final_norm):
+        top[a.final_norm] = SequenceParallel()
+    if a.lm_head is not None and _has(model, a.lm_head):
+        top[a.lm_head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                         output_layouts=Shard(-1), use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for _, block in a.layer_items(model):
+        parallelize_module(block, tp_mesh, _block_plan(layout, a, hf))
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a module of ``model`` (a pipeline stage sets the ones it lacks to None)."""
+    try:
+        get_submodule(model, path)
+    except AttributeError:
+        return False
+    return True
+
+
+def loss_context(layout: ParallelLayout) -> contextlib.AbstractContextManager:
+    """Enter around loss and backward: with tp > 1 the logits are vocabulary-sharded and torch's
+    ``loss_parallel`` computes the cross-entropy from the shards (max and sum-exp all-reduced)."""
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- context / expert parallel
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Every attention of the built-in model attends over the whole sequence of the cp group
+    (:func:`executor.cp.cp_attention`); the caller feeds each rank its positions (:func:`cp_shard_batch`)."""
+    for block in model.layers.values():
+        block.attention.cp_group = cp_mesh.get_group()
+
+
+# ---------------------------------------------------------------- recompute
+def apply_recompute(model: nn.Module, choice: StageRecompute | None, layout: ParallelLayout) -> None:
+    """The stage's recompute on its first ``choice.num_layers`` blocks (``layout.recompute`` on every
+    block when ``choice`` is None).
+
+    full: the block is wrapped in ``checkpoint_wrapper``; only its input is kept and the whole block
+    runs again in the backward. selective: only the attention core — softmax(QK^T/sqrt(d) + mask) V —
+    runs under ``torch.utils.checkpoint``; the projections' inputs and outputs stay stored. That is
+    Korthikanti et al.'s selective recompute: the core holds the O(s^2) activations (scores, softmax,
+    its dropout mask: 5as/h per token of their formula) while costing few FLOPs to redo."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kind = choice.kind if choice is not None else layout.recompute
+    if kind is Recompute.none:
+        return
+    a = _adapter(model)
+    container = get_submodule(model, a.layers)
+    items = list(a.layer_items(model))
+    n = len(items) if choice is None or choice.num_layers is None else min(choice.num_layers, len(items))
+    for name, block in items[:n]:
+        if kind is Recompute.full:
+            container.add_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        else:
+            a.attention_of(block).recompute_core = True
+
+
+# ---------------------------------------------------------------- data parallel
+def _mp_policy(training: TrainingConfig | None):
+    """bf16 (fp16) parameters in forward/backward with fp32 gradient reduction; fp32 keeps fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if training is not None and training.precision in (Precision.bf16, Precision.fp16):
+        dtype = torch.bfloat16 if training.precision is Precision.bf16 else torch.float16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
+               training: TrainingConfig | None) -> None:
+    """ZeRO-2/3 and HSDP with FSDP2: each block (its routed experts first, on the expert mesh), then the root.
+
+    ZeRO-2 keeps the gathered parameters from forward to backward (reshard_after_forward=False):
+    one all-gather per step, gradients and optimizer states sharded. ZeRO-3 frees them after forward
+    when ``layout.reshard_after_forward``. Offload: ``CPUOffloadPolicy`` keeps sharded parameters,
+    gradients and optimizer states on the CPU and steps there (on a CPU-only machine a no-op move)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
+
+    kw: dict = {"mp_policy": _mp_policy(training),
+                "reshard_after_forward": layout.zero_stage == 3 and layout.reshard_after_forward}
+    if layout.offload_optimizer:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    mesh = meshes.fsdp()
+    a = _adapter(model)
+    for _, block in a.layer_items(model):
+        if layout.ep > 1 and a.is_moe(block):
+            experts = fully_shard(a.ffn_of(block).experts, mesh=meshes.expert_fsdp(), **kw)
+            experts.set_gradient_divide_factor(float(grad_scale(layout)))  # see the module docstring
+            if meshes["edp"].size() > 1 and meshes.world.device_type != "cuda":
+                # gloo has no PREMUL_SUM: reduce-scatter with SUM, then divide. (Not with a 1-rank shard
+                # group: torch 2.13 then divides twice, and no reduce-scatter runs anyway.)
+                experts.set_force_sum_reduction_for_comms(True)
+            register_fsdp_forward_method(experts, "forward_grouped")  # MoE calls it instead of forward
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+
+
+class GradAllReduce(nn.Module):
+    """Plain data parallelism for what DDP cannot wrap — DTensor parameters (TP/EP) and pipeline stages:
+    after the last backward of a step, :meth:`sync` averages every gradient over the ranks holding the
+    same parameter (``dp_cp`` for dense weights, ``expert_dp`` for expert shards), dividing by N
+    (:func:`grad_scale`) for both (the module docstring says why)."""
+
+    def __init__(self, module: nn.Module, meshes: Meshes) -> None:
+        super().__init__()
+        self.module = module
+        self.scale = grad_scale(meshes.layout)
+        expert_mesh = meshes["expert_dp"] if meshes.layout.ep > 1 else None
+        dense = meshes["dp_cp"]
+        self._meshes = {name: expert_mesh if expert_mesh is not None and ".experts." in name else dense
+                        for name, _ in module.named_parameters()}
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def sync(self) -> None:
+        """All-reduce (sum) each local gradient over its group and divide by N. A DTensor gradient left
+        Partial over the TP mesh (sequence-parallel norms) is first reduced to the parameter's placement."""
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            mesh = self._meshes[name]
+            if mesh.size() > 1:
+                dist.all_reduce(g, group=mesh.get_group())
+            if self.scale > 1:
+                g.div_(self.scale)
+
+
+def needs_manual_sync(layout: ParallelLayout) -> bool:
+    """ZeRO-0/1 where DDP cannot be used: DTensor parameters (tp/ep > 1) or a pipeline stage."""
+    return layout.zero_stage < 2 and (layout.tp > 1 or layout.ep > 1 or layout.pp > 1)
+
+
+def apply_data_parallel(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
+                        training: TrainingConfig | None = None,
+                        device: torch.device | None = None) -> nn.Module:
+    """Data parallelism of ``layout.zero_stage``; returns the module to call.
+
+    ZeRO-2/3: FSDP2 in place (:func:`apply_fsdp`), returns ``model``. ZeRO-0/1 with DTensor parameters
+    or a pipeline stage: a :class:`GradAllReduce` wrapper (call its ``sync()`` after the last backward).
+    Otherwise torch's composable DDP (``replicate``, in place; it builds its DDP at the first forward, so
+    it may be applied to a meta model before :func:`load_full_state`) over the ``dp_cp`` group, which
+    averages gradients in buckets during the backward."""
+    if layout.zero_stage >= 2:
+        apply_fsdp(model, layout, meshes, training)
+        return model
+    if needs_manual_sync(layout):
+        return GradAllReduce(model, meshes)
+    group = meshes["dp_cp"]
+    if group.size() == 1:
+        return model
+    from torch.distributed._composable.replicate import replicate
+
+    if meshes.world.device_type != "cuda":
+        return replicate(model, process_group=group.get_group())
+    device_id = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return replicate(model, process_group=group.get_group(), device_id=device_id)
+
+
+def build_optimizer(model: nn.Module | list[nn.Module], layout: ParallelLayout, meshes: Meshes,
+                    lr: float) -> torch.optim.Optimizer:
+    """AdamW with :mod:`executor.reference`'s constants. ZeRO-1: ``ZeroRedundancyOptimizer`` over the
+    ``dp_cp`` group (each rank keeps and updates the AdamW states of its share of the parameters and
+    broadcasts them after the step). ZeRO-2/3: plain AdamW on the FSDP shards (states sharded with them)."""
+    from executor.reference import BETAS, EPS, WEIGHT_DECAY, make_optimizer
+
+    parts = model if isinstance(model, list) else [model]
+    params = [p for part in parts for p in part.parameters()]
+    group = meshes["dp_cp"]
+    if layout.zero_stage == 1 and group.size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=group.get_group(),
+                                       lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return make_optimizer(params, lr)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
+    """Gradient accumulation: no gradient reduction on all but the last micro-batch of a step (DDP's
+    and FSDP2's ``set_requires_gradient_sync``). :class:`GradAllReduce` reduces only in ``sync()``."""
+    if is_last_microbatch or not hasattr(model, "set_requires_gradient_sync"):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ---------------------------------------------------------------- everything, in order
+def parallelize(model: nn.Module, layout: ParallelLayout, meshes: Meshes, *, training: TrainingConfig | None,
+                stage_recompute: StageRecompute | None = None) -> nn.Module:
+    """TP(+SP) -> CP -> EP -> recompute -> DDP/ZeRO/FSDP on ``model`` (best on the meta device; then
+    :func:`load_full_state`). Returns the module to call (``model`` or its :class:`GradAllReduce`)."""
+    if layout.tp > 1:
+        apply_tp(model, layout, meshes["tp"])
+    if layout.cp > 1:
+        apply_cp(model, meshes["cp"])
+    if layout.ep > 1:
+        from executor.moe import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes["ep"])
+    apply_recompute(model, stage_recompute, layout)
+    return apply_data_parallel(model, layout, meshes, training)
+
+
+# ---------------------------------------------------------------- weights
+def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Allocate ``model``'s (sharded) parameters on ``device`` (``to_empty``) and load the plan-independent
+    full weights: every rank passes the same full tensors and keeps its shard
+    (``set_model_state_dict(full_state_dict=True)``). Names missing from ``model`` (another pipeline
+    stage's) are skipped; a name of ``model``'s state dict missing from ``full_sd`` is an error (strict).
+
+    ``to_empty`` leaves buffers uninitialised too: a non-persistent buffer (a Hugging Face model's rotary
+    ``inv_freq``) is copied from ``full_sd`` when given there under its name (``named_buffers()`` of
+    the full model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    target = model.module if isinstance(model, GradAllReduce) else model
+    target.to_empty(device=device)
+    names = {clean_fqn(k) for k in target.state_dict()}
+    mine = {k: v for k, v in full_sd.items() if k in names}
+    set_model_state_dict(target, mine, options=StateDictOptions(full_state_dict=True, strict=True))
+    with torch.no_grad():
+        for name, buf in target.named_buffers():
+            full = full_sd.get(clean_fqn(name))
+            if full is not None and clean_fqn(name) not in names:
+                buf.copy_(full)
+
+
+def materialise(parts: list[nn.Module], full_sd: dict[str, torch.Tensor], device: torch.device) -> None:
+    """:func:`load_full_state` for each model chunk of this rank."""
+    for part in parts:
+        load_full_state(part, full_sd, device)
+
+
+def clean_fqn(name: str) -> str:
+    """The plan-independent parameter name: wrapper prefixes (recompute, DDP) removed."""
+    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")

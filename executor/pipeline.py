@@ -1,0 +1,279 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the plan's layer split and schedule.
+
+**Split.** The model is cut into ``pp x virtual_stages`` chunks (pipeline stages) of consecutive
+layers. ``layout.layers_per_stage`` holds one count per chunk, in pipeline order (the planner's
+contract, :mod:`planner.search.stages`: chunk ``c`` holds the next ``layers_per_stage[c]`` layers);
+without it the planner's default split is used (:func:`planner.cost.predict.default_layer_split`:
+as even as possible, extra layers to the interior chunks first). Chunk ``c`` runs on pipeline rank
+``c % pp`` — rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``, the interleaved placement torch's
+multi-stage schedules expect and the one the planner prices (``StageModel.rank_layers``). Every
+chunk holds at least one layer (as the planner's search guarantees).
+
+Each chunk is a copy of the model with the other layers deleted from ``layers`` (a ModuleDict, so a
+kept layer keeps its name "7" and checkpoints do not depend on the plan), the embedding only on
+chunk 0 and the final norm and LM head only on the last chunk; a chunk without them takes or
+returns hidden states ``[B, S, D]``.
+
+**Schedules** (``layout.schedule``): ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``,
+``interleaved_1f1b`` -> ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank),
+``zero_bubble`` -> ``ScheduleInterleavedZeroBubble`` with one chunk per rank: ZB-H1 (Qi et al. 2024),
+each backward split into an input-gradient step on the critical path and a weight-gradient step that
+fills the bubble, the schedule :mod:`planner.cost.pipeline` prices. (The V-shaped ZBV schedule needs
+two chunks per rank, which the plan contract does not allow with ``zero_bubble``.) All four run on
+gloo and NCCL. Gradients are not rescaled by the schedule (``scale_grads=False``): the loss function
+returns each micro-batch's share of the step loss, so the accumulated gradient is the step's.
+
+**Loss.** ``loss_fn(logits, targets)`` of a micro-batch returns its token-loss sum divided by the
+step's global token count (:func:`executor.reference.lm_loss`), so the micro-batch losses of all
+data-parallel pipelines sum to the global mean. The schedule backpropagates ``grad_scale x`` that
+(the data-parallel reduction then averages, see :func:`executor.parallelize.grad_scale`).
+
+**MoE load-balancing loss.** It arises inside every chunk, not at the pipeline's end, so each chunk's
+output passes through :class:`_AuxLossGrad`: identity in the forward, and in the backward it also
+seeds ``d(aux)/d(aux) = aux_weight x grad_scale``, i.e. the gradient of ``aux_weight x aux`` joins the
+chunk's backward exactly as if it were added to the loss (the reference adds ``aux / n_micro`` per
+micro-batch, so ``aux_weight = 1 / micro-batches of the global batch``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.contracts import ModelSpec, ParallelLayout, Schedule
+from planner.cost.predict import default_layer_split
+from planner.errors import AutoparError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---------------------------------------------------------------- split
+def num_chunks(layout: ParallelLayout) -> int:
+    """Pipeline stages of the whole pipeline: ``pp x virtual_stages``."""
+    return layout.pp * layout.virtual_stages
+
+
+def stage_layer_ids(layout: ParallelLayout, num_layers: int) -> list[list[int]]:
+    """Layer indices of every chunk (pipeline stage), in pipeline order: chunk ``c`` holds
+    ``layers_per_stage[c]`` consecutive layers after those of chunks ``0..c-1`` and runs on rank
+    ``c % pp``. ``layers_per_stage`` None: the planner's default split."""
+    n = num_chunks(layout)
+    if layout.layers_per_stage is None:
+        if n > num_layers:
+            raise AutoparError("layout.pp x virtual_stages", n, f"use at most num_layers={num_layers} stages",
+                               problem="is more pipeline stages than the model has layers")
+        counts = default_layer_split(num_layers, n)
+    else:
+        counts = list(layout.layers_per_stage)
+        if len(counts) != n:
+            raise AutoparError("layout.layers_per_stage", counts,
+                               f"give one count per stage: pp x virtual_stages = {n} counts",
+                               problem=f"has {len(counts)} entries")
+        if sum(counts) != num_layers:
+            raise AutoparError("layout.layers_per_stage", counts,
+                               f"make the counts sum to num_layers={num_layers}",
+                               problem=f"sums to {sum(counts)}")
+        if min(counts) < 1:
+            raise AutoparError("layout.layers_per_stage", counts, "give every stage at least one layer",
+                               problem=f"leaves stage {counts.index(min(counts))} empty")
+    starts = [sum(counts[:c]) for c in range(n)]
+    return [list(range(s, s + k)) for s, k in zip(starts, counts)]
+
+
+def rank_chunks(layout: ParallelLayout, pp_rank: int) -> list[int]:
+    """The chunk (stage) indices pipeline rank ``pp_rank`` runs, in pipeline order: r, r + pp, ..."""
+    return list(range(pp_rank, num_chunks(layout), layout.pp))
+
+
+def _check_builtin_model(model: nn.Module, pp: int) -> None:
+    if not isinstance(getattr(model, "spec", None), ModelSpec) or not isinstance(
+            getattr(model, "layers", None), nn.ModuleDict):
+        raise AutoparError("layout.pp", pp, "use pp=1 for Hugging Face models, or the built-in model",
+                           problem="pipeline splitting is implemented for the built-in decoder only (a "
+                           "Hugging Face decoder computes rotary embeddings and masks in its outer forward)")
+
+
+def split_model(model: nn.Module, layout: ParallelLayout, pp_rank: int) -> list[nn.Module]:
+    """For each chunk of pipeline rank ``pp_rank`` (see :func:`rank_chunks`), a deep copy of the built-in
+    ``model`` (build it on the meta device: copies are then free) holding only the chunk's layers
+    (names kept), the embedding only on chunk 0, the final norm and head only on the last chunk."""
+    _check_builtin_model(model, layout.pp)
+    if model.output is None and layout.pp > 1:
+        raise AutoparError("model.tied_embeddings", True, "use untied embeddings (tied_embeddings: false) "
+                           "or pp=1", problem="would share one weight between the first and the last stage")
+    ids = stage_layer_ids(layout, len(model.layers))
+    last = num_chunks(layout) - 1
+    parts = []
+    for c in rank_chunks(layout, pp_rank):
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in ids[c]}
+        for name in [k for k in part.layers if k not in keep]:
+            del part.layers[name]
+        if c != 0:
+            part.tok_embeddings = None
+        if c != last:
+            part.norm, part.output, part.has_head = None, None, False
+        parts.append(part)
+    return parts
+
+
+# ---------------------------------------------------------------- checks before any process starts
+def check_pipeline(layout: ParallelLayout, spec: ModelSpec | int, n_microbatches: int | None = None, *,
+                   hf: bool = False) -> None:
+    """Raise AutoparError for a pipeline this executor cannot run: a split that does not fit the model
+    (``spec``: the ModelSpec or its number of layers), a Hugging Face model with pp > 1, tied embeddings
+    with pp > 1, and per-rank micro-batch counts (``n_microbatches``, one data-parallel pipeline's)
+    that torch's schedule refuses: 1F1B needs at least pp, the multi-chunk schedules a multiple of
+    ``n // pp`` rounds."""
+    num_layers = spec.num_layers if isinstance(spec, ModelSpec) else spec
+    stage_layer_ids(layout, num_layers)
+    if layout.pp == 1:
+        return
+    if hf:
+        raise AutoparError("layout.pp", layout.pp, "use pp=1 for Hugging Face models, or the built-in model",
+                           problem="pipeline splitting is implemented for the built-in decoder only")
+    if isinstance(spec, ModelSpec) and spec.tied_embeddings:
+        raise AutoparError("model.tied_embeddings", True, "use untied embeddings or pp=1",
+                           problem=f"with pp={layout.pp} would share one weight between the first and last "
+                           "stage")
+    if n_microbatches is None:
+        return
+    pp, n = layout.pp, n_microbatches
+    if layout.schedule is Schedule.one_f_one_b and n < pp:
+        raise AutoparError("micro-batches per pipeline", n,
+                           f"use at least pp={pp} micro-batches (global batch / (dp x micro_batch_size)), "
+                           "or schedule gpipe",
+                           problem="are fewer than the pipeline stages, which torch's 1F1B refuses")
+    rounds = max(1, n // pp)
+    if layout.schedule in (Schedule.interleaved_1f1b, Schedule.zero_bubble) and n % rounds:
+        raise AutoparError("micro-batches per pipeline", n,
+                           f"use a multiple of pp={pp} (or fewer than {pp}) micro-batches per pipeline",
+                           problem=f"do not split into rounds of pp micro-batches ({n} // {pp} = {rounds} "
+                           f"rounds), which torch's {layout.schedule.value} schedule needs")
+
+
+# ---------------------------------------------------------------- schedule
+class _AuxLossGrad(torch.autograd.Function):
+    """``forward(h, aux, w) = h``; ``backward(g) = (g, w, -)``: the gradient of ``w x aux`` joins the
+    backward of the stage whose output is ``h`` although ``aux`` is not a stage output."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: ANN001
+        ctx.weight, ctx.aux_meta = weight, (aux.shape, aux.dtype, aux.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
+class _MoEChunk(nn.Module):
+    """A chunk whose MoE load-balancing loss (weight ``aux_weight``, times ``grad_scale`` in the gradient)
+    enters the backward through its output; ``aux_values`` records each forward's aux loss (detached)."""
+
+    def __init__(self, part: nn.Module, aux_weight: float, grad_scale: float) -> None:
+        super().__init__()
+        self.part, self.aux_weight, self.grad_scale = part, aux_weight, grad_scale
+        self.aux_values: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.part(x)
+        aux = self.part.aux_loss().to(out.device)
+        self.aux_values.append(aux.detach())
+        return _AuxLossGrad.apply(out, aux, self.aux_weight * self.grad_scale)
+
+
+@dataclass(frozen=True)
+class _StepInfo:
+    """What :func:`pipeline_step` needs to know of :func:`build_schedule`'s arguments."""
+
+    grad_scale: float
+    n_microbatches: int
+
+
+def _has_moe(part: nn.Module) -> bool:
+    return any(getattr(block, "moe", None) is not None for block in part.layers.values())
+
+
+def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: dist.ProcessGroup,
+                   pp_rank: int | None = None, *, n_microbatches: int, loss_fn: LossFn, device: torch.device,
+                   grad_scale: float = 1.0, aux_weight: float = 0.0):  # noqa: ANN201
+    """``(schedule, stages)``: a ``PipelineStage`` per chunk of this rank (``split_model``'s order;
+    stage index ``pp_rank + i x pp``, ``pp x virtual_stages`` stages) and the ``layout.schedule``'s torch
+    schedule over ``n_microbatches`` micro-batches per step (see the module docstring).
+
+    ``loss_fn(logits, targets)``: a micro-batch's token-loss sum / the step's global token count; the
+    schedule backpropagates it times ``grad_scale``. ``aux_weight`` > 0 adds each MoE chunk's
+    load-balancing loss times ``aux_weight`` (x ``grad_scale`` in the gradient) per micro-batch.
+    ``pp_rank``: this rank's index in ``pp_group`` (default: looked up)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    group_rank = dist.get_rank(group=pp_group)
+    if pp_rank is not None and pp_rank != group_rank:
+        raise AutoparError("pp_rank", pp_rank, f"pass this process's rank in pp_group ({group_rank})",
+                           problem="differs from the pipeline group's rank")
+    if dist.get_world_size(group=pp_group) != layout.pp:
+        raise AutoparError("pp_group", f"{dist.get_world_size(group=pp_group)} ranks",
+                           f"use the mesh's pp group of layout.pp={layout.pp} ranks",
+                           problem="is not the pipeline")
+    indices = rank_chunks(layout, group_rank)
+    if len(chunks) != len(indices):
+        raise AutoparError("chunks", f"{len(chunks)} modules",
+                           f"pass split_model(model, layout, {group_rank})",
+                           problem=f"but pipeline rank {group_rank} runs {len(indices)} stages")
+    _check_builtin_model(chunks[0], layout.pp)
+    check_pipeline(layout, chunks[0].spec, n_microbatches)
+    modules = [_MoEChunk(part, aux_weight, grad_scale) if aux_weight and _has_moe(part) else part
+               for part in chunks]
+    n = num_chunks(layout)
+    stages = [PipelineStage(m, c, n, device, group=pp_group) for m, c in zip(modules, indices)]
+    scaled = loss_fn if grad_scale == 1.0 else (lambda out, tgt: loss_fn(out, tgt) * grad_scale)
+    kind = layout.schedule
+    if kind is Schedule.zero_bubble:
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn=scaled, scale_grads=False)
+    elif kind is Schedule.interleaved_1f1b:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=scaled, scale_grads=False)
+    else:
+        cls = ScheduleGPipe if kind is Schedule.gpipe else Schedule1F1B
+        schedule = cls(stages[0], n_microbatches, loss_fn=scaled, scale_grads=False)
+    schedule.autopar_step = _StepInfo(grad_scale, n_microbatches)  # read back by pipeline_step
+    return schedule, stages
+
+
+def pipeline_step(schedule, stages: list, tokens: torch.Tensor | None,  # noqa: ANN001
+                  targets: torch.Tensor | None, is_first: bool, is_last: bool) -> float:
+    """Run one step's forwards and backwards (gradients accumulate in the chunks' parameters).
+
+    ``tokens`` [n_microbatches x mbs, S] are needed on the first pipeline rank only, ``targets`` on the
+    last only. Returns this rank's share of the step loss, unscaled by ``grad_scale``: on the last rank
+    the sum of the micro-batch losses (``loss_fn``'s values), plus on every rank ``aux_weight x`` the
+    MoE aux losses of its chunks' micro-batches; the sum over all pipeline and data-parallel ranks
+    (an all-reduce the caller does) is the step's loss, as :func:`executor.reference.reference_run`
+    reports it."""
+    recorders = [s.submod for s in stages if isinstance(s.submod, _MoEChunk)]
+    for r in recorders:
+        r.aux_values.clear()
+    losses: list[torch.Tensor] = []
+    args = (tokens,) if is_first else ()
+    kwargs = {"target": targets, "losses": losses} if is_last else {}
+    schedule.step(*args, **kwargs)
+    share = 0.0
+    for loss in losses:
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        share += float(loss.detach()) / schedule.autopar_step.grad_scale
+    n = schedule.autopar_step.n_microbatches
+    for r in recorders:  # the last n forwards: the first step's metadata inference runs one more
+        share += r.aux_weight * float(sum(v.float() for v in r.aux_values[-n:]))
+    return share

@@ -1,0 +1,164 @@
+"""`autopar run`: refusals before any process starts, a DP4 run end to end with a valid RunReport whose
+losses equal the single-process reference, a rank killed mid-run and restarted from its checkpoint,
+and a 3-D plan found by the planner's search run for the built-in model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
+from run_plans import ROOT, SPEC, TRAINING, child_env, profile_for, reference_losses, write_plan
+
+from planner.contracts import ClusterProfile, Precision, RunReport
+
+
+def autopar_run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from planner.cli import main; main()", "run", *args]
+    return subprocess.run(cmd, check=False, env=env or child_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_unsupported_plans_are_refused_before_any_process_starts(tmp_path: Path) -> None:
+    plan = write_plan(tmp_path / "ok.json", dp_shard=4)
+    cases = {
+        # expert parallelism on a dense model
+        "ep.json": (plan.model_copy(update={"layout": plan.layout.model_copy(update={"ep": 2})}), "layout.ep"),
+        # a mesh of 4 ranks in a plan that says 8
+        "n8.json": (plan.model_copy(update={"num_gpus": 8}), "plan.num_gpus"),
+        # 8 sequences do not split over dp=4 x micro-batch 4
+        "mb.json": (plan.model_copy(update={"layout": plan.layout.model_copy(update={"micro_batch_size": 4})}),
+                    "global_batch_size"),
+    }
+    for name, (bad, field) in cases.items():
+        (tmp_path / name).write_text(bad.model_dump_json())
+        t0 = time.perf_counter()
+        r = autopar_run(str(tmp_path / name), "--steps", "2")
+        assert r.returncode == 2, (name, r.stdout, r.stderr)
+        assert field in r.stderr and "starting" not in r.stderr, (name, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert time.perf_counter() - t0 < 60
+    # an existing checkpoint without --resume, and a report upload without the plan's id
+    (tmp_path / "ck" / "step_2").mkdir(parents=True)
+    (tmp_path / "ck" / "step_2" / ".metadata").write_text("")
+    r = autopar_run(str(tmp_path / "ok.json"), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert r.returncode == 2 and "--resume" in r.stderr and "step 2" in r.stderr, r.stderr
+    r = autopar_run(str(tmp_path / "ok.json"), "--server", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--plan-id" in r.stderr, r.stderr
+    (tmp_path / "broken.json").write_text('{"model": 3}')
+    r = autopar_run(str(tmp_path / "broken.json"))
+    assert r.returncode == 2 and "not a valid Plan" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_autopar_run_dp4_writes_a_valid_report_matching_the_reference(tmp_path: Path) -> None:
+    plan = write_plan(tmp_path / "plan.json", dp_shard=4)
+    # a CPU profile whose measured matmul rate sets the MFU's peak
+    prof = profile_for(4).model_copy(update={"kind": "measured"})
+    prof.compute.achieved_matmul_tflops = {Precision.fp32: 0.05}
+    (tmp_path / "prof.json").write_text(ClusterProfile.model_validate(prof.model_dump()).model_dump_json())
+    r = autopar_run(str(tmp_path / "plan.json"), "--steps", "5", "--warmup", "2", "--out", str(tmp_path / "r.json"),
+                    "--profile", str(tmp_path / "prof.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+    assert report.num_ranks == 4 and report.device == "cpu" and report.memory_kind == "rss"
+    assert [s.step for s in report.steps] == [0, 1, 2, 3, 4] and report.warmup_steps == 2
+    assert len(report.peak_memory_bytes_per_rank) == 4 and min(report.peak_memory_bytes_per_rank) > 50 * 2**20
+    assert report.median_step_time_s == pytest.approx(sorted(s.time_s for s in report.steps[2:])[1])
+    assert report.tokens_per_s == pytest.approx(TRAINING.tokens_per_step / report.median_step_time_s)
+    assert report.mfu == pytest.approx(plan.prediction.model_flops_per_step / (report.median_step_time_s * 4 * 0.05e12))
+    assert report.environment.backend == "gloo" and report.environment.torch_version
+    ref, _ = reference_losses(5)
+    assert [s.loss for s in report.steps] == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    assert "step time" in r.stdout and "tokens/s" in r.stdout
+
+
+def _final_state(ckpt: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(ckpt) + ".pt")
+    return torch.load(str(ckpt) + ".pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    import torch
+
+    # FSDP (ZeRO-3): its reductions have a fixed layout. Under DDP the resumed run's first step would use
+    # DDP's initial gradient buckets, the uninterrupted run the rebuilt ones: a ring all-reduce then sums
+    # in another order and the weights agree to ~1e-7, not bit for bit.
+    write_plan(tmp_path / "plan.json", dp_shard=4, zero_stage=3)
+    marker = tmp_path / "died"
+    r = autopar_run(str(tmp_path / "plan.json"), "--steps", "6", "--checkpoint-dir", str(tmp_path / "a"),
+                    "--checkpoint-every", "2", "--max-restarts", "1", "--out", str(tmp_path / "a.json"),
+                    env=child_env(AUTOPAR_TEST_DIE=f"2:3:{marker}"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert marker.exists(), "rank 2 never exited: the hook did not fire"
+    assert "resumed from" in r.stdout and "continuing at step 2" in r.stdout
+    r = autopar_run(str(tmp_path / "plan.json"), "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"),
+                    "--checkpoint-every", "2", "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = _final_state(tmp_path / "a" / "step_6"), _final_state(tmp_path / "b" / "step_6")
+    assert set(a["model"]) == set(b["model"]) and a["progress"]["step"] == 6
+    for name in b["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for key, value in b["optim"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(a["optim"][key], value), key
+    ra = RunReport.model_validate_json((tmp_path / "a.json").read_text())
+    rb = RunReport.model_validate_json((tmp_path / "b.json").read_text())
+    assert [s.loss for s in ra.steps] == [s.loss for s in rb.steps]  # history restored from the checkpoint
+
+
+@pytest.mark.slow
+def test_a_3d_plan_from_the_search_runs_for_the_built_in_model(tmp_path: Path) -> None:
+    from planner.search import SearchOptions, search
+
+    prof = profile_for(4)
+    plan = search(SPEC, TRAINING, prof, SearchOptions(top_k=50, max_micro_batch_size=1, time_budget_s=20))
+    layouts = [plan.layout, *[a.layout for a in plan.alternatives]]
+    multi = [lay for lay in layouts if sum(d > 1 for d in (lay.pp, lay.tp, lay.dp)) >= 2]
+    assert multi, [lay.model_dump(exclude_defaults=True) for lay in layouts]
+    chosen = next((lay for lay in multi if lay.pp > 1 and lay.tp > 1), multi[0])
+    from executor.train import plan_for
+
+    run_plan = plan_for(SPEC, TRAINING, chosen, prof)
+    (tmp_path / "plan.json").write_text(run_plan.model_dump_json())
+    r = autopar_run(str(tmp_path / "plan.json"), "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+    assert report.layout == chosen
+    ref, _ = reference_losses(3)
+    assert [s.loss for s in report.steps] == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_runs_under_tp2_x_dp2_like_the_reference(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import json
+
+    from executor.data import SyntheticTokens
+    from executor.hf import build_hf_model
+    from executor.reference import reference_run
+    from executor.train import plan_for
+    from planner.contracts import ParallelLayout
+    from planner.hf_config import model_spec_from_hf_config
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 64,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = model_spec_from_hf_config(tmp_path / "config.json")
+    plan = plan_for(spec, TRAINING, ParallelLayout(tp=2, dp_shard=2), profile_for(4))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    r = autopar_run(str(tmp_path / "plan.json"), "--hf-config", str(tmp_path / "config.json"), "--steps", "3",
+                    "--warmup", "1", "--out", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+    ref = reference_run(build_hf_model(config, seed=0), SyntheticTokens(64, TRAINING.seq_length, 0), steps=3,
+                        global_batch=TRAINING.global_batch_seqs, micro_batch_size=1)
+    assert [s.loss for s in report.steps] == pytest.approx(ref.losses, rel=1e-5)
