@@ -1,4 +1,4 @@
-# autopar CLI (planner only; the profiler and executor run on the training machines with their own torch)
+# autopar service and CLI (planner + api; the profiler and executor run on the training machines with their own torch)
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -7,5 +7,6 @@ COPY api ./api
 COPY profiler ./profiler
 COPY executor ./executor
 RUN pip install --no-cache-dir .
+EXPOSE 8000
 ENTRYPOINT ["autopar"]
-CMD ["--help"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -22,19 +22,17 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 run: install
-	@echo "== autopar predict: Llama 3.1 70B on 8 x DGX H100 (TP8 x PP2 x DP4, interleaved 1F1B) =="
-	$(VENV)/bin/autopar predict --model llama3.1-70b --cluster dgx-h100 --nodes 8 \
-		--global-batch 256 --seq 8192 --tp 8 --pp 2 --dp 4 --sp --zero 1 \
-		--schedule interleaved_1f1b --vp 5 --micro-batch 1 --recompute selective
-	@echo "== autopar plan: the fastest layout of Llama 3.1 70B on the same 64 GPUs (search) =="
-	$(VENV)/bin/autopar plan --model llama3.1-70b --cluster dgx-h100 --nodes 8 --global-batch 256 --seq 8192 --top 3
+	@# migrate the SQLite file autopar.db, load the reference profiles, serve on 127.0.0.1:8000,
+	@# post one example plan and print the URLs (Ctrl-C stops; DATABASE_URL=postgresql://... for PostgreSQL)
+	$(VENV)/bin/autopar serve --host 127.0.0.1 --port 8000 --example
 
 test: install
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests
 
 bench: install
 	$(PY) benchmarks/validate_published.py
 	$(PY) benchmarks/search.py
+	$(PY) benchmarks/api_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
