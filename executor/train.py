@@ -142,7 +142,10 @@ def _build(plan: Plan, opts: RunOptions) -> tuple[nn.Module, dict[str, torch.Ten
         from executor.hf import build_hf_model
 
         config = json.loads(Path(opts.hf_config).read_text())
-        full_sd = build_hf_model(config, seed=opts.seed).state_dict()
+        full = build_hf_model(config, seed=opts.seed)
+        # state_dict() leaves out non-persistent buffers (the rotary inv_freq): pass them too, or
+        # to_empty() leaves them uninitialised (materialise copies buffers given by name)
+        full_sd = {**dict(full.named_buffers()), **full.state_dict()}
         with torch.device("meta"):
             model = build_hf_model(config, seed=opts.seed)
         return model, full_sd, True
