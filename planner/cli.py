@@ -321,6 +321,9 @@ def plan(
     max_micro_batch: Annotated[int, typer.Option(min=1, help="largest micro-batch size to consider")] = 16,
     max_vp: Annotated[int, typer.Option(min=1, help="most virtual stages per rank to consider")] = 8,
     max_tp: Annotated[Optional[int], typer.Option(min=1, help="largest TP degree (default: GPUs per node)")] = None,
+    max_pp: Annotated[Optional[int], typer.Option(min=1, help="largest pipeline depth (1: no pipeline)")] = None,
+    max_cp: Annotated[Optional[int], typer.Option(min=1, help="largest context-parallel degree (1: no CP)")] = None,
+    max_ep: Annotated[Optional[int], typer.Option(min=1, help="largest expert-parallel degree (1: no EP)")] = None,
     zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
     schedules: Annotated[str, typer.Option(help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
     no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
@@ -342,6 +345,7 @@ def plan(
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
     opts = SearchOptions(top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
+                         max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
                          tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
