@@ -12,8 +12,10 @@ Order (:func:`parallelize`; each step sees the result of the previous one):
    (:func:`build_optimizer`); ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)``; ZeRO-3:
    ``fully_shard(reshard_after_forward=layout.reshard_after_forward)``; HSDP over a 2-D
    (dp_replicate, dp_shard x cp) mesh when dp_replicate > 1; each block first, then the root.
-   bf16/fp16 plans get FSDP2's ``MixedPrecisionPolicy`` (fp32 gradient reduction); ZeRO-0/1 run in
-   the dtype the model was built in. Optimizer offload is FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
+   bf16 plans get FSDP2's ``MixedPrecisionPolicy`` (bf16 gathers and compute, fp32 gradient
+   reduction); under ZeRO-0/1 the step runs in ``torch.autocast(bf16)`` (:func:`autocast_context`).
+   Either way parameters, gradients and optimizer states stay fp32 (master weights). fp16 (needs loss
+   scaling) and fp8 (needs Transformer Engine / torchao float8 kernels) are refused. Optimizer offload is FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
 
 Mesh (:func:`build_mesh`): dims ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost first, every dim
 kept even at size 1 (so every named sub-mesh exists under every plan). With expert parallelism
@@ -236,6 +238,10 @@ def check_supported(layout: ParallelLayout, spec_or_model: ModelSpec | nn.Module
     if hf and selective:
         refuse("layout.recompute", "selective", "use full or none for Hugging Face models",
                "needs the built-in attention's recompute hook")
+    if training is not None and training.precision in (Precision.fp16, Precision.fp8):
+        refuse("training.precision", training.precision.value, "use bf16 (or fp32)",
+               "is not implemented by the executor: fp16 needs dynamic loss scaling and fp8 needs "
+               "Transformer Engine / torchao float8 GEMMs; the planner still predicts it")
     if training is not None:
         split = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
         if training.seq_length % split:
@@ -384,13 +390,21 @@ def apply_recompute(model: nn.Module, choice: StageRecompute | None, layout: Par
 
 # ---------------------------------------------------------------- data parallel
 def _mp_policy(training: TrainingConfig | None):
-    """bf16 (fp16) parameters in forward/backward with fp32 gradient reduction; fp32 keeps fp32."""
+    """bf16 parameters in forward/backward with fp32 gradient reduction; fp32 keeps fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if training is not None and training.precision in (Precision.bf16, Precision.fp16):
-        dtype = torch.bfloat16 if training.precision is Precision.bf16 else torch.float16
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if training is not None and training.precision is Precision.bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def autocast_context(layout: ParallelLayout, training: TrainingConfig, device: torch.device):
+    """bf16 mixed precision where FSDP2 does not provide it (ZeRO-0/1: DDP, gradient all-reduce,
+    ZeroRedundancyOptimizer): ``torch.autocast`` runs matmuls in bf16 while parameters stay fp32.
+    Entered around forward and backward (a pipeline schedule interleaves them)."""
+    if training.precision is Precision.bf16 and layout.zero_stage < 2:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,

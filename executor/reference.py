@@ -53,11 +53,12 @@ class ReferenceResult:
 
 def reference_run(spec_or_model: ModelSpec | nn.Module, data: TokenSource, *, steps: int, global_batch: int,
                   micro_batch_size: int, lr: float = LR, seed: int = 0, aux_loss: bool = True,
-                  start_step: int = 0) -> ReferenceResult:
+                  start_step: int = 0, autocast: torch.dtype | None = None) -> ReferenceResult:
     """Train for ``steps`` optimizer steps on ``data.batch(step, global_batch)``, steps numbered from
     ``start_step``. A ModelSpec is built on CPU in fp32 with :func:`executor.model.init_weights`
     (``seed``); a module (built-in or Hugging Face, whose output's ``.logits`` is used) is trained in
-    place as it is.
+    place as it is. ``autocast``: run forward and backward under ``torch.autocast(dtype)`` (the
+    executor's bf16 mixed precision under ZeRO-0/1); parameters stay as they are.
 
     Step loss = sum over micro-batches m of [CE_sum(m) / (global_batch x seq_length)
     + aux(m) / n_micro], i.e. the mean token loss of the unsplit batch plus the mean MoE aux loss."""
@@ -82,12 +83,13 @@ def reference_run(spec_or_model: ModelSpec | nn.Module, data: TokenSource, *, st
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in batch.split(micro_batch_size):
-            out = model(mb[:, :-1])
-            logits = getattr(out, "logits", out)
-            loss = lm_loss(logits, mb[:, 1:], tokens_total)
-            if aux_loss and hasattr(model, "aux_loss"):
-                loss = loss + model.aux_loss() / n_micro
-            loss.backward()
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(mb[:, :-1])
+                logits = getattr(out, "logits", out)
+                loss = lm_loss(logits, mb[:, 1:], tokens_total)
+                if aux_loss and hasattr(model, "aux_loss"):
+                    loss = loss + model.aux_loss() / n_micro
+                loss.backward()
             total += loss.item()
         if step == start_step:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -237,12 +237,25 @@ class Runtime:
 
     def step(self, step: int) -> float:
         """Forward and backward of step ``step`` (gradients reduced); returns the global loss, same on every rank."""
+        from executor.parallelize import autocast_context
+
+        tokens, targets = self._local_batch(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocast_context(self.layout, self.plan.training, self.device):
+            local = self._forward_backward(tokens, targets)
+        for s in self.sync:
+            s.sync()
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        # every TP rank of a data-parallel rank computed the same loss: count it once
+        return total.item() / self.layout.tp
+
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """All micro-batches of one step (pipelined or accumulated); this rank's share of the loss."""
         from executor.parallelize import loss_context, no_sync
         from executor.pipeline import pipeline_step
         from executor.reference import lm_loss
 
-        tokens, targets = self._local_batch(step)
-        self.optimizer.zero_grad(set_to_none=True)
         local = 0.0
         if self.schedule is not None:
             with loss_context(self.layout):
@@ -261,12 +274,7 @@ class Runtime:
                     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                     local += float(value.detach().item())
                     (loss * self.scale).backward()
-        for s in self.sync:
-            s.sync()
-        total = torch.tensor([local], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        # every TP rank of a data-parallel rank computed the same loss: count it once
-        return total.item() / self.layout.tp
+        return local
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient of this rank's parts as a full tensor (collective over the sharding meshes)."""
