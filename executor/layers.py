@@ -76,7 +76,7 @@ class Attention(nn.Module):
         if self.cp_group is not None:
             from executor.cp import cp_attention
 
-            def core(q, k, v):  # noqa: ANN001, ANN202
+            def core(q, k, v):
                 return cp_attention(q, k, v, positions=positions, group=self.cp_group)
         else:
             core = attention_core

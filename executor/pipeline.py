@@ -163,12 +163,12 @@ class _AuxLossGrad(torch.autograd.Function):
     backward of the stage whose output is ``h`` although ``aux`` is not a stage output."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
         ctx.weight, ctx.aux_meta = weight, (aux.shape, aux.dtype, aux.device)
         return hidden.view_as(hidden)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         shape, dtype, device = ctx.aux_meta
         return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
@@ -203,7 +203,7 @@ def _has_moe(part: nn.Module) -> bool:
 
 def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: dist.ProcessGroup,
                    pp_rank: int | None = None, *, n_microbatches: int, loss_fn: LossFn, device: torch.device,
-                   grad_scale: float = 1.0, aux_weight: float = 0.0):  # noqa: ANN201
+                   grad_scale: float = 1.0, aux_weight: float = 0.0):
     """``(schedule, stages)``: a ``PipelineStage`` per chunk of this rank (``split_model``'s order;
     stage index ``pp_rank + i x pp``, ``pp x virtual_stages`` stages) and the ``layout.schedule``'s torch
     schedule over ``n_microbatches`` micro-batches per step (see the module docstring).
@@ -252,7 +252,7 @@ def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: di
     return schedule, stages
 
 
-def pipeline_step(schedule, stages: list, tokens: torch.Tensor | None,  # noqa: ANN001
+def pipeline_step(schedule, stages: list, tokens: torch.Tensor | None,
                   targets: torch.Tensor | None, is_first: bool, is_last: bool) -> float:
     """Run one step's forwards and backwards (gradients accumulate in the chunks' parameters).
 

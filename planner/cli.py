@@ -10,7 +10,7 @@ import json
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -59,14 +59,14 @@ def describe_validation_error(exc: ValidationError, what: str) -> str:
 
 # ---------------------------------------------------------------- inputs
 # options shared by `predict` and `plan`
-OptModel = Annotated[Optional[str], typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")]
-OptModelFile = Annotated[Optional[Path], typer.Option(help="ModelSpec JSON file")]
-OptHfConfig = Annotated[Optional[Path], typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
-OptCluster = Annotated[Optional[str], typer.Option(help="reference cluster (see `autopar clusters`)")]
-OptNodes = Annotated[Optional[int], typer.Option(min=1, help="number of nodes (reference clusters; default 1)")]
-OptProfile = Annotated[Optional[Path], typer.Option(help="ClusterProfile JSON (measured or reference)")]
-OptGlobalBatch = Annotated[Optional[int], typer.Option(min=1, help="sequences per optimizer step")]
-OptGlobalBatchTokens = Annotated[Optional[int], typer.Option(min=1, help="tokens per optimizer step")]
+OptModel = Annotated[str | None, typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")]
+OptModelFile = Annotated[Path | None, typer.Option(help="ModelSpec JSON file")]
+OptHfConfig = Annotated[Path | None, typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
+OptCluster = Annotated[str | None, typer.Option(help="reference cluster (see `autopar clusters`)")]
+OptNodes = Annotated[int | None, typer.Option(min=1, help="number of nodes (reference clusters; default 1)")]
+OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
+OptGlobalBatch = Annotated[int | None, typer.Option(min=1, help="sequences per optimizer step")]
+OptGlobalBatchTokens = Annotated[int | None, typer.Option(min=1, help="tokens per optimizer step")]
 OptSeq = Annotated[int, typer.Option(min=1, help="sequence length")]
 OptPrecision = Annotated[Precision, typer.Option()]
 OptOptimizer = Annotated[Optimizer, typer.Option()]
@@ -269,15 +269,15 @@ def predict(
     pp: Annotated[int, typer.Option(min=1, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, help="context parallel degree")] = 1,
     ep: Annotated[int, typer.Option(min=1, help="expert parallel degree")] = 1,
-    dp: Annotated[Optional[int], typer.Option(min=1, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
-    dp_replicate: Annotated[Optional[int], typer.Option(min=1, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
+    dp: Annotated[int | None, typer.Option(min=1, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
+    dp_replicate: Annotated[int | None, typer.Option(min=1, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
     sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
     zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group (0 = DDP)")] = 0,
     reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
     micro_batch: Annotated[int, typer.Option(min=1, help="micro-batch size (sequences)")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="pipeline schedule")] = Schedule.one_f_one_b,
     vp: Annotated[int, typer.Option(min=1, help="virtual stages per pipeline rank (interleaved)")] = 1,
-    layers_per_stage: Annotated[Optional[str], typer.Option(help="comma-separated layers per (virtual) stage")] = None,
+    layers_per_stage: Annotated[str | None, typer.Option(help="comma-separated layers per (virtual) stage")] = None,
     recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
     tp_overlap: Annotated[bool, typer.Option(help="overlap TP collectives with GEMMs")] = False,
@@ -320,10 +320,10 @@ def plan(
     top: Annotated[int, typer.Option("--top", min=1, max=50, help="alternatives to keep (top K plans)")] = 5,
     max_micro_batch: Annotated[int, typer.Option(min=1, help="largest micro-batch size to consider")] = 16,
     max_vp: Annotated[int, typer.Option(min=1, help="most virtual stages per rank to consider")] = 8,
-    max_tp: Annotated[Optional[int], typer.Option(min=1, help="largest TP degree (default: GPUs per node)")] = None,
-    max_pp: Annotated[Optional[int], typer.Option(min=1, help="largest pipeline depth (1: no pipeline)")] = None,
-    max_cp: Annotated[Optional[int], typer.Option(min=1, help="largest context-parallel degree (1: no CP)")] = None,
-    max_ep: Annotated[Optional[int], typer.Option(min=1, help="largest expert-parallel degree (1: no EP)")] = None,
+    max_tp: Annotated[int | None, typer.Option(min=1, help="largest TP degree (default: GPUs per node)")] = None,
+    max_pp: Annotated[int | None, typer.Option(min=1, help="largest pipeline depth (1: no pipeline)")] = None,
+    max_cp: Annotated[int | None, typer.Option(min=1, help="largest context-parallel degree (1: no CP)")] = None,
+    max_ep: Annotated[int | None, typer.Option(min=1, help="largest expert-parallel degree (1: no EP)")] = None,
     zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
     schedules: Annotated[str, typer.Option(help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
     no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
@@ -333,7 +333,7 @@ def plan(
     ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
     time_budget: Annotated[float, typer.Option(min=0.1, help="seconds after which the search stops and returns its best")] = 20.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
-    out: Annotated[Optional[Path], typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
+    out: Annotated[Path | None, typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
 ) -> None:
     """Search every layout (TP/PP/DP/SP/CP/EP x ZeRO x recompute x micro-batch x schedule) for the fastest that fits."""
     from rich.progress import Progress
@@ -412,7 +412,7 @@ def explain(
 def export(
     plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
     to: Annotated[str, typer.Option("--to", help="megatron | deepspeed | torchtitan")],
-    out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="write the files here instead of printing them")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="write the files here instead of printing them")] = None,
 ) -> None:
     """Write the launch arguments / config of a plan for Megatron-LM, DeepSpeed or torchtitan."""
     from planner.export import export_plan
@@ -484,7 +484,7 @@ def validate(
 
 @app.command()
 def schema(
-    out: Annotated[Optional[Path], typer.Option(help="directory to write one <Contract>.schema.json per contract")] = None,
+    out: Annotated[Path | None, typer.Option(help="directory to write one <Contract>.schema.json per contract")] = None,
 ) -> None:
     """JSON Schema of every contract (ModelSpec, TrainingConfig, ClusterProfile, Plan, Prediction, RunReport)."""
     schemas = json_schemas()

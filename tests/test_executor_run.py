@@ -193,10 +193,10 @@ def test_bf16_plans_train_in_mixed_precision_with_fp32_master_weights(tmp_path: 
     TP2 x FSDP2 (MixedPrecisionPolicy): each run follows the single-process bf16 reference, not the fp32
     one, and the checkpointed weights are fp32 (master weights)."""
     import torch
+    from run_plans import GBS, SEQ
 
     from executor.data import SyntheticTokens
     from executor.reference import reference_run
-    from run_plans import GBS, SEQ
 
     def ref(dtype):
         return reference_run(SPEC, SyntheticTokens(SPEC.vocab_size, SEQ, 0), steps=3, global_batch=GBS,
@@ -206,8 +206,8 @@ def test_bf16_plans_train_in_mixed_precision_with_fp32_master_weights(tmp_path: 
     # bf16 visibly changes the numbers; a run that silently stayed fp32 would sit on the fp32 curve
     gap = max(abs(a - b) / b for a, b in zip(bf16, fp32))
     assert 5e-6 < gap < 2e-2, (bf16, fp32)
-    layouts = {"ddp": dict(dp_shard=4, zero_stage=0), "pp": dict(pp=2, dp_shard=2, zero_stage=1),
-               "fsdp": dict(dp_shard=4, zero_stage=3), "tp_fsdp": dict(tp=2, sp=True, dp_shard=2, zero_stage=3)}
+    layouts = {"ddp": {"dp_shard": 4, "zero_stage": 0}, "pp": {"pp": 2, "dp_shard": 2, "zero_stage": 1},
+               "fsdp": {"dp_shard": 4, "zero_stage": 3}, "tp_fsdp": {"tp": 2, "sp": True, "dp_shard": 2, "zero_stage": 3}}
     for name, lay in layouts.items():
         plan = write_plan(tmp_path / f"{name}.json", **lay, micro_batch_size=1)
         plan = plan.model_copy(update={"training": plan.training.model_copy(update={"precision": Precision.bf16})})
@@ -239,3 +239,63 @@ def test_fp16_and_fp8_plans_are_refused_with_the_fix(tmp_path: Path) -> None:
         (tmp_path / "p.json").write_text(plan.model_dump_json())
         r = autopar_run(str(tmp_path / "p.json"), "--steps", "1")
         assert r.returncode == 2 and "training.precision" in r.stderr and "bf16" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_prediction(tmp_path: Path) -> None:
+    """The service round trip: upload a profile, POST a model spec for a plan, run that plan with
+    `autopar run --server --token --plan-id`, then read the run back next to the plan's prediction."""
+    import httpx
+    from conftest import free_port
+
+    from planner.contracts import Plan
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer tok"}
+    proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import main; main()", "serve", "--port", str(port),
+                             "--database-url", f"sqlite:///{tmp_path / 'svc.db'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**child_env(), "AUTOPAR_TOKENS": "tok"}, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        prof = httpx.post(f"{base}/v1/profiles", json=profile_for(4).model_dump(mode="json"), headers=auth, timeout=30)
+        assert prof.status_code == 201, prof.text
+        req = {"model": {"spec": SPEC.model_dump(mode="json")}, "training": TRAINING.model_dump(mode="json"),
+               "profile_id": prof.json()["id"], "options": {"top_k": 3, "max_micro_batch_size": 1}}
+        made = httpx.post(f"{base}/v1/plans", json=req, headers=auth, timeout=120)
+        assert made.status_code == 201, made.text
+        plan_id = made.json()["id"]
+        plan = Plan.model_validate(httpx.get(f"{base}/v1/plans/{plan_id}", timeout=30).json()["plan"])
+        (tmp_path / "plan.json").write_text(plan.model_dump_json())
+        # the planner's own pick must be one the executor runs
+        r = autopar_run(str(tmp_path / "plan.json"), "--steps", "3", "--warmup", "1", "--server", base,
+                        "--plan-id", str(plan_id), "--out", str(tmp_path / "r.json"),
+                        env={**child_env(), "AUTOPAR_TOKEN": "tok"})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert f"of plan #{plan_id}" in r.stderr, r.stderr
+        report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+        runs = httpx.get(f"{base}/v1/runs", params={"plan_id": plan_id}, timeout=30).json()
+        assert runs["total"] == 1, runs
+        run = httpx.get(f"{base}/v1/runs/{runs['items'][0]['id']}", timeout=30).json()
+        assert run["measured_step_s"] == pytest.approx(report.median_step_time_s)
+        assert run["predicted_step_s"] == pytest.approx(plan.prediction.step_time_s)
+        assert [s["loss"] for s in run["report"]["steps"]] == [s.loss for s in report.steps]
+        ref, _ = reference_losses(3)
+        assert [s.loss for s in report.steps] == pytest.approx(ref, rel=1e-5)
+        # without the token the upload is refused with a clear message, and the run is not stored twice
+        env = {k: v for k, v in child_env().items() if k != "AUTOPAR_TOKEN"}
+        r = autopar_run(str(tmp_path / "plan.json"), "--steps", "1", "--warmup", "0", "--server", base,
+                        "--plan-id", str(plan_id), env=env)
+        assert r.returncode == 2 and "token" in r.stderr.lower() and "Traceback" not in r.stderr, r.stderr
+        assert httpx.get(f"{base}/v1/runs", params={"plan_id": plan_id}, timeout=30).json()["total"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
