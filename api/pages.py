@@ -22,7 +22,7 @@ from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
-from planner.contracts.cluster import Collective, LinkLevel
+from planner.contracts.cluster import Collective, LinkLevel, link_key
 from planner.contracts.common import Precision
 
 log = logging.getLogger("autopar.pages")
@@ -118,6 +118,8 @@ def index(request: Request) -> HTMLResponse:
 
 def link_charts(profile: ClusterProfile) -> list[dict]:
     """Per link level: bus bandwidth vs message size, measured points and the α-β fit."""
+    from planner.cost.comm import pick_segment
+
     out = []
     sizes = _log_range(4 * 1024, 1024**3)
     for level in LEVELS:
@@ -125,16 +127,28 @@ def link_charts(profile: ClusterProfile) -> list[dict]:
         if not links:
             continue
         series, measured = [], False
-        for i, link in enumerate(links):
+        # one series per link: the segments of a piecewise link draw as one line (each size priced
+        # by the segment covering it, as the planner does) and one set of markers
+        groups: dict = {}
+        for link in links:
+            groups.setdefault(link_key(link) if link.segmented else id(link), []).append(link)
+        for i, segs in enumerate(groups.values()):
+            link = segs[0]
             color = charts.PALETTE[i % len(charts.PALETTE)]
             n = link.group_size or 8
             factor = ring_factor(link.collective, n) or 1.0
             name = f"{link.collective.value} (n={n})" if link.group_size else link.collective.value
-            fit = [(b, b * factor / (link.alpha_s + b * factor / link.busbw_bytes_per_s) / 1e9) for b in sizes]
-            series.append(Series(f"{name} fit", fit, "line", color, dashed=bool(link.points)))
-            if link.points:
+            if len(segs) > 1:
+                name += f", {len(segs)} segments"
+            fit = []
+            for b in sizes:
+                seg = pick_segment(segs, b)
+                fit.append((b, b * factor / (seg.alpha_s + b * factor / seg.busbw_bytes_per_s) / 1e9))
+            points = sorted((p for seg in segs for p in seg.points), key=lambda p: p.bytes)
+            series.append(Series(f"{name} fit", fit, "line", color, dashed=bool(points)))
+            if points:
                 measured = True
-                pts = [(p.bytes, p.bytes * factor / p.time_s / 1e9) for p in link.points if p.bytes > 0]
+                pts = [(p.bytes, p.bytes * factor / p.time_s / 1e9) for p in points if p.bytes > 0]
                 series.append(Series(f"{name} measured", pts, "markers", color,
                                      labels=[f"{name}: {fmt_bytes(b)} at {v:.3g} GB/s" for b, v in pts]))
         note = ("markers: measured; dashed: α-β fit t = α + bytes·factor / busbw" if measured else

@@ -2,14 +2,22 @@
 
 Every collective is timed on the *full buffer* the planner prices (:func:`planner.cost.comm.collective_time_s`):
 the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
-the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
-group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
-dominate). A rank's time is its median over trials; the time recorded is the maximum over ranks
-(the slowest rank finishes the collective).
+the point-to-point message. Each size is timed in trials (twice as many up to 1 MiB); each trial
+starts at a barrier of the group and times ``reps`` back-to-back calls (more for small messages, so
+barrier skew does not dominate). A rank's time is its *fastest* trial: on a shared machine the
+scheduler preempts ranks for whole milliseconds, and the median of 5 trials still moved by 50-800%
+between repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle
+cluster minimum and median agree. The time recorded is the maximum over ranks (the slowest rank
+finishes the collective).
 
 The points are fitted to ``t = alpha_s + slope · bytes`` by least squares on the *relative* error
-(weights ``1/t²``, so a 4 KiB message counts as much as a 256 MiB one), with ``alpha_s ≥ 0``. The
-slope becomes a bus bandwidth in the planner's own convention:
+(weights ``1/t²``, so a 4 KiB message counts as much as a 256 MiB one), with ``alpha_s ≥ 0``.
+Transports change regime with size (messages that stay in cache vs ones that do not, eager vs
+rendezvous protocols), so the fit is *piecewise* where one line misses by more than 10% and more
+segments clearly help (:func:`fit_segments`): up to 3 contiguous size ranges of ≥ 3 points, each
+stored as its own :class:`LinkProfile` entry with ``min_bytes``/``max_bytes``; the planner prices a
+message with the segment covering it. Each segment's slope becomes a bus bandwidth in the planner's
+own convention:
 
 - intra-node, and across nodes with one rank per node: ``busbw = ring_factor(collective, n) / slope``
   (2(n-1)/n all-reduce; (n-1)/n all-gather, reduce-scatter, all-to-all; 1 p2p);
@@ -31,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
-from planner.contracts.cluster import TimedPoint
-from planner.cost.comm import GroupPlacement, collective_time_s, ring_factor
+from planner.contracts.cluster import TimedPoint, link_key
+from planner.cost.comm import GroupPlacement, collective_time_s, link_segments, pick_segment, ring_factor
 
 COLLECTIVES = (Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all,
                Collective.p2p)
@@ -40,6 +48,7 @@ KIB, MIB = 1024, 1024 * 1024
 DEFAULT_MIN_BYTES = 4 * KIB
 DEFAULT_MAX_BYTES = 256 * MIB
 QUICK_MAX_BYTES = 16 * MIB
+HOST_MIN_MAX_BYTES = 64 * MIB  # host<->device copies are measured to this size at least
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -65,6 +74,11 @@ def reps_for(nbytes: int) -> int:
     if nbytes <= 8 * MIB:
         return 2
     return 1
+
+
+def trials_for(nbytes: int, trials: int) -> int:
+    """Trials of one size: twice as many up to 1 MiB (cheap there, and where scheduler noise is largest)."""
+    return 2 * trials if nbytes <= MIB else trials
 
 
 def buffer_bytes_per_rank(collective: Collective, nbytes: int, group_size: int) -> int:
@@ -142,12 +156,104 @@ def busbw_from_slope(collective: Collective, slope: float, group_size: int, per_
     return ring_factor(collective, n) / slope
 
 
+MIN_SEGMENT_POINTS = 3
+MAX_SEGMENTS = 3
+SPLIT_ABOVE = 0.10  # a single line within 10% everywhere is kept as it is
+SPLIT_GAIN = 0.7  # another segment must cut the worst relative error to 70% of it or less ...
+SPLIT_MIN_DROP = 0.05  # ... and by 5 percentage points at least
+
+
+@dataclass
+class Segment:
+    """Points ``lo..hi-1`` (sorted by size) fitted by one line, covering ``[min_bytes, max_bytes)``."""
+
+    lo: int
+    hi: int
+    fit: Fit
+    min_bytes: int | None
+    max_bytes: int | None
+
+
+def _best_split(points: list[TimedPoint], k: int, min_points: int) -> tuple[float, list[tuple[int, int]]] | None:
+    """The split of the sorted points into ``k`` contiguous runs (each ≥ ``min_points``) whose worst
+    per-run fit error is smallest: (worst error, [(lo, hi), ...])."""
+    n = len(points)
+    if k * min_points > n:
+        return None
+    cache: dict[tuple[int, int], float] = {}
+
+    def err(lo: int, hi: int) -> float:
+        if (lo, hi) not in cache:
+            cache[(lo, hi)] = fit_alpha_beta(points[lo:hi]).worst_rel_err
+        return cache[(lo, hi)]
+
+    best: tuple[float, list[tuple[int, int]]] | None = None
+
+    def walk(lo: int, left: int, runs: list[tuple[int, int]], worst: float) -> None:
+        nonlocal best
+        if best is not None and worst >= best[0]:
+            return
+        if left == 1:
+            if n - lo >= min_points:
+                w = max(worst, err(lo, n))
+                if best is None or w < best[0]:
+                    best = (w, [*runs, (lo, n)])
+            return
+        for hi in range(lo + min_points, n - (left - 1) * min_points + 1):
+            walk(hi, left - 1, [*runs, (lo, hi)], max(worst, err(lo, hi)))
+
+    walk(0, k, [], 0.0)
+    return best
+
+
+def fit_segments(points: list[TimedPoint], max_segments: int = MAX_SEGMENTS,
+                 min_points: int = MIN_SEGMENT_POINTS) -> list[Segment]:
+    """Piecewise α-β: 1 to ``max_segments`` contiguous size ranges, each its own line.
+
+    Breakpoints minimise the worst relative error over all points; another segment is taken only
+    when it clearly helps (the one-line fit misses by more than 10%, and each added segment cuts the
+    worst error to ≤ 70% of it, by ≥ 5 points). Each range has ≥ ``min_points`` points. Ranges meet at
+    the geometric mean of the neighbouring measured sizes; the first starts and the last ends unbounded.
+    """
+    pts = sorted(points, key=lambda p: p.bytes)
+    runs = [(0, len(pts))]
+    worst = fit_alpha_beta(pts).worst_rel_err
+    if worst > SPLIT_ABOVE:
+        for k in range(2, max_segments + 1):
+            found = _best_split(pts, k, min_points)
+            if found is None or not (found[0] <= SPLIT_GAIN * worst and worst - found[0] >= SPLIT_MIN_DROP):
+                break
+            worst, runs = found
+    out = []
+    for i, (lo, hi) in enumerate(runs):
+        lo_b = None if i == 0 else int(round(math.sqrt(pts[lo - 1].bytes * pts[lo].bytes)))
+        hi_b = None if i == len(runs) - 1 else int(round(math.sqrt(pts[hi - 1].bytes * pts[hi].bytes)))
+        out.append(Segment(lo, hi, fit_alpha_beta(pts[lo:hi]), lo_b, hi_b))
+    return out
+
+
 def fit_link(level: LinkLevel, collective: Collective, group_size: int, per_node: int, points: list[TimedPoint],
              source: str) -> LinkProfile:
-    fit = fit_alpha_beta(points)
-    return LinkProfile(level=level, collective=collective, group_size=group_size, alpha_s=fit.alpha_s,
-                       busbw_bytes_per_s=busbw_from_slope(collective, fit.slope_s_per_byte, group_size, per_node, level),
-                       points=points, fit_r2=fit.r2, source=source)
+    """One line through all the points (an unsegmented entry)."""
+    return fit_link_segments(level, collective, group_size, per_node, points, source, max_segments=1)[0]
+
+
+def fit_link_segments(level: LinkLevel, collective: Collective, group_size: int, per_node: int,
+                      points: list[TimedPoint], source: str, max_segments: int = MAX_SEGMENTS) -> list[LinkProfile]:
+    """The link's entries: one per fitted segment (:func:`fit_segments`), each with its own points."""
+    pts = sorted(points, key=lambda p: p.bytes)
+    segs = fit_segments(pts, max_segments)
+    out = []
+    for seg in segs:
+        note = "" if len(segs) == 1 else f"; segment {len(out) + 1} of {len(segs)} (piecewise α-β)"
+        if level is LinkLevel.host_device:
+            busbw = 1.0 / max(seg.fit.slope_s_per_byte, MIN_SLOPE)
+        else:
+            busbw = busbw_from_slope(collective, seg.fit.slope_s_per_byte, group_size, per_node, level)
+        out.append(LinkProfile(level=level, collective=collective, group_size=group_size, alpha_s=seg.fit.alpha_s,
+                               busbw_bytes_per_s=busbw, points=pts[seg.lo:seg.hi], fit_r2=seg.fit.r2,
+                               source=source + note, min_bytes=seg.min_bytes, max_bytes=seg.max_bytes))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -163,36 +269,47 @@ def link_placement(profile: ClusterProfile, link: LinkProfile) -> GroupPlacement
 
 
 def link_fit_report(profile: ClusterProfile, *, print_table: bool = False) -> list[dict]:
-    """For each measured link: R² and worst relative error of the planner's own prediction
-    (``collective_time_s`` on this profile, the link looked up as the planner does) vs the points."""
+    """For each measured link (its segments together): R² and worst relative error of the planner's
+    own prediction (``collective_time_s`` on this profile, the link looked up as the planner does)
+    vs the points."""
     rows: list[dict] = []
-    for link in profile.links:
-        if not link.points:
+    seen: set = set()
+    for first in profile.links:
+        key = link_key(first) if first.segmented else id(first)
+        if not first.points or key in seen:
             continue
-        if link.level is LinkLevel.host_device:
-            pred = [link.alpha_s + p.bytes / link.busbw_bytes_per_s for p in link.points]
+        seen.add(key)
+        segs = link_segments(profile.links, first.level, first.collective, first.group_size)
+        if not first.segmented:
+            segs = [first]  # unsegmented duplicates (older profiles): each judged as before, the first here
+        points = sorted((p for s in segs for p in s.points), key=lambda p: p.bytes)
+        if first.level is LinkLevel.host_device:
+            pred = [(lambda s: s.alpha_s + p.bytes / s.busbw_bytes_per_s)(pick_segment(segs, p.bytes)) for p in points]
         else:
             # only this level's entry of this group size, plus the intra-node entries the planner
             # may take the minimum with, so the prediction is of *this* link
-            others = [x for x in profile.links if x.level is LinkLevel.intra_node and x is not link
-                      and link.level is LinkLevel.inter_node]
-            sub = profile.model_copy(update={"links": [link, *others]})
-            group = link_placement(profile, link)
-            pred = [collective_time_s(sub, link.collective, group, p.bytes) for p in link.points]
-        ts = [p.time_s for p in link.points]
+            others = [x for x in profile.links if x.level is LinkLevel.intra_node and all(x is not s for s in segs)
+                      and first.level is LinkLevel.inter_node]
+            sub = profile.model_copy(update={"links": [*segs, *others]})
+            group = link_placement(profile, first)
+            pred = [collective_time_s(sub, first.collective, group, p.bytes) for p in points]
+        ts = [p.time_s for p in points]
         errs = [(q - t) / t for q, t in zip(pred, ts)]
         worst_i = max(range(len(errs)), key=lambda i: abs(errs[i]))
+        big = pick_segment(segs, None)
         rows.append({
-            "level": link.level.value, "collective": link.collective.value, "group_size": link.group_size,
-            "alpha_us": link.alpha_s * 1e6, "busbw_GBps": link.busbw_bytes_per_s / 1e9,
-            "r2": _r2(ts, pred), "fit_r2": link.fit_r2, "worst_rel_err": abs(errs[worst_i]),
-            "worst_at_bytes": link.points[worst_i].bytes, "points": len(ts),
+            "level": first.level.value, "collective": first.collective.value, "group_size": first.group_size,
+            "alpha_us": big.alpha_s * 1e6, "busbw_GBps": big.busbw_bytes_per_s / 1e9, "segments": len(segs),
+            "r2": _r2(ts, pred), "fit_r2": big.fit_r2, "worst_rel_err": abs(errs[worst_i]),
+            "worst_at_bytes": points[worst_i].bytes, "points": len(ts),
         })
     if print_table:
-        print(f"{'level':<12}{'collective':<16}{'n':>3}{'alpha us':>10}{'busbw GB/s':>12}{'R2':>8}{'worst err':>11}  at")
+        print(f"{'level':<12}{'collective':<16}{'n':>3}{'seg':>4}{'alpha us':>10}{'busbw GB/s':>12}{'R2':>8}"
+              f"{'worst err':>11}  at   (α, busbw of the largest-message segment)")
         for r in rows:
-            print(f"{r['level']:<12}{r['collective']:<16}{r['group_size'] or '-':>3}{r['alpha_us']:>10.1f}"
-                  f"{r['busbw_GBps']:>12.3f}{r['r2']:>8.4f}{r['worst_rel_err'] * 100:>10.1f}%  {r['worst_at_bytes']} B")
+            print(f"{r['level']:<12}{r['collective']:<16}{r['group_size'] or '-':>3}{r['segments']:>4}"
+                  f"{r['alpha_us']:>10.1f}{r['busbw_GBps']:>12.3f}{r['r2']:>8.4f}{r['worst_rel_err'] * 100:>10.1f}%"
+                  f"  {r['worst_at_bytes']} B")
     return rows
 
 
@@ -333,14 +450,14 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                     op()
                 _sync(device)
                 trial_s = []
-                for _ in range(plan.trials):
+                for _ in range(trials_for(nbytes, plan.trials)):
                     dist.barrier(group=group)
                     t0 = time.perf_counter()
                     for _ in range(reps):
                         op()
                     _sync(device)
                     trial_s.append((time.perf_counter() - t0) / reps)
-                per_call = statistics.median(trial_s)
+                per_call = min(trial_s)  # the least disturbed trial (module docstring)
                 if collective is Collective.p2p:
                     per_call /= 2.0  # a ping-pong is two one-way messages
                 times[i] = per_call
@@ -351,8 +468,8 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         size = 2 if collective is Collective.p2p else spec.size
         per_node = spec.per_node
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) concurrently, {plan.trials} trials, "
-                  f"median per rank, max over ranks, α-β weighted least squares (relative error)")
-        links.append(fit_link(spec.level, collective, size, per_node, points, source))
+                  f"(2x up to 1 MiB), fastest trial per rank, max over ranks, α-β weighted least squares (relative error)")
+        links.extend(fit_link_segments(spec.level, collective, size, per_node, points, source))
     if progress is not None:
         progress("links done", total, total)
     return links
@@ -405,10 +522,7 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
                     "the host link so optimizer-offload plans can still be priced")
-        fit = fit_alpha_beta(points)
-        out.append(LinkProfile(level=LinkLevel.host_device, collective=collective, group_size=1, alpha_s=fit.alpha_s,
-                               busbw_bytes_per_s=1.0 / max(fit.slope_s_per_byte, MIN_SLOPE), points=points,
-                               fit_r2=fit.r2, source=src_text))
+        out.extend(fit_link_segments(LinkLevel.host_device, collective, 1, 1, points, src_text))
     if is_cuda:
         notes.append("host<->device pageable (unpinned) copy bandwidth at the largest size: "
                      + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in pageable.items()))
@@ -428,4 +542,4 @@ def _time_copy(fn: Callable[[], None], device, trials: int, reps: int) -> float:
             fn()
         _sync(device)
         ts.append((time.perf_counter() - t0) / reps)
-    return statistics.median(ts)
+    return min(ts)

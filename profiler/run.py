@@ -22,7 +22,8 @@ from planner.contracts.cluster import Assumptions
 from planner.errors import AutoparError
 from profiler import identity
 from profiler.links import (
-    DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank, measure_host_device,
+    DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, HOST_MIN_MAX_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank,
+    measure_host_device,
     measure_links, message_sizes, plan_groups,
 )
 
@@ -230,7 +231,9 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 if c.precisions:
                     grid.precisions = c.precisions
                 compute = measure_compute(device, grid, progress=report("compute"))
-                host_sizes = message_sizes(c.sizes[0], c.sizes[-1], quick=True)
+                # every 2x and to 64 MiB at least: copies are cheap, and the step where copies leave the
+                # cache (a few MiB on a CPU) needs 3 points past it for a segment of its own
+                host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
                 host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
                 grid_notes = list(grid.notes)
             # the others wait here; rank 0's compute can take minutes, so wait with a monitored

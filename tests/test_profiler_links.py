@@ -8,9 +8,10 @@ import pytest
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel
 from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
-from planner.cost.comm import GroupPlacement, collective_time_s
+from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.links import (
-    busbw_from_slope, fit_alpha_beta, fit_link, link_fit_report, message_sizes, plan_groups,
+    busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, link_fit_report, message_sizes,
+    plan_groups,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -114,3 +115,110 @@ def test_group_plan_4_ranks_2_per_node():
     assert [s.size for s in plan_groups(8, 4) if s.level is LinkLevel.intra_node] == [2, 4]
     p2p = [s for s in plan_groups(16, 4) if Collective.p2p in s.collectives]
     assert {(s.level, s.size) for s in p2p} == {(LinkLevel.intra_node, 2), (LinkLevel.inter_node, 2)}
+
+
+# ------------------------------------------------------------------------------ piecewise α-β
+
+
+def _two_regimes() -> list[TimedPoint]:
+    """In cache up to 2 MiB (20 µs + 50 GB/s), out of cache above (5 GB/s, 10x slower per byte)."""
+    return [TimedPoint(bytes=b, time_s=20e-6 + b / 50e9 if b <= 2 << 20 else 60e-6 + b / 5e9) for b in SIZES]
+
+
+def test_two_regimes_need_two_segments():
+    pts = _two_regimes()
+    assert fit_alpha_beta(pts).worst_rel_err > 0.2  # one line cannot follow the step
+    segs = fit_segments(pts)
+    assert len(segs) == 2
+    assert max(s.fit.worst_rel_err for s in segs) < 1e-6
+    lo, hi = segs
+    assert lo.min_bytes is None and hi.max_bytes is None and lo.max_bytes == hi.min_bytes
+    assert 2 << 20 < lo.max_bytes < 4 << 20  # between the last in-cache and the first out-of-cache size
+    assert lo.fit.alpha_s == pytest.approx(20e-6) and 1 / lo.fit.slope_s_per_byte == pytest.approx(50e9)
+    assert 1 / hi.fit.slope_s_per_byte == pytest.approx(5e9)
+
+
+def test_one_regime_stays_one_line():
+    assert len(fit_segments(_points(25e-6, 1 / 50e9, noise=0.05, seed=3))) == 1
+    assert len(fit_segments(_points(25e-6, 1 / 50e9))) == 1
+
+
+def test_segments_keep_three_points_and_at_most_three():
+    # four regimes: never more than 3 segments, each from >= 3 points
+    pts = [TimedPoint(bytes=b, time_s=(1 + 3 * (i // 4)) * (1e-5 + b / 1e10)) for i, b in enumerate(SIZES)]
+    segs = fit_segments(pts)
+    assert 2 <= len(segs) <= 3 and all(s.hi - s.lo >= 3 for s in segs)
+    few = fit_segments(_two_regimes()[:5])  # 5 points: no split leaves 3 on each side
+    assert len(few) == 1
+
+
+@pytest.mark.parametrize("collective", [Collective.all_reduce, Collective.all_to_all, Collective.p2p])
+def test_piecewise_link_priced_per_segment_by_the_planner(collective):
+    pts = _two_regimes()
+    size = 2 if collective is Collective.p2p else 4
+    segs = fit_link_segments(LinkLevel.intra_node, collective, size, size, pts, "t")
+    assert len(segs) == 2 and all("segment" in s.source for s in segs)
+    prof = _profile(segs, nodes=1, per_node=8)
+    for p in pts:
+        assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(p.time_s, rel=1e-6)
+    rows = link_fit_report(prof)
+    assert len(rows) == 1 and rows[0]["segments"] == 2 and rows[0]["points"] == len(pts)
+    assert rows[0]["worst_rel_err"] < 1e-6 and rows[0]["r2"] == pytest.approx(1.0)
+    # across nodes, 2 ranks per node: the stored per-rank network busbw still reproduces each segment
+    inter = fit_link_segments(LinkLevel.inter_node, collective, 4, 2, pts, "t") if collective is not Collective.p2p else []
+    if inter:
+        fast = LinkProfile(level=LinkLevel.intra_node, collective=collective, group_size=2, alpha_s=0, busbw_bytes_per_s=1e15)
+        prof = _profile([*inter, fast])
+        for p in pts:
+            assert collective_time_s(prof, collective, GroupPlacement(4, 2), p.bytes) == pytest.approx(p.time_s, rel=1e-6)
+
+
+def _seg(lo, hi, busbw, collective=Collective.all_reduce, n=2) -> LinkProfile:
+    return LinkProfile(level=LinkLevel.intra_node, collective=collective, group_size=n, alpha_s=0.0,
+                       busbw_bytes_per_s=busbw, min_bytes=lo, max_bytes=hi)
+
+
+def test_planner_picks_covering_segment_else_nearest():
+    segs = [_seg(1000, 10_000, 1e9), _seg(10_000, 100_000, 2e9), _seg(1_000_000, None, 4e9)]
+    prof = _profile(segs, nodes=1)
+    pick = lambda b: find_link(prof, LinkLevel.intra_node, Collective.all_reduce, 2, b).busbw_bytes_per_s  # noqa: E731
+    assert pick(1000) == 1e9 and pick(9999) == 1e9 and pick(10_000) == 2e9 and pick(5e6) == 4e9
+    assert pick(10) == 1e9  # below every segment: the smallest
+    assert pick(200_000) == 2e9 and pick(800_000) == 4e9  # in the gap: the nearer by size ratio
+    assert pick(None) == 4e9  # no size: the large-message segment (bulk transfers)
+    t = collective_time_s(prof, Collective.all_reduce, GroupPlacement(2, 2), 50_000)
+    assert t == pytest.approx(50_000 / 2e9)
+    # the group-size lookup still takes the nearest measured size, then its segments
+    other = _seg(None, None, 9e9, n=8)
+    prof = _profile([*segs, other], nodes=1, per_node=8)
+    assert find_link(prof, LinkLevel.intra_node, Collective.all_reduce, 8, 5000).busbw_bytes_per_s == 9e9
+    assert find_link(prof, LinkLevel.intra_node, Collective.all_reduce, 2, 5000).busbw_bytes_per_s == 1e9
+
+
+def test_segment_contract_validation():
+    with pytest.raises(ValueError, match="min_bytes=4096 >= max_bytes=4096"):
+        _seg(4096, 4096, 1e9)
+    with pytest.raises(ValueError, match="overlapping segments"):
+        _profile([_seg(None, 10_000, 1e9), _seg(5_000, None, 2e9)], nodes=1)
+    with pytest.raises(ValueError, match="overlapping segments"):
+        _profile([_seg(None, 10_000, 1e9), _seg(None, None, 2e9)], nodes=1)
+    # touching ranges are fine; so are unbounded duplicates (older profiles) and other group sizes
+    _profile([_seg(None, 10_000, 1e9), _seg(10_000, None, 2e9), _seg(None, None, 3e9, n=4)], nodes=1, per_node=4)
+    _profile([_seg(None, None, 1e9), _seg(None, None, 2e9)], nodes=1)
+    # round trip through JSON, and the schema names the new fields
+    prof = _profile([_seg(None, 10_000, 1e9), _seg(10_000, None, 2e9)], nodes=1)
+    again = ClusterProfile.model_validate_json(prof.model_dump_json())
+    assert [(x.min_bytes, x.max_bytes) for x in again.links] == [(None, 10_000), (10_000, None)]
+    props = ClusterProfile.model_json_schema()["$defs"]["LinkProfile"]["properties"]
+    assert "min_bytes" in props and "max_bytes" in props
+
+
+def test_link_chart_draws_segments_as_one_series():
+    pages = pytest.importorskip("api.pages")
+    segs = fit_link_segments(LinkLevel.intra_node, Collective.all_reduce, 2, 2, _two_regimes(), "t")
+    plain = fit_link(LinkLevel.intra_node, Collective.all_gather, 2, 2, _points(1e-5, 1e-9), "t")
+    charts = pages.link_charts(_profile([*segs, plain], nodes=1))
+    svg = str(charts[0]["svg"])
+    assert svg.count("<title>all_reduce (n=2), 2 segments fit</title>") == 1  # one line for both segments
+    assert svg.count("<title>all_gather (n=2) fit</title>") == 1
+    assert "<title>all_reduce (n=2) fit</title>" not in svg

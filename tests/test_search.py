@@ -455,3 +455,73 @@ def test_profile_without_host_link_plans_without_offload_and_says_why():
     assert not plan.layout.offload_optimizer
     assert all(not a.layout.offload_optimizer for a in plan.alternatives)
     assert plan.search.removed_by_rule["optimizer offload needs a host<->device link in the profile"] == 1
+
+
+# ------------------------------------------------------------------ split bounds before CP-SAT
+SPLIT_CASES = [  # (preset, layers, seq, pp): memory binds at the longer sequences; deepseek: two block kinds
+    ("mixtral-8x7b", 6, 16384, 2), ("mixtral-8x7b", 6, 32768, 3), ("mixtral-8x7b", 5, 24576, 2),
+    ("deepseek-v3", 5, 8192, 2), ("deepseek-v3", 6, 16384, 3),
+]
+
+
+def _split_cases():  # noqa: ANN202
+    for name, layers, seq, pp in SPLIT_CASES:
+        model, prof = small(name, layers), reference_profile("dgx-a100-40gb", 1)
+        tr = TrainingConfig(global_batch_size=16, seq_length=seq)
+        ep = 4 if model.moe is not None else 1
+        for zero, offload, reshard in ((0, False, True), (1, False, True), (1, True, True), (2, False, True),
+                                       (3, False, True), (3, False, False)):
+            for sched in (Schedule.one_f_one_b, Schedule.zero_bubble, Schedule.gpipe):
+                lay = ParallelLayout(tp=1, pp=pp, dp_shard=8 // pp if 8 % pp == 0 else 1, ep=ep if 8 % pp == 0 else 1,
+                                     zero_stage=zero, offload_optimizer=offload, reshard_after_forward=reshard,
+                                     schedule=sched)
+                try:
+                    yield StageModel(model, tr, prof, lay)
+                except Exception:  # noqa: BLE001 - a layout the divisibility rules refuse
+                    continue
+
+
+def test_split_bound_is_a_lower_bound_of_every_fitting_split():
+    """SplitBound.minmax_s never exceeds the slowest rank (f + b, exposed collectives included) of
+    any contiguous split and per-stage recompute that fits, and two_rank_step_s never exceeds the
+    step of any of them; both bind (are above the bounds the search had before)."""
+    from planner.search.stages import SplitBound
+    checked = binding_minmax = binding_step = 0
+    for sm in _split_cases():
+        n, p = len(sm.kinds), sm.p
+        best_slowest = best_step = math.inf
+        for chunks in compositions(n, p):
+            ranks = sm.rank_layers(list(chunks))
+            for rec in itertools.product(*[sm.stage_options(len(x)) for x in ranks]):
+                val, terms = sm.evaluate(list(chunks), list(rec))
+                if sm.fits(terms):
+                    best_slowest = min(best_slowest, max(t.forward_s + t.backward_s for t in terms))
+                    best_step = min(best_step, val)
+        bound = SplitBound(sm)
+        if math.isinf(best_step):
+            assert bound.two_rank_step_s(math.inf) == math.inf or p != 2
+            continue
+        checked += 1
+        known = memory_minmax_s(sm)
+        split = bound.minmax_s(known, best_slowest)
+        assert known <= split <= best_slowest * (1 + 1e-9)
+        binding_minmax += split > known * (1 + 1e-6)
+        if p == 2:
+            step = bound.two_rank_step_s(math.inf)
+            assert step <= best_step * (1 + 1e-9), (sm.layout, step, best_step)
+            # with the best step as the cutoff it must not claim that every split reaches it
+            assert bound.two_rank_step_s(best_step * (1 - 1e-9)) < best_step * (1 - 1e-9) or step >= best_step * (1 - 1e-9)
+            binding_step += step >= best_step * 0.98
+    assert checked >= 30 and binding_minmax >= 5 and binding_step >= 10, (checked, binding_minmax, binding_step)
+
+
+def test_search_settles_leaves_by_the_split_bound_without_changing_the_plan():
+    """The split bound only skips CP-SAT proofs: the search still equals brute force on a case where
+    pipelines with memory pressure reach CP-SAT."""
+    model, prof = small("llama3-70b", 6), reference_profile("dgx-a100-40gb", 2, nic_gbit_per_gpu=25)
+    tr = TrainingConfig(global_batch_size=16, seq_length=4096)
+    opts = SearchOptions(max_micro_batch_size=2, max_virtual_stages=2, zero_stages=(0, 1, 3), hsdp=False, offload=False)
+    plan = search(model, tr, prof, opts)
+    brute = brute_force_search(model, tr, prof, opts)
+    assert brute is not None
+    assert plan.prediction.step_time_s == pytest.approx(brute[0], rel=1e-6)

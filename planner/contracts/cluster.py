@@ -7,6 +7,7 @@ assumptions that turn datasheet peaks into achieved speed, in :class:`Efficiency
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Literal
@@ -74,6 +75,12 @@ class LinkProfile(Contract):
     all-reduce (factor 2(n-1)/n), all-gather / reduce-scatter ((n-1)/n) and point-to-point (1).
     For ``inter_node`` it is the bandwidth of one GPU's share of the network (one NIC per GPU on
     rail-optimised DGX/HGX fabrics); a group with g members per node gets g times it.
+
+    A link may be *piecewise*: several entries of the same level, collective and group size, each
+    covering the message sizes ``min_bytes <= bytes < max_bytes`` (``None`` = unbounded on that
+    side), for transports that change regime with size (eager vs rendezvous, in-cache vs out of
+    cache). Entries without bounds cover every size, as before. The planner prices a message with
+    the segment that covers it, else the nearest one.
     """
 
     level: LinkLevel
@@ -84,6 +91,49 @@ class LinkProfile(Contract):
     points: list[TimedPoint] = Field(default_factory=list, description="measurements the fit came from")
     fit_r2: float | None = None
     source: str = ""
+    min_bytes: int | None = Field(None, ge=0, description="smallest message this segment covers (inclusive); None = any")
+    max_bytes: int | None = Field(None, gt=0, description="message size this segment stops at (exclusive); None = any")
+
+    @model_validator(mode="after")
+    def _range(self) -> LinkProfile:
+        if self.min_bytes is not None and self.max_bytes is not None and not self.min_bytes < self.max_bytes:
+            raise ValueError(
+                f"{self.level.value} {self.collective.value} segment has min_bytes={self.min_bytes} >= "
+                f"max_bytes={self.max_bytes}; a segment covers min_bytes <= bytes < max_bytes, so min must be below max"
+            )
+        return self
+
+    @property
+    def segmented(self) -> bool:
+        return self.min_bytes is not None or self.max_bytes is not None
+
+    def covers(self, nbytes: float) -> bool:
+        return (self.min_bytes is None or nbytes >= self.min_bytes) and (self.max_bytes is None or nbytes < self.max_bytes)
+
+
+def link_key(link: LinkProfile) -> tuple[LinkLevel, Collective, int | None]:
+    """What makes entries segments of one link: level, collective and group size."""
+    return (link.level, link.collective, link.group_size)
+
+
+def check_link_segments(links: list[LinkProfile]) -> None:
+    """Segments of one link (same :func:`link_key`) must not overlap; raises ValueError naming them."""
+    groups: dict[tuple, list[LinkProfile]] = {}
+    for link in links:
+        groups.setdefault(link_key(link), []).append(link)
+    for (level, coll, n), segs in groups.items():
+        if len(segs) < 2 or not any(s.segmented for s in segs):
+            continue  # one entry, or unsegmented duplicates (older profiles): nothing to check
+        lo = lambda s: -1 if s.min_bytes is None else s.min_bytes  # noqa: E731
+        hi = lambda s: math.inf if s.max_bytes is None else s.max_bytes  # noqa: E731
+        ordered = sorted(segs, key=lo)
+        for a, b in zip(ordered, ordered[1:]):
+            if lo(b) < hi(a):
+                raise ValueError(
+                    f"links: {level.value} {coll.value} (group_size={n}) has overlapping segments "
+                    f"[{a.min_bytes}, {a.max_bytes}) and [{b.min_bytes}, {b.max_bytes}) (bytes; None = unbounded); "
+                    "segments of one link must cover disjoint message-size ranges"
+                )
 
 
 class GemmPoint(Contract):
@@ -183,6 +233,7 @@ class ClusterProfile(Contract):
                 f"num_nodes={self.num_nodes} but links has no inter_node entry; "
                 "add the network's bandwidth or describe a single node"
             )
+        check_link_segments(self.links)
         return self
 
     @property

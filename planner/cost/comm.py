@@ -8,6 +8,7 @@ ranks are ``stride`` apart has ``min(n, gpus_per_node // stride)`` members on ea
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
@@ -62,22 +63,56 @@ def ring_factor(collective: Collective, n: int) -> float:
     return 1.0
 
 
-def find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective, group_size: int) -> LinkProfile:
+def find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective, group_size: int,
+              nbytes: float | None = None) -> LinkProfile:
     """The profile's entry for this collective and level (nearest measured group size).
 
     A level without an entry for this collective falls back to its all-reduce entry, then to any entry.
+    A piecewise link (entries with ``min_bytes``/``max_bytes``) gives the segment covering ``nbytes``,
+    else the nearest one; ``nbytes=None`` asks for the large-message segment (bulk transfers).
     """
     memo = memo_for(profile)
     if memo is None:
-        return _find_link(profile, level, collective, group_size)
-    key = ("link", level, collective, group_size)
-    found = memo.get(key)
-    if found is None:
-        found = memo[key] = _find_link(profile, level, collective, group_size)
-    return found
+        segments = _find_segments(profile, level, collective, group_size)
+    else:
+        key = ("link", level, collective, group_size)
+        segments = memo.get(key)
+        if segments is None:
+            segments = memo[key] = _find_segments(profile, level, collective, group_size)
+    return segments[0] if len(segments) == 1 else pick_segment(segments, nbytes)
 
 
-def _find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective, group_size: int) -> LinkProfile:
+def pick_segment(segments: list[LinkProfile], nbytes: float | None) -> LinkProfile:
+    """The segment whose ``[min_bytes, max_bytes)`` covers ``nbytes``; outside them all, the nearest
+    (by size ratio); ``None`` = the segment of the largest messages."""
+    if len(segments) == 1:
+        return segments[0]
+    if nbytes is None:
+        return max(segments, key=lambda s: (s.max_bytes is None, s.max_bytes or 0, s.min_bytes or 0))
+    for seg in segments:
+        if seg.covers(nbytes):
+            return seg
+    x = max(float(nbytes), 1.0)
+
+    def distance(seg: LinkProfile) -> float:
+        if seg.min_bytes is not None and x < seg.min_bytes:
+            return math.log(seg.min_bytes / x)
+        if seg.max_bytes is not None and x >= seg.max_bytes:
+            return math.log(x / seg.max_bytes)
+        return 0.0
+
+    return min(segments, key=distance)
+
+
+def link_segments(links: list[LinkProfile], level: LinkLevel, collective: Collective,
+                  group_size: int | None) -> list[LinkProfile]:
+    """Every entry of one link (its segments, smallest messages first)."""
+    segs = [x for x in links if x.level is level and x.collective is collective and x.group_size == group_size]
+    return sorted(segs, key=lambda s: -1 if s.min_bytes is None else s.min_bytes)
+
+
+def _find_segments(profile: ClusterProfile, level: LinkLevel, collective: Collective,
+                   group_size: int) -> list[LinkProfile]:
     on_level = [link for link in profile.links if link.level is level]
     if not on_level:
         raise AutoparError(
@@ -88,8 +123,18 @@ def _find_link(profile: ClusterProfile, level: LinkLevel, collective: Collective
     for wanted in (collective, Collective.all_reduce):
         same = [link for link in on_level if link.collective is wanted]
         if same:
-            return min(same, key=lambda link: abs((link.group_size or group_size) - group_size))
-    return on_level[0]
+            best = min(same, key=lambda link: abs((link.group_size or group_size) - group_size))
+            return _segments_of(same, best)
+    first = on_level[0]
+    return _segments_of([x for x in on_level if x.collective is first.collective], first)
+
+
+def _segments_of(candidates: list[LinkProfile], chosen: LinkProfile) -> list[LinkProfile]:
+    """``chosen`` and the other segments of its link; unsegmented duplicates keep the old first-match."""
+    if not chosen.segmented:
+        return [chosen]
+    segs = [x for x in candidates if x.group_size == chosen.group_size and x.segmented]
+    return sorted(segs, key=lambda s: -1 if s.min_bytes is None else s.min_bytes)
 
 
 def collective_time_s(
@@ -106,25 +151,25 @@ def collective_time_s(
     if n <= 1 or nbytes <= 0:
         return 0.0
     if collective is Collective.p2p:
-        link = find_link(profile, group.level, collective, 2)
+        link = find_link(profile, group.level, collective, 2, nbytes)
         return link.alpha_s + nbytes / link.busbw_bytes_per_s
     factor = ring_factor(collective, n)
     if group.level is LinkLevel.intra_node:
-        link = find_link(profile, LinkLevel.intra_node, collective, n)
+        link = find_link(profile, LinkLevel.intra_node, collective, n, nbytes)
         return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
-    net = find_link(profile, LinkLevel.inter_node, collective, n)
+    net = find_link(profile, LinkLevel.inter_node, collective, n, nbytes)
     if collective is Collective.all_to_all:
         # every rank sends (n - g)/n of its buffer through its own NIC and (g - 1)/n over NVLink
         g = group.per_node
         off_node = nbytes * (n - g) / n / net.busbw_bytes_per_s
         on_node = 0.0
         if g > 1:
-            intra = find_link(profile, LinkLevel.intra_node, collective, g)
+            intra = find_link(profile, LinkLevel.intra_node, collective, g, nbytes)
             on_node = nbytes * (g - 1) / n / intra.busbw_bytes_per_s
         return net.alpha_s + max(off_node, on_node)
     busbw = net.busbw_bytes_per_s * group.per_node
     if group.per_node > 1:
-        intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node)
+        intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node, nbytes)
         busbw = min(busbw, intra.busbw_bytes_per_s)
     return net.alpha_s + factor * nbytes / busbw
 
@@ -134,7 +179,7 @@ def host_copy_time_s(profile: ClusterProfile, nbytes: float, to_device: bool) ->
     if nbytes <= 0:
         return 0.0
     wanted = Collective.host_to_device if to_device else Collective.device_to_host
-    link = find_link(profile, LinkLevel.host_device, wanted, 1)
+    link = find_link(profile, LinkLevel.host_device, wanted, 1, nbytes)
     return link.alpha_s + nbytes / link.busbw_bytes_per_s
 
 

@@ -23,6 +23,7 @@ import functools
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.contracts import (
@@ -48,6 +49,7 @@ from planner.search.cpsat import layer_kind_prefix, solve_stages
 from planner.search.stages import (
     LeafComm,
     SharedCosts,
+    SplitBound,
     StageModel,
     memory_minmax_s,
     recompute_bound_s,
@@ -426,6 +428,23 @@ class _LeafLabel:
                 + (" offload" if self.offload else ""))
 
 
+class _NoFitReason:
+    """A family's reason "does not fit: ... GiB", formatted (and its memory priced) only when shown."""
+
+    __slots__ = ("need", "why", "capacity")
+
+    def __init__(self, need: float | Callable[[], float], why: str, capacity: float) -> None:
+        self.need, self.why, self.capacity = need, why, capacity
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        if callable(self.need):
+            self.need = self.need()
+        return f"does not fit: {self.why} {self.need / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB"
+
+
 @dataclass(order=True)
 class Found:
     step_s: float
@@ -512,7 +531,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     families: dict[str, dict] = {}
     report = dict(considered=0, dominated=0, pruned=0, infeasible=0, evaluated=0, solved=0, closed=0)
     status_counts: dict[str, int] = defaultdict(int)
-    shortfall = [math.inf, ""]
+    shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
     pending: list[tuple] = []
     for st in structs:
         families.setdefault(st.family, {"members": 0, "best": None, "reason": ""})
@@ -534,13 +553,21 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if fam["best"] is None or step < fam["best"].step_s:
             fam["best"] = item
 
-    def no_fit(st: Structure, need: float, label: _LeafLabel, why: str) -> None:
+    lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []  # (order, need, label), priced if nothing fits
+    no_fits = iter(range(1 << 60))
+
+    def no_fit(st: Structure, need: float | Callable[[], float], label: _LeafLabel, why: str) -> None:
+        """Count a leaf that does not fit. ``need`` may be a function (a stage model's memory on a
+        split, which takes pricing): it is called only if the shortfall or the family's reason is shown."""
         report["infeasible"] += 1
-        if need - capacity < shortfall[0]:
-            shortfall[:] = [need - capacity, str(label)]
+        order = next(no_fits)
+        if callable(need):
+            lazy_needs.append((order, need, label))
+        elif need - capacity < shortfall[0]:
+            shortfall[:] = [need - capacity, str(label), order]
         fam = families[st.family]
         if not fam["reason"]:
-            fam["reason"] = f"does not fit: {why} {need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB"
+            fam["reason"] = _NoFitReason(need, why, capacity)
 
     priced: set[tuple] = set()
     states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
@@ -606,13 +633,16 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if lb >= kth():
             report["pruned"] += 1
             return
+        stage_lb = minmax  # the slowest rank's f + b, at least
         if st.pp > 1:
             # the slowest rank once every rank fits its own memory (recompute where it must)
             mem_stage = memory_minmax_s(sm, minmax)
             if not math.isfinite(mem_stage):
-                no_fit(st, sm.min_memory(sm.default_chunks()), label, "needs, on the default split with full recompute,")
+                no_fit(st, lambda sm=sm: sm.min_memory(sm.default_chunks()), label,
+                       "needs, on the default split with full recompute,")
                 return
             if mem_stage > minmax:
+                stage_lb = mem_stage
                 lb = leaf_bound(st, sched, v, mem_stage, rec_s, comm)
                 if lb >= kth():
                     report["pruned"] += 1
@@ -629,7 +659,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 if sm.fits(terms) and (best is None or val < best[0]):
                     best = (val, kind, count)
             if best is None:
-                no_fit(st, sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
+                no_fit(st, lambda sm=sm: sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
                 return
             record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)")
             report["closed"] += 1
@@ -644,12 +674,14 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 report["closed"] += 1
                 return
         if prefix_ok:
+            slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
             pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
-                            greedy[2] if greedy else None))
+                            greedy[2] if greedy else None, (sched, v, stage_lb, rec_s, comm, slowest)))
         elif greedy is None:
-            no_fit(st, sm.min_memory(chunks), label, "needs, even with full recompute,")
+            no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
     minmax_of: dict[int, float] = {}
+    tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
 
     def minmax_for(si: int) -> float:
         if si not in minmax_of:
@@ -696,10 +728,14 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 report["pruned"] += per_sched
                 continue
             if not tails:
-                tails = [leaf_tail_bound(leaf_comm(st, zero, rep, shard, offload, reshard))
-                         if states_need_of(st, zero, shard, offload) <= capacity else None
-                         for zero, rep, shard, offload, reshard in leaves]
-                tail_min = min((t for t in tails if t is not None), default=0.0)
+                # they depend on the groups and the pipeline depth, not on sp or the micro-batch
+                tails_key = (st.tp, st.cp, st.pp, st.dp, st.ep)
+                if tails_key not in tails_of:
+                    found = [leaf_tail_bound(leaf_comm(st, zero, rep, shard, offload, reshard))
+                             if states_need_of(st, zero, shard, offload) <= capacity else None
+                             for zero, rep, shard, offload, reshard in leaves]
+                    tails_of[tails_key] = (found, min((t for t in found if t is not None), default=0.0))
+                tails, tail_min = tails_of[tails_key]
             if plain + tail_min >= kth():
                 report["pruned"] += per_sched
                 continue
@@ -732,7 +768,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
 
     # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first
     pending.sort(key=lambda x: (x[0], x[1]))
-    for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec in pending:
+    for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec, (sched, v, stage_lb, rec_s, comm, slowest) in pending:
         if lb >= kth():
             report["pruned"] += 1
             continue
@@ -740,6 +776,24 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             budget_hit = True
             continue
         cutoff = min(greedy_val if greedy_val is not None else math.inf, kth())
+        if v == 1 and math.isfinite(slowest):
+            # before proving it with CP-SAT: every contiguous split with each rank at its fastest
+            # recompute that fits (SplitBound): two ranks, each split's step bound; deeper, the
+            # slowest rank in the leaf bound. A bound at the cutoff settles the leaf as CP-SAT's
+            # INFEASIBLE would: nothing beats the k-th best, or the default split
+            split = SplitBound(sm)
+            if st.pp == 2:
+                settled = split.two_rank_step_s(cutoff) >= cutoff
+            else:
+                split_stage = split.minmax_s(stage_lb, slowest)
+                settled = split_stage > stage_lb and leaf_bound(st, sched, v, split_stage, rec_s, comm) >= cutoff
+            if settled:
+                if cutoff == greedy_val:  # the default split is this leaf's optimum
+                    record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")
+                    report["closed"] += 1
+                else:
+                    report["pruned"] += 1
+                continue
         report["solved"] += 1
         sol = solve_stages(sm, time_limit_s=opts.solver_time_limit_s, workers=opts.workers,
                            hint=(chunks, greedy_rec) if greedy_rec else None,
@@ -751,7 +805,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         elif sol.status == "INFEASIBLE":
             if greedy_val is None:
                 if not math.isfinite(cutoff):
-                    no_fit(st, sm.min_memory(chunks), label, "needs, on the default split with full recompute,")
+                    no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label,
+                           "needs, on the default split with full recompute,")
             elif cutoff == greedy_val:
                 record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")  # nothing beats the default split
         elif greedy_val is not None:
@@ -766,6 +821,10 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 "raise the search time budget (autopar plan --time-budget SECONDS)",
                 problem=f"ran out before any layout was priced ({report['considered']:,} candidates considered); "
                         "no layout was shown not to fit")
+        for order, need, label in lazy_needs:  # the first smallest gap, as if priced when found
+            gap = need() - capacity
+            if gap < shortfall[0] or (gap == shortfall[0] and order < shortfall[2]):
+                shortfall[:] = [gap, str(label), order]
         raise _nothing_fits(model, training, profile, shortfall, report)
     preds = [predict(model, training, profile, found.layout) for found in ranked]
     # equally fast plans (to 1e-9): the one needing the least memory per GPU first
@@ -788,7 +847,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         elif b is not None:
             reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
         else:
-            reason = fam["reason"] or "not reached"
+            reason = str(fam["reason"]) or "not reached"
         fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
                                      slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"], reason=reason))
     search_report = SearchReport(
@@ -825,7 +884,7 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
 
 
 def _nothing_fits(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict) -> AutoparError:
-    gap, where = shortfall
+    gap, where = shortfall[:2]
     fixes = ("more GPUs (more pipeline/tensor/ZeRO sharding), optimizer offload, full recompute, "
              "a smaller micro-batch or a shorter sequence, or a GPU with more memory")
     if math.isfinite(gap):

@@ -21,6 +21,7 @@ so the two cannot drift apart.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from planner.contracts import (
     ParallelLayout,
     Precision,
     Recompute,
+    Schedule,
     StageRecompute,
     TrainingConfig,
 )
@@ -558,12 +560,12 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     ``e_r + n·u_r - c·s_r <= C`` and ``x_r + n·t + c·Δ <= T``; eliminating ``c`` gives
     ``n <= min(((T - x_r)/Δ + (C - e_r)/s_r) / (u_r/s_r + t/Δ), (C - e_r)/(u_r - s_r), (T - x_r)/t)``.
     ``T`` is feasible when the ranks' whole-block capacities add up to the blocks of the most
-    common kind (the other kind counted as free). The smallest feasible ``T`` (bisection) bounds
+    common kind (the other kind counted as free). The smallest feasible ``T`` (found exactly, below) bounds
     any contiguous, interleaved or uneven split: layer order and integral recompute counts are
     relaxed away, so it never exceeds the true slowest rank. Charged as ``predict`` charges them:
     the ZeRO-3 gather buffer of a block of the counted kind (on a rank holding any) and, for full
     recompute, the transient of one block's activations. ``known``: a lower bound already known
-    (the bisection starts there; the result is at least it). ``gather_buffers=False`` leaves the
+    (the result is at least it). ``gather_buffers=False`` leaves the
     ZeRO-3 buffer out, for a bound that must also hold for the same layout below ZeRO-3.
     """
     counts: dict[bool, int] = {}
@@ -608,36 +610,179 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
             caps.append((mem_cap, d * room_k / s_r, d * u / s_r + t) if d > 0 else (mem_cap, math.inf, 1.0))
         ranks.append((x, room / u if u > 0 else math.inf, caps))
 
-    def holds(cap: float) -> bool:
-        total = 0
-        for x, plain, caps in ranks:
-            slack = cap - x
-            if slack < 0:
-                return False
-            best = plain
-            for mem_cap, alpha, beta in caps:
-                n = min(mem_cap, (slack + alpha) / beta)
-                if n > best:
-                    best = n
-            timed = slack / t if t > 0 else math.inf
-            if timed < best:
-                best = timed
-            total += math.floor(best + 1e-9) if math.isfinite(best) else n_major
-            if total >= n_major:
-                return True
-        return False
+    # Rank r holds k blocks (``floor(n_r(T) + 1e-9) >= k``) from the cap ``T_r(k)`` on: its time
+    # allows k blocks and it holds them without recompute (``plain``) or with some recompute kind
+    # whose memory cap allows them and whose joint cap ``(T - x + alpha)/beta`` reaches k. ``T_r(k)``
+    # grows with k, so a rank holds ``#{k : T_r(k) <= T}`` blocks, and the smallest feasible ``T``
+    # is the ``n_major``-th smallest of all the ranks' thresholds (and at least every rank's fixed
+    # time): exact, where a bisection would stop short of it.
+    def threshold(x: float, plain: float, caps: list, k: int) -> float:
+        kk = k - 1e-9
+        need = x + t * kk if t > 0 else x
+        if plain >= kk:
+            return need
+        joint = math.inf
+        for mem_cap, alpha, beta in caps:
+            if mem_cap >= kk:
+                cand = beta * kk - alpha
+                if cand < joint:
+                    joint = cand
+        return max(need, x + joint)
 
-    worst = max(o[0] for o in options) if options else 0.0
-    hi = max(x for x, *_ in ranks) + n_major * (t + worst)
-    if not holds(hi):
-        return math.inf
-    lo = min(known, hi)
-    if holds(lo):
-        return lo
-    while hi - lo > 1e-4 * hi:
-        mid = (lo + hi) / 2
-        if holds(mid):
-            hi = mid
+    floor_x = max(x for x, *_ in ranks)
+    heap = [(threshold(x, plain, caps, 1), r, 1) for r, (x, plain, caps) in enumerate(ranks)]
+    heapq.heapify(heap)
+    found = math.inf
+    for _ in range(n_major):
+        found, r, k = heap[0]
+        if not math.isfinite(found):
+            return math.inf  # the ranks hold fewer than n_major blocks at any speed
+        x, plain, caps = ranks[r]
+        heapq.heapreplace(heap, (threshold(x, plain, caps, k + 1), r, k + 1))
+    exact = max(found, floor_x) * (1 - 1e-12)  # rounding may only lower it
+    return max(known, exact)
+
+
+class SplitBound:
+    """Lower bound of the slowest pipeline rank's ``f + b`` over every contiguous split (``v = 1``),
+    each rank at the fastest recompute choice that fits its own memory — exact per rank, where
+    :func:`memory_minmax_s` relaxes layer order and integral counts.
+
+    ``cost(r, i, j)``: the least ``f + b`` (exposed per-micro-batch collectives included, as
+    :meth:`StageModel.stage_terms_counts` prices them) of rank ``r`` holding blocks ``i..j-1``, over
+    the recompute choices that fit (``inf`` if none does). Within a recompute kind a larger count
+    only adds backward time (``b + c - eff·min(c, b)`` grows with ``b``), so the smallest fitting
+    count is the fastest; memory falls with the count except where a fully recomputed prefix first
+    reaches the rank's second block kind (its transient may grow), so the smallest fitting count is
+    bisected on each side of that point. ``cost`` grows when a rank gains a block at either end
+    (a choice that fits the larger range, recomputing the same prefix, fits the smaller one and is
+    no slower), so a cap ``T`` admits a split with empty ranks allowed iff taking, rank by rank,
+    the furthest block that keeps ``cost <= T`` covers every block; the smallest such ``T``
+    (bisected) never exceeds the slowest rank of any real split and choice of recompute.
+    """
+
+    def __init__(self, sm: StageModel) -> None:
+        if sm.v != 1:
+            raise ValueError("SplitBound prices contiguous one-chunk-per-rank splits only")
+        self.sm = sm
+        self.n = len(sm.kinds)
+        self.moe_prefix = [0]
+        for k in sm.kinds:
+            self.moe_prefix.append(self.moe_prefix[-1] + k)
+        self.memo: dict[tuple[int, int, int], float] = {}
+        # recompute must shed memory for the monotonicity above
+        self.sound = all(kc.activations[k] <= kc.activations[Recompute.none]
+                         for kc in sm.kind_cost.values() for k in RECOMPUTE_KINDS)
+
+    def cost(self, r: int, i: int, j: int) -> float:
+        key = (r, i, j)
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        sm, mp = self.sm, self.moe_prefix
+        n = j - i
+        n_moe = mp[j] - mp[i]
+        n_dense = n - n_moe
+        cap = sm.capacity
+
+        def mem(kind: Recompute, c: int) -> float:
+            rm = mp[i + c] - mp[i]
+            return sm.stage_memory_counts(r, n_dense, n_moe, kind, c - rm, rm)
+
+        def time_of(kind: Recompute, c: int) -> float:
+            rm = mp[i + c] - mp[i]
+            t = sm.stage_terms_counts(r, n_dense, n_moe, kind, c - rm, rm)
+            return t.forward_s + t.backward_s
+
+        if mem(Recompute.none, 0) <= cap:
+            best = time_of(Recompute.none, 0)
         else:
-            lo = mid
-    return lo
+            best = math.inf
+            # blocks of the rank's first kind: the full-recompute transient may grow past them
+            first = sm.kinds[i] if n else False
+            d = n
+            for k in range(1, n):
+                if sm.kinds[i + k] != first:
+                    d = k
+                    break
+            for kind in RECOMPUTE_KINDS:
+                for lo, hi in ((1, d), (d + 1, n)):
+                    if lo > hi or mem(kind, hi) > cap:
+                        continue
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if mem(kind, mid) <= cap:
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    best = min(best, time_of(kind, lo))
+                    break  # the first segment that fits holds the smallest fitting count
+        self.memo[key] = best
+        return best
+
+    def admits(self, cap: float) -> bool:
+        i, n = 0, self.n
+        for r in range(self.sm.p):
+            if self.cost(r, i, i) > cap:
+                return False
+            j = i  # the furthest end within the cap
+            while j < n and self.cost(r, i, j + 1) <= cap:
+                j += 1
+            i = j
+        return i == n
+
+    def minmax_s(self, lo: float, hi: float, rel: float = 1e-6) -> float:
+        """The smallest admitted cap, to ``rel`` (from below); ``lo``: a lower bound already known
+        (returned when it is admitted), ``hi``: the slowest rank of some split that fits."""
+        if not self.sound or not math.isfinite(hi) or lo >= hi:
+            return lo
+        if self.admits(lo):
+            return lo
+        while hi - lo > rel * hi:
+            mid = (lo + hi) / 2
+            if self.admits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+    def _ends(self, r: int, i: int, j: int) -> tuple[float, float]:
+        """(forward, least tail) of rank ``r`` holding blocks ``i..j-1``: the forward (its exposed
+        gathers included) does not depend on recompute; the tail only falls as the backward window
+        grows with the recompute count, so its least value is at none or at every block recomputed."""
+        sm, mp = self.sm, self.moe_prefix
+        n_moe = mp[j] - mp[i]
+        n_dense = j - i - n_moe
+        plain = sm.stage_terms_counts(r, n_dense, n_moe, Recompute.none, 0, 0)
+        tail = plain.tail_s
+        for kind in RECOMPUTE_KINDS:
+            tail = min(tail, sm.stage_terms_counts(r, n_dense, n_moe, kind, n_dense, n_moe).tail_s)
+        return plain.forward_s, tail
+
+    def two_rank_step_s(self, cutoff: float) -> float:
+        """Two pipeline ranks: below ``cutoff``, a split's lower bound (found first, not the least);
+        else every split's step, whatever its recompute, is at least ``cutoff``. With no cutoff
+        (``math.inf``): the least bound over the splits.
+
+        Per split, each rank is at least its fastest fitting ``T_r = cost(r, ...)`` and its forward
+        ``f_r`` is fixed; 1F1B/GPipe ``(m-1)·max T + Σ T`` grows with every ``T_r``; zero-bubble
+        ``m·T* + Σ_{i≠i*} f_i >= m·max_r T_r + Σf - max f``; plus the larger of the ranks' least tails."""
+        sm, n, m = self.sm, self.n, self.sm.m
+        if sm.p != 2 or not self.sound:
+            return -math.inf
+        zb = sm.layout.schedule is Schedule.zero_bubble
+        mid = (n + 1) // 2
+        best = math.inf
+        for k in sorted(range(1, n), key=lambda k: abs(k - mid)):  # the even splits first: they decide early
+            t0, t1 = self.cost(0, 0, k), self.cost(1, k, n)
+            if not (math.isfinite(t0) and math.isfinite(t1)):
+                continue
+            top = max(t0, t1)
+            if (m if zb else m - 1) * top >= min(best, cutoff):
+                continue  # its pipeline term alone reaches the cutoff (or the best so far)
+            (f0, tail0), (f1, tail1) = self._ends(0, 0, k), self._ends(1, k, n)
+            pipe = m * top + min(f0, f1) if zb else (m - 1) * top + t0 + t1
+            best = min(best, pipe + max(tail0, tail1))
+            if best < cutoff < math.inf:
+                return best
+        return best
