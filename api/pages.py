@@ -22,7 +22,7 @@ from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
-from planner.contracts.cluster import Collective, LinkLevel, link_key
+from planner.contracts.cluster import Collective, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
 
 log = logging.getLogger("autopar.pages")
@@ -144,7 +144,7 @@ def link_charts(profile: ClusterProfile) -> list[dict]:
             for b in sizes:
                 seg = pick_segment(segs, b)
                 fit.append((b, b * factor / (seg.alpha_s + b * factor / seg.busbw_bytes_per_s) / 1e9))
-            points = sorted((p for seg in segs for p in seg.points), key=lambda p: p.bytes)
+            points = link_points(segs)
             series.append(Series(f"{name} fit", fit, "line", color, dashed=bool(points)))
             if points:
                 measured = True

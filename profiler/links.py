@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
-from planner.contracts.cluster import TimedPoint, link_key
+from planner.contracts.cluster import TimedPoint, link_key, link_points
 from planner.cost.comm import GroupPlacement, collective_time_s, link_segments, pick_segment, ring_factor
 
 COLLECTIVES = (Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all,
@@ -240,7 +240,9 @@ def fit_link(level: LinkLevel, collective: Collective, group_size: int, per_node
 
 def fit_link_segments(level: LinkLevel, collective: Collective, group_size: int, per_node: int,
                       points: list[TimedPoint], source: str, max_segments: int = MAX_SEGMENTS) -> list[LinkProfile]:
-    """The link's entries: one per fitted segment (:func:`fit_segments`), each with its own points."""
+    """The link's entries: one per fitted segment (:func:`fit_segments`). Each carries all of the
+    link's points (a segment's fit and ``fit_r2`` use those in its range), so every entry still
+    shows the whole measurement."""
     pts = sorted(points, key=lambda p: p.bytes)
     segs = fit_segments(pts, max_segments)
     out = []
@@ -251,7 +253,7 @@ def fit_link_segments(level: LinkLevel, collective: Collective, group_size: int,
         else:
             busbw = busbw_from_slope(collective, seg.fit.slope_s_per_byte, group_size, per_node, level)
         out.append(LinkProfile(level=level, collective=collective, group_size=group_size, alpha_s=seg.fit.alpha_s,
-                               busbw_bytes_per_s=busbw, points=pts[seg.lo:seg.hi], fit_r2=seg.fit.r2,
+                               busbw_bytes_per_s=busbw, points=pts, fit_r2=seg.fit.r2,
                                source=source + note, min_bytes=seg.min_bytes, max_bytes=seg.max_bytes))
     return out
 
@@ -282,7 +284,7 @@ def link_fit_report(profile: ClusterProfile, *, print_table: bool = False) -> li
         segs = link_segments(profile.links, first.level, first.collective, first.group_size)
         if not first.segmented:
             segs = [first]  # unsegmented duplicates (older profiles): each judged as before, the first here
-        points = sorted((p for s in segs for p in s.points), key=lambda p: p.bytes)
+        points = link_points(segs)
         if first.level is LinkLevel.host_device:
             pred = [(lambda s: s.alpha_s + p.bytes / s.busbw_bytes_per_s)(pick_segment(segs, p.bytes)) for p in points]
         else:

@@ -158,6 +158,7 @@ def test_piecewise_link_priced_per_segment_by_the_planner(collective):
     size = 2 if collective is Collective.p2p else 4
     segs = fit_link_segments(LinkLevel.intra_node, collective, size, size, pts, "t")
     assert len(segs) == 2 and all("segment" in s.source for s in segs)
+    assert all(s.points == sorted(pts, key=lambda p: p.bytes) for s in segs)  # every entry shows the whole measurement
     prof = _profile(segs, nodes=1, per_node=8)
     for p in pts:
         assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(p.time_s, rel=1e-6)

@@ -80,7 +80,8 @@ class LinkProfile(Contract):
     covering the message sizes ``min_bytes <= bytes < max_bytes`` (``None`` = unbounded on that
     side), for transports that change regime with size (eager vs rendezvous, in-cache vs out of
     cache). Entries without bounds cover every size, as before. The planner prices a message with
-    the segment that covers it, else the nearest one.
+    the segment that covers it, else the nearest one. The profiler stores all of the link's points
+    on each segment (each segment's fit used those in its range; ``fit_r2`` is over those).
     """
 
     level: LinkLevel
@@ -91,7 +92,8 @@ class LinkProfile(Contract):
     points: list[TimedPoint] = Field(default_factory=list, description="measurements the fit came from")
     fit_r2: float | None = None
     source: str = ""
-    min_bytes: int | None = Field(None, ge=0, description="smallest message this segment covers (inclusive); None = any")
+    min_bytes: int | None = Field(None, ge=0,
+                                  description="smallest message this segment covers (inclusive); None = any")
     max_bytes: int | None = Field(None, gt=0, description="message size this segment stops at (exclusive); None = any")
 
     @model_validator(mode="after")
@@ -108,12 +110,20 @@ class LinkProfile(Contract):
         return self.min_bytes is not None or self.max_bytes is not None
 
     def covers(self, nbytes: float) -> bool:
-        return (self.min_bytes is None or nbytes >= self.min_bytes) and (self.max_bytes is None or nbytes < self.max_bytes)
+        return ((self.min_bytes is None or nbytes >= self.min_bytes)
+                and (self.max_bytes is None or nbytes < self.max_bytes))
 
 
 def link_key(link: LinkProfile) -> tuple[LinkLevel, Collective, int | None]:
     """What makes entries segments of one link: level, collective and group size."""
     return (link.level, link.collective, link.group_size)
+
+
+def link_points(segments: list[LinkProfile]) -> list[TimedPoint]:
+    """The measured points of a link's segments, each once, smallest message first (the profiler
+    stores every point of the link on each segment; hand-written segments may hold only their own)."""
+    seen = {(p.bytes, p.time_s): p for seg in segments for p in seg.points}
+    return sorted(seen.values(), key=lambda p: (p.bytes, p.time_s))
 
 
 def check_link_segments(links: list[LinkProfile]) -> None:
