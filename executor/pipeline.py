@@ -141,6 +141,13 @@ def check_pipeline(layout: ParallelLayout, spec: ModelSpec | int, n_microbatches
         raise AutoparError("model.tied_embeddings", True, "use untied embeddings or pp=1",
                            problem=f"with pp={layout.pp} would share one weight between the first and last "
                            "stage")
+    if layout.schedule is Schedule.zero_bubble and layout.zero_stage >= 2:
+        raise AutoparError("layout.schedule", "zero_bubble",
+                           "use zero_stage 0 or 1 with zero_bubble, or 1f1b / interleaved_1f1b with ZeRO-2/3",
+                           problem=f"with FSDP2 (zero_stage {layout.zero_stage}) loses the weight gradients of "
+                           "every stage but the first: torch's split backward computes them in a separate "
+                           "weight pass that FSDP never reduce-scatters (measured: the blocks of stage 1 "
+                           "got no gradient and the loss left the reference after one step)")
     if n_microbatches is None:
         return
     pp, n = layout.pp, n_microbatches
