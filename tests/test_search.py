@@ -471,10 +471,13 @@ def _split_cases():  # noqa: ANN202
         ep = 4 if model.moe is not None else 1
         for zero, offload, reshard in ((0, False, True), (1, False, True), (1, True, True), (2, False, True),
                                        (3, False, True), (3, False, False)):
-            for sched in (Schedule.one_f_one_b, Schedule.zero_bubble, Schedule.gpipe):
+            for sched, v in ((Schedule.one_f_one_b, 1), (Schedule.zero_bubble, 1), (Schedule.gpipe, 1),
+                             (Schedule.interleaved_1f1b, 2)):
+                if v * pp > layers:
+                    continue
                 lay = ParallelLayout(tp=1, pp=pp, dp_shard=8 // pp if 8 % pp == 0 else 1, ep=ep if 8 % pp == 0 else 1,
                                      zero_stage=zero, offload_optimizer=offload, reshard_after_forward=reshard,
-                                     schedule=sched)
+                                     schedule=sched, virtual_stages=v)
                 try:
                     yield StageModel(model, tr, prof, lay)
                 except Exception:  # noqa: BLE001 - a layout the divisibility rules refuse
@@ -482,15 +485,16 @@ def _split_cases():  # noqa: ANN202
 
 
 def test_split_bound_is_a_lower_bound_of_every_fitting_split():
-    """SplitBound.minmax_s never exceeds the slowest rank (f + b, exposed collectives included) of
-    any contiguous split and per-stage recompute that fits, and two_rank_step_s never exceeds the
-    step of any of them; both bind (are above the bounds the search had before)."""
+    """SplitBound.minmax_s (contiguous) and holding_minmax_s (any holding, interleaved included) never
+    exceed the slowest rank (f + b, exposed collectives included) of any split and per-stage
+    recompute that fits, and two_rank_step_s never exceeds the
+    step of any of them (interleaved included); both bind (are above the bounds the search had before)."""
     from planner.search.stages import SplitBound
-    checked = binding_minmax = binding_step = 0
+    checked = binding_minmax = binding_holding = binding_step = interleaved = 0
     for sm in _split_cases():
         n, p = len(sm.kinds), sm.p
         best_slowest = best_step = math.inf
-        for chunks in compositions(n, p):
+        for chunks in compositions(n, p * sm.v):
             ranks = sm.rank_layers(list(chunks))
             for rec in itertools.product(*[sm.stage_options(len(x)) for x in ranks]):
                 val, terms = sm.evaluate(list(chunks), list(rec))
@@ -503,16 +507,23 @@ def test_split_bound_is_a_lower_bound_of_every_fitting_split():
             continue
         checked += 1
         known = memory_minmax_s(sm)
-        split = bound.minmax_s(known, best_slowest)
-        assert known <= split <= best_slowest * (1 + 1e-9)
-        binding_minmax += split > known * (1 + 1e-6)
+        # (hi: any slowest rank of a split that fits; above the best, so the bisection may reach past it)
+        holding = SplitBound(sm).holding_minmax_s(known, 2 * best_slowest)
+        assert known <= holding <= best_slowest * (1 + 1e-9)
+        binding_holding += holding > known * (1 + 1e-6)
+        if sm.v == 1:
+            split = bound.minmax_s(known, 2 * best_slowest)
+            assert holding * (1 - 1e-6) <= split <= best_slowest * (1 + 1e-9)
+            binding_minmax += split > known * (1 + 1e-6)
         if p == 2:
+            interleaved += sm.v > 1
             step = bound.two_rank_step_s(math.inf)
             assert step <= best_step * (1 + 1e-9), (sm.layout, step, best_step)
             # with the best step as the cutoff it must not claim that every split reaches it
             assert bound.two_rank_step_s(best_step * (1 - 1e-9)) < best_step * (1 - 1e-9) or step >= best_step * (1 - 1e-9)
             binding_step += step >= best_step * 0.98
-    assert checked >= 30 and binding_minmax >= 5 and binding_step >= 10, (checked, binding_minmax, binding_step)
+    assert checked >= 30 and binding_minmax >= 5 and binding_holding >= 5 and binding_step >= 10 and interleaved >= 5, (
+        checked, binding_minmax, binding_holding, binding_step, interleaved)
 
 
 def test_search_settles_leaves_by_the_split_bound_without_changing_the_plan():

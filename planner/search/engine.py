@@ -776,16 +776,17 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             budget_hit = True
             continue
         cutoff = min(greedy_val if greedy_val is not None else math.inf, kth())
-        if v == 1 and math.isfinite(slowest):
-            # before proving it with CP-SAT: every contiguous split with each rank at its fastest
-            # recompute that fits (SplitBound): two ranks, each split's step bound; deeper, the
-            # slowest rank in the leaf bound. A bound at the cutoff settles the leaf as CP-SAT's
-            # INFEASIBLE would: nothing beats the k-th best, or the default split
+        if math.isfinite(slowest):
+            # before proving it with CP-SAT: every split with each rank at its fastest recompute
+            # that fits (SplitBound): two ranks, each split's (interleaved: each holding's) step
+            # bound; deeper (v = 1), the slowest rank of a contiguous split in the leaf bound. A
+            # bound at the cutoff settles the leaf as CP-SAT's INFEASIBLE would: nothing beats the
+            # k-th best, or the default split
             split = SplitBound(sm)
             if st.pp == 2:
                 settled = split.two_rank_step_s(cutoff) >= cutoff
             else:
-                split_stage = split.minmax_s(stage_lb, slowest)
+                split_stage = split.minmax_s(stage_lb, slowest) if v == 1 else split.holding_minmax_s(stage_lb, slowest)
                 settled = split_stage > stage_lb and leaf_bound(st, sched, v, split_stage, rec_s, comm) >= cutoff
             if settled:
                 if cutoff == greedy_val:  # the default split is this leaf's optimum

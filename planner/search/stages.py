@@ -568,15 +568,11 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     (the result is at least it). ``gather_buffers=False`` leaves the
     ZeRO-3 buffer out, for a bound that must also hold for the same layout below ZeRO-3.
     """
-    counts: dict[bool, int] = {}
-    for k in sm.kinds:
-        counts[k] = counts.get(k, 0) + 1
-    kind, n_major = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    n_moe = sum(sm.kinds)
+    kind, n_major = (True, n_moe) if n_moe >= len(sm.kinds) - n_moe else (False, len(sm.kinds) - n_moe)
     kc = sm.kind_cost[kind]
     lay = sm.layout
-    per_state = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.shard_n, lay.offload_optimizer))
-    per_state_e = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.expert_shard, lay.offload_optimizer))
-    states = kc.dense_params * per_state + kc.expert_params * per_state_e
+    states = kc.dense_params * sm._state_dense + kc.expert_params * sm._state_expert
     a_none = kc.activations[Recompute.none]
     t = kc.forward_s + kc.backward_s[Recompute.none]
     # (Δ seconds, bytes shed per micro-batch in flight, transient bytes) per recompute kind: a fully
@@ -587,28 +583,29 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
     gather_buffer = 2 * kc.gather_params * sm.state.weights if lay.zero_stage == 3 and gather_buffers else 0.0
     ranks = []
-    for r in range(sm.p):
-        fl = sm.in_flight[r]
-        x = 2 * sm.v * sm.p2p_s
+    p, capacity, inf = sm.p, sm.capacity, math.inf
+    send = 2 * sm.v * sm.p2p_s
+    for r, fl in enumerate(sm.in_flight):
+        x = send
         e = sm.reserved
         if r == 0:
             x += sum(sm.emb)
-            e += sm.emb_params * per_state + fl * sm.emb_act
-        if r == sm.p - 1:
+            e += sm.emb_params * sm._state_dense + fl * sm.emb_act
+        if r == p - 1:
             x += sum(sm.head)
-            e += sm.head_params * per_state + sm.logits
-        if sm.capacity - e < 0:
-            return math.inf
-        room = max(sm.capacity - e - gather_buffer, 0.0)  # holding any block of this kind
+            e += sm.head_params * sm._state_dense + sm.logits
+        if capacity - e < 0:
+            return inf
+        room = max(capacity - e - gather_buffer, 0.0)  # holding any block of this kind
         u = states + fl * a_none
         # per recompute kind (Δ, s = fl·shed): the memory-only cap room/(u - s) and the joint cap
         # (slack/Δ + room/s)/(u/s + t/Δ) = (slack + Δ·room/s)/(Δ·u/s + t)
         caps = []
         for d, shed, transient in options:
             s_r, room_k = fl * shed, max(room - transient, 0.0)
-            mem_cap = room_k / (u - s_r) if u > s_r else math.inf
-            caps.append((mem_cap, d * room_k / s_r, d * u / s_r + t) if d > 0 else (mem_cap, math.inf, 1.0))
-        ranks.append((x, room / u if u > 0 else math.inf, caps))
+            mem_cap = room_k / (u - s_r) if u > s_r else inf
+            caps.append((mem_cap, d * room_k / s_r, d * u / s_r + t) if d > 0 else (mem_cap, inf, 1.0))
+        ranks.append((x, room / u if u > 0 else inf, caps))
 
     # Rank r holds k blocks (``floor(n_r(T) + 1e-9) >= k``) from the cap ``T_r(k)`` on: its time
     # allows k blocks and it holds them without recompute (``plain``) or with some recompute kind
@@ -630,6 +627,8 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
         return max(need, x + joint)
 
     floor_x = max(x for x, *_ in ranks)
+    if known >= floor_x and _holds(ranks, known, t, n_major):
+        return known
     heap = [(threshold(x, plain, caps, 1), r, 1) for r, (x, plain, caps) in enumerate(ranks)]
     heapq.heapify(heap)
     found = math.inf
@@ -643,70 +642,96 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     return max(known, exact)
 
 
-class SplitBound:
-    """Lower bound of the slowest pipeline rank's ``f + b`` over every contiguous split (``v = 1``),
-    each rank at the fastest recompute choice that fits its own memory — exact per rank, where
-    :func:`memory_minmax_s` relaxes layer order and integral counts.
+def _holds(ranks: list, cap: float, t: float, n_major: int) -> bool:
+    """Whether the ranks of :func:`memory_minmax_s` hold ``n_major`` blocks within ``cap`` (every
+    rank's fixed time at most ``cap``): ``floor(n_r(cap) + 1e-9)`` summed, as its thresholds count."""
+    total = 0
+    for x, plain, caps in ranks:
+        slack = cap - x
+        best = plain
+        for mem_cap, alpha, beta in caps:
+            n = min(mem_cap, (slack + alpha) / beta)
+            if n > best:
+                best = n
+        timed = slack / t if t > 0 else math.inf
+        if timed < best:
+            best = timed
+        total += math.floor(best + 1e-9) if math.isfinite(best) else n_major
+        if total >= n_major:
+            return True
+    return False
 
-    ``cost(r, i, j)``: the least ``f + b`` (exposed per-micro-batch collectives included, as
-    :meth:`StageModel.stage_terms_counts` prices them) of rank ``r`` holding blocks ``i..j-1``, over
+
+class SplitBound:
+    """Lower bounds of a leaf over every split of its blocks, each pipeline rank at the fastest
+    recompute choice that fits its own memory — exact per rank, where :func:`memory_minmax_s`
+    relaxes layer order and integral counts. The blocks are one kind then the other
+    (:func:`~planner.search.cpsat.layer_kind_prefix`), so whatever chunks a rank holds, its
+    blocks are ``a`` of the first kind then ``b`` of the second, and recomputing ``c`` of them
+    recomputes the first ``c`` in that order.
+
+    ``cost(r, a, b)``: the least ``f + b`` (exposed per-micro-batch collectives included, as
+    :meth:`StageModel.stage_terms_counts` prices them) of rank ``r`` holding ``a + b`` blocks, over
     the recompute choices that fit (``inf`` if none does). Within a recompute kind a larger count
     only adds backward time (``b + c - eff·min(c, b)`` grows with ``b``), so the smallest fitting
     count is the fastest; memory falls with the count except where a fully recomputed prefix first
-    reaches the rank's second block kind (its transient may grow), so the smallest fitting count is
-    bisected on each side of that point. ``cost`` grows when a rank gains a block at either end
-    (a choice that fits the larger range, recomputing the same prefix, fits the smaller one and is
-    no slower), so a cap ``T`` admits a split with empty ranks allowed iff taking, rank by rank,
-    the furthest block that keeps ``cost <= T`` covers every block; the smallest such ``T``
-    (bisected) never exceeds the slowest rank of any real split and choice of recompute.
+    reaches the second kind (its transient may grow), so the smallest fitting count is bisected on
+    each side of that point. ``cost`` grows when a rank gains a block (a choice that fits the larger
+    holding, recomputing the same blocks, fits the smaller one and is no slower).
+
+    :meth:`minmax_s` (``v = 1``): a cap ``T`` admits a contiguous split with empty ranks allowed iff
+    taking, rank by rank, the furthest block that keeps ``cost <= T`` covers every block; the
+    smallest such ``T`` (bisected) never exceeds the slowest rank of any real split.
+    :meth:`two_rank_step_s`: two ranks, every split's (``v = 1``) or every holding's (interleaved)
+    step bound.
     """
 
     def __init__(self, sm: StageModel) -> None:
-        if sm.v != 1:
-            raise ValueError("SplitBound prices contiguous one-chunk-per-rank splits only")
         self.sm = sm
-        self.n = len(sm.kinds)
-        self.moe_prefix = [0]
-        for k in sm.kinds:
-            self.moe_prefix.append(self.moe_prefix[-1] + k)
+        kinds = sm.kinds
+        self.n = len(kinds)
+        self.first = kinds[0]
+        self.n_first = next((i for i, k in enumerate(kinds) if k != self.first), self.n)
         self.memo: dict[tuple[int, int, int], float] = {}
-        # recompute must shed memory for the monotonicity above
-        self.sound = all(kc.activations[k] <= kc.activations[Recompute.none]
-                         for kc in sm.kind_cost.values() for k in RECOMPUTE_KINDS)
+        # recompute must shed memory for the monotonicity above; one kind, then the other
+        self.sound = (all(kc.activations[k] <= kc.activations[Recompute.none]
+                          for kc in sm.kind_cost.values() for k in RECOMPUTE_KINDS)
+                      and all(k != self.first for k in kinds[self.n_first:]))
 
-    def cost(self, r: int, i: int, j: int) -> float:
-        key = (r, i, j)
+    def _split(self, a: int, b: int, c: int) -> tuple[int, int, int, int]:
+        """(dense, moe, recomputed dense, recomputed moe) of a rank holding a + b blocks, the first c recomputed."""
+        ra = min(c, a)
+        return (b, a, c - ra, ra) if self.first else (a, b, ra, c - ra)
+
+    def range_counts(self, i: int, j: int) -> tuple[int, int]:
+        """(first-kind, second-kind) blocks among ``i..j-1``."""
+        a = max(0, min(j, self.n_first) - i)
+        return a, j - i - a
+
+    def cost(self, r: int, a: int, b: int) -> float:
+        key = (r, a, b)
         found = self.memo.get(key)
         if found is not None:
             return found
-        sm, mp = self.sm, self.moe_prefix
-        n = j - i
-        n_moe = mp[j] - mp[i]
-        n_dense = n - n_moe
-        cap = sm.capacity
+        sm = self.sm
+        n, cap = a + b, sm.capacity
 
         def mem(kind: Recompute, c: int) -> float:
-            rm = mp[i + c] - mp[i]
-            return sm.stage_memory_counts(r, n_dense, n_moe, kind, c - rm, rm)
+            nd, nm, rd, rm = self._split(a, b, c)
+            return sm.stage_memory_counts(r, nd, nm, kind, rd, rm)
 
         def time_of(kind: Recompute, c: int) -> float:
-            rm = mp[i + c] - mp[i]
-            t = sm.stage_terms_counts(r, n_dense, n_moe, kind, c - rm, rm)
+            nd, nm, rd, rm = self._split(a, b, c)
+            t = sm.stage_terms_counts(r, nd, nm, kind, rd, rm)
             return t.forward_s + t.backward_s
 
         if mem(Recompute.none, 0) <= cap:
             best = time_of(Recompute.none, 0)
         else:
             best = math.inf
-            # blocks of the rank's first kind: the full-recompute transient may grow past them
-            first = sm.kinds[i] if n else False
-            d = n
-            for k in range(1, n):
-                if sm.kinds[i + k] != first:
-                    d = k
-                    break
+            # the full-recompute transient may grow once the recomputed prefix reaches the second kind
             for kind in RECOMPUTE_KINDS:
-                for lo, hi in ((1, d), (d + 1, n)):
+                for lo, hi in ((1, a), (a + 1, n)):
                     if lo > hi or mem(kind, hi) > cap:
                         continue
                     while lo < hi:
@@ -723,18 +748,18 @@ class SplitBound:
     def admits(self, cap: float) -> bool:
         i, n = 0, self.n
         for r in range(self.sm.p):
-            if self.cost(r, i, i) > cap:
+            if self.cost(r, 0, 0) > cap:
                 return False
             j = i  # the furthest end within the cap
-            while j < n and self.cost(r, i, j + 1) <= cap:
+            while j < n and self.cost(r, *self.range_counts(i, j + 1)) <= cap:
                 j += 1
             i = j
         return i == n
 
     def minmax_s(self, lo: float, hi: float, rel: float = 1e-6) -> float:
-        """The smallest admitted cap, to ``rel`` (from below); ``lo``: a lower bound already known
-        (returned when it is admitted), ``hi``: the slowest rank of some split that fits."""
-        if not self.sound or not math.isfinite(hi) or lo >= hi:
+        """``v = 1``: the smallest admitted cap, to ``rel`` (from below); ``lo``: a lower bound
+        already known (returned when it is admitted), ``hi``: the slowest rank of some split that fits."""
+        if self.sm.v != 1 or not self.sound or not math.isfinite(hi) or lo >= hi * (1 - rel):
             return lo
         if self.admits(lo):
             return lo
@@ -746,42 +771,96 @@ class SplitBound:
                 lo = mid
         return lo
 
-    def _ends(self, r: int, i: int, j: int) -> tuple[float, float]:
-        """(forward, least tail) of rank ``r`` holding blocks ``i..j-1``: the forward (its exposed
+    def _most(self, r: int, cap: float, second: bool) -> int:
+        """The most blocks of one kind (the other none) rank ``r`` holds within ``cap`` (``cost`` grows with them)."""
+        lo, hi = 0, (self.n - self.n_first) if second else self.n_first
+        at = (lambda k: self.cost(r, 0, k)) if second else (lambda k: self.cost(r, k, 0))
+        if at(hi) <= cap:
+            return hi
+        while lo < hi:  # at(lo) <= cap < at(hi + 1)
+            mid = (lo + hi + 1) // 2
+            if at(mid) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def holds_all(self, cap: float) -> bool:
+        """Whether ranks within ``cap`` hold, any way the blocks are dealt out, as many blocks of each
+        kind as there are: each rank holding only that kind holds the most (any holding of both
+        kinds costs at least its part of either), so both sums must reach the counts."""
+        for r in range(self.sm.p):
+            if self.cost(r, 0, 0) > cap:
+                return False
+        for second, need in ((False, self.n_first), (True, self.n - self.n_first)):
+            if need and sum(self._most(r, cap, second) for r in range(self.sm.p)) < need:
+                return False
+        return True
+
+    def holding_minmax_s(self, lo: float, hi: float, rel: float = 1e-6) -> float:
+        """Any ``v``: the smallest cap :meth:`holds_all` admits, to ``rel`` (from below) — a lower
+        bound of the slowest rank of every split (interleaved: whatever chunks a rank holds)."""
+        if not self.sound or not math.isfinite(hi) or lo >= hi * (1 - rel):
+            return lo
+        if self.holds_all(lo):
+            return lo
+        while hi - lo > rel * hi:
+            mid = (lo + hi) / 2
+            if self.holds_all(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+    def _ends(self, r: int, a: int, b: int) -> tuple[float, float]:
+        """(forward, least tail) of rank ``r`` holding ``a + b`` blocks: the forward (its exposed
         gathers included) does not depend on recompute; the tail only falls as the backward window
         grows with the recompute count, so its least value is at none or at every block recomputed."""
-        sm, mp = self.sm, self.moe_prefix
-        n_moe = mp[j] - mp[i]
-        n_dense = j - i - n_moe
-        plain = sm.stage_terms_counts(r, n_dense, n_moe, Recompute.none, 0, 0)
+        sm = self.sm
+        nd, nm, _, _ = self._split(a, b, 0)
+        plain = sm.stage_terms_counts(r, nd, nm, Recompute.none, 0, 0)
         tail = plain.tail_s
         for kind in RECOMPUTE_KINDS:
-            tail = min(tail, sm.stage_terms_counts(r, n_dense, n_moe, kind, n_dense, n_moe).tail_s)
+            tail = min(tail, sm.stage_terms_counts(r, nd, nm, kind, nd, nm).tail_s)
         return plain.forward_s, tail
 
     def two_rank_step_s(self, cutoff: float) -> float:
-        """Two pipeline ranks: below ``cutoff``, a split's lower bound (found first, not the least);
+        """Two pipeline ranks: below ``cutoff``, one split's lower bound (found first, not the least);
         else every split's step, whatever its recompute, is at least ``cutoff``. With no cutoff
         (``math.inf``): the least bound over the splits.
 
-        Per split, each rank is at least its fastest fitting ``T_r = cost(r, ...)`` and its forward
-        ``f_r`` is fixed; 1F1B/GPipe ``(m-1)·max T + Σ T`` grows with every ``T_r``; zero-bubble
-        ``m·T* + Σ_{i≠i*} f_i >= m·max_r T_r + Σf - max f``; plus the larger of the ranks' least tails."""
-        sm, n, m = self.sm, self.n, self.sm.m
+        ``v = 1``: every contiguous split; interleaved: every holding ``(a_0, b_0)`` of rank 0 with
+        at least ``v`` blocks per rank (a relaxation of the chunk sizes). Each rank is at least its
+        fastest fitting ``T_r = cost(r, ...)`` and its forward ``f_r`` is fixed; 1F1B/GPipe
+        ``(m-1)·max T + Σ T`` and interleaved ``m·max T + (Σ T - max T)/v`` grow with every
+        ``T_r``; zero-bubble ``m·T* + Σ_{i≠i*} f_i >= m·max_r T_r + Σf - max f``; plus the larger
+        of the ranks' least tails."""
+        sm, n, m, v = self.sm, self.n, self.sm.m, self.sm.v
         if sm.p != 2 or not self.sound:
             return -math.inf
-        zb = sm.layout.schedule is Schedule.zero_bubble
-        mid = (n + 1) // 2
+        sched = sm.layout.schedule
+        zb, inter = sched is Schedule.zero_bubble, sched is Schedule.interleaved_1f1b
+        A, B = self.n_first, n - self.n_first
+        if v == 1:
+            holdings = [self.range_counts(0, k) for k in range(1, n)]
+        else:
+            holdings = [(a, b) for a in range(A + 1) for b in range(B + 1) if v <= a + b <= n - v]
+        holdings.sort(key=lambda h: abs(2 * (h[0] + h[1]) - n))  # the even splits first: they decide early
         best = math.inf
-        for k in sorted(range(1, n), key=lambda k: abs(k - mid)):  # the even splits first: they decide early
-            t0, t1 = self.cost(0, 0, k), self.cost(1, k, n)
+        for a0, b0 in holdings:
+            t0, t1 = self.cost(0, a0, b0), self.cost(1, A - a0, B - b0)
             if not (math.isfinite(t0) and math.isfinite(t1)):
                 continue
             top = max(t0, t1)
-            if (m if zb else m - 1) * top >= min(best, cutoff):
+            if (m if zb or inter else m - 1) * top >= min(best, cutoff):
                 continue  # its pipeline term alone reaches the cutoff (or the best so far)
-            (f0, tail0), (f1, tail1) = self._ends(0, 0, k), self._ends(1, k, n)
-            pipe = m * top + min(f0, f1) if zb else (m - 1) * top + t0 + t1
+            (f0, tail0), (f1, tail1) = self._ends(0, a0, b0), self._ends(1, A - a0, B - b0)
+            if zb:
+                pipe = m * top + min(f0, f1)
+            elif inter:
+                pipe = m * top + (t0 + t1 - top) / v
+            else:
+                pipe = (m - 1) * top + t0 + t1
             best = min(best, pipe + max(tail0, tail1))
             if best < cutoff < math.inf:
                 return best
