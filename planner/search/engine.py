@@ -40,10 +40,11 @@ from planner.contracts import (
     SearchReport,
     TrainingConfig,
 )
+from planner.cost.comm import placement
+from planner.cost.memo import memoised
 from planner.cost.memory import model_state_bytes, state_bytes_per_param
 from planner.cost.params import embedding_params, layer_params, lm_head_params
-from planner.cost.memo import memoised
-from planner.cost.predict import predict
+from planner.cost.predict import default_layer_split, predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
 from planner.search.stages import (
@@ -52,6 +53,7 @@ from planner.search.stages import (
     SplitBound,
     StageModel,
     memory_minmax_s,
+    pipeline_send_s,
     recompute_bound_s,
     shared_costs,
 )
@@ -210,11 +212,14 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.mb, flags)
     p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
     core, p2p_s = cache.get(core_key), cache.get(p2p_key)
-    if core is None or p2p_s is None:
+    if core is None:
         sc = shared_costs(model, training, profile, _base_layout(st, opts), cache)
         p2p_s = cache[p2p_key] = sc.p2p_s
-        if core is None:
-            core = cache[core_key] = _structure_work(sc)
+        core = cache[core_key] = _structure_work(sc)
+    elif p2p_s is None:  # the send alone: no layout to build (its group is the mesh's pipeline placement)
+        group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
+        p2p_s = cache[p2p_key] = pipeline_send_s(model, training, profile, group, st.mb * (training.seq_length // st.cp),
+                                                 st.tp, opts.pp_scatter_gather)
     (st.layer_times, st.emb_s, st.head_s, st.work_s, st.forward_work_s, st.forward_ratio,
      st.forward_ratio_min) = core
     st.p2p_s = p2p_s
@@ -270,7 +275,16 @@ def min_max_stage(st: Structure) -> float:
         return True
 
     lo, hi = st.work_s / p, st.work_s + send
-    for _ in range(24):
+    eps = (hi - lo) / 2**24  # the precision of 24 halvings of that bracket
+    # the default split fits its own slowest stage: a much tighter start for the bisection
+    start, slowest = 0, 0.0
+    for stage, size in enumerate(default_layer_split(n, p)):
+        end = start + size
+        slowest = max(slowest, send + prefix[end] - prefix[start] + (st.emb_s if stage == 0 else 0.0)
+                      + (st.head_s if stage == p - 1 else 0.0))
+        start = end
+    hi = max(min(hi, slowest), lo)
+    while hi - lo > eps:
         mid = (lo + hi) / 2
         if fits(mid):
             hi = mid
@@ -681,6 +695,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
     minmax_of: dict[int, float] = {}
+    leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
     tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
 
     def minmax_for(si: int) -> float:
@@ -703,7 +718,12 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             progress(si, len(structs))
         fam = families[st.family]
         scheds = schedule_choices(st, model, opts, rules)
-        leaves = leaf_choices(st, opts, rules)
+        leaves_key = (st.dp, st.cp, st.ep)
+        if leaves_key not in leaves_of:  # (hashing the options on every call costs more than the choices)
+            leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, opts)
+        leaves, removed = leaves_of[leaves_key]
+        if removed:
+            rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
         per_sched = len(leaves)
         fam["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)

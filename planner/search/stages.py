@@ -38,7 +38,14 @@ from planner.contracts import (
     StageRecompute,
     TrainingConfig,
 )
-from planner.cost.comm import collective_time_s, find_link, hidden_time_s, host_copy_time_s, mesh_groups
+from planner.cost.comm import (
+    GroupPlacement,
+    collective_time_s,
+    find_link,
+    hidden_time_s,
+    host_copy_time_s,
+    mesh_groups,
+)
 from planner.cost.compute import memory_time_s
 from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
 from planner.cost.memory import (
@@ -132,10 +139,19 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
                 cache[ends_key] = ((emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s))
             cache[core_key] = (kind_cost, *cache[ends_key])
         kind_cost, emb, head = cache[core_key]
-        p2p_bytes = mb.tokens * model.hidden_size * training.precision.bytes / (layout.tp if layout.pp_scatter_gather else 1)
-        p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
+        p2p_s = pipeline_send_s(model, training, profile, groups["pp"], mb.tokens, layout.tp, layout.pp_scatter_gather)
         cache[key] = SharedCosts(kinds, mb, kind_cost, emb, head, p2p_s)
     return cache[key]
+
+
+def pipeline_send_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, pp_group: GroupPlacement,
+                    tokens: int, tp: int, scatter_gather: bool) -> float:
+    """One micro-batch's activations sent to the next pipeline rank (``tokens`` rows of the hidden
+    size, split over the TP group with scatter-gather); 0 without a pipeline."""
+    if pp_group.size <= 1:
+        return 0.0
+    p2p_bytes = tokens * model.hidden_size * training.precision.bytes / (tp if scatter_gather else 1)
+    return collective_time_s(profile, Collective.p2p, pp_group, p2p_bytes)
 
 
 def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
