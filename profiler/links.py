@@ -6,8 +6,10 @@ the point-to-point message. Each size is timed in trials (twice as many up to 1 
 starts at a barrier of the group and times ``reps`` back-to-back calls (more for small messages, so
 barrier skew does not dominate). Sizes up to 16 MiB (all of a quick profile) are timed in
 interleaved rounds (one trial of each size per round), so a burst of other work spoils one trial of
-several sizes, not every trial of one: on the loaded 2-vCPU VM this cut the spread between repeated
-profiles from a median 52% to 31% per size (sizes up to 1 MiB interleaved). A rank's time is its *fastest* trial: on a shared machine the
+several sizes, not every trial of one; each such trial makes one untimed call first (the 16 MiB
+call before the 4 KiB one that opens a round leaves its buffer cold). On a loaded 2-vCPU VM (4 gloo
+ranks) the spread of a size between repeated profiles fell from a median 119% (median of 5 trials,
+sequential) to 52% (fastest trial, 2x trials up to 1 MiB) to 37% (interleaved). A rank's time is its *fastest* trial: on a shared machine the
 scheduler preempts ranks for whole milliseconds, and the median of 5 trials still moved by 50-800%
 between repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle
 cluster minimum and median agree. The time recorded is the maximum over ranks (the slowest rank
@@ -414,10 +416,13 @@ def _op(collective: Collective, nbytes: int, group, group_ranks: list[int], rank
     return pingpong
 
 
-def _trial(op: Callable[[], None], reps: int, group, device) -> float:
-    """One trial: a barrier of the group, then ``reps`` back-to-back calls; seconds per call."""
+def _trial(op: Callable[[], None], reps: int, group, device, warm: int = 0) -> float:
+    """One trial: ``warm`` untimed calls, a barrier of the group, then ``reps`` back-to-back calls;
+    seconds per call."""
     import torch.distributed as dist
 
+    for _ in range(warm):
+        op()
     dist.barrier(group=group)
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -485,7 +490,9 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 for r in range(max(counts.values())):
                     for j, (op_j, reps_j) in interleaved.items():
                         if r < counts[j]:
-                            best_s[j] = min(best_s[j], _trial(op_j, reps_j, group, device))
+                            # one untimed call first: the size before it (a 16 MiB one, for the
+                            # 4 KiB that opens a round) left the caches cold for this buffer
+                            best_s[j] = min(best_s[j], _trial(op_j, reps_j, group, device, warm=1))
                 for j, best in best_s.items():
                     times[j] = best / 2.0 if collective is Collective.p2p else best
                 interleaved.clear()
