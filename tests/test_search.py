@@ -536,3 +536,54 @@ def test_search_settles_leaves_by_the_split_bound_without_changing_the_plan():
     brute = brute_force_search(model, tr, prof, opts)
     assert brute is not None
     assert plan.prediction.step_time_s == pytest.approx(brute[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("name,layers,system,pp", [("gpt3-175b", 5, "dgx-a100-80gb", 2), ("gpt3-175b", 6, "dgx-a100-80gb", 4),
+                                                    ("mixtral-8x7b", 5, "dgx-a100-40gb", 2)])
+def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, layers, system, pp):  # noqa: ANN001
+    """leaf_bound with the tails of ranks holding ceil(blocks / p) blocks of a kind (pigeonhole_comms)
+    and the split bound as the slowest rank never exceeds the step of any split and per-stage
+    recompute that fits; on a slow network (large tails) it is above the average-stage bound."""
+    from planner.search.engine import pigeonhole_comms
+    from planner.search.stages import SplitBound
+    model = small(name, layers)
+    prof = reference_profile(system, 1, nic_gbit_per_gpu=25)
+    tr = TrainingConfig(global_batch_size=16, seq_length=2048)
+    opts = SearchOptions()
+    structs = [s for s in structures(model, tr, prof, opts, Rules()) if s.tp == 1 and s.cp == 1 and s.pp == pp
+               and s.mb == 1 and s.ep in (1, 2)]
+    cache: dict = {}
+    checked = binding = 0
+    for st in structs:
+        price_structure(st, model, tr, prof, opts, cache)
+        scheds = [(Schedule.one_f_one_b, 1), (Schedule.zero_bubble, 1)]
+        if pp * 2 <= layers and st.m % pp == 0:
+            scheds.append((Schedule.interleaved_1f1b, 2))
+        for (sched, v), zero, offload in itertools.product(scheds, (0, 1, 3), (False, True)):
+            if offload and zero == 0:
+                continue
+            lay = ParallelLayout(tp=1, pp=pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero, schedule=sched, virtual_stages=v,
+                                 micro_batch_size=1, offload_optimizer=offload)
+            sm = StageModel(model, tr, prof, lay, block_cache=cache)
+            dense = sum(sm.kind_cost[k].dense_params for k in sm.kinds) + sm.emb_params + sm.head_params
+            expert = sum(sm.kind_cost[k].expert_params for k in sm.kinds)
+            comm = LeafComm.of(prof, tr, lambda lay=lay: lay, (zero, st.dp, 1, 1, 1, st.ep), offload, True, True,
+                               dense / pp, expert / pp, {})
+            best = best_slowest = math.inf
+            for chunks in compositions(layers, pp * v):
+                ranks = sm.rank_layers(list(chunks))
+                for rec in itertools.product(*[sm.stage_options(len(x)) for x in ranks]):
+                    val, terms = sm.evaluate(list(chunks), list(rec))
+                    if sm.fits(terms):
+                        best = min(best, val)
+                        best_slowest = min(best_slowest, max(t.forward_s + t.backward_s for t in terms))
+            if math.isinf(best):
+                continue
+            checked += 1
+            split = SplitBound(sm)
+            stage = split.minmax_s(0.0, 2 * best_slowest) if v == 1 else split.holding_minmax_s(0.0, 2 * best_slowest)
+            rec_s = recompute_bound_s(sm)
+            bound = leaf_bound(st, sched, v, stage, rec_s, comm, pigeonhole_comms(sm, {}))
+            assert bound <= best * (1 + 1e-9), (st, sched, v, zero, offload, bound, best)
+            binding += bound > leaf_bound(st, sched, v, stage, rec_s, comm) * (1 + 1e-6)
+    assert checked >= 8 and binding >= 1, (checked, binding)

@@ -468,7 +468,8 @@ class Found:
     status: str = field(compare=False)
 
 
-def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float, comm: LeafComm) -> float:
+def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float, comm: LeafComm,
+               tail_comms: tuple[LeafComm, ...] = ()) -> float:
     """Schedule bound with the per-micro-batch ZeRO-2/3 collectives (:func:`schedule_bound`), plus a
     bound on the slowest tail.
 
@@ -479,18 +480,41 @@ def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_
     stage (the windows it hides behind are that stage's forward and backward). Both are convex in
     the stage's parameters, so the most loaded stage has at least the average's. The pipeline term
     grows by ``(m - 1)`` per second of ``T`` (more for the other schedules) and the tail shrinks by
-    at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the smallest ``T``."""
+    at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the smallest ``T``.
+
+    ``tail_comms``: the same data-parallel side for stages holding other parameters that some
+    stage is known to hold at least (e.g. ``ceil(blocks / p)`` blocks of one kind: by pigeonhole
+    some rank holds that many); the tail bound is the largest of them (the same affine times, the
+    same argument per stage)."""
     gpm = comm.gathers_per_mb
     comm_f = comm.gather_s if gpm else 0.0
     comm_b = (comm.gather_s * (gpm - 1) if gpm else 0.0) + (comm.grad_s if comm.grads_per_mb else 0.0)
     bound = schedule_bound(st, sched, v, minmax, recompute_s, comm_f, comm_b, comm.eff)
-    per_step = _per_step_s(comm)
-    exposed = (1.0 - comm.eff) * per_step
-    if st.m >= 2:
-        # the smallest slowest-stage time the pipeline term above was priced at
-        t_min = max(minmax, _rank_work(st, v, recompute_s, comm_f, comm_b, comm.eff)[2] / st.pp)
-        exposed = max(exposed, per_step - comm.eff * t_min)
-    return bound + comm.optimizer_s + exposed
+    # the smallest slowest-stage time the pipeline term above was priced at
+    t_min = max(minmax, _rank_work(st, v, recompute_s, comm_f, comm_b, comm.eff)[2] / st.pp) if st.m >= 2 else None
+    tail = 0.0
+    for c in (comm, *tail_comms):
+        per_step = _per_step_s(c)
+        exposed = (1.0 - c.eff) * per_step
+        if t_min is not None:
+            exposed = max(exposed, per_step - c.eff * t_min)
+        tail = max(tail, c.optimizer_s + exposed)
+    return bound + tail
+
+
+def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
+    """Per block kind, the data-parallel side of a rank holding ``ceil(count / p)`` blocks of it and
+    nothing else: some rank holds at least that many, and the tail bound of :func:`leaf_bound`
+    only grows with the parameters (its collective and optimizer times are affine, increasing)."""
+    lay, p = sm.layout, sm.p
+    key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep)
+    out = []
+    for kind in sorted(set(sm.kinds)):
+        held = -(-sm.kinds.count(kind) // p)
+        kc = sm.kind_cost[kind]
+        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer, lay.reshard_after_forward,
+                               lay.dp_comm_overlap, held * kc.dense_params, held * kc.expert_params, cache))
+    return tuple(out)
 
 
 def _per_step_s(comm: LeafComm) -> float:
@@ -807,7 +831,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 settled = split.two_rank_step_s(cutoff) >= cutoff
             else:
                 split_stage = split.minmax_s(stage_lb, slowest) if v == 1 else split.holding_minmax_s(stage_lb, slowest)
-                settled = split_stage > stage_lb and leaf_bound(st, sched, v, split_stage, rec_s, comm) >= cutoff
+                settled = leaf_bound(st, sched, v, split_stage, rec_s, comm, pigeonhole_comms(sm, cache)) >= cutoff
             if settled:
                 if cutoff == greedy_val:  # the default split is this leaf's optimum
                     record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")
