@@ -857,27 +857,70 @@ class SplitBound:
         sched = sm.layout.schedule
         zb, inter = sched is Schedule.zero_bubble, sched is Schedule.interleaved_1f1b
         A, B = self.n_first, n - self.n_first
+        # rows of holdings along which rank 0 gains one block at a time (so its cost grows and rank
+        # 1's falls): v = 1, the split point; interleaved, the second-kind blocks at each first-kind count
         if v == 1:
-            holdings = [self.range_counts(0, k) for k in range(1, n)]
+            rows = [[self.range_counts(0, k) for k in range(1, n)]]
         else:
-            holdings = [(a, b) for a in range(A + 1) for b in range(B + 1) if v <= a + b <= n - v]
-        holdings.sort(key=lambda h: abs(2 * (h[0] + h[1]) - n))  # the even splits first: they decide early
+            rows = [[(a, b) for b in range(B + 1) if v <= a + b <= n - v] for a in range(A + 1)]
+        factor = m if zb or inter else m - 1  # the pipeline term is at least factor · max T
         best = math.inf
-        for a0, b0 in holdings:
-            t0, t1 = self.cost(0, a0, b0), self.cost(1, A - a0, B - b0)
-            if not (math.isfinite(t0) and math.isfinite(t1)):
+        for row in rows:
+            if not row:
                 continue
-            top = max(t0, t1)
-            if (m if zb or inter else m - 1) * top >= min(best, cutoff):
-                continue  # its pipeline term alone reaches the cutoff (or the best so far)
-            (f0, tail0), (f1, tail1) = self._ends(0, a0, b0), self._ends(1, A - a0, B - b0)
-            if zb:
-                pipe = m * top + min(f0, f1)
-            elif inter:
-                pipe = m * top + (t0 + t1 - top) / v
-            else:
-                pipe = (m - 1) * top + t0 + t1
-            best = min(best, pipe + max(tail0, tail1))
-            if best < cutoff < math.inf:
-                return best
+            lo, hi = 0, len(row) - 1
+            if factor > 0 and math.isfinite(cutoff):
+                # only the holdings whose slowest rank is below cutoff/factor can bound below it
+                limit = cutoff / factor
+                t1_ok = lambda i, row=row: self.cost(1, A - row[i][0], B - row[i][1]) < limit  # noqa: E731
+                t0_ok = lambda i, row=row: self.cost(0, *row[i]) < limit  # noqa: E731
+                lo = _first_true(lo, hi, t1_ok)  # rank 1 falls along the row
+                hi = _last_true(lo, hi, t0_ok)  # rank 0 grows along it
+                if lo > hi:
+                    continue
+            mid = len(row) / 2
+            for i in sorted(range(lo, hi + 1), key=lambda i: abs(i - mid)):  # the even ones first: they decide early
+                a0, b0 = row[i]
+                t0, t1 = self.cost(0, a0, b0), self.cost(1, A - a0, B - b0)
+                if not (math.isfinite(t0) and math.isfinite(t1)):
+                    continue
+                top = max(t0, t1)
+                if factor * top >= min(best, cutoff):
+                    continue  # its pipeline term alone reaches the cutoff (or the best so far)
+                (f0, tail0), (f1, tail1) = self._ends(0, a0, b0), self._ends(1, A - a0, B - b0)
+                if zb:
+                    pipe = m * top + min(f0, f1)
+                elif inter:
+                    pipe = m * top + (t0 + t1 - top) / v
+                else:
+                    pipe = (m - 1) * top + t0 + t1
+                best = min(best, pipe + max(tail0, tail1))
+                if best < cutoff < math.inf:
+                    return best
         return best
+
+
+def _first_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The first index in ``lo..hi`` where ``ok`` (false, then true) holds; ``hi + 1`` if none."""
+    if not ok(hi):
+        return hi + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _last_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The last index in ``lo..hi`` where ``ok`` (true, then false) holds; ``lo - 1`` if none."""
+    if lo > hi or not ok(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
