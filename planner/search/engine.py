@@ -608,6 +608,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             fam["reason"] = _NoFitReason(need, why, capacity)
 
     priced: set[tuple] = set()
+    leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
     states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
     ids = iter(range(1, 1 << 60))
     nonlocal_state = {"prefix_ok": None, "budget_hit": False}
@@ -661,20 +662,40 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             nonlocal_state["budget_hit"] = True
             report["pruned"] += 1
             return
-        try:
-            sm = StageModel(model, training, profile, make_layout(), block_cache=cache)
-        except AutoparError as err:
-            rules.remove(f"{err.field}: {err.problem}", str(err))
-            return
-        rec_s = recompute_bound_s(sm)
+        sm = None
+
+        def build() -> StageModel | None:
+            try:
+                return StageModel(model, training, profile, make_layout(), block_cache=cache)
+            except AutoparError as err:
+                rules.remove(f"{err.field}: {err.problem}", str(err))
+                return None
+
+        # the memory bounds depend on the micro-batches each rank holds, not on how the schedule
+        # orders them: 1F1B and zero-bubble leaves share them (their ranks hold p - r)
+        mem_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
+                   zero, rep, shard, offload, reshard, minmax)
+        bounds = leaf_memory.get(mem_key)
+        if bounds is None:
+            sm = build()
+            if sm is None:
+                return
+            bounds = leaf_memory[mem_key] = [recompute_bound_s(sm), None]
+        rec_s = bounds[0]
         lb = leaf_bound(st, sched, v, minmax, rec_s, comm)
         if lb >= kth():
             report["pruned"] += 1
             return
+        if sm is None:
+            sm = build()
+            if sm is None:
+                return
         stage_lb = minmax  # the slowest rank's f + b, at least
         if st.pp > 1:
             # the slowest rank once every rank fits its own memory (recompute where it must)
-            mem_stage = memory_minmax_s(sm, minmax)
+            if bounds[1] is None:
+                bounds[1] = memory_minmax_s(sm, minmax)
+            mem_stage = bounds[1]
             if not math.isfinite(mem_stage):
                 no_fit(st, lambda sm=sm: sm.min_memory(sm.default_chunks()), label,
                        "needs, on the default split with full recompute,")
@@ -720,6 +741,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
 
     minmax_of: dict[int, float] = {}
     leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
+    frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
     tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
 
     def minmax_for(si: int) -> float:
@@ -785,17 +807,23 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 continue
             # the recompute and the slowest rank that memory forces even on the leaf with the least
             # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
-            frugal_zero = max(opts.zero_stages)
-            frugal = _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
-                                  offload_optimizer=opts.offload and frugal_zero >= 1)
-            try:
-                frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
-                rec_min = recompute_bound_s(frugal_sm)
-                if st.pp > 1:
-                    # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)
-                    stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min, gather_buffers=False))
-            except AutoparError:
-                rec_min = 0.0
+            frugal_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
+                          stage_min)  # as for the leaves: 1F1B and zero-bubble ranks hold the same
+            if frugal_key in frugal_of:
+                rec_min, stage_min = frugal_of[frugal_key]
+            else:
+                frugal_zero = max(opts.zero_stages)
+                frugal = _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
+                                      offload_optimizer=opts.offload and frugal_zero >= 1)
+                try:
+                    frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
+                    rec_min = recompute_bound_s(frugal_sm)
+                    if st.pp > 1:
+                        # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)
+                        stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min, gather_buffers=False))
+                except AutoparError:
+                    rec_min = 0.0
+                frugal_of[frugal_key] = (rec_min, stage_min)
             if not math.isfinite(stage_min):
                 report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
                 continue
