@@ -12,7 +12,11 @@ best contiguous layer split; a leaf's bound adds its optimizer step. Leaves are 
 (:class:`~planner.search.stages.StageModel`) in bound order, first on the default split with the
 fastest recompute per stage that fits, then — unless that already meets the bound — by CP-SAT
 (:mod:`planner.search.cpsat`), which moves layers between stages and picks recompute per stage.
-The search stops when the next bound is no better than the k-th best plan found.
+Before a CP-SAT proof, :class:`~planner.search.stages.SplitBound` prices every rank exactly at its
+fastest recompute that fits (two ranks: every split's step; deeper: the slowest rank, with the
+tail of a rank holding ``ceil(blocks/p)`` blocks); a bound at the cutoff settles the leaf as
+CP-SAT's INFEASIBLE would. The search stops when the next bound is no better than the k-th best
+plan found.
 """
 
 from __future__ import annotations
@@ -445,7 +449,7 @@ class _LeafLabel:
 class _NoFitReason:
     """A family's reason "does not fit: ... GiB", formatted (and its memory priced) only when shown."""
 
-    __slots__ = ("need", "why", "capacity")
+    __slots__ = ("capacity", "need", "why")
 
     def __init__(self, need: float | Callable[[], float], why: str, capacity: float) -> None:
         self.need, self.why, self.capacity = need, why, capacity

@@ -637,9 +637,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
         joint = math.inf
         for mem_cap, alpha, beta in caps:
             if mem_cap >= kk:
-                cand = beta * kk - alpha
-                if cand < joint:
-                    joint = cand
+                joint = min(joint, beta * kk - alpha)
         return max(need, x + joint)
 
     floor_x = max(x for x, *_ in ranks)
@@ -872,8 +870,13 @@ class SplitBound:
             if factor > 0 and math.isfinite(cutoff):
                 # only the holdings whose slowest rank is below cutoff/factor can bound below it
                 limit = cutoff / factor
-                t1_ok = lambda i, row=row: self.cost(1, A - row[i][0], B - row[i][1]) < limit  # noqa: E731
-                t0_ok = lambda i, row=row: self.cost(0, *row[i]) < limit  # noqa: E731
+
+                def t1_ok(i: int, row: list = row, limit: float = limit) -> bool:
+                    return self.cost(1, A - row[i][0], B - row[i][1]) < limit
+
+                def t0_ok(i: int, row: list = row, limit: float = limit) -> bool:
+                    return self.cost(0, *row[i]) < limit
+
                 lo = _first_true(lo, hi, t1_ok)  # rank 1 falls along the row
                 hi = _last_true(lo, hi, t0_ok)  # rank 0 grows along it
                 if lo > hi:
