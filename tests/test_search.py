@@ -586,3 +586,29 @@ def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, 
             assert bound <= best * (1 + 1e-9), (st, sched, v, zero, offload, bound, best)
             binding += bound > leaf_bound(st, sched, v, stage, rec_s, comm) * (1 + 1e-6)
     assert checked >= 8 and binding >= 1, (checked, binding)
+
+
+def test_stage_model_equals_predict_on_a_piecewise_measured_profile():
+    """Links fitted in segments (LinkProfile.min_bytes/max_bytes): the data-parallel terms the search
+    prices as alpha + slope x params are taken on the large-message segment, where a stage of a real
+    model sends its gradients, so the decomposition still equals predict."""
+    base = reference_profile("dgx-h100", 2)
+    links = []
+    for link in base.links:
+        if link.level.value == "host_device":
+            links.append(link)
+            continue
+        links.append(link.model_copy(update={"max_bytes": 64 << 20, "alpha_s": link.alpha_s * 0.5,
+                                             "busbw_bytes_per_s": link.busbw_bytes_per_s * 0.6}))
+        links.append(link.model_copy(update={"min_bytes": 64 << 20, "alpha_s": link.alpha_s * 3}))
+    prof = base.model_copy(update={"links": links, "kind": "measured"})
+    model, tr = get_preset("llama3-8b"), TrainingConfig(global_batch_size=64, seq_length=4096)
+    for layout in (dict(tp=2, pp=4, dp_shard=2, zero_stage=1, sp=True), dict(tp=2, pp=4, dp_shard=2, zero_stage=3)):
+        sm = StageModel(model, tr, prof, ParallelLayout(**layout))
+        rng = random.Random(3)
+        for _ in range(6):
+            cuts = sorted(rng.sample(range(1, model.num_layers), sm.p - 1))
+            chunks = [b - a for a, b in zip([0, *cuts], [*cuts, model.num_layers])]
+            rec = [(Recompute.none, 0)] * sm.p
+            step, _ = sm.evaluate(chunks, rec)
+            assert step == pytest.approx(predict(model, tr, prof, sm.layout_for(chunks, rec)).step_time_s, rel=1e-12)

@@ -213,7 +213,11 @@ def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: Paralle
             def at(x: float) -> dict[str, float]:
                 tr = dp_traffic(profile, lay, training, x if dense else 0.0, 0.0 if dense else x)
                 return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
-            x1, x2 = 1e6, 1e9
+            # two points on the large-message segment: exact for single-segment links (reference
+            # profiles); a measured profile fitted piecewise (LinkProfile.min_bytes/max_bytes) is
+            # exact for stages whose traffic is past its last breakpoint, approximate below it
+            # (the plan's figures are predict's either way)
+            x1, x2 = 1e9, 1e10
             t1, t2 = at(x1), at(x2)
             out = {}
             for k in t1:
