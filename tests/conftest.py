@@ -148,3 +148,16 @@ class LiveServer:
 def live_server():  # noqa: ANN201
     """The LiveServer class: ``with live_server(database_url, ENV="x") as server: server.url``."""
     return LiveServer
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():  # noqa: ANN201
+    """Tiny models on a shared 2-core machine: a second intra-op thread only adds contention (a loss
+    test took 20 s with two threads under load, 2 s with one). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

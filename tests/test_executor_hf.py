@@ -29,14 +29,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models on a shared 2-core machine: a second intra-op thread only adds contention
-    (the loss test took 20 s with two threads under load, 2 s with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def unmodelled_params(name: str) -> int:

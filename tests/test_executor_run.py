@@ -242,30 +242,17 @@ def test_fp16_and_fp8_plans_are_refused_with_the_fix(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_prediction(tmp_path: Path) -> None:
+def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_prediction(tmp_path: Path,
+                                                                                    live_server) -> None:  # noqa: ANN001
     """The service round trip: upload a profile, POST a model spec for a plan, run that plan with
     `autopar run --server --token --plan-id`, then read the run back next to the plan's prediction."""
     import httpx
-    from conftest import free_port
 
     from planner.contracts import Plan
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer tok"}
-    proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import main; main()", "serve", "--port", str(port),
-                             "--database-url", f"sqlite:///{tmp_path / 'svc.db'}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**child_env(), "AUTOPAR_TOKENS": "tok"}, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    with live_server(f"sqlite:///{tmp_path / 'svc.db'}", AUTOPAR_TOKENS="tok") as server:
+        base = server.url
         prof = httpx.post(f"{base}/v1/profiles", json=profile_for(4).model_dump(mode="json"), headers=auth, timeout=30)
         assert prof.status_code == 201, prof.text
         req = {"model": {"spec": SPEC.model_dump(mode="json")}, "training": TRAINING.model_dump(mode="json"),
@@ -296,9 +283,6 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
                         "--plan-id", str(plan_id), env=env)
         assert r.returncode == 2 and "token" in r.stderr.lower() and "Traceback" not in r.stderr, r.stderr
         assert httpx.get(f"{base}/v1/runs", params={"plan_id": plan_id}, timeout=30).json()["total"] == 1
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.slow
