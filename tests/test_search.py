@@ -612,3 +612,74 @@ def test_stage_model_equals_predict_on_a_piecewise_measured_profile():
             rec = [(Recompute.none, 0)] * sm.p
             step, _ = sm.evaluate(chunks, rec)
             assert step == pytest.approx(predict(model, tr, prof, sm.layout_for(chunks, rec)).step_time_s, rel=1e-12)
+
+
+FLOOR_CASES = [
+    ("deepseek-v3", 4, "dgx-h100", 4, 64, 4096, {}, {}),
+    ("deepseek-v3", 4, "dgx-h100", 4, 64, 4096, dict(tp_comm_overlap=True, ep_comm_overlap=True), {}),
+    ("mixtral-8x7b", 4, "dgx-h100", 2, 32, 4096, {}, dict(precision="fp8")),
+    ("gpt3-175b", 6, "dgx-a100-80gb", 4, 96, 2048, dict(tp_comm_overlap=True), dict(flash_attention=False)),
+    ("llama3-70b", 8, "dgx-a100-40gb", 4, 64, 4096, dict(pp_scatter_gather=False), {}),
+]
+
+
+@pytest.mark.parametrize("name,layers,system,nodes,gbs,seq,opts,train", FLOOR_CASES)
+def test_structure_floor_is_a_lower_bound_of_every_structure_bound(name, layers, system, nodes, gbs, seq, opts, train):  # noqa: ANN001
+    """The search prices a structure's blocks only once its floor (structure_floor, from
+    work_floor_s) is below the k-th best: the floor must never exceed the priced bound ``bound_s``
+    (nor ``work_floor_s`` the priced ``work_s``) on any structure, and must not be vacuous."""
+    from planner.search.engine import structure_floor
+    from planner.search.stages import work_floor_s
+    model, prof = small(name, layers), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=seq, **train)
+    o = SearchOptions(**opts)
+    structs = structures(model, tr, prof, o, Rules())
+    assert len(structs) > 20
+    exact_cache: dict = {}
+    floor_cache: dict = {}
+    ratios = []
+    for st in structs:
+        price_structure(st, model, tr, prof, o, exact_cache)
+        floor = structure_floor(st, model, tr, prof, o, floor_cache)
+        work = work_floor_s(model, tr, prof, st.tp, st.sp, st.cp, st.ep, st.mb, o.tp_comm_overlap and st.tp > 1,
+                            o.ep_comm_overlap and st.ep > 1, floor_cache)
+        assert work <= st.work_s, (st.family, st.mb, work, st.work_s)
+        assert floor <= st.bound_s, (st.family, st.mb, floor, st.bound_s)
+        ratios.append(floor / st.bound_s)
+    assert max(ratios) > 0.8  # GEMMs, attention and collectives: most of a block's time
+
+
+def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
+    """Structures are priced in bound order, lazily: the plan equals the one found when every
+    structure's blocks are priced up front (the floor only skips work), with fewer shapes priced."""
+    import planner.search.engine as engine
+    model, prof = small("deepseek-v3", 6), reference_profile("dgx-h100", 4)
+    tr = TrainingConfig(global_batch_size=64, seq_length=4096)
+    calls = []
+    real = engine.price_structure
+
+    def counting(st, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        calls.append(st)
+        return real(st, *a, **k)
+
+    def exact_floor(st, model, training, profile, opts, cache):  # noqa: ANN001
+        real(st, model, training, profile, opts, cache)
+        return st.bound_s
+
+    engine.price_structure = counting
+    try:
+        lazy = search(model, tr, prof, SearchOptions())
+        n_lazy = len(calls)
+        floor = engine.structure_floor
+        engine.structure_floor = exact_floor  # every structure priced up front, as before lazy pricing
+        try:
+            eager = search(model, tr, prof, SearchOptions())
+        finally:
+            engine.structure_floor = floor
+    finally:
+        engine.price_structure = real
+    assert lazy.layout == eager.layout
+    assert lazy.prediction.step_time_s == eager.prediction.step_time_s
+    assert [a.layout for a in lazy.alternatives] == [a.layout for a in eager.alternatives]
+    assert lazy.search.evaluated == eager.search.evaluated and lazy.search.pruned_by_bound == eager.search.pruned_by_bound
+    assert n_lazy < len(structures(model, tr, prof, SearchOptions(), Rules()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import heapq
 import math
 import time
 from collections import defaultdict
@@ -60,6 +61,7 @@ from planner.search.stages import (
     pipeline_send_s,
     recompute_bound_s,
     shared_costs,
+    work_floor_s,
 )
 
 GIB = 2**30
@@ -228,6 +230,22 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
      st.forward_ratio_min) = core
     st.p2p_s = p2p_s
     st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
+
+
+def structure_floor(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
+                    opts: SearchOptions, cache: dict) -> float:
+    """A floor of ``st.bound_s`` without pricing its blocks: ``m · (W_floor/p + 2·t_p2p)`` with
+    :func:`~planner.search.stages.work_floor_s` <= ``work_s`` and the pipeline send computed as
+    :func:`price_structure` does (``tests/test_search.py`` checks floor <= bound on every structure)."""
+    work = work_floor_s(model, training, profile, st.tp, st.sp, st.cp, st.ep, st.mb,
+                        opts.tp_comm_overlap and st.tp > 1, opts.ep_comm_overlap and st.ep > 1, cache)
+    tokens = st.mb * (training.seq_length // st.cp)
+    key = ("floor-p2p", st.pp, st.tp * st.cp * st.dp, tokens, st.tp, opts.pp_scatter_gather)
+    p2p_s = cache.get(key)
+    if p2p_s is None:
+        group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
+        p2p_s = cache[key] = pipeline_send_s(model, training, profile, group, tokens, st.tp, opts.pp_scatter_gather)
+    return st.m * (work / st.pp + 2 * p2p_s)
 
 
 def _structure_work(sc: SharedCosts) -> tuple[list[float], float, float, float, float, float, float]:
@@ -558,9 +576,15 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
                            "change the GPU count, global batch or sequence length so that some layout divides them",
                            problem="admits no layout: " + "; ".join(f"{r} ({n}x)" for r, n in rules.counts.items()))
-    for st in structs:
-        price_structure(st, model, training, profile, opts, cache)
-    structs.sort(key=lambda s: s.bound_s)
+    # Structures are taken in the order of their bound ``bound_s`` (ties: the order of
+    # ``structures``), but priced lazily: a heap holds each unpriced structure under a cheap floor
+    # of its bound (``structure_floor`` <= ``bound_s``) and a priced one under ``bound_s``; an
+    # unpriced structure at the top is priced and pushed back. A floor is at most its bound, so a
+    # priced (b, i) reaches the top only after every structure whose (bound, index) precedes it:
+    # the order is exactly that of sorting by ``bound_s``. Once the top is at the k-th best, every
+    # structure left is pruned by its bound unpriced (most of them: their block costs are never computed).
+    heap = [(structure_floor(st, model, training, profile, opts, cache), i, False) for i, st in enumerate(structs)]
+    heapq.heapify(heap)
 
     state = state_bytes_per_param(training)
     all_params_dense = sum(layer_params(model, i)[0] for i in range(model.num_layers)) + embedding_params(model) + lm_head_params(model)
@@ -575,8 +599,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     status_counts: dict[str, int] = defaultdict(int)
     shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
     pending: list[tuple] = []
-    for st in structs:
-        families.setdefault(st.family, {"members": 0, "best": None, "reason": ""})
+    for _, i, _ in sorted(heap):
+        families.setdefault(structs[i].family, {"members": 0, "best": None, "reason": ""})
 
     def kth() -> float:
         return values[opts.top_k - 1] if len(values) >= opts.top_k else math.inf
@@ -750,20 +774,42 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
 
     def minmax_for(si: int) -> float:
         if si not in minmax_of:
-            minmax_of[si] = min_max_stage(structs[si])
+            minmax_of[si] = min_max_stage(ordered[si][0])
         return minmax_of[si]
+
+    ordered: list[tuple[Structure, float]] = []  # (structure, its bound: bound_s, or a floor if left unpriced)
+
+    def reach(si: int, force: bool = False) -> tuple[Structure, float] | None:
+        """The si-th structure in bound order, pricing it (and any whose floor is below it) unless
+        its floor is already at the k-th best or the time budget is spent (``force``: regardless)."""
+        while len(ordered) <= si:
+            if not heap:
+                return None
+            key, i, exact = heap[0]
+            if not exact and (force or (key < kth() and not nonlocal_state["budget_hit"])):
+                st = structs[i]
+                price_structure(st, model, training, profile, opts, cache)
+                heapq.heapreplace(heap, (st.bound_s, i, True))
+                continue
+            heapq.heappop(heap)
+            ordered.append((structs[i], key))
+        return ordered[si]
 
     # seed: one plain leaf (1F1B or single stage, ZeRO-1, no offload) of the most promising
     # structures, so the bound prunes from the start
     seed_zero = 1 if 1 in opts.zero_stages else opts.zero_stages[0]
-    for si, st in enumerate(structs[:SEED_STRUCTURES]):
+    for si in range(SEED_STRUCTURES):
+        if reach(si, force=True) is None:  # the seeds are priced whatever the k-th best
+            break
+        st = ordered[si][0]
         sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
         if sched is Schedule.interleaved_1f1b:
             continue
         price_leaf(si, st, sched, 1, minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 
     # phase A: price every leaf that its bound does not rule out, on the default split
-    for si, st in enumerate(structs):
+    for si in range(len(structs)):
+        st, st_bound = reach(si)
         if progress:
             progress(si, len(structs))
         fam = families[st.family]
@@ -777,10 +823,10 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         per_sched = len(leaves)
         fam["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
-        if st.bound_s >= kth() or nonlocal_state["budget_hit"]:
+        if st_bound >= kth() or nonlocal_state["budget_hit"]:
             report["pruned"] += per_sched * len(scheds)
             if not fam["reason"]:
-                fam["reason"] = f"lower bound {st.bound_s:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
+                fam["reason"] = f"lower bound {st_bound:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
             continue
         minmax = minmax_for(si)
         # per leaf, its schedule-free tail bound (None: its model states alone do not fit, which

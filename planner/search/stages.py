@@ -40,14 +40,23 @@ from planner.contracts import (
 )
 from planner.cost.comm import (
     GroupPlacement,
+    placement,
     collective_time_s,
     find_link,
     hidden_time_s,
     host_copy_time_s,
     mesh_groups,
 )
-from planner.cost.compute import memory_time_s
-from planner.cost.layer import MicroBatch, block_cost, embedding_cost, lm_head_cost
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, memory_time_s
+from planner.cost.layer import (
+    MicroBatch,
+    _attention_gemms,
+    _mlp_gemms,
+    block_cost,
+    embedding_cost,
+    lm_head_cost,
+    routed_token_count,
+)
 from planner.cost.memory import (
     ActivationShape,
     layer_activation_bytes,
@@ -931,3 +940,95 @@ def _last_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+
+
+def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, tp: int, sp: bool, cp: int,
+                 ep: int, batch: int, tp_overlap: bool, ep_overlap: bool, cache: dict) -> float:
+    """A lower bound of a structure shape's whole-model forward + backward (no recompute) for one
+    micro-batch, :attr:`~planner.search.engine.Structure.work_s`, without building a layout: per
+    block, the GEMMs, the attention core and the context-parallel collectives exactly as
+    ``block_cost`` computes them (same functions, same arguments, groups from the same mesh
+    placement), the TP and EP collectives less the most an overlap could hide; the memory-bound
+    ops, kernel launches, embedding and head (all >= 0) are left out. Lowered by 1e-9 relative
+    against float re-association. Memoised in ``cache``: the parts that do not depend on sp or ep
+    once per (tp, cp, micro-batch)."""
+    key = ("work-floor", tp, sp, cp, ep, batch, tp_overlap, ep_overlap)
+    got = cache.get(key)
+    if got is not None:
+        return got
+    kinds_key = ("kinds", id(model))
+    if kinds_key not in cache:
+        cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
+    kinds = cache[kinds_key][1]
+    base_key = ("work-floor-base", tp, cp, batch)
+    base = cache.get(base_key)
+    if base is None:
+        mb = MicroBatch(batch, training.seq_length, cp, tp, False, training.precision, training.flash_attention,
+                        training.moe_load_imbalance)
+        base = cache[base_key] = {kind: (kinds.count(kind), *_block_floor_base(model, profile, kinds.index(kind), mb))
+                                  for kind in sorted(set(kinds))}
+    gpn, a = profile.gpus_per_node, profile.assumptions
+    h, elt = model.hidden_size, training.precision.bytes
+    tokens = batch * (training.seq_length // cp)
+    tp_s = 0.0
+    if tp > 1:  # exposed TP of a block (same for every kind): at least the total less the most an overlap hides
+        tp_group = placement(tp, 1, gpn)
+        size = tokens * h * elt
+        decomposed = a.tp_overlap_efficiency if tp_overlap else 0.0
+        if sp:
+            gather = collective_time_s(profile, Collective.all_gather, tp_group, size)
+            scatter = collective_time_s(profile, Collective.reduce_scatter, tp_group, size)
+            tp_fwd = 2 * (gather + scatter)
+            beside_wgrad, critical, beside_dgrad = 2 * scatter, 2 * gather, 2 * gather
+        else:
+            tp_fwd = 2 * collective_time_s(profile, Collective.all_reduce, tp_group, size)
+            beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
+        back = beside_wgrad + critical + beside_dgrad
+        tp_s = (max(tp_fwd - decomposed * tp_fwd, 0.0)
+                + max(back - max(a.async_overlap_efficiency * (beside_wgrad + beside_dgrad), decomposed * back), 0.0))
+    total = 0.0
+    for kind, (count, fixed, moe) in base.items():
+        per = fixed + tp_s
+        if moe is not None:
+            # the routed experts' GEMMs and (with EP) the dispatch/combine all-to-all, as block_cost
+            local_experts = max(moe.num_experts // ep, 1)
+            per_expert = max(int(routed_token_count(moe, tokens, training.moe_load_imbalance) / local_experts), 1)
+            per += sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp, training.precision,
+                                  local_experts))
+            if ep > 1:
+                size = routed_token_count(moe, tokens, training.moe_load_imbalance) * h * elt / (tp if sp else 1)
+                a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, gpn), size)
+                per += 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
+        total += count * per
+    cache[key] = total * (1 - 1e-9)
+    return cache[key]
+
+
+def _block_floor_base(model: ModelSpec, profile: ClusterProfile, index: int, mb: MicroBatch) -> tuple[float, object]:
+    """(the GEMMs but the routed experts', the attention core and the CP collectives of block
+    ``index``, forward + backward, as ``planner.cost.layer.block_cost`` computes them; its MoE
+    spec or None): the part of :func:`work_floor_s` that depends on neither sp nor ep."""
+    t, h, tokens, elt = mb.tp, model.hidden_size, mb.tokens, mb.elt
+    total = sum(_attention_gemms(profile, model, tokens, t, mb.precision))
+    moe = model.moe if model.is_moe_layer(index) else None
+    if moe is None:
+        total += sum(_mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision))
+    else:
+        total += sum(gemm_fwd_bwd_s(profile, tokens, moe.num_experts, h, Precision.bf16))
+        if moe.num_shared_experts:
+            total += sum(_mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision, moe.num_shared_experts))
+    heads = max(model.num_attention_heads // t, 1)
+    kv_heads = heads if model.mla is not None else max(model.kv_heads // t, 1)
+    total += sum(attention_time_s(profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads,
+                                  kv_heads=kv_heads, qk_dim=model.head_size, v_dim=model.value_head_size,
+                                  precision=mb.precision, causal=True, flash=mb.flash))
+    if mb.cp > 1:  # not overlapped
+        kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
+            model.head_size + model.value_head_size)
+        size = mb.batch * mb.seq * kv_dim * elt
+        cp_group = placement(mb.cp, t, profile.gpus_per_node)
+        total += collective_time_s(profile, Collective.all_gather, cp_group, size)
+        total += collective_time_s(profile, Collective.reduce_scatter, cp_group, size)
+    return total, moe
