@@ -237,15 +237,32 @@ def structure_floor(st: Structure, model: ModelSpec, training: TrainingConfig, p
     """A floor of ``st.bound_s`` without pricing its blocks: ``m · (W_floor/p + 2·t_p2p)`` with
     :func:`~planner.search.stages.work_floor_s` <= ``work_s`` and the pipeline send computed as
     :func:`price_structure` does (``tests/test_search.py`` checks floor <= bound on every structure)."""
-    work = work_floor_s(model, training, profile, st.tp, st.sp, st.cp, st.ep, st.mb,
-                        opts.tp_comm_overlap and st.tp > 1, opts.ep_comm_overlap and st.ep > 1, cache)
-    tokens = st.mb * (training.seq_length // st.cp)
-    key = ("floor-p2p", st.pp, st.tp * st.cp * st.dp, tokens, st.tp, opts.pp_scatter_gather)
-    p2p_s = cache.get(key)
-    if p2p_s is None:
-        group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
-        p2p_s = cache[key] = pipeline_send_s(model, training, profile, group, tokens, st.tp, opts.pp_scatter_gather)
-    return st.m * (work / st.pp + 2 * p2p_s)
+    return structure_floors([st], model, training, profile, opts, cache)[0]
+
+
+def structure_floors(structs: list[Structure], model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
+                     opts: SearchOptions, cache: dict) -> list[float]:
+    """:func:`structure_floor` of each structure (one loop, the floors and sends memoised per shape)."""
+    works: dict[tuple, float] = {}
+    sends: dict[tuple, float] = {}
+    seq, gpn, sg = training.seq_length, profile.gpus_per_node, opts.pp_scatter_gather
+    tp_ov, ep_ov = opts.tp_comm_overlap, opts.ep_comm_overlap
+    out = []
+    for st in structs:
+        tp, cp, mb = st.tp, st.cp, st.mb
+        wkey = (tp, st.sp, cp, st.ep, mb)
+        work = works.get(wkey)
+        if work is None:
+            work = works[wkey] = work_floor_s(model, training, profile, tp, st.sp, cp, st.ep, mb, tp_ov and tp > 1,
+                                              ep_ov and st.ep > 1, cache)
+        tokens = mb * (seq // cp)
+        stride = tp * cp * st.dp
+        skey = (st.pp, stride, tokens, tp)
+        p2p_s = sends.get(skey)
+        if p2p_s is None:
+            p2p_s = sends[skey] = pipeline_send_s(model, training, profile, placement(st.pp, stride, gpn), tokens, tp, sg)
+        out.append(st.m * (work / st.pp + 2 * p2p_s))
+    return out
 
 
 def _structure_work(sc: SharedCosts) -> tuple[list[float], float, float, float, float, float, float]:
@@ -583,7 +600,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     # priced (b, i) reaches the top only after every structure whose (bound, index) precedes it:
     # the order is exactly that of sorting by ``bound_s``. Once the top is at the k-th best, every
     # structure left is pruned by its bound unpriced (most of them: their block costs are never computed).
-    heap = [(structure_floor(st, model, training, profile, opts, cache), i, False) for i, st in enumerate(structs)]
+    heap = [(floor, i, False) for i, floor in enumerate(structure_floors(structs, model, training, profile, opts, cache))]
     heapq.heapify(heap)
 
     state = state_bytes_per_param(training)
@@ -768,6 +785,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
     minmax_of: dict[int, float] = {}
+    scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
     leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
     frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
     tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
@@ -813,7 +831,14 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if progress:
             progress(si, len(structs))
         fam = families[st.family]
-        scheds = schedule_choices(st, model, opts, rules)
+        sched_key = (st.pp, st.m)
+        if sched_key not in scheds_of:  # depends on (pp, m) only: its rule removals are replayed
+            sub = Rules()
+            scheds_of[sched_key] = (schedule_choices(st, model, opts, sub),
+                                    [(r, sub.examples[r], n) for r, n in sub.counts.items()])
+        scheds, sched_removed = scheds_of[sched_key]
+        for rule, example, count in sched_removed:
+            rules.remove(rule, example, count)
         leaves_key = (st.dp, st.cp, st.ep)
         if leaves_key not in leaves_of:  # (hashing the options on every call costs more than the choices)
             leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, opts)

@@ -659,12 +659,27 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     heap = [(threshold(x, plain, caps, 1), r, 1) for r, (x, plain, caps) in enumerate(ranks)]
     heapq.heapify(heap)
     found = math.inf
+    replace, isfinite = heapq.heapreplace, math.isfinite
     for _ in range(n_major):
         found, r, k = heap[0]
-        if not math.isfinite(found):
+        if not isfinite(found):
             return math.inf  # the ranks hold fewer than n_major blocks at any speed
         x, plain, caps = ranks[r]
-        heapq.heapreplace(heap, (threshold(x, plain, caps, k + 1), r, k + 1))
+        k += 1
+        # threshold(x, plain, caps, k), inlined (the hot loop of the search)
+        kk = k - 1e-9
+        need = x + t * kk if t > 0 else x
+        if not plain >= kk:
+            joint = inf
+            for mem_cap, alpha, beta in caps:
+                if mem_cap >= kk:
+                    j = beta * kk - alpha
+                    if j < joint:
+                        joint = j
+            j = x + joint
+            if j > need:
+                need = j
+        replace(heap, (need, r, k))
     exact = max(found, floor_x) * (1 - 1e-12)  # rounding may only lower it
     return max(known, exact)
 
