@@ -299,19 +299,25 @@ def min_max_stage(st: Structure) -> float:
     for t in times:
         prefix.append(prefix[-1] + t)
 
+    emb_s, head_s, right = st.emb_s, st.head_s, bisect.bisect_right
+    first_base = send + emb_s
+
     def fits(cap: float) -> bool:
         """Greedy: fill each stage as far as ``cap`` allows, leaving one layer for each later stage."""
         i = 0
-        for stage in range(p):
-            base = send + (st.emb_s if stage == 0 else 0.0)
-            if stage == p - 1:
-                return base + prefix[n] - prefix[i] + st.head_s <= cap
-            j = bisect.bisect_right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
-            j = min(max(j, i + 1), n - (p - 1 - stage))
+        base = first_base
+        for stage in range(p - 1):
+            j = right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
+            if j < i + 1:
+                j = i + 1
+            last_ok = n - (p - 1 - stage)
+            if j > last_ok:
+                j = last_ok
             if base + prefix[j] - prefix[i] > cap:
                 return False
             i = j
-        return True
+            base = send + 0.0
+        return base + prefix[n] - prefix[i] + head_s <= cap
 
     lo, hi = st.work_s / p, st.work_s + send
     eps = (hi - lo) / 2**24  # the precision of 24 halvings of that bracket

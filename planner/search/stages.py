@@ -299,8 +299,11 @@ class StageModel:
         self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
         self.grads_per_mb = base.zero_stage >= 2
         self.gathers_per_mb = (2 if base.reshard_after_forward else 1) if base.zero_stage == 3 else 0
-        self.in_flight = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
-                          for r in range(base.pp)]
+        flight_key = ("in-flight", base.schedule, base.pp, self.m, base.virtual_stages)
+        if flight_key not in cache:  # shared by every layout of this schedule shape (read-only)
+            cache[flight_key] = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
+                                 for r in range(base.pp)]
+        self.in_flight = cache[flight_key]
         self.emb_act = elt * self.mb.tokens * model.hidden_size / (base.tp if base.sp else 1)
         self.reserved = float(profile.assumptions.reserved_memory_bytes)
         self.logits = logits_bytes(model, self.mb.tokens, base.tp)
