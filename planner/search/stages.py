@@ -124,6 +124,20 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
                  cache: dict) -> SharedCosts:
     """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part),
     memoised in ``cache`` across the candidates of one search."""
+    # fast path: the same layout fields give the same groups and micro-batch, so the same result
+    fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.pp,
+                layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
+                layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
+                training.flash_attention, training.moe_load_imbalance)
+    got = cache.get(fast_key)
+    if got is not None:
+        return got
+    cache[fast_key] = out = _shared_costs(model, training, profile, layout, cache)
+    return out
+
+
+def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
+                  cache: dict) -> SharedCosts:
     kinds_key = ("kinds", id(model))
     if kinds_key not in cache:
         cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
