@@ -832,8 +832,47 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         price_leaf(si, st, sched, 1, minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 
     # phase A: price every leaf that its bound does not rule out, on the default split
+    def drain(si: int) -> None:
+        """Every structure from the si-th on, all pruned by their bound (the top of the heap is at the
+        k-th best, or the time budget is spent): counted as the loop below counts them, in the same
+        order, without pricing them; the rule removals summed per (pp, m, dp, cp, ep) and replayed in
+        order of first appearance (the same counts, first examples and rule order)."""
+        rest = [ordered[si]] + [(structs[i], key) for key, i, _ in sorted(heap)]
+        heap.clear()
+        repeats: dict[tuple, int] = {}
+        why = f" s (its work spread evenly) is no better than the top {opts.top_k}"
+        for n, (st, st_bound) in enumerate(rest, start=si):
+            if progress:
+                progress(n, len(structs))
+            sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.ep)
+            if sched_key not in scheds_of:
+                sub = Rules()
+                scheds_of[sched_key] = (schedule_choices(st, model, opts, sub),
+                                        [(r, sub.examples[r], c) for r, c in sub.counts.items()])
+            if leaves_key not in leaves_of:
+                leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, opts)
+            key = sched_key + leaves_key
+            repeats[key] = repeats.get(key, 0) + 1
+            count = len(leaves_of[leaves_key][0]) * len(scheds_of[sched_key][0])
+            fam = families[st.family]
+            fam["members"] += count
+            report["considered"] += count
+            report["pruned"] += count
+            if not fam["reason"]:
+                fam["reason"] = f"lower bound {st_bound:.3f}" + why
+        for (pp, m, dp, cp, ep), times in repeats.items():
+            for rule, example, count in scheds_of[(pp, m)][1]:
+                rules.remove(rule, example, count * times)
+            removed = leaves_of[(dp, cp, ep)][1]
+            if removed:
+                rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
+
     for si in range(len(structs)):
         st, st_bound = reach(si)
+        if st_bound >= kth() or nonlocal_state["budget_hit"]:
+            # the heap's top is at the k-th best (or the budget is spent): it and all after it are pruned
+            drain(si)
+            break
         if progress:
             progress(si, len(structs))
         fam = families[st.family]
