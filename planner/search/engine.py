@@ -801,9 +801,9 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             minmax_of[si] = min_max_stage(ordered[si][0])
         return minmax_of[si]
 
-    ordered: list[tuple[Structure, float]] = []  # (structure, its bound: bound_s, or a floor if left unpriced)
+    ordered: list[tuple[Structure, float, bool]] = []  # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
 
-    def reach(si: int, force: bool = False) -> tuple[Structure, float] | None:
+    def reach(si: int, force: bool = False) -> tuple[Structure, float, bool] | None:
         """The si-th structure in bound order, pricing it (and any whose floor is below it) unless
         its floor is already at the k-th best or the time budget is spent (``force``: regardless)."""
         while len(ordered) <= si:
@@ -816,7 +816,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 heapq.heapreplace(heap, (st.bound_s, i, True))
                 continue
             heapq.heappop(heap)
-            ordered.append((structs[i], key))
+            ordered.append((structs[i], key, exact))
         return ordered[si]
 
     # seed: one plain leaf (1F1B or single stage, ZeRO-1, no offload) of the most promising
@@ -837,11 +837,11 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         k-th best, or the time budget is spent): counted as the loop below counts them, in the same
         order, without pricing them; the rule removals summed per (pp, m, dp, cp, ep) and replayed in
         order of first appearance (the same counts, first examples and rule order)."""
-        rest = [ordered[si]] + [(structs[i], key) for key, i, _ in sorted(heap)]
+        rest = [ordered[si]] + [(structs[i], key, exact) for key, i, exact in sorted(heap)]
         heap.clear()
         repeats: dict[tuple, int] = {}
-        why = f" s (its work spread evenly) is no better than the top {opts.top_k}"
-        for n, (st, st_bound) in enumerate(rest, start=si):
+        why = f" is no better than the top {opts.top_k}"
+        for n, (st, st_bound, exact) in enumerate(rest, start=si):
             if progress:
                 progress(n, len(structs))
             sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.ep)
@@ -859,7 +859,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             report["considered"] += count
             report["pruned"] += count
             if not fam["reason"]:
-                fam["reason"] = f"lower bound {st_bound:.3f}" + why
+                fam["reason"] = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
+                                 f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread evenly)") + why
         for (pp, m, dp, cp, ep), times in repeats.items():
             for rule, example, count in scheds_of[(pp, m)][1]:
                 rules.remove(rule, example, count * times)
@@ -868,7 +869,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
 
     for si in range(len(structs)):
-        st, st_bound = reach(si)
+        st, st_bound, _ = reach(si)
         if st_bound >= kth() or nonlocal_state["budget_hit"]:
             # the heap's top is at the k-th best (or the budget is spent): it and all after it are pruned
             drain(si)
@@ -893,11 +894,6 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         per_sched = len(leaves)
         fam["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
-        if st_bound >= kth() or nonlocal_state["budget_hit"]:
-            report["pruned"] += per_sched * len(scheds)
-            if not fam["reason"]:
-                fam["reason"] = f"lower bound {st_bound:.3f} s (its work spread evenly) is no better than the top {opts.top_k}"
-            continue
         minmax = minmax_for(si)
         # per leaf, its schedule-free tail bound (None: its model states alone do not fit, which
         # price_leaf reports), and the least of them: a floor every leaf's tail stands on; computed
