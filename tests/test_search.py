@@ -652,7 +652,7 @@ def test_structure_floor_is_a_lower_bound_of_every_structure_bound(name, layers,
 def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
     """Structures are priced in bound order, lazily: the plan equals the one found when every
     structure's blocks are priced up front (the floor only skips work), with fewer shapes priced."""
-    import planner.search.engine as engine
+    from planner.search import engine
     model, prof = small("deepseek-v3", 6), reference_profile("dgx-h100", 4)
     tr = TrainingConfig(global_batch_size=64, seq_length=4096)
     calls = []

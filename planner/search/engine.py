@@ -308,10 +308,10 @@ def min_max_stage(st: Structure) -> float:
         base = first_base
         for stage in range(p - 1):
             j = right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
-            if j < i + 1:
+            if j < i + 1:  # noqa: PLR1730 - max() is slower in this hot loop
                 j = i + 1
             last_ok = n - (p - 1 - stage)
-            if j > last_ok:
+            if j > last_ok:  # noqa: PLR1730
                 j = last_ok
             if base + prefix[j] - prefix[i] > cap:
                 return False

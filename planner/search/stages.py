@@ -40,12 +40,12 @@ from planner.contracts import (
 )
 from planner.cost.comm import (
     GroupPlacement,
-    placement,
     collective_time_s,
     find_link,
     hidden_time_s,
     host_copy_time_s,
     mesh_groups,
+    placement,
 )
 from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, memory_time_s
 from planner.cost.layer import (
@@ -691,10 +691,10 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
             for mem_cap, alpha, beta in caps:
                 if mem_cap >= kk:
                     j = beta * kk - alpha
-                    if j < joint:
+                    if j < joint:  # noqa: PLR1730 - min()/max() are slower in this hot loop
                         joint = j
             j = x + joint
-            if j > need:
+            if j > need:  # noqa: PLR1730
                 need = j
         replace(heap, (need, r, k))
     exact = max(found, floor_x) * (1 - 1e-12)  # rounding may only lower it
@@ -1021,7 +1021,7 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
         tp_s = (max(tp_fwd - decomposed * tp_fwd, 0.0)
                 + max(back - max(a.async_overlap_efficiency * (beside_wgrad + beside_dgrad), decomposed * back), 0.0))
     total = 0.0
-    for kind, (count, fixed, moe) in base.items():
+    for count, fixed, moe in base.values():
         per = fixed + tp_s
         if moe is not None:
             # the routed experts' GEMMs and (with EP) the dispatch/combine all-to-all, as block_cost
