@@ -65,6 +65,18 @@ def _id(raw: str) -> int | None:
     return value if 1 <= value <= MAX_ID else None
 
 
+def _stored(request: Request, raw: str, getter):  # noqa: ANN001, ANN202
+    """``getter(db, id)`` for a page id given as text, or None when the id is malformed or unknown
+    (the caller answers with the 404 page)."""
+    key = _id(raw)
+    if key is None:
+        return None
+    try:
+        return getter(_db(request), key)
+    except store.NotFound:
+        return None
+
+
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name, "")
     return min(hi, max(lo, int(raw))) if raw.isdigit() and len(raw) < 12 else default
@@ -249,14 +261,11 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
 
 @router.get("/profiles/{profile_id}", response_class=HTMLResponse)
 def profile_page(request: Request, profile_id: str) -> HTMLResponse:
-    pid = _id(profile_id)
-    if pid is None:
+    found = _stored(request, profile_id, store.get_profile)
+    if found is None:
         return _not_found(request, "profile", profile_id)
+    row, cluster = found
     db = _db(request)
-    try:
-        row, cluster = store.get_profile(db, pid)
-    except store.NotFound:
-        return _not_found(request, "profile", profile_id)
     history = store.cluster_history(db, cluster.name)
     problem, links, compute = None, [], []
     try:
@@ -268,9 +277,9 @@ def profile_page(request: Request, profile_id: str) -> HTMLResponse:
             links = link_charts(profile)
             compute = compute_charts(profile)
         except Exception:  # noqa: BLE001 - a chart must never take the page down
-            log.exception("charts of profile %s", pid)
+            log.exception("charts of profile %s", row.id)
             problem = "some charts could not be drawn from this profile (the server log has the details)"
-    plans, plan_total = store.list_plans(db, profile_id=pid, limit=20)
+    plans, plan_total = store.list_plans(db, profile_id=row.id, limit=20)
     return _page(request, "profile.html", title=f"{cluster.name} v{row.version}", row=row, cluster=cluster,
                  profile=profile, history=history, links=links, compute=compute, problem=problem, plans=plans,
                  plan_total=plan_total)
@@ -356,14 +365,10 @@ def plan_charts(plan: Plan) -> dict:
 
 @router.get("/plans/{plan_id}", response_class=HTMLResponse)
 def plan_page(request: Request, plan_id: str) -> HTMLResponse:
-    pid = _id(plan_id)
-    if pid is None:
+    found = _stored(request, plan_id, store.get_plan)
+    if found is None:
         return _not_found(request, "plan", plan_id)
-    db = _db(request)
-    try:
-        row, cluster = store.get_plan(db, pid)
-    except store.NotFound:
-        return _not_found(request, "plan", plan_id)
+    row, cluster = found
     plan, problem, view, timeline = None, None, {}, {}
     if row.plan:
         try:
@@ -375,9 +380,9 @@ def plan_page(request: Request, plan_id: str) -> HTMLResponse:
             view = plan_charts(plan)
             timeline = timeline_view(plan)
         except Exception:  # noqa: BLE001 - a chart must never take the page down
-            log.exception("charts of plan %s", pid)
+            log.exception("charts of plan %s", row.id)
             problem = "some charts could not be drawn from this plan (the server log has the details)"
-    runs, run_total = store.list_runs(db, plan_id=pid, limit=20)
+    runs, run_total = store.list_runs(_db(request), plan_id=row.id, limit=20)
     return _page(request, "plan.html", title=f"Plan {row.id}", row=row, cluster=cluster, plan=plan,
                  explanation=row.explanation, request_body=row.request or {}, charts=view, timeline=timeline,
                  problem=problem, runs=runs, run_total=run_total,
@@ -413,14 +418,10 @@ def runs_page(request: Request) -> HTMLResponse:
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str) -> HTMLResponse:
-    rid = _id(run_id)
-    if rid is None:
+    found = _stored(request, run_id, store.get_run)
+    if found is None:
         return _not_found(request, "run", run_id)
-    db = _db(request)
-    try:
-        row, plan_row = store.get_run(db, rid)
-    except store.NotFound:
-        return _not_found(request, "run", run_id)
+    row, plan_row = found
     report, problem, chart = None, None, None
     try:
         report = RunReport.model_validate(row.report)
