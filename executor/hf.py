@@ -67,6 +67,14 @@ def build_hf_model(config: dict[str, Any] | str | Path, *, dtype: torch.dtype = 
     return model.to(dtype)
 
 
+def hf_full_state(config: dict[str, Any] | str | Path, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The plan-independent full weights of :func:`build_hf_model` (``config``, ``seed``) by name, for
+    :func:`executor.parallelize.load_full_state`: the state dict *and* the non-persistent buffers
+    (the rotary ``inv_freq``), which ``state_dict()`` leaves out and ``to_empty()`` leaves uninitialised."""
+    full = build_hf_model(config, seed=seed)
+    return {**dict(full.named_buffers()), **full.state_dict()}
+
+
 def hf_adapter(model: nn.Module) -> ModelAdapter:
     """The module paths of a supported Hugging Face causal LM (checked by :func:`check_parallelisable`)."""
     check_parallelisable(model)

@@ -139,13 +139,10 @@ def _init_process_group(backend: str) -> None:
 def _build(plan: Plan, opts: RunOptions) -> tuple[nn.Module, dict[str, torch.Tensor], bool]:
     """The model on the meta device, its plan-independent full weights by name, and whether it is HF."""
     if opts.hf_config is not None:
-        from executor.hf import build_hf_model
+        from executor.hf import build_hf_model, hf_full_state
 
         config = json.loads(Path(opts.hf_config).read_text())
-        full = build_hf_model(config, seed=opts.seed)
-        # state_dict() leaves out non-persistent buffers (the rotary inv_freq): pass them too, or
-        # to_empty() leaves them uninitialised (materialise copies buffers given by name)
-        full_sd = {**dict(full.named_buffers()), **full.state_dict()}
+        full_sd = hf_full_state(config, seed=opts.seed)
         with torch.device("meta"):
             model = build_hf_model(config, seed=opts.seed)
         return model, full_sd, True

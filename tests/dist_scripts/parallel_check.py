@@ -80,12 +80,11 @@ CASES: dict[str, tuple[str, dict, StageRecompute | None]] = {
 def build(kind: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The case's model on ``device`` and its plan-independent weights (HF: with the rotary buffers)."""
     if kind == "hf":
-        from executor.hf import build_hf_model
+        from executor.hf import build_hf_model, hf_full_state
 
-        full = build_hf_model(HF_CONFIG, seed=SEED)
         with torch.device(device):
             model = build_hf_model(HF_CONFIG, seed=SEED)
-        return model, {**full.state_dict(), **dict(full.named_buffers())}
+        return model, hf_full_state(HF_CONFIG, seed=SEED)
     return build_model(SPECS[kind], device=device), full_state_dict(SPECS[kind], SEED)
 
 
