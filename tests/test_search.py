@@ -80,6 +80,9 @@ CPSAT_CASES = [
     ("gpt3-175b", 8, "dgx-a100-80gb", 1, dict(tp=2, pp=4, zero_stage=1, schedule=Schedule.gpipe), 8, 2048),
     ("mixtral-8x7b", 6, "dgx-a100-40gb", 1, dict(tp=2, pp=2, dp_shard=2, ep=2, zero_stage=1, offload_optimizer=True),
      16, 4096),
+    # two block kinds (dense prefix, then MoE) under zero-bubble: the F* term of the objective
+    ("deepseek-v3", 7, "dgx-h100", 4, dict(tp=1, pp=4, dp_shard=8, ep=8, zero_stage=2, schedule=Schedule.zero_bubble),
+     32, 4096),
 ]
 
 
