@@ -62,7 +62,7 @@ def profile(
     server: Annotated[Optional[str], typer.Option(help="POST the profile to {server}/v1/profiles")] = None,
     token: Annotated[Optional[str], typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
     name: Annotated[Optional[str], typer.Option(help="cluster name (default from the device and shape)")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="fewer sizes (links up to 16 MiB every 4x), quick compute grid")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer sizes (links up to 16 MiB, every 4x below 1 MiB and 2x above), quick compute grid")] = False,
     model: Annotated[Optional[str], typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
     tp_degrees: Annotated[Optional[str], typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
     precisions: Annotated[Optional[str], typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,

@@ -2,24 +2,33 @@
 
 Every collective is timed on the *full buffer* the planner prices (:func:`planner.cost.comm.collective_time_s`):
 the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
-the point-to-point message. Each size is timed in trials (twice as many up to 1 MiB); each trial
-starts at a barrier of the group and times ``reps`` back-to-back calls (more for small messages, so
-barrier skew does not dominate). Sizes up to 16 MiB (all of a quick profile) are timed in
-interleaved rounds (one trial of each size per round), so a burst of other work spoils one trial of
-several sizes, not every trial of one; each such trial makes one untimed call first (the 16 MiB
-call before the 4 KiB one that opens a round leaves its buffer cold). On a loaded 2-vCPU VM (4 gloo
-ranks) the spread of a size between repeated profiles fell from a median 119% (median of 5 trials,
-sequential) to 52% (fastest trial, 2x trials up to 1 MiB) to 37% (interleaved). A rank's time is its *fastest* trial: on a shared machine the
-scheduler preempts ranks for whole milliseconds, and the median of 5 trials still moved by 50-800%
-between repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle
-cluster minimum and median agree. The time recorded is the maximum over ranks (the slowest rank
-finishes the collective).
+the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
+group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
+dominate). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
+each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
+one; each such trial makes one untimed call first (the 16 MiB call before the 4 KiB one that opens a
+round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
+scheduler preempts ranks for whole milliseconds, and the median of 5 trials moved by 50-800% between
+repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle cluster minimum
+and median agree. The time recorded is the maximum over ranks (the slowest rank finishes the
+collective).
 
-The points are fitted to ``t = alpha_s + slope · bytes`` by least squares on the *relative* error
-(weights ``1/t²``, so a 4 KiB message counts as much as a 256 MiB one), with ``alpha_s ≥ 0``.
+**Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
+time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
+more than 10% slower than its neighbours' log-log interpolation) are timed again, in up to 2 more
+rounds of the same trials, and keep the fastest of all their trials. The extra rounds run after all
+links, so a point spoiled by a burst of other work is timed again seconds later. Every rank holds the
+same all-reduced times, so all pick the same sizes; each link's ``source`` says how many sizes were
+re-measured. This is the standard practice for timing on shared machines; it only lowers a point
+towards what the machine can do, so a true step (leaving a cache) is kept.
+
+The points are fitted to ``t = alpha_s + slope · bytes`` (``alpha_s, slope ≥ 0``) by a *minimax* fit
+of the relative error (:func:`fit_alpha_beta`: the line whose worst ``|pred - t| / t`` over the
+points is smallest, a small linear program), since the planner needs a bound on every message size.
 Transports change regime with size (messages that stay in cache vs ones that do not, eager vs
 rendezvous protocols), so the fit is *piecewise* where one line misses by more than 10% and more
-segments clearly help (:func:`fit_segments`): up to 3 contiguous size ranges of ≥ 3 points, each
+segments clearly help (:func:`fit_segments`, breakpoints chosen by the same minimax error): up to 3
+contiguous size ranges of ≥ 3 points, each
 stored as its own :class:`LinkProfile` entry with ``min_bytes``/``max_bytes``; the planner prices a
 message with the segment covering it. Each segment's slope becomes a bus bandwidth in the planner's
 own convention:
@@ -59,13 +68,18 @@ HOST_MIN_MAX_BYTES = 64 * MIB  # host<->device copies are measured to this size 
 # ------------------------------------------------------------------------------------------- sizes
 
 
+QUICK_DENSE_FROM_BYTES = MIB  # a quick profile steps 4x below this size and 2x from it
+
+
 def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_MAX_BYTES, quick: bool = False) -> list[int]:
-    """Powers of two from ``min_bytes`` to ``max_bytes`` (both included): every 2x, or every 4x when quick."""
-    step = 4 if quick else 2
+    """Powers of two from ``min_bytes`` to ``max_bytes`` (both included): every 2x; when quick, every
+    4x below 1 MiB and 2x from there. Large messages are where the buffers leave the caches (a few
+    MiB on a CPU) and transports switch protocol, and where the planner's gradient and parameter
+    traffic lives; a segment of the piecewise fit needs 3 points past such a step."""
     sizes, s = [], max(1, int(min_bytes))
     while s < max_bytes:
         sizes.append(s)
-        s *= step
+        s *= 4 if quick and s < QUICK_DENSE_FROM_BYTES else 2
     sizes.append(int(max_bytes))
     return sorted(set(sizes))
 
@@ -82,11 +96,6 @@ def reps_for(nbytes: int) -> int:
 
 
 INTERLEAVE_MAX_BYTES = 16 * MIB  # sizes up to this are timed in round-robin rounds (their buffers stay allocated)
-
-
-def trials_for(nbytes: int, trials: int) -> int:
-    """Trials of one size: twice as many up to 1 MiB (cheap there, and where scheduler noise is largest)."""
-    return 2 * trials if nbytes <= MIB else trials
 
 
 def buffer_bytes_per_rank(collective: Collective, nbytes: int, group_size: int) -> int:
@@ -117,7 +126,13 @@ def _r2(ts: list[float], pred: list[float]) -> float:
 
 
 def fit_alpha_beta(points: list[TimedPoint]) -> Fit:
-    """Weighted least squares of ``t = alpha + slope·bytes`` minimising relative error, ``alpha ≥ 0``.
+    """Minimax relative-error fit of ``t = alpha + slope·bytes`` with ``alpha, slope ≥ 0``.
+
+    The planner needs a *bounded* error on every message size, so the fit minimises the largest
+    ``|alpha + slope·b_i - t_i| / t_i`` (a Chebyshev fit on relative error: a 3-variable linear
+    program, :func:`_minimax_lp`). Minimax solutions need not be unique (two points can pin the
+    worst error while the line still pivots), so among the optimal lines it takes the one with the
+    smallest sum of relative errors. A single point is fitted through the origin.
 
     R² is the ordinary coefficient of determination of the times; ``worst_rel_err`` is the largest
     ``|pred - t| / t`` over the points.
@@ -126,26 +141,58 @@ def fit_alpha_beta(points: list[TimedPoint]) -> Fit:
         raise ValueError("no points to fit")
     bs = [float(p.bytes) for p in points]
     ts = [float(p.time_s) for p in points]
-    ws = [1.0 / (t * t) for t in ts]
-    sw = sum(ws)
-    swb = sum(w * b for w, b in zip(ws, bs))
-    swbb = sum(w * b * b for w, b in zip(ws, bs))
-    swt = sum(w * t for w, t in zip(ws, ts))
-    swbt = sum(w * b * t for w, b, t in zip(ws, bs, ts))
-    det = sw * swbb - swb * swb
-    alpha, slope = (0.0, 0.0)
-    if len(points) >= 2 and det > 0:
-        slope = (sw * swbt - swb * swt) / det
-        alpha = (swt - slope * swb) / sw
-    if len(points) < 2 or det <= 0 or alpha < 0:  # through the origin
-        alpha = 0.0
-        slope = swbt / swbb if swbb > 0 else 0.0
-    if slope <= 0:  # flat (latency-bound over the whole range): alpha = weighted mean, no byte term
-        slope = 0.0
-        alpha = swt / sw
+    if len(points) < 2 or len(set(bs)) < 2:
+        alpha, slope = 0.0, statistics.fmean(t / b for t, b in zip(ts, bs)) if min(bs) > 0 else 0.0
+    else:
+        alpha, slope, _ = _minimax_lp(bs, ts, tie_break=True)
     pred = [alpha + slope * b for b in bs]
     worst = max(abs(p - t) / t for p, t in zip(pred, ts))
     return Fit(alpha, slope, _r2(ts, pred), worst)
+
+
+def minimax_rel_err(points: list[TimedPoint]) -> float:
+    """The smallest worst relative error any line ``alpha + slope·bytes`` (both ≥ 0) reaches on
+    ``points`` (the first stage of :func:`fit_alpha_beta`, for choosing breakpoints)."""
+    if len(points) < 2:
+        return 0.0
+    return _minimax_lp([float(p.bytes) for p in points], [float(p.time_s) for p in points], tie_break=False)[2]
+
+
+def _minimax_lp(bs: list[float], ts: list[float], tie_break: bool) -> tuple[float, float, float]:
+    """``min e  s.t.  |alpha + slope·b_i - t_i| ≤ e·t_i,  alpha, slope ≥ 0`` (GLOP), then, when
+    ``tie_break``, ``min Σ|alpha + slope·b_i - t_i| / t_i`` with ``e`` held at its optimum.
+    Scaled to O(1) unknowns (bytes by the largest, times by the median). Returns (alpha, slope, e)."""
+    from ortools.linear_solver import pywraplp
+
+    b_scale, t_scale = max(bs), statistics.median(ts)
+    xs = [b / b_scale for b in bs]
+    taus = [t / t_scale for t in ts]
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    inf = solver.infinity()
+    a = solver.NumVar(0.0, inf, "alpha")
+    s = solver.NumVar(0.0, inf, "slope")
+    e = solver.NumVar(0.0, inf, "worst")
+    rel = [a * (1.0 / tau) + s * (x / tau) - 1.0 for x, tau in zip(xs, taus)]
+    for r in rel:
+        solver.Add(r <= e)
+        solver.Add(-r <= e)
+    solver.Minimize(e)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:  # pragma: no cover - always feasible (alpha = slope = 0, e = 1)
+        raise RuntimeError("minimax α-β fit: GLOP found no optimum")
+    best = e.solution_value()
+    if tie_break:
+        e.SetUb(best * (1 + 1e-9) + 1e-12)
+        ds = [solver.NumVar(0.0, inf, f"d{i}") for i in range(len(rel))]
+        for d, r in zip(ds, rel):
+            solver.Add(r <= d)
+            solver.Add(-r <= d)
+        solver.Minimize(sum(ds))
+        if solver.Solve() != pywraplp.Solver.OPTIMAL:  # pragma: no cover - the first stage's optimum is feasible
+            raise RuntimeError("minimax α-β fit: GLOP found no optimum for the tie-break")
+    alpha, slope = a.solution_value() * t_scale, s.solution_value() * t_scale / b_scale
+    alpha, slope = max(alpha, 0.0), max(slope, 0.0)
+    worst = max(abs(alpha + slope * b - t) / t for b, t in zip(bs, ts))
+    return alpha, slope, worst
 
 
 MIN_SLOPE = 1e-18  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s, i.e. "free")
@@ -192,7 +239,7 @@ def _best_split(points: list[TimedPoint], k: int, min_points: int) -> tuple[floa
 
     def err(lo: int, hi: int) -> float:
         if (lo, hi) not in cache:
-            cache[(lo, hi)] = fit_alpha_beta(points[lo:hi]).worst_rel_err
+            cache[(lo, hi)] = minimax_rel_err(points[lo:hi])
         return cache[(lo, hi)]
 
     best: tuple[float, list[tuple[int, int]]] | None = None
@@ -218,20 +265,27 @@ def fit_segments(points: list[TimedPoint], max_segments: int = MAX_SEGMENTS,
                  min_points: int = MIN_SEGMENT_POINTS) -> list[Segment]:
     """Piecewise α-β: 1 to ``max_segments`` contiguous size ranges, each its own line.
 
-    Breakpoints minimise the worst relative error over all points; another segment is taken only
-    when it clearly helps (the one-line fit misses by more than 10%, and each added segment cuts the
-    worst error to ≤ 70% of it, by ≥ 5 points). Each range has ≥ ``min_points`` points. Ranges meet at
+    Breakpoints minimise the worst relative error over all points (each range's minimax line,
+    :func:`minimax_rel_err`); more segments are taken only when they clearly help (the one-line fit
+    misses by more than 10%, and the count taken is the smallest that no larger count beats by
+    cutting the worst error to ≤ 70% of it and by ≥ 5 points). Each range has ≥ ``min_points`` points. Ranges meet at
     the geometric mean of the neighbouring measured sizes; the first starts and the last ends unbounded.
     """
     pts = sorted(points, key=lambda p: p.bytes)
-    runs = [(0, len(pts))]
-    worst = fit_alpha_beta(pts).worst_rel_err
-    if worst > SPLIT_ABOVE:
+    options = [(minimax_rel_err(pts), [(0, len(pts))])]
+    if options[0][0] > SPLIT_ABOVE:
         for k in range(2, max_segments + 1):
             found = _best_split(pts, k, min_points)
-            if found is None or not (found[0] <= SPLIT_GAIN * worst and worst - found[0] >= SPLIT_MIN_DROP):
+            if found is None:
                 break
-            worst, runs = found
+            options.append(found)
+
+    def clearly_better(more: float, fewer: float) -> bool:
+        return more <= SPLIT_GAIN * fewer and fewer - more >= SPLIT_MIN_DROP
+
+    # the fewest segments that no larger count clearly beats (2 may barely help where 3 do)
+    pick = next(i for i, (w, _) in enumerate(options) if not any(clearly_better(m, w) for m, _ in options[i + 1:]))
+    runs = options[pick][1]
     out = []
     for i, (lo, hi) in enumerate(runs):
         lo_b = None if i == 0 else int(round(math.sqrt(pts[lo - 1].bytes * pts[lo].bytes)))
@@ -438,6 +492,81 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+REMEASURE_ABOVE = 0.10  # a point more than 10% above what its neighbours say gets more trials ...
+REMEASURE_ROUNDS = 2  # ... in up to 2 extra rounds (each as many trials as the first pass)
+
+
+def remeasure_candidates(sizes: list[int], times: list[float], above: float = REMEASURE_ABOVE) -> list[int]:
+    """Indices of the points that look inflated by other work on the machine: slower than a larger
+    message of the same link (time cannot fall as the message grows), or more than ``above`` slower
+    than its neighbours say: the interpolation between them with log time linear in log size (the
+    largest size: extrapolated from the two below it, or proportional to size from the one below,
+    whichever is slower). Judged against neighbours, not a fit through
+    all the points, so one spoiled point neither drags the reference up nor hides in a segment of
+    its own. Deterministic in ``times``, so every rank, holding the same all-reduced times, picks the
+    same sizes. A true step (leaving a cache) may be timed again too; that costs trials, not accuracy."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    lb = [math.log(sizes[i]) for i in order]
+    lt = [math.log(max(times[i], 1e-12)) for i in order]
+    out: set[int] = set()
+    n = len(order)
+    for j in range(n - 1):
+        if lt[j] > lt[j + 1]:
+            out.add(order[j])
+    for j in range(1, n):
+        a, b = (j - 1, j + 1) if j + 1 < n else (j - 2, j - 1)
+        if a < 0:
+            continue
+        ref = lt[a] + (lt[b] - lt[a]) * (lb[j] - lb[a]) / (lb[b] - lb[a])
+        if j == n - 1:  # extrapolated: at least proportional to size (bandwidth-bound) from the one below
+            ref = max(ref, lt[j - 1] + lb[j] - lb[j - 1])
+        if lt[j] > ref + math.log1p(above):
+            out.add(order[j])
+    return sorted(out)
+
+
+def remeasured_fastest(series: int, sizes: list[int], time_sizes: Callable[[int, list[int], int], list[float]],
+                       reduce: Callable[[int, list[float]], list[float]] = lambda s, ts: ts,
+                       rounds: int = REMEASURE_ROUNDS) -> tuple[list[list[float]], list[list[int]]]:
+    """Time every size of every series (a link, a copy direction), then re-time the suspects
+    (:func:`remeasure_candidates`) and keep the fastest of all trials: the first pass's estimator,
+    given more trials where it looks spoiled. The extra rounds run after *all* series' first
+    passes, so a point spoiled by a burst of other work is timed again seconds later, not inside
+    the same burst.
+
+    ``time_sizes(series, indices, round)`` returns this process's fastest trial of each size it is
+    given (round 0: all of them); ``reduce(series, times)`` turns this process's times into the
+    ones everybody agrees on (max over ranks). Returns the times and the extra rounds each size got.
+    """
+    local = [time_sizes(s, list(range(len(sizes))), 0) for s in range(series)]
+    times = [reduce(s, list(local[s])) for s in range(series)]
+    extra = [[0] * len(sizes) for _ in range(series)]
+    for r in range(1, rounds + 1):
+        for s in range(series):
+            suspects = remeasure_candidates(sizes, times[s])
+            if not suspects:
+                continue
+            for i, t in zip(suspects, time_sizes(s, suspects, r)):
+                local[s][i] = min(local[s][i], t)
+                extra[s][i] += 1
+            times[s] = reduce(s, list(local[s]))
+    return times, extra
+
+
+def _interleaved_fastest(ops: dict[int, tuple[Callable[[], None], int]], counts: dict[int, int], group,
+                         device) -> dict[int, float]:
+    """Round-robin trials: each round times every size once, so a burst of other work spoils one
+    trial of several sizes rather than every trial of one size; the fastest trial of each."""
+    best = {j: math.inf for j in ops}
+    for r in range(max(counts.values(), default=0)):
+        for j, (op, reps) in ops.items():
+            if r < counts[j]:
+                # one untimed call first: the size before it (a 16 MiB one, for the 4 KiB that
+                # opens a round) left the caches cold for this buffer
+                best[j] = min(best[j], _trial(op, reps, group, device, warm=1))
+    return best
+
+
 def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], None] | None = None,
                   fail_hook: Callable[[str], None] | None = None) -> list[LinkProfile]:
     """Run on every rank of the world (all ranks must call it with the same plan); returns the fitted
@@ -460,50 +589,57 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     total = len(jobs) * len(plan.sizes)
     done = 0
     links: list[LinkProfile] = []
-    for spec, group, mine, collective in jobs:
-        times = torch.zeros(len(plan.sizes), dtype=torch.float64)
-        interleaved: dict[int, tuple[Callable[[], None], int]] = {}
-        for i, nbytes in enumerate(plan.sizes):
-            label = f"{collective.value} {spec.label} {_human(nbytes)}"
-            if progress is not None:
+    sizes = plan.sizes
+
+    def time_sizes(job: int, indices: list[int], round_: int) -> list[float]:
+        """This rank's fastest trial of each size (0 on a rank outside every group of the job)."""
+        nonlocal done
+        spec, group, mine, collective = jobs[job]
+        best: dict[int, float] = {}
+        ops: dict[int, tuple[Callable[[], None], int]] = {}  # small sizes: timed in interleaved rounds
+        for i in indices:
+            label = f"{collective.value} {spec.label} {_human(sizes[i])}" + (f" (again, round {round_})" if round_ else "")
+            if round_ == 0 and progress is not None:
                 progress(label, done, total)
             if fail_hook is not None:
                 fail_hook(label)
-            if mine is not None:
-                op = _op(collective, nbytes, group, mine, rank, device)
-                reps = reps_for(nbytes)
-                for _ in range(plan.warmup * (reps if i == 0 else 1)):  # the first size also warms the group up
+            if mine is None:
+                best[i] = 0.0
+            else:
+                op = _op(collective, sizes[i], group, mine, rank, device)
+                warm = plan.warmup * (reps_for(sizes[i]) if i == indices[0] else 1)  # the first also warms the group up
+                for _ in range(warm):
                     op()
                 _sync(device)
-                if nbytes <= INTERLEAVE_MAX_BYTES:
-                    interleaved[i] = (op, reps)  # timed below, in rounds over all the small sizes
+                if sizes[i] <= INTERLEAVE_MAX_BYTES:
+                    ops[i] = (op, reps_for(sizes[i]))
                 else:
-                    best = min(_trial(op, reps, group, device) for _ in range(trials_for(nbytes, plan.trials)))
-                    times[i] = best / 2.0 if collective is Collective.p2p else best  # ping-pong: two messages
-                    del op
-            done += 1
-            if interleaved and (i + 1 == len(plan.sizes) or plan.sizes[i + 1] > INTERLEAVE_MAX_BYTES):
-                # round-robin: each round times every small size once, so a burst of other work
-                # spoils one trial of several sizes rather than every trial of one size
-                best_s = {j: math.inf for j in interleaved}
-                counts = {j: trials_for(plan.sizes[j], plan.trials) for j in interleaved}
-                for r in range(max(counts.values())):
-                    for j, (op_j, reps_j) in interleaved.items():
-                        if r < counts[j]:
-                            # one untimed call first: the size before it (a 16 MiB one, for the
-                            # 4 KiB that opens a round) left the caches cold for this buffer
-                            best_s[j] = min(best_s[j], _trial(op_j, reps_j, group, device, warm=1))
-                for j, best in best_s.items():
-                    times[j] = best / 2.0 if collective is Collective.p2p else best
-                interleaved.clear()
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest rank of any group at this level
-        points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(plan.sizes, times.tolist())]
+                    best[i] = min(_trial(op, reps_for(sizes[i]), group, device) for _ in range(plan.trials))
+                del op
+            if round_ == 0:
+                done += 1
+        if ops:
+            best.update(_interleaved_fastest(ops, {j: plan.trials for j in ops}, group, device))
+        ops.clear()
+        p2p = collective is Collective.p2p
+        return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
+
+    def slowest_rank(job: int, local: list[float]) -> list[float]:
+        t = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank of any group at this level
+        return t.tolist()
+
+    all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
+    for (spec, _group, _mine, collective), times, extra in zip(jobs, all_times, all_extra):
+        points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        per_node = spec.per_node
+        again = sum(1 for x in extra if x)
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) concurrently, {plan.trials} trials "
-                  f"(2x up to 1 MiB; interleaved rounds up to 16 MiB), fastest trial per rank, max over ranks, "
-                  f"piecewise α-β weighted least squares (relative error)")
-        links.extend(fit_link_segments(spec.level, collective, size, per_node, points, source))
+                  f"(interleaved rounds up to 16 MiB), fastest trial per rank, max over ranks; "
+                  f"{again} of {len(sizes)} sizes re-measured after all links (more than {REMEASURE_ABOVE:.0%} above "
+                  f"the fit or slower than a larger size; up to {max(extra)} more round(s) of {plan.trials} trials); "
+                  f"piecewise α-β, minimax relative error")
+        links.extend(fit_link_segments(spec.level, collective, size, spec.per_node, points, source))
     if progress is not None:
         progress("links done", total, total)
     return links
@@ -530,10 +666,12 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     out: list[LinkProfile] = []
     directions = [(Collective.host_to_device, True), (Collective.device_to_host, False)]
     pageable: dict[str, float] = {}
-    for collective, to_device in directions:
-        points = []
-        for nbytes in sizes:
-            numel = max(1, nbytes // 4)
+
+    def time_sizes(series: int, indices: list[int], round_: int) -> list[float]:
+        to_device = directions[series][1]
+        out_t = []
+        for i in indices:
+            numel = max(1, sizes[i] // 4)
             if is_cuda:
                 host = torch.empty(numel, pin_memory=True)
                 dev = torch.empty(numel, device=device)
@@ -542,12 +680,14 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
                 dev = torch.empty(numel)
             dst, src = (dev, host) if to_device else (host, dev)
             src.fill_(1.0)
+            out_t.append(_time_copy(lambda dst=dst, src=src: dst.copy_(src, non_blocking=is_cuda), device, trials,
+                                    reps_for(sizes[i])))
+        return out_t
 
-            def copy() -> None:
-                dst.copy_(src, non_blocking=is_cuda)
-
-            t = _time_copy(copy, device, trials, reps_for(nbytes))
-            points.append(TimedPoint(bytes=numel * 4, time_s=max(t, 1e-9)))
+    all_times, all_extra = remeasured_fastest(len(directions), sizes, time_sizes)
+    for (collective, to_device), times, extra in zip(directions, all_times, all_extra):
+        points = [TimedPoint(bytes=max(1, b // 4) * 4, time_s=max(t, 1e-9)) for b, t in zip(sizes, times)]
+        again = sum(1 for x in extra if x)
         if is_cuda:
             host = torch.empty(max(1, sizes[-1] // 4))  # pageable, largest size only (what offload without pinning gets)
             dev = torch.empty_like(host, device=device)
@@ -556,6 +696,9 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
                     "the host link so optimizer-offload plans can still be priced")
+        src_text += (f"; fastest of {trials} trials, {again} of {len(sizes)} sizes re-measured (more than "
+                     f"{REMEASURE_ABOVE:.0%} above the fit or slower than a larger size); piecewise α-β, minimax "
+                     "relative error")
         out.extend(fit_link_segments(LinkLevel.host_device, collective, 1, 1, points, src_text))
     if is_cuda:
         notes.append("host<->device pageable (unpinned) copy bandwidth at the largest size: "

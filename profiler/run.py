@@ -152,8 +152,8 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
                            problem="does not fit in memory")
     sizes = message_sizes(min_b, max_b, quick=opts.quick)
     if opts.quick:
-        notes.append(f"QUICK MODE: messages {min_b} B to {max_b} B every 4x ({len(sizes)} sizes), 5 trials "
-                     "(10 up to 1 MiB, interleaved rounds); "
+        notes.append(f"QUICK MODE: messages {min_b} B to {max_b} B every 4x below 1 MiB and 2x from there "
+                     f"({len(sizes)} sizes), 5 trials (interleaved rounds; spoiled-looking sizes re-measured); "
                      "a full profile goes to 256 MiB every 2x with 7 trials; quick compute grid")
     cores = os.cpu_count() or 1
     threads = opts.threads if opts.threads else max(1, cores // max(1, d.local_world))

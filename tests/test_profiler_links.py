@@ -11,7 +11,7 @@ from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.links import (
     busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, link_fit_report, message_sizes,
-    plan_groups,
+    minimax_rel_err, plan_groups, remeasure_candidates, remeasured_fastest,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -24,8 +24,8 @@ def _points(alpha: float, slope: float, noise: float = 0.0, seed: int = 0) -> li
 
 def test_sizes_cover_4k_to_256m():
     assert SIZES[0] == 4096 and SIZES[-1] == 256 << 20 and len(SIZES) == 17
-    quick = message_sizes(4096, 16 << 20, quick=True)
-    assert quick == [4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20]
+    quick = message_sizes(4096, 16 << 20, quick=True)  # 4x apart below 1 MiB, 2x from there
+    assert quick == [4096, 16384, 65536, 262144, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 
 
 def test_fit_recovers_alpha_and_bandwidth_exactly():
@@ -49,6 +49,65 @@ def test_fit_clamps_negative_alpha_and_flat_data():
     assert fit.alpha_s >= 0
     flat = fit_alpha_beta([TimedPoint(bytes=b, time_s=1e-3) for b in SIZES])
     assert flat.alpha_s == pytest.approx(1e-3) and flat.slope_s_per_byte == 0
+
+
+def test_fit_is_minimax_on_relative_error():
+    """Per-byte time rising 1.0 -> 1.5 (leaving a cache): with alpha >= 0 the best line is through
+    the origin at the harmonic-mean-like slope 2·1·1.5/(1+1.5) = 1.2, missing both points by 20%
+    (least squares on relative error would give 1.154 and miss the larger one by 23%)."""
+    pts = [TimedPoint(bytes=4096, time_s=4096e-9), TimedPoint(bytes=8192, time_s=8192 * 1.5e-9)]
+    fit = fit_alpha_beta(pts)
+    assert fit.alpha_s == pytest.approx(0, abs=1e-12)
+    assert fit.slope_s_per_byte == pytest.approx(1.2e-9, rel=1e-6)
+    assert fit.worst_rel_err == pytest.approx(0.2, rel=1e-6) == minimax_rel_err(pts)
+
+
+def test_minimax_fit_equioscillates_and_breaks_ties_by_total_error():
+    # latency 10 us, 1 GB/s, with the middle point 30% high: the minimax line splits that error
+    # (over the middle, under its neighbours by the same relative amount)
+    sizes = [4096 * 4**i for i in range(5)]
+    pts = [TimedPoint(bytes=b, time_s=(10e-6 + b / 1e9) * (1.3 if i == 2 else 1.0)) for i, b in enumerate(sizes)]
+    fit = fit_alpha_beta(pts)
+    errs = [(fit.alpha_s + fit.slope_s_per_byte * p.bytes - p.time_s) / p.time_s for p in pts]
+    worst = max(abs(e) for e in errs)
+    assert worst == pytest.approx(fit.worst_rel_err) and worst == pytest.approx(0.3 / 2.3, rel=1e-6)
+    assert min(errs) == pytest.approx(-worst, rel=1e-6) and max(errs) == pytest.approx(worst, rel=1e-6)
+    # flat points: every line between them is minimax for two points; the total-error tie-break
+    # keeps the level line
+    flat = fit_alpha_beta([TimedPoint(bytes=b, time_s=1e-3) for b in sizes])
+    assert flat.alpha_s == pytest.approx(1e-3) and flat.slope_s_per_byte == pytest.approx(0, abs=1e-18)
+
+
+def test_remeasure_candidates_flags_inflated_and_non_monotone_points():
+    sizes = [4096 * 4**i for i in range(7)]
+    clean = [20e-6 + b / 1e9 for b in sizes]
+    assert remeasure_candidates(sizes, clean) == []
+    spoiled = list(clean)
+    spoiled[3] *= 1.6  # preempted: 60% slow
+    assert remeasure_candidates(sizes, spoiled) == [3]
+    dip = list(clean)
+    dip[1] = dip[2] * 1.05  # a 16 KiB message slower than the 64 KiB one (within 10% of a fit or not)
+    assert 1 in remeasure_candidates(sizes, dip)
+
+
+def test_remeasured_fastest_retimes_suspects_after_every_first_pass():
+    """A synthetic timer: size 2 of series 0 is spoiled (2x) in the first pass only; the re-measure
+    finds it, keeps the fastest trial, and runs only after both series' first passes."""
+    sizes = [4096 * 4**i for i in range(6)]
+    true = [30e-6 + b / 2e9 for b in sizes]
+    calls: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def timer(series: int, indices: list[int], round_: int) -> list[float]:
+        calls.append((series, round_, tuple(indices)))
+        return [true[i] * (2.0 if (series, i, round_) == (0, 2, 0) else 1.0) for i in indices]
+
+    times, extra = remeasured_fastest(2, sizes, timer)
+    assert times[0] == pytest.approx(true) and times[1] == pytest.approx(true)
+    assert extra == [[0, 0, 1, 0, 0, 0], [0] * 6]
+    assert [c[:2] for c in calls] == [(0, 0), (1, 0), (0, 1)] and calls[2][2] == (2,)
+    # the reduce step sees every pass (here: a max over two "ranks", the other one 10% slower)
+    times, _ = remeasured_fastest(1, sizes, timer, reduce=lambda s, ts: [t * 1.1 for t in ts])
+    assert times[0] == pytest.approx([t * 1.1 for t in true])
 
 
 def _profile(links: list[LinkProfile], nodes: int = 2, per_node: int = 2) -> ClusterProfile:
