@@ -686,3 +686,43 @@ def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
     assert [a.layout for a in lazy.alternatives] == [a.layout for a in eager.alternatives]
     assert lazy.search.evaluated == eager.search.evaluated and lazy.search.pruned_by_bound == eager.search.pruned_by_bound
     assert n_lazy < len(structures(model, tr, prof, SearchOptions(), Rules()))
+
+
+def test_gc_is_paused_during_a_search_and_restored_after_the_last_one():
+    """The search turns the cyclic collector off while it runs; overlapping searches (the service's
+    threads) keep it off until the last one ends, and a collector that was off stays off."""
+    import gc
+    import threading
+
+    from planner.search.engine import gc_paused
+
+    assert gc.isenabled()
+    inside_a, release_a = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with gc_paused():
+            seen["a"] = gc.isenabled()
+            inside_a.set()
+            release_a.wait(5)
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside_a.wait(5)
+    with gc_paused():
+        seen["b"] = gc.isenabled()
+        release_a.set()
+        t.join(5)
+        seen["b_after_a_left"] = gc.isenabled()
+    assert seen == {"a": False, "b": False, "b_after_a_left": False}
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    plan = search(small("llama3-8b", 4), TrainingConfig(global_batch_size=16, seq_length=2048),
+                  reference_profile("dgx-h100", 1), SearchOptions(top_k=2))
+    assert plan.layout is not None and gc.isenabled()
