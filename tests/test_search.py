@@ -726,3 +726,40 @@ def test_gc_is_paused_during_a_search_and_restored_after_the_last_one():
     plan = search(small("llama3-8b", 4), TrainingConfig(global_batch_size=16, seq_length=2048),
                   reference_profile("dgx-h100", 1), SearchOptions(top_k=2))
     assert plan.layout is not None and gc.isenabled()
+
+
+@pytest.mark.parametrize("name,layers,system,nodes,gbs,seq", [
+    ("deepseek-v3", 12, "dgx-h100", 16, 128, 8192),
+    ("mixtral-8x7b", 16, "dgx-a100-40gb", 1, 16, 32768),
+    ("llama3-70b", 16, "dgx-a100-80gb", 2, 64, 8192),
+])
+def test_interleaved_memory_floor_is_a_lower_bound_of_every_depth(name, layers, system, nodes, gbs, seq):  # noqa: ANN001
+    """One memory bound stands for every interleaving depth of a structure (the search prunes all of
+    them with it before pricing each): it never exceeds any depth's own frugal memory min-max, and
+    it binds (memory forces more than the plain min-max stage on some structures)."""
+    from planner.search.engine import frugal_layout, interleaved_memory_floor, schedule_choices
+    model, prof = small(name, layers), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
+    o = SearchOptions()
+    cache: dict = {}
+    checked = binding = seen = 0
+    for st in structures(model, tr, prof, o, Rules()):
+        depths = [v for s, v in schedule_choices(st, model, o, Rules()) if s is Schedule.interleaved_1f1b]
+        if st.pp == 1 or len(depths) < 2:
+            continue
+        seen += 1
+        if seen > 300:
+            break
+        price_structure(st, model, tr, prof, o, cache)
+        floor = interleaved_memory_floor(model, tr, prof, st, o, depths, cache)
+        for v in depths:
+            try:
+                sm = StageModel(model, tr, prof, frugal_layout(st, o, Schedule.interleaved_1f1b, v), block_cache=cache)
+            except AutoparError:
+                continue
+            own = memory_minmax_s(sm, 0.0, gather_buffers=False)
+            assert floor <= own * (1 + 1e-12), (st.family, v, depths, floor, own)
+            checked += 1
+        if math.isfinite(floor) and floor > min_max_stage(st) * 1.01:
+            binding += 1
+    assert checked > 20 and binding > 0, (checked, binding)

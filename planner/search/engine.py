@@ -51,7 +51,7 @@ from planner.contracts import (
 )
 from planner.cost.comm import placement
 from planner.cost.memo import memoised
-from planner.cost.memory import model_state_bytes, state_bytes_per_param
+from planner.cost.memory import microbatches_in_flight, model_state_bytes, state_bytes_per_param
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import default_layer_split, predict
 from planner.errors import AutoparError
@@ -517,6 +517,38 @@ class Found:
     status: str = field(compare=False)
 
 
+def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int) -> ParallelLayout:
+    """The structure's leaf with the least state memory (highest ZeRO stage, fully sharded, offloaded)."""
+    frugal_zero = max(opts.zero_stages)
+    return _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
+                        offload_optimizer=opts.offload and frugal_zero >= 1)
+
+
+def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
+                             opts: SearchOptions, depths: list[int], cache: dict) -> float:
+    """A lower bound of the frugal memory min-max stage (``memory_minmax_s`` of :func:`frugal_layout`,
+    without ZeRO-3 gather buffers) of every interleaving depth in ``depths`` at once.
+
+    :func:`~planner.search.stages.memory_minmax_s` grows with each rank's micro-batches in flight
+    (they multiply the activations a rank keeps, whatever it recomputes, so every holding's memory
+    grows with them) and with its fixed time (the sends, ``2·v·t_p2p``). Interleaved rank ``r``
+    keeps ``p + (p-1-2r)/v`` in flight: fewest at the deepest ``v`` for the first half of the ranks,
+    at the shallowest for the rest. The frugal stage model of the shallowest depth with each rank's
+    fewest in flight over the depths therefore bounds them all: one bound where the search would
+    compute one per depth (seven for DeepSeek-V3's 61 layers) to prune them. 0 (no bound) when
+    that layout is not valid.
+    """
+    try:
+        sm = StageModel(model, training, profile, frugal_layout(st, opts, Schedule.interleaved_1f1b, min(depths)),
+                        block_cache=cache)
+    except AutoparError:
+        return 0.0
+    flights = [[microbatches_in_flight(Schedule.interleaved_1f1b, r, st.pp, st.m, d) for r in range(st.pp)]
+               for d in depths]
+    sm.in_flight = [min(f[r] for f in flights) for r in range(st.pp)]  # its own list: the cached one is shared
+    return memory_minmax_s(sm, 0.0, gather_buffers=False)
+
+
 def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float, comm: LeafComm,
                tail_comms: tuple[LeafComm, ...] = ()) -> float:
     """Schedule bound with the per-micro-batch ZeRO-2/3 collectives (:func:`schedule_bound`), plus a
@@ -846,6 +878,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
     leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
     frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
+    interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
+
     tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
 
     def minmax_for(si: int) -> float:
@@ -973,6 +1007,18 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if plain + tail_min >= kth():
                 report["pruned"] += per_sched
                 continue
+            if sched is Schedule.interleaved_1f1b and st.pp > 1:
+                # one memory bound for every interleaving depth of this structure before one per depth
+                if si not in interleaved_floor_of:
+                    interleaved_floor_of[si] = interleaved_memory_floor(
+                        model, training, profile, st, opts, [d for s, d in scheds if s is sched], cache)
+                floor_stage = interleaved_floor_of[si]
+                if not math.isfinite(floor_stage):
+                    report["infeasible"] += per_sched  # no split of any of its leaves fits, at any depth
+                    continue
+                if schedule_bound(st, sched, v, floor_stage) + tail_min >= kth():
+                    report["pruned"] += per_sched
+                    continue
             # the recompute and the slowest rank that memory forces even on the leaf with the least
             # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
             frugal_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
@@ -980,9 +1026,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if frugal_key in frugal_of:
                 rec_min, stage_min = frugal_of[frugal_key]
             else:
-                frugal_zero = max(opts.zero_stages)
-                frugal = _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
-                                      offload_optimizer=opts.offload and frugal_zero >= 1)
+                frugal = frugal_layout(st, opts, sched, v)
                 try:
                     frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
                     rec_min = recompute_bound_s(frugal_sm)

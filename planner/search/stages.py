@@ -247,7 +247,12 @@ def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: Paralle
                 slope = (t2[k] - t1[k]) / (x2 - x1)
                 out[k] = Affine(t1[k] - slope * x1, slope)
             return out
-        cache[key] = (affine(True), affine(False))
+        # the dense side does not depend on ep (its groups are the dp x cp ranks at stride tp):
+        # shared by every expert-parallel degree
+        dense_key = ("dp-dense", *key[1:6])
+        if dense_key not in cache:
+            cache[dense_key] = affine(True)
+        cache[key] = (cache[dense_key], affine(False))
     return cache[key]
 
 
@@ -293,8 +298,11 @@ class StageModel:
 
     def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
                  block_cache: dict | None = None) -> None:
-        base = layout.model_copy(update={"layers_per_stage": None, "recompute_per_stage": None,
-                                         "recompute": Recompute.none})
+        if layout.layers_per_stage is None and layout.recompute_per_stage is None and layout.recompute is Recompute.none:
+            base = layout  # the search's own base layouts already are (a copy costs a validation)
+        else:
+            base = layout.model_copy(update={"layers_per_stage": None, "recompute_per_stage": None,
+                                             "recompute": Recompute.none})
         self.m = check_layout(model, training, base, profile.num_gpus)
         self.model, self.training, self.profile, self.layout = model, training, profile, base
         self.p, self.v = base.pp, base.virtual_stages
