@@ -7,7 +7,7 @@
 
 What it checks:
 
-1. **Fast**: wall time of one ``search`` call (default ``SearchOptions``) on four published-scale
+1. **Fast**: wall time of a ``search`` call (default ``SearchOptions``; median of 3) on four published-scale
    jobs: Llama 3.1 405B on 16,384 H100 (2048 x 8192), GPT-3 175B on 1,024 A100-80GB (1536 x 2048),
    Megatron 530B on 5,120 A100-80GB (1920 x 2048, MT-NLG's global batch), DeepSeek-V3 on 2,048
    H800 (15360 x 4096). Prints the chosen layout, its predicted step time and MFU, and the search
@@ -21,13 +21,16 @@ What it checks:
    ratio = predict(published).step_time_s / plan.prediction.step_time_s >= 1.0. Where the
    structure differs, the prediction terms that differ most are named.
 
-Each search runs once (the reference machine has 2 cores); times are ``time.perf_counter``
-around the ``search`` call only.
+Section 1 runs each search three times, each on a freshly built profile (no memo carried over, as
+for a new request), and judges the median: on the reference 2-vCPU VM the same search's wall moves
+by ~20% between runs seconds apart, so one run is a sample. Sections 2 and 3 run each search once.
+Times are ``time.perf_counter`` around the ``search`` call only.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +49,7 @@ from planner.validate import build_cases, load_rows  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "published_runs.csv"
 FAST_TARGET_S = 2.0
+FAST_REPEATS = 3  # a 2-vCPU VM's speed drifts by ~20% between seconds: one run is a sample, the median a figure
 REL_TOL = 1e-6
 GIB = 2**30
 
@@ -186,8 +190,9 @@ def fast_jobs() -> list[Job]:
     ]
 
 
-def run_fast(targets: Targets) -> None:
-    print("== 1. fast: one search per job, default SearchOptions ==")
+def run_fast(targets: Targets, repeats: int = FAST_REPEATS) -> None:
+    print(f"== 1. fast: {repeats} searches per job (each on a fresh profile, as a new request would be), "
+          "default SearchOptions; judged on the median wall ==")
     for job in fast_jobs():
         model = get_preset(job.preset)
         training = TrainingConfig(seq_length=job.seq, global_batch_size=job.batch)
@@ -195,24 +200,29 @@ def run_fast(targets: Targets) -> None:
         print(f"\n-- {job.label}: {job.preset} on {profile.num_gpus} x {profile.device.name} ({job.system}, "
               f"{job.nodes} nodes), batch {job.batch} x {job.seq}")
         print(f"   ({job.note})")
+        walls: list[float] = []
         try:
-            t0 = time.perf_counter()
-            plan = search(model, training, profile, SearchOptions())
-            wall = time.perf_counter() - t0
+            for _ in range(repeats):
+                profile = reference_profile(job.system, job.nodes)  # no memo carried over from the last search
+                t0 = time.perf_counter()
+                plan = search(model, training, profile, SearchOptions())
+                walls.append(time.perf_counter() - t0)
         except AutoparError as err:
             wall = time.perf_counter() - t0
             print(f"   search raised AutoparError after {wall:.2f} s: {err}")
             targets.add(f"fast: {job.label} <= {FAST_TARGET_S:.1f} s (raised AutoparError after {wall:.2f} s)", False)
             continue
+        wall = statistics.median(walls)
         p = plan.prediction
-        print(f"   wall {wall:.2f} s")
+        print(f"   wall median {wall:.2f} s (runs: {', '.join(f'{w:.2f}' for w in walls)} s)")
         print(f"   layout: {layout_summary(plan.layout)}")
         if plan.layout.layers_per_stage is not None:
             print(f"   layers_per_stage: {plan.layout.layers_per_stage}")
         print(f"   predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}, memory {p.memory.total_bytes / GIB:.1f} GiB "
               f"of {p.memory.capacity_bytes / GIB:.0f} GiB, solver_status: {plan.solver_status}")
         print(f"   search: {search_counters(plan)}")
-        targets.add(f"fast: {job.label} search wall {wall:.2f} s <= {FAST_TARGET_S:.1f} s", wall <= FAST_TARGET_S)
+        targets.add(f"fast: {job.label} search wall {wall:.2f} s (median of {repeats}; max {max(walls):.2f} s) "
+                    f"<= {FAST_TARGET_S:.1f} s", wall <= FAST_TARGET_S)
 
 
 # ---------------------------------------------------------------------------------------------
