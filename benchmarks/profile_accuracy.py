@@ -117,8 +117,10 @@ def _err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas
 
 
-def compute_accuracy(args: argparse.Namespace, device: torch.device) -> tuple[list[float], list[float]]:
-    """Prints the compute tables; returns (held-out errors, noise-floor errors)."""
+def compute_accuracy(args: argparse.Namespace, device: torch.device
+                     ) -> tuple[list[tuple[float, float]], list[float], list[float]]:
+    """Prints the compute tables; returns ((predicted, measured) of every held-out time, noise-floor
+    errors, and re-measured/profiled time of every noise-floor grid point: the machine's drift)."""
     precisions = parse_precisions(args.precisions, device)
     grid = default_grid(quick=args.quick, device_type=device.type)
     grid = replace(grid, precisions=precisions, elementwise_bytes=[], warmup=2, trials=args.trials,
@@ -131,8 +133,18 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device) -> tuple[li
           + ", ".join(f"{p.value} {t * 1e3:.0f} GFLOP/s" for p, t in compute.achieved_matmul_tflops.items()))
     cluster = measured_cluster(compute, device)
 
-    errors: list[float] = []
+    pairs: list[tuple[float, float]] = []
     noise: list[float] = []
+    drift: list[float] = []
+
+    def noise_floor(p: Precision) -> None:
+        """A few grid points measured again: how far the machine moved since it was profiled."""
+        table = [g for g in compute.gemm if g.precision is p]
+        for g in table[:: max(len(table) // 4, 1)][:4]:
+            again = measure_gemm(g.m, g.n, g.k, p, device, grid)
+            assert again is not None
+            noise.append(_err(g.time_s, again.time_s))
+            drift.append(again.time_s / g.time_s)
     print(f"\n{'GEMM m x n x k':>22} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7}")
     with torch.no_grad():
         for p in precisions:
@@ -141,15 +153,10 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device) -> tuple[li
                 point = measure_gemm(m, n, k, p, device, grid)
                 assert point is not None
                 e = _err(pred, point.time_s)
-                errors.append(e)
+                pairs.append((pred, point.time_s))
                 print(f"{f'{m} x {n} x {k}':>22} {p.value:>5} {pred * 1e3:>9.3f}ms {point.time_s * 1e3:>9.3f}ms "
                       f"{e * 100:>6.1f}%")
-            # noise floor: a few grid points measured again
-            table = [g for g in compute.gemm if g.precision is p]
-            for g in table[:: max(len(table) // 4, 1)][:4]:
-                again = measure_gemm(g.m, g.n, g.k, p, device, grid)
-                assert again is not None
-                noise.append(_err(g.time_s, again.time_s))
+            noise_floor(p)
 
     print(f"\n{'attention b,s,h/kv,d':>22} {'prec':>5} {'pred fwd':>11} {'meas fwd':>11} {'error':>7} "
           f"{'pred bwd':>11} {'meas bwd':>11} {'error':>7}")
@@ -159,10 +166,12 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device) -> tuple[li
                                       v_dim=d, precision=p, causal=True, flash=True)
             point = measure_attention(b, s, h, kv, d, p, device, grid)
             ef, eb = _err(pf, point.forward_time_s), _err(pb, point.backward_time_s)
-            errors += [ef, eb]
+            pairs += [(pf, point.forward_time_s), (pb, point.backward_time_s)]
             print(f"{f'{b},{s},{h}/{kv},{d}':>22} {p.value:>5} {pf * 1e3:>9.3f}ms {point.forward_time_s * 1e3:>9.3f}ms "
                   f"{ef * 100:>6.1f}% {pb * 1e3:>9.3f}ms {point.backward_time_s * 1e3:>9.3f}ms {eb * 100:>6.1f}%")
-    return errors, noise
+    for p in precisions:  # and once more at the end: the drift over the whole run
+        noise_floor(p)
+    return pairs, noise, drift
 
 
 def quick_profile_run(args: argparse.Namespace) -> tuple[ClusterProfile, float]:
@@ -217,12 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     if not args.skip_compute:
-        errors, noise = compute_accuracy(args, device)
+        pairs, noise, drift = compute_accuracy(args, device)
+        errors = [_err(pred, meas) for pred, meas in pairs]
         med, worst = statistics.median(errors), max(errors)
+        within = sum(e <= TARGET for e in errors)
         print(f"\nnoise floor (grid points measured again): median {statistics.median(noise) * 100:.1f}%, "
               f"max {max(noise) * 100:.1f}%")
+        # diagnostic only (the target is judged on the raw errors): a VM whose speed moves between
+        # the profile and the fresh runs shifts every shape alike; the re-measured grid points say by
+        # how much, and the profile rescaled by it shows what interpolation alone misses
+        scale = statistics.median(drift)
+        rescaled = [_err(pred * scale, meas) for pred, meas in pairs]
+        print(f"held-out: {within} of {len(errors)} within {TARGET:.0%}; machine drift: re-measured grid points took "
+              f"{scale:.3f}x their profiled time (median of {len(drift)}, range {min(drift):.2f}-{max(drift):.2f}); "
+              f"with the profile rescaled by it (diagnostic, not judged): {sum(e <= TARGET for e in rescaled)} of "
+              f"{len(rescaled)} within {TARGET:.0%}, median {statistics.median(rescaled) * 100:.1f}%, "
+              f"worst {max(rescaled) * 100:.1f}%")
         rows.append(("compute: held-out GEMM/attention worst error", f"{worst * 100:.1f}% (median {med * 100:.1f}%, "
-                     f"{len(errors)} shapes)", f"<= {TARGET:.0%}", worst <= TARGET))
+                     f"{within}/{len(errors)} <= {TARGET:.0%})", f"<= {TARGET:.0%}", worst <= TARGET))
     if not args.skip_links:
         profile, wall = quick_profile_run(args)
         if wall:
