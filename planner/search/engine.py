@@ -614,40 +614,44 @@ def leaf_tail_bound(comm: LeafComm) -> float:
 
 
 _gc_lock = threading.Lock()
-_gc_state = {"searches": 0, "was_enabled": False}
+_gc_state: dict = {"searches": 0, "thresholds": None}
+SEARCH_GC_GEN0 = 50_000  # allocations between young-generation collections while searches run (CPython's default: 700)
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while searches run (back on, if it was, when the last
-    one ends; a collection then frees whatever cycles they left).
+def gc_relaxed() -> Iterator[None]:
+    """Python's cyclic garbage collector made rarer while searches run (its thresholds restored when
+    the last one ends).
 
-    A search allocates millions of short-lived tuples and floats: each gen-0 overflow makes the
-    collector scan them, and its gen-2 passes walk every cached cost and layout besides. On
-    DeepSeek-V3 / 2,048 GPUs that was ~450 collections and 0.25-0.3 s of a ~2.1 s search
-    (2 vCPUs). Reference counting still frees everything acyclic at once, so memory stays flat.
-    Counted, not nested naively: concurrent searches (the service's worker threads) keep it off
-    until the last one leaves.
+    A search allocates millions of short-lived tuples and floats. At CPython's default threshold
+    every 700 net allocations start a young-generation collection, and the older generations'
+    passes walk every cached cost and layout besides: on DeepSeek-V3 / 2,048 GPUs ~450 collections,
+    0.25-0.3 s of a ~2.1 s search (2 vCPUs). At 50,000 it is ~4 collections. The collector is never
+    switched off: in the service, other requests keep making cyclic garbage (sessions, tracebacks)
+    while searches run back to back, and it is still collected. Counted, not nested naively:
+    overlapping searches (the service's worker threads) keep the raised threshold until the last
+    one leaves.
     """
     with _gc_lock:
         if _gc_state["searches"] == 0:
-            _gc_state["was_enabled"] = gc.isenabled()
-            gc.disable()
+            _gc_state["thresholds"] = gc.get_threshold()
+            gen0, *older = _gc_state["thresholds"]
+            gc.set_threshold(max(gen0, SEARCH_GC_GEN0), *older)
         _gc_state["searches"] += 1
     try:
         yield
     finally:
         with _gc_lock:
             _gc_state["searches"] -= 1
-            if _gc_state["searches"] == 0 and _gc_state["was_enabled"]:
-                gc.enable()
+            if _gc_state["searches"] == 0:
+                gc.set_threshold(*_gc_state["thresholds"])
 
 
 def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
            options: SearchOptions | None = None, progress=None) -> Plan:  # noqa: ANN001 - rich progress callback
     """The fastest layout that fits, with the top-k alternatives and why the rest lost."""
     # thousands of layouts share a few thousand GEMM shapes and link lookups
-    with gc_paused(), memoised(profile):
+    with gc_relaxed(), memoised(profile):
         return _search(model, training, profile, options, progress)
 
 
