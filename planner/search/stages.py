@@ -1012,10 +1012,47 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     gpn, a = profile.gpus_per_node, profile.assumptions
     h, elt = model.hidden_size, training.precision.bytes
     tokens = batch * (training.seq_length // cp)
+    tp_key = ("work-floor-tp", tp, sp, tokens, tp_overlap)  # shared by every ep
+    tp_s = cache.get(tp_key)
+    if tp_s is None:
+        tp_s = cache[tp_key] = _tp_floor_s(profile, tp, sp, tokens * h * elt, tp_overlap)
+    total = 0.0
+    for count, fixed, moe in base.values():
+        per = fixed + tp_s
+        if moe is not None:
+            # the routed experts' GEMMs and (with EP) the dispatch/combine all-to-all, as block_cost
+            # (the GEMMs shared by sp on and off, the all-to-all by every micro-batch of these tokens)
+            moe_key = ("work-floor-moe", tp, sp, tokens, ep, ep_overlap)
+            moe_s = cache.get(moe_key)
+            if moe_s is None:
+                gemm_key = ("work-floor-experts", tp, tokens, ep)
+                gemms = cache.get(gemm_key)
+                if gemms is None:
+                    local_experts = max(moe.num_experts // ep, 1)
+                    per_expert = max(int(routed_token_count(moe, tokens, training.moe_load_imbalance) / local_experts), 1)
+                    gemms = cache[gemm_key] = sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp,
+                                                             training.precision, local_experts))
+                a2a_s = 0.0
+                if ep > 1:
+                    size = routed_token_count(moe, tokens, training.moe_load_imbalance) * h * elt / (tp if sp else 1)
+                    a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, gpn), size)
+                    a2a_s = 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
+                moe_s = cache[moe_key] = (gemms, a2a_s)
+            per += moe_s[0]
+            if ep > 1:
+                per += moe_s[1]
+        total += count * per
+    cache[key] = total * (1 - 1e-9)
+    return cache[key]
+
+
+def _tp_floor_s(profile: ClusterProfile, tp: int, sp: bool, size: float, tp_overlap: bool) -> float:
+    """The exposed TP collectives of a block, forward + backward, for :func:`work_floor_s`: at least
+    the total less the most an overlap hides (``size``: bytes of the block's activations)."""
+    a, gpn = profile.assumptions, profile.gpus_per_node
     tp_s = 0.0
     if tp > 1:  # exposed TP of a block (same for every kind): at least the total less the most an overlap hides
         tp_group = placement(tp, 1, gpn)
-        size = tokens * h * elt
         decomposed = a.tp_overlap_efficiency if tp_overlap else 0.0
         if sp:
             gather = collective_time_s(profile, Collective.all_gather, tp_group, size)
@@ -1028,22 +1065,7 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
         back = beside_wgrad + critical + beside_dgrad
         tp_s = (max(tp_fwd - decomposed * tp_fwd, 0.0)
                 + max(back - max(a.async_overlap_efficiency * (beside_wgrad + beside_dgrad), decomposed * back), 0.0))
-    total = 0.0
-    for count, fixed, moe in base.values():
-        per = fixed + tp_s
-        if moe is not None:
-            # the routed experts' GEMMs and (with EP) the dispatch/combine all-to-all, as block_cost
-            local_experts = max(moe.num_experts // ep, 1)
-            per_expert = max(int(routed_token_count(moe, tokens, training.moe_load_imbalance) / local_experts), 1)
-            per += sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp, training.precision,
-                                  local_experts))
-            if ep > 1:
-                size = routed_token_count(moe, tokens, training.moe_load_imbalance) * h * elt / (tp if sp else 1)
-                a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, gpn), size)
-                per += 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
-        total += count * per
-    cache[key] = total * (1 - 1e-9)
-    return cache[key]
+    return tp_s
 
 
 def _block_floor_base(model: ModelSpec, profile: ClusterProfile, index: int, mb: MicroBatch) -> tuple[float, object]:
