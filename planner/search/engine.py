@@ -730,6 +730,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             fam["reason"] = _NoFitReason(need, why, capacity)
 
     priced: set[tuple] = set()
+    states_short: set[tuple[str, float]] = set()  # (family, model-state bytes) of leaves already reported not to fit
     leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
     states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
     ids = iter(range(1, 1 << 60))
@@ -780,11 +781,16 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if key in priced:
             return
         priced.add(key)
-        label = _LeafLabel(st.family, zero, rep, shard, offload)
         need = states_need_of(st, zero, shard, offload)
         if need > capacity:
-            no_fit(st, need, label, "model states alone need")
+            if (st.family, need) in states_short:  # counted as no_fit would; its shortfall and the
+                report["infeasible"] += 1  # family's reason already stand (the same need, seen before)
+                next(no_fits)
+                return
+            states_short.add((st.family, need))
+            no_fit(st, need, _LeafLabel(st.family, zero, rep, shard, offload), "model states alone need")
             return
+        label = _LeafLabel(st.family, zero, rep, shard, offload)
 
         def make_layout() -> ParallelLayout:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
