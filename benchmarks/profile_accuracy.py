@@ -46,9 +46,9 @@ from planner.reference import reference_profile  # noqa: E402
 from profiler.compute import (  # noqa: E402
     ComputeGrid,
     default_grid,
-    measure_attention,
+    measure_attentions,
     measure_compute,
-    measure_gemm,
+    measure_gemms,
     parse_precisions,
 )
 from profiler.links import link_fit_report  # noqa: E402
@@ -126,7 +126,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     grid = replace(grid, precisions=precisions, elementwise_bytes=[], warmup=2, trials=args.trials,
                    min_time_s=args.min_time_s, max_gemm_flops=None, max_attention_flops=None)
     print(f"grid: {len(grid.gemm)} GEMM shapes x {len(precisions)} precisions, {len(grid.attention)} attention "
-          f"configs; {grid.trials} trials of >= {grid.min_time_s * 1e3:.0f} ms, median")
+          f"configs; {grid.trials} trials of >= {grid.min_time_s * 1e3:.0f} ms each, in rounds over the shapes; median")
     t0 = time.perf_counter()
     compute = measure_compute(device, grid)
     print(f"profiled in {time.perf_counter() - t0:.1f} s; achieved "
@@ -136,41 +136,49 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     pairs: list[tuple[float, float]] = []
     noise: list[float] = []
     drift: list[float] = []
-
-    def noise_floor(p: Precision) -> None:
-        """A few grid points measured again: how far the machine moved since it was profiled."""
-        table = [g for g in compute.gemm if g.precision is p]
-        for g in table[:: max(len(table) // 4, 1)][:4]:
-            again = measure_gemm(g.m, g.n, g.k, p, device, grid)
-            assert again is not None
-            noise.append(_err(g.time_s, again.time_s))
-            drift.append(again.time_s / g.time_s)
+    # the fresh measurements are timed as the profile was: every shape one trial per round
+    # (measure_gemms / measure_attentions), the noise-floor grid points in the same rounds as the
+    # held-out shapes, so both see the same moments of the machine
     print(f"\n{'GEMM m x n x k':>22} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7}")
     with torch.no_grad():
         for p in precisions:
-            for (m, n, k) in held_out_gemms(grid, args.gemms):
-                pred = gemm_time_s(cluster, m, n, k, p)
-                point = measure_gemm(m, n, k, p, device, grid)
+            shapes = held_out_gemms(grid, args.gemms)
+            table = [g for g in compute.gemm if g.precision is p]
+            again_of = table[:: max(len(table) // 4, 1)][:4]
+            fresh = measure_gemms([(shape, p) for shape in shapes] + [((g.m, g.n, g.k), p) for g in again_of],
+                                  device, grid)
+            for (m, n, k), point in zip(shapes, fresh):
                 assert point is not None
+                pred = gemm_time_s(cluster, m, n, k, p)
                 e = _err(pred, point.time_s)
                 pairs.append((pred, point.time_s))
                 print(f"{f'{m} x {n} x {k}':>22} {p.value:>5} {pred * 1e3:>9.3f}ms {point.time_s * 1e3:>9.3f}ms "
                       f"{e * 100:>6.1f}%")
-            noise_floor(p)
+            for g, again in zip(again_of, fresh[len(shapes):]):  # noise floor: grid points measured again
+                assert again is not None
+                noise.append(_err(g.time_s, again.time_s))
+                drift.append(again.time_s / g.time_s)
 
     print(f"\n{'attention b,s,h/kv,d':>22} {'prec':>5} {'pred fwd':>11} {'meas fwd':>11} {'error':>7} "
           f"{'pred bwd':>11} {'meas bwd':>11} {'error':>7}")
-    for p in precisions:
-        for (b, s, h, kv, d) in held_out_attention(grid):
-            pf, pb = attention_time_s(cluster, batch=b, q_len=s, kv_len=s, heads=h, kv_heads=kv, qk_dim=d,
-                                      v_dim=d, precision=p, causal=True, flash=True)
-            point = measure_attention(b, s, h, kv, d, p, device, grid)
-            ef, eb = _err(pf, point.forward_time_s), _err(pb, point.backward_time_s)
-            pairs += [(pf, point.forward_time_s), (pb, point.backward_time_s)]
-            print(f"{f'{b},{s},{h}/{kv},{d}':>22} {p.value:>5} {pf * 1e3:>9.3f}ms {point.forward_time_s * 1e3:>9.3f}ms "
-                  f"{ef * 100:>6.1f}% {pb * 1e3:>9.3f}ms {point.backward_time_s * 1e3:>9.3f}ms {eb * 100:>6.1f}%")
-    for p in precisions:  # and once more at the end: the drift over the whole run
-        noise_floor(p)
+    configs = [((b, s, h, kv, d), p) for p in precisions for (b, s, h, kv, d) in held_out_attention(grid)]
+    # noise floor of attention: a few grid configs measured again in the same rounds
+    profiled = {((a.batch, a.seq_length, a.num_heads, a.num_kv_heads, a.head_dim), a.precision): a
+                for a in compute.attention}
+    again_keys = [k for k in profiled if k[1] in precisions][:: max(len(profiled) // 4, 1)][:4]
+    fresh = measure_attentions(configs + again_keys, device, grid)
+    for key, again in zip(again_keys, fresh[len(configs):]):
+        for old, new in ((profiled[key].forward_time_s, again.forward_time_s),
+                         (profiled[key].backward_time_s, again.backward_time_s)):
+            noise.append(_err(old, new))
+            drift.append(new / old)
+    for ((b, s, h, kv, d), p), point in zip(configs, fresh):
+        pf, pb = attention_time_s(cluster, batch=b, q_len=s, kv_len=s, heads=h, kv_heads=kv, qk_dim=d,
+                                  v_dim=d, precision=p, causal=True, flash=True)
+        ef, eb = _err(pf, point.forward_time_s), _err(pb, point.backward_time_s)
+        pairs += [(pf, point.forward_time_s), (pb, point.backward_time_s)]
+        print(f"{f'{b},{s},{h}/{kv},{d}':>22} {p.value:>5} {pf * 1e3:>9.3f}ms {point.forward_time_s * 1e3:>9.3f}ms "
+              f"{ef * 100:>6.1f}% {pb * 1e3:>9.3f}ms {point.backward_time_s * 1e3:>9.3f}ms {eb * 100:>6.1f}%")
     return pairs, noise, drift
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from planner.contracts import ModelSpec, Precision
 from planner.contracts.cluster import AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
 from planner.errors import AutoparError
-from profiler.timing import TimingResult, sync, time_fn
+from profiler.timing import TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
 
@@ -273,11 +273,52 @@ def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device)
 
 
 def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> GemmPoint | None:
-    fn = _gemm_fn(m, n, k, precision, device)
-    if fn is None:
-        return None
-    result = _time(fn, device, grid)
-    return GemmPoint(precision=precision, m=m, n=n, k=k, time_s=max(result.median_s, 1e-12))
+    return measure_gemms([((m, n, k), precision)], device, grid)[0]
+
+
+ROUNDS_BUDGET_BYTES = 2 << 30  # operands kept alive at once for interleaved rounds (a batch of shapes)
+
+
+def _batches(sizes: list[int], budget: int = ROUNDS_BUDGET_BYTES) -> list[range]:
+    """Consecutive index ranges whose summed ``sizes`` stay within ``budget`` (one item at least each)."""
+    out, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and held + size > budget:
+            out.append(range(start, i))
+            start, held = i, 0
+        held += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+def _element_bytes(precision: Precision) -> int:
+    return 1 if precision is Precision.fp8 else DTYPES[precision].itemsize
+
+
+def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: torch.device, grid: ComputeGrid,
+                  on_progress: Callable[[int], None] | None = None) -> list[GemmPoint | None]:
+    """Every GEMM of ``jobs`` ((m, n, k), precision), their trials interleaved in rounds
+    (:func:`~profiler.timing.time_rounds`), in batches whose operands fit :data:`ROUNDS_BUDGET_BYTES`;
+    None where a shape cannot run in its precision. ``on_progress(n)``: about ``n`` jobs are done."""
+    sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k), p in jobs]
+    out: list[GemmPoint | None] = []
+    for batch in _batches(sizes):
+        part = [jobs[i] for i in batch]
+        fns = [_gemm_fn(m, n, k, p, device) for (m, n, k), p in part]
+        runnable = [f for f in fns if f is not None]
+        first = batch.start
+
+        def on_round(r: int, first: int = first, count: int = len(part)) -> None:
+            if on_progress is not None:
+                on_progress(first + count * (r + 1) // grid.trials)
+
+        timed = iter(time_rounds(runnable, device=device, warmup=grid.warmup, trials=grid.trials,
+                                 min_time_s=grid.min_time_s, on_round=on_round))
+        out += [None if fn is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(next(timed).median_s, 1e-12))
+                for fn, ((m, n, k), p) in zip(fns, part)]
+        del fns, runnable
+    return out
 
 
 def _attention_dtype(precision: Precision) -> torch.dtype:
@@ -285,11 +326,9 @@ def _attention_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision is Precision.fp8 else DTYPES[precision]
 
 
-def measure_attention(
-    batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
-    device: torch.device, grid: ComputeGrid,
-) -> AttentionPoint:
-    """Causal SDPA forward, and its backward timed on its own (autograd.grad on a retained graph)."""
+def _attention_fns(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
+                   device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(causal SDPA forward without autograd, its backward alone: autograd.grad on a retained graph)."""
     dtype = _attention_dtype(precision)
     q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -299,16 +338,50 @@ def measure_attention(
     def forward() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
-    with torch.no_grad():
-        fwd = _time(forward, device, grid)
+    def forward_only() -> torch.Tensor:
+        with torch.no_grad():
+            return forward()
+
     out = forward()
     grad = torch.randn_like(out)
-    bwd = _time(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), device, grid)
-    return AttentionPoint(
-        precision=precision, batch=batch, seq_length=seq, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, causal=True, forward_time_s=max(fwd.median_s, 1e-12),
-        backward_time_s=max(bwd.median_s, 1e-12),
-    )
+    return forward_only, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+
+def measure_attention(
+    batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
+    device: torch.device, grid: ComputeGrid,
+) -> AttentionPoint:
+    """Causal SDPA forward, and its backward timed on its own (autograd.grad on a retained graph)."""
+    return measure_attentions([((batch, seq, heads, kv_heads, head_dim), precision)], device, grid)[0]
+
+
+def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precision]], device: torch.device,
+                       grid: ComputeGrid, on_progress: Callable[[int], None] | None = None) -> list[AttentionPoint]:
+    """Every attention config of ``jobs`` ((batch, seq, heads, kv_heads, head_dim), precision),
+    forward and backward, their trials interleaved in rounds (:func:`~profiler.timing.time_rounds`),
+    in batches whose tensors (inputs, output, its gradient and the graph kept for the backward:
+    about 8 query-sized tensors) fit :data:`ROUNDS_BUDGET_BYTES`."""
+    sizes = [8 * b * s * max(h, kv) * d * _attention_dtype(p).itemsize for (b, s, h, kv, d), p in jobs]
+    out: list[AttentionPoint] = []
+    for batch in _batches(sizes):
+        part = [jobs[i] for i in batch]
+        fns: list[Callable[[], object]] = []
+        for (b, s, h, kv, d), p in part:
+            fns.extend(_attention_fns(b, s, h, kv, d, p, device))
+        first = batch.start
+
+        def on_round(r: int, first: int = first, count: int = len(part)) -> None:
+            if on_progress is not None:
+                on_progress(first + count * (r + 1) // grid.trials)
+
+        timed = time_rounds(fns, device=device, warmup=grid.warmup, trials=grid.trials, min_time_s=grid.min_time_s,
+                            on_round=on_round)
+        out += [AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d,
+                               causal=True, forward_time_s=max(timed[2 * i].median_s, 1e-12),
+                               backward_time_s=max(timed[2 * i + 1].median_s, 1e-12))
+                for i, ((b, s, h, kv, d), p) in enumerate(part)]
+        del fns
+    return out
 
 
 def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.device) -> tuple[Callable[[], object], int]:
@@ -387,32 +460,44 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
             progress(label, done, total)
 
     profile = ComputeProfile()
-    skipped_gemm = skipped_attn = 0
-    with torch.no_grad():
-        for (m, n, k), p in gemm_jobs:
-            tick(f"GEMM {p.value} {m}x{n}x{k}")
-            if grid.max_gemm_flops is None or 2.0 * m * n * k <= grid.max_gemm_flops:
-                point = measure_gemm(m, n, k, p, device, grid)
+    # GEMMs and attention are timed in rounds (every shape one trial per round, grid.trials rounds:
+    # see time_rounds): the progress advances as rounds finish
+    gemm_run = [(shape, p) for shape, p in gemm_jobs
+                if grid.max_gemm_flops is None or 2.0 * shape[0] * shape[1] * shape[2] <= grid.max_gemm_flops]
+    skipped_gemm = len(gemm_jobs) - len(gemm_run)
+
+    def advance(section: str, start: int) -> Callable[[int], None]:
+        def on_progress(n: int) -> None:
+            nonlocal done
+            if start + n > done:
+                done = start + n
+                tick(f"{section}: {n} timed")
+        return on_progress
+
+    if gemm_jobs:
+        tick(f"GEMMs: {len(gemm_run)} shapes in rounds of {grid.trials} trials")
+        with torch.no_grad():
+            for point in measure_gemms(gemm_run, device, grid, advance("GEMMs", done)):
                 if point is not None:
                     profile.gemm.append(point)
-            else:
-                skipped_gemm += 1
-            done += 1
-    fp8_from_bf16: dict[tuple, AttentionPoint] = {}
+        done = len(gemm_jobs)
+    attn_run, skipped_attn = [], 0
     for (b, s, h, kv, d), p in attn_jobs:
-        tick(f"attention {p.value} b{b} s{s} h{h}/{kv} d{d}")
         if grid.max_attention_flops is not None and 2.0 * b * s * s * h * d > grid.max_attention_flops:
             skipped_attn += 1
-        else:
-            key = (b, s, h, kv, d)
-            if p is Precision.fp8 and key in fp8_from_bf16:  # same bf16 kernel: reuse the measurement
-                point = fp8_from_bf16[key].model_copy(update={"precision": Precision.fp8})
-            else:
-                point = measure_attention(b, s, h, kv, d, p, device, grid)
-                if p is Precision.bf16:
-                    fp8_from_bf16[key] = point
-            profile.attention.append(point)
-        done += 1
+        elif p is not Precision.fp8 or ((b, s, h, kv, d), Precision.bf16) not in attn_jobs:
+            attn_run.append(((b, s, h, kv, d), p))
+    if attn_jobs:
+        tick(f"attention: {len(attn_run)} configs in rounds of {grid.trials} trials")
+        measured = dict(zip(attn_run, measure_attentions(attn_run, device, grid, advance("attention", done))))
+        for (b, s, h, kv, d), p in attn_jobs:
+            point = measured.get(((b, s, h, kv, d), p))
+            if point is None and p is Precision.fp8 and ((b, s, h, kv, d), Precision.bf16) in measured:
+                # the same bf16 kernel: reuse the measurement
+                point = measured[((b, s, h, kv, d), Precision.bf16)].model_copy(update={"precision": Precision.fp8})
+            if point is not None:
+                profile.attention.append(point)
+        done = len(gemm_jobs) + len(attn_jobs)
     with torch.no_grad():
         for op, nbytes, p in elt_jobs:
             tick(f"{op} {p.value} {nbytes / 2**20:.1f} MiB")
@@ -440,9 +525,11 @@ __all__ = [
     "linear_gemms",
     "linear_shapes",
     "measure_attention",
+    "measure_attentions",
     "measure_compute",
     "measure_elementwise",
     "measure_gemm",
+    "measure_gemms",
     "parse_precisions",
     "supported_precisions",
     "unsupported_precisions",

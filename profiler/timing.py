@@ -5,7 +5,7 @@ so the time is the GPU's, not the launch queue's. On CPU each trial is a ``time.
 clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
 clock resolution and per-trial overhead do not dominate; the reported time is per call. The statistic
 is the median over trials (robust to a trial disturbed by another process), with the inter-quartile
-range as the spread.
+range as the spread. :func:`time_rounds` times many operations with their trials interleaved in rounds.
 """
 
 from __future__ import annotations
@@ -71,6 +71,23 @@ def _time_calls(fn: Callable[[], object], calls: int, device: torch.device) -> f
     return time.perf_counter() - t0
 
 
+def _calls_for(fn: Callable[[], object], device: torch.device, warmup: int, min_time_s: float,
+               max_calls_per_trial: int) -> int:
+    """Warm ``fn`` up (caches, allocator, kernel selection, lazy initialisation) and size its inner
+    loop so a trial lasts at least ``min_time_s``."""
+    single = math.inf
+    for _ in range(max(warmup, 2 if min_time_s > 0 else 0)):  # min of 2+: one hiccup must not size the loop
+        single = min(single, _time_calls(fn, 1, device))
+    calls = 1
+    if min_time_s > 0 and math.isfinite(single):
+        calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(single, 1e-9))))
+        # one timed calibration trial at that count: the first estimate may include one-off costs
+        if calls > 1:
+            per = _time_calls(fn, calls, device) / calls
+            calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(per, 1e-9))))
+    return calls
+
+
 def time_fn(
     fn: Callable[[], object],
     *,
@@ -86,21 +103,37 @@ def time_fn(
     trial lasts at least ``min_time_s``; the per-call time of a trial is its time / ``calls``.
     Returns the median per-call time over trials and their inter-quartile range.
     """
+    return time_rounds([fn], device=device, warmup=warmup, trials=trials, min_time_s=min_time_s,
+                       max_calls_per_trial=max_calls_per_trial)[0]
+
+
+def time_rounds(
+    fns: list[Callable[[], object]],
+    *,
+    device: torch.device,
+    warmup: int = 2,
+    trials: int = 5,
+    min_time_s: float = 0.0,
+    max_calls_per_trial: int = 100_000,
+    on_round: Callable[[int], None] | None = None,
+) -> list[TimingResult]:
+    """Time several operations as :func:`time_fn` times one, but in rounds: each is warmed up and
+    sized first, then round ``r`` times one trial of every operation in turn, ``trials`` rounds.
+
+    A machine whose speed moves over seconds (a shared VM: its neighbours' load, frequency) then
+    spreads each operation's trials over the whole measurement instead of one moment of it, so the
+    median of each sees the same mix of fast and slow moments, and shapes measured minutes apart
+    (a profile, then a check of it) compare like with like. ``on_round(r)`` is called after round ``r``.
+    """
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1")
     device = torch.device(device)
-    # warm-up: caches, allocator, kernel selection, lazy initialisation; also sizes the inner loop
-    single = math.inf
-    for _ in range(max(warmup, 2 if min_time_s > 0 else 0)):  # min of 2+: one hiccup must not size the loop
-        single = min(single, _time_calls(fn, 1, device))
-    calls = 1
-    if min_time_s > 0 and math.isfinite(single):
-        calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(single, 1e-9))))
-        # one timed calibration trial at that count: the first estimate may include one-off costs
-        if calls > 1:
-            per = _time_calls(fn, calls, device) / calls
-            calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(per, 1e-9))))
-    times = [_time_calls(fn, calls, device) / calls for _ in range(trials)]
-    return TimingResult(
-        median_s=statistics.median(times), iqr_s=_iqr(times), trials=times, calls_per_trial=calls
-    )
+    calls = [_calls_for(fn, device, warmup, min_time_s, max_calls_per_trial) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(trials):
+        for i, fn in enumerate(fns):
+            times[i].append(_time_calls(fn, calls[i], device) / calls[i])
+        if on_round is not None:
+            on_round(r)
+    return [TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t, calls_per_trial=c)
+            for t, c in zip(times, calls)]

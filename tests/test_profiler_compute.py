@@ -186,3 +186,24 @@ def test_planner_interpolates_log_rate_between_measured_shapes():
     assert rate == pytest.approx(0.02, rel=0.01)
     big = 2 * 4096**3 / gemm_time_s(cluster, 4096, 4096, 4096, Precision.bf16) / 1e12
     assert big == pytest.approx(0.04, rel=1e-6)
+
+
+def test_time_rounds_interleaves_the_trials_of_every_operation():
+    """After each operation's warm-up and sizing, round r times one trial of each in turn: a burst of
+    other load spoils one trial of several operations, not every trial of one."""
+    from profiler.timing import time_rounds
+
+    log: list[str] = []
+    results = time_rounds([lambda: log.append("a"), lambda: log.append("b"), lambda: log.append("c")],
+                          device=CPU, warmup=1, trials=3, min_time_s=0.0)
+    assert [r.calls_per_trial for r in results] == [1, 1, 1]
+    assert all(len(r.trials) == 3 for r in results)
+    assert log == ["a", "b", "c"] + ["a", "b", "c"] * 3  # warm-ups first, then three rounds
+
+
+def test_rounds_are_batched_within_the_memory_budget():
+    from profiler.compute import _batches
+
+    assert _batches([5, 5, 5, 5], budget=10) == [range(0, 2), range(2, 4)]
+    assert _batches([30, 1, 1], budget=10) == [range(0, 1), range(1, 3)]  # one item over budget still runs alone
+    assert _batches([], budget=10) == []
