@@ -22,8 +22,8 @@ plan found.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import contextlib
+import dataclasses
 import functools
 import gc
 import heapq
@@ -31,8 +31,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from planner.contracts import (
