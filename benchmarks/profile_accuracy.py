@@ -26,7 +26,6 @@ a step, only a grid point on each side of it would.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from planner.contracts import ClusterProfile, ComputeProfile, Precision  # noqa: E402
+from planner.contracts import ClusterProfile, ComputeProfile  # noqa: E402
 from planner.cost.compute import attention_time_s, gemm_time_s  # noqa: E402
 from planner.reference import reference_profile  # noqa: E402
 from profiler.compute import (  # noqa: E402
