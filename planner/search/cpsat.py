@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from planner.contracts import Recompute
-from planner.cost.memory import model_state_bytes
-from planner.contracts import Schedule
+from planner.contracts import Recompute, Schedule
 from planner.search.stages import StageModel
 
 S = 10_000  # scale of the overlap efficiency
@@ -208,8 +206,7 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
             return int(-(-nbytes // MEM_UNIT))
 
         lay = sm.layout
-        per_dense = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.shard_n, lay.offload_optimizer))
-        per_expert = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.expert_shard, lay.offload_optimizer))
+        per_dense, per_expert = sm._state_dense, sm._state_expert
         fl = sm.in_flight[r]
         Aa, Ab = ka.activations, (kb.activations if kb else {k: 0.0 for k in Recompute})
         mem = (mq(per_dense * pda + per_expert * pea + fl * Aa[Recompute.none]) * na

@@ -64,6 +64,7 @@ from planner.search.stages import (
     pipeline_send_s,
     recompute_bound_s,
     shared_costs,
+    state_bytes_per_param_split,
     work_floor_s,
 )
 
@@ -729,7 +730,6 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             fam["reason"] = _NoFitReason(need, why, capacity)
 
     priced: set[tuple] = set()
-    states_short: set[tuple[str, float]] = set()  # (family, model-state bytes) of leaves already reported not to fit
     leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
     states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
     ids = iter(range(1, 1 << 60))
@@ -755,10 +755,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         key = (st.cp, st.ep, zero, shard, offload)
         sig = per_param.get(key)
         if sig is None:
-            shard_n = shard * st.cp
-            sig = per_param[key] = (sum(model_state_bytes(1.0, state, zero, shard_n, offload)),
-                                    sum(model_state_bytes(1.0, state, zero, max(shard_n // st.ep, 1), offload)),
-                                    zero == 3)
+            sig = per_param[key] = (*state_bytes_per_param_split(state, zero, shard * st.cp, st.ep, offload), zero == 3)
         return sig
 
     def leaf_comm(st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
@@ -780,16 +777,11 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if key in priced:
             return
         priced.add(key)
+        label = _LeafLabel(st.family, zero, rep, shard, offload)
         need = states_need_of(st, zero, shard, offload)
         if need > capacity:
-            if (st.family, need) in states_short:  # counted as no_fit would; its shortfall and the
-                report["infeasible"] += 1  # family's reason already stand (the same need, seen before)
-                next(no_fits)
-                return
-            states_short.add((st.family, need))
-            no_fit(st, need, _LeafLabel(st.family, zero, rep, shard, offload), "model states alone need")
+            no_fit(st, need, label, "model states alone need")
             return
-        label = _LeafLabel(st.family, zero, rep, shard, offload)
 
         def make_layout() -> ParallelLayout:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
@@ -888,7 +880,6 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
     frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
     interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
-
     tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
 
     def minmax_for(si: int) -> float:

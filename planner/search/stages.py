@@ -59,6 +59,7 @@ from planner.cost.layer import (
 )
 from planner.cost.memory import (
     ActivationShape,
+    StateBytes,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
@@ -293,6 +294,14 @@ class LeafComm:
         return out
 
 
+def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int, ep: int,
+                                offload: bool) -> tuple[float, float]:
+    """(dense, expert) model-state bytes per parameter on one GPU: dense weights sharded over the
+    ``dp_shard x cp`` ranks (``shard_n``), experts over ``shard_n / ep`` of them (at least one)."""
+    return (sum(model_state_bytes(1.0, state, zero_stage, shard_n, offload)),
+            sum(model_state_bytes(1.0, state, zero_stage, max(shard_n // ep, 1), offload)))
+
+
 class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
@@ -344,8 +353,8 @@ class StageModel:
         else:
             self._opt_alpha = 0.0
             self._opt_rate = memory_time_s(profile, self.step_bytes)
-        self._state_dense = sum(model_state_bytes(1.0, self.state, zero, self.shard_n, base.offload_optimizer))
-        self._state_expert = sum(model_state_bytes(1.0, self.state, zero, self.expert_shard, base.offload_optimizer))
+        self._state_dense, self._state_expert = state_bytes_per_param_split(self.state, zero, self.shard_n, base.ep,
+                                                                            base.offload_optimizer)
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
@@ -573,9 +582,7 @@ def recompute_bound_s(sm: StageModel) -> float:
     with the most micro-batches in flight. A relaxation (fractional layers, no transient, no
     gather buffers), so a valid lower bound.
     """
-    lay = sm.layout
-    per_state = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.shard_n, lay.offload_optimizer))
-    per_state_e = sum(model_state_bytes(1.0, sm.state, lay.zero_stage, sm.expert_shard, lay.offload_optimizer))
+    per_state, per_state_e = sm._state_dense, sm._state_expert
     rho = 0.0
     for kc in sm.kind_cost.values():
         for kind in RECOMPUTE_KINDS:
@@ -1039,8 +1046,7 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
                     a2a_s = 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
                 moe_s = cache[moe_key] = (gemms, a2a_s)
             per += moe_s[0]
-            if ep > 1:
-                per += moe_s[1]
+            per += moe_s[1]  # 0.0 without EP: adds nothing
         total += count * per
     cache[key] = total * (1 - 1e-9)
     return cache[key]
