@@ -296,29 +296,41 @@ def _element_bytes(precision: Precision) -> int:
     return 1 if precision is Precision.fp8 else DTYPES[precision].itemsize
 
 
-def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: torch.device, grid: ComputeGrid,
-                  on_progress: Callable[[int], None] | None = None) -> list[GemmPoint | None]:
-    """Every GEMM of ``jobs`` ((m, n, k), precision), their trials interleaved in rounds
-    (:func:`~profiler.timing.time_rounds`), in batches whose operands fit :data:`ROUNDS_BUDGET_BYTES`;
-    None where a shape cannot run in its precision. ``on_progress(n)``: about ``n`` jobs are done."""
-    sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k), p in jobs]
-    out: list[GemmPoint | None] = []
+def _timed_in_rounds(sizes: list[int], make_fns: Callable[[int], list[Callable[[], object]] | None],
+                     device: torch.device, grid: ComputeGrid,
+                     on_progress: Callable[[int], None] | None) -> list[list[TimingResult] | None]:
+    """Job ``i``'s operations (``make_fns(i)``; None: nothing to run) timed in interleaved rounds
+    (:func:`~profiler.timing.time_rounds`), in batches of jobs whose operands (``sizes``, bytes) fit
+    :data:`ROUNDS_BUDGET_BYTES` (each batch's tensors are freed before the next is built).
+    ``on_progress(n)``: about ``n`` jobs are done. Returns each job's timings, or None."""
+    out: list[list[TimingResult] | None] = []
     for batch in _batches(sizes):
-        part = [jobs[i] for i in batch]
-        fns = [_gemm_fn(m, n, k, p, device) for (m, n, k), p in part]
-        runnable = [f for f in fns if f is not None]
-        first = batch.start
+        per_job = [make_fns(i) for i in batch]
+        flat = [fn for fns in per_job if fns is not None for fn in fns]
 
-        def on_round(r: int, first: int = first, count: int = len(part)) -> None:
+        def on_round(r: int, first: int = batch.start, count: int = len(batch)) -> None:
             if on_progress is not None:
                 on_progress(first + count * (r + 1) // grid.trials)
 
-        timed = iter(time_rounds(runnable, device=device, warmup=grid.warmup, trials=grid.trials,
+        timed = iter(time_rounds(flat, device=device, warmup=grid.warmup, trials=grid.trials,
                                  min_time_s=grid.min_time_s, on_round=on_round))
-        out += [None if fn is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(next(timed).median_s, 1e-12))
-                for fn, ((m, n, k), p) in zip(fns, part)]
-        del fns, runnable
+        out += [None if fns is None else [next(timed) for _ in fns] for fns in per_job]
+        del per_job, flat
     return out
+
+
+def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: torch.device, grid: ComputeGrid,
+                  on_progress: Callable[[int], None] | None = None) -> list[GemmPoint | None]:
+    """Every GEMM of ``jobs`` ((m, n, k), precision), timed in interleaved rounds
+    (:func:`_timed_in_rounds`); None where a shape cannot run in its precision."""
+    def make(i: int) -> list[Callable[[], object]] | None:
+        (m, n, k), p = jobs[i]
+        fn = _gemm_fn(m, n, k, p, device)
+        return None if fn is None else [fn]
+
+    sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k), p in jobs]
+    return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12))
+            for t, ((m, n, k), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress), jobs)]
 
 
 def _attention_dtype(precision: Precision) -> torch.dtype:
@@ -358,30 +370,17 @@ def measure_attention(
 def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precision]], device: torch.device,
                        grid: ComputeGrid, on_progress: Callable[[int], None] | None = None) -> list[AttentionPoint]:
     """Every attention config of ``jobs`` ((batch, seq, heads, kv_heads, head_dim), precision),
-    forward and backward, their trials interleaved in rounds (:func:`~profiler.timing.time_rounds`),
-    in batches whose tensors (inputs, output, its gradient and the graph kept for the backward:
-    about 8 query-sized tensors) fit :data:`ROUNDS_BUDGET_BYTES`."""
+    forward and backward, timed in interleaved rounds (:func:`_timed_in_rounds`; a config's tensors
+    — inputs, output, its gradient and the graph kept for the backward — taken as about 8
+    query-sized tensors)."""
+    def make(i: int) -> list[Callable[[], object]]:
+        (b, s, h, kv, d), p = jobs[i]
+        return list(_attention_fns(b, s, h, kv, d, p, device))
+
     sizes = [8 * b * s * max(h, kv) * d * _attention_dtype(p).itemsize for (b, s, h, kv, d), p in jobs]
-    out: list[AttentionPoint] = []
-    for batch in _batches(sizes):
-        part = [jobs[i] for i in batch]
-        fns: list[Callable[[], object]] = []
-        for (b, s, h, kv, d), p in part:
-            fns.extend(_attention_fns(b, s, h, kv, d, p, device))
-        first = batch.start
-
-        def on_round(r: int, first: int = first, count: int = len(part)) -> None:
-            if on_progress is not None:
-                on_progress(first + count * (r + 1) // grid.trials)
-
-        timed = time_rounds(fns, device=device, warmup=grid.warmup, trials=grid.trials, min_time_s=grid.min_time_s,
-                            on_round=on_round)
-        out += [AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d,
-                               causal=True, forward_time_s=max(timed[2 * i].median_s, 1e-12),
-                               backward_time_s=max(timed[2 * i + 1].median_s, 1e-12))
-                for i, ((b, s, h, kv, d), p) in enumerate(part)]
-        del fns
-    return out
+    return [AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d, causal=True,
+                           forward_time_s=max(fwd.median_s, 1e-12), backward_time_s=max(bwd.median_s, 1e-12))
+            for (fwd, bwd), ((b, s, h, kv, d), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress), jobs)]
 
 
 def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.device) -> tuple[Callable[[], object], int]:

@@ -553,18 +553,25 @@ def remeasured_fastest(series: int, sizes: list[int], time_sizes: Callable[[int,
     return times, extra
 
 
-def _interleaved_fastest(ops: dict[int, tuple[Callable[[], None], int]], counts: dict[int, int], group,
+def _interleaved_fastest(ops: dict[int, tuple[Callable[[], None], int]], trials: int, group,
                          device) -> dict[int, float]:
     """Round-robin trials: each round times every size once, so a burst of other work spoils one
     trial of several sizes rather than every trial of one size; the fastest trial of each."""
     best = {j: math.inf for j in ops}
-    for r in range(max(counts.values(), default=0)):
+    for _ in range(trials):
         for j, (op, reps) in ops.items():
-            if r < counts[j]:
-                # one untimed call first: the size before it (a 16 MiB one, for the 4 KiB that
-                # opens a round) left the caches cold for this buffer
-                best[j] = min(best[j], _trial(op, reps, group, device, warm=1))
+            # one untimed call first: the size before it (a 16 MiB one, for the 4 KiB that
+            # opens a round) left the caches cold for this buffer
+            best[j] = min(best[j], _trial(op, reps, group, device, warm=1))
     return best
+
+
+def _remeasure_note(extra: list[int], trials: int) -> str:
+    """What a link's ``source`` says of its re-measurement (:func:`remeasured_fastest`)."""
+    again = sum(1 for x in extra if x)
+    return (f"{again} of {len(extra)} sizes re-measured after all links (slower than a larger size or more than "
+            f"{REMEASURE_ABOVE:.0%} above its neighbours' log-log interpolation; up to {max(extra, default=0)} more "
+            f"round(s) of {trials} trials); piecewise α-β, minimax relative error")
 
 
 def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], None] | None = None,
@@ -619,7 +626,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
             if round_ == 0:
                 done += 1
         if ops:
-            best.update(_interleaved_fastest(ops, {j: plan.trials for j in ops}, group, device))
+            best.update(_interleaved_fastest(ops, plan.trials, group, device))
         ops.clear()
         p2p = collective is Collective.p2p
         return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
@@ -633,12 +640,9 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     for (spec, _group, _mine, collective), times, extra in zip(jobs, all_times, all_extra):
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        again = sum(1 for x in extra if x)
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) concurrently, {plan.trials} trials "
                   f"(interleaved rounds up to 16 MiB), fastest trial per rank, max over ranks; "
-                  f"{again} of {len(sizes)} sizes re-measured after all links (more than {REMEASURE_ABOVE:.0%} above "
-                  f"the fit or slower than a larger size; up to {max(extra)} more round(s) of {plan.trials} trials); "
-                  f"piecewise α-β, minimax relative error")
+                  + _remeasure_note(extra, plan.trials))
         links.extend(fit_link_segments(spec.level, collective, size, spec.per_node, points, source))
     if progress is not None:
         progress("links done", total, total)
@@ -687,7 +691,6 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     all_times, all_extra = remeasured_fastest(len(directions), sizes, time_sizes)
     for (collective, to_device), times, extra in zip(directions, all_times, all_extra):
         points = [TimedPoint(bytes=max(1, b // 4) * 4, time_s=max(t, 1e-9)) for b, t in zip(sizes, times)]
-        again = sum(1 for x in extra if x)
         if is_cuda:
             host = torch.empty(max(1, sizes[-1] // 4))  # pageable, largest size only (what offload without pinning gets)
             dev = torch.empty_like(host, device=device)
@@ -696,9 +699,7 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
                     "the host link so optimizer-offload plans can still be priced")
-        src_text += (f"; fastest of {trials} trials, {again} of {len(sizes)} sizes re-measured (more than "
-                     f"{REMEASURE_ABOVE:.0%} above the fit or slower than a larger size); piecewise α-β, minimax "
-                     "relative error")
+        src_text += f"; fastest of {trials} trials, " + _remeasure_note(extra, trials)
         out.extend(fit_link_segments(LinkLevel.host_device, collective, 1, 1, points, src_text))
     if is_cuda:
         notes.append("host<->device pageable (unpinned) copy bandwidth at the largest size: "
