@@ -117,9 +117,9 @@ def _err(pred: float, meas: float) -> float:
 
 
 def compute_accuracy(args: argparse.Namespace, device: torch.device
-                     ) -> tuple[list[tuple[float, float]], list[float], list[float]]:
-    """Prints the compute tables; returns ((predicted, measured) of every held-out time, noise-floor
-    errors, and re-measured/profiled time of every noise-floor grid point: the machine's drift)."""
+                     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Prints the compute tables; returns (predicted, measured) of every held-out time and
+    (profiled, measured again) of every noise-floor grid point time."""
     precisions = parse_precisions(args.precisions, device)
     grid = default_grid(quick=args.quick, device_type=device.type)
     grid = replace(grid, precisions=precisions, elementwise_bytes=[], warmup=2, trials=args.trials,
@@ -133,8 +133,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     cluster = measured_cluster(compute, device)
 
     pairs: list[tuple[float, float]] = []
-    noise: list[float] = []
-    drift: list[float] = []
+    regrid: list[tuple[float, float]] = []
     # the fresh measurements are timed as the profile was: every shape one trial per round
     # (measure_gemms / measure_attentions), the noise-floor grid points in the same rounds as the
     # held-out shapes, so both see the same moments of the machine
@@ -155,8 +154,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
                       f"{e * 100:>6.1f}%")
             for g, again in zip(again_of, fresh[len(shapes):]):  # noise floor: grid points measured again
                 assert again is not None
-                noise.append(_err(g.time_s, again.time_s))
-                drift.append(again.time_s / g.time_s)
+                regrid.append((g.time_s, again.time_s))
 
     print(f"\n{'attention b,s,h/kv,d':>22} {'prec':>5} {'pred fwd':>11} {'meas fwd':>11} {'error':>7} "
           f"{'pred bwd':>11} {'meas bwd':>11} {'error':>7}")
@@ -167,10 +165,8 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     again_keys = [k for k in profiled if k[1] in precisions][:: max(len(profiled) // 4, 1)][:4]
     fresh = measure_attentions(configs + again_keys, device, grid)
     for key, again in zip(again_keys, fresh[len(configs):]):
-        for old, new in ((profiled[key].forward_time_s, again.forward_time_s),
-                         (profiled[key].backward_time_s, again.backward_time_s)):
-            noise.append(_err(old, new))
-            drift.append(new / old)
+        regrid += [(profiled[key].forward_time_s, again.forward_time_s),
+                   (profiled[key].backward_time_s, again.backward_time_s)]
     for ((b, s, h, kv, d), p), point in zip(configs, fresh):
         pf, pb = attention_time_s(cluster, batch=b, q_len=s, kv_len=s, heads=h, kv_heads=kv, qk_dim=d,
                                   v_dim=d, precision=p, causal=True, flash=True)
@@ -178,7 +174,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
         pairs += [(pf, point.forward_time_s), (pb, point.backward_time_s)]
         print(f"{f'{b},{s},{h}/{kv},{d}':>22} {p.value:>5} {pf * 1e3:>9.3f}ms {point.forward_time_s * 1e3:>9.3f}ms "
               f"{ef * 100:>6.1f}% {pb * 1e3:>9.3f}ms {point.backward_time_s * 1e3:>9.3f}ms {eb * 100:>6.1f}%")
-    return pairs, noise, drift
+    return pairs, regrid
 
 
 def quick_profile_run(args: argparse.Namespace) -> tuple[ClusterProfile, float]:
@@ -233,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     if not args.skip_compute:
-        pairs, noise, drift = compute_accuracy(args, device)
+        pairs, regrid = compute_accuracy(args, device)
+        noise = [_err(old, new) for old, new in regrid]
+        drift = [new / old for old, new in regrid]
         errors = [_err(pred, meas) for pred, meas in pairs]
         med, worst = statistics.median(errors), max(errors)
         within = sum(e <= TARGET for e in errors)
