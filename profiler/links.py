@@ -10,8 +10,18 @@ one; each such trial makes one untimed call first (the 16 MiB call before the 4 
 round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
 scheduler preempts ranks for whole milliseconds, and the median of 5 trials moved by 50-800% between
 repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle cluster minimum
-and median agree. The time recorded is the maximum over ranks (the slowest rank finishes the
-collective).
+and median agree. Messages up to 256 KiB get 3x the trials (:func:`trials_for`): they are cheap, and
+their latency is what a busy host spoils most. The time recorded is the maximum over ranks (the
+slowest rank finishes the collective).
+
+**Groups side by side, or one at a time.** A level's disjoint groups (the TP pairs of every node)
+are timed side by side, as training runs them, except on a host with more ranks than cores
+(:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
+posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
+(a 4 KiB ping-pong: 50-60 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
+each group is timed alone while the others wait on the rendezvous store (not in a collective,
+whose messages would set the busy ranks' receive threads polling), and the link keeps its slowest
+group. The profile's sources say which.
 
 **Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
 time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
@@ -38,7 +48,9 @@ own convention:
 - across nodes with ``g > 1`` ranks per node, the planner prices ring collectives at
   ``min(intra busbw, g · per-rank network busbw)`` and all-to-all by its off-node share
   ``bytes·(n-g)/n / network busbw``; the stored per-rank network busbw is ``factor / (g · slope)``
-  resp. ``((n-g)/n) / slope`` (network-bound), so the planner's formula reproduces the fit.
+  resp. ``((n-g)/n) / slope``, and each entry records ``ranks_per_node = g``: for a group of exactly
+  the measured size and placement the planner then leaves out its intra-node bound (the measurement
+  holds the on-node legs already), so its formula reproduces the fit.
 
 :func:`link_fit_report` checks the fit the way the planner uses it: it predicts every measured
 point with ``collective_time_s`` and reports R² and the worst relative error.
@@ -93,6 +105,17 @@ def reps_for(nbytes: int) -> int:
     if nbytes <= 8 * MIB:
         return 2
     return 1
+
+
+SMALL_TRIALS_MAX_BYTES = 256 * KIB
+SMALL_TRIALS_FACTOR = 3
+
+
+def trials_for(nbytes: int, trials: int) -> int:
+    """Trials of one size: 3x for messages up to 256 KiB. Those calls are latency-bound and cheap
+    (8 calls of well under a millisecond each on an idle link), and their time is the one a busy
+    host spoils most: the fastest of more trials is what the link can do."""
+    return trials * SMALL_TRIALS_FACTOR if nbytes <= SMALL_TRIALS_MAX_BYTES else trials
 
 
 INTERLEAVE_MAX_BYTES = 16 * MIB  # sizes up to this are timed in round-robin rounds (their buffers stay allocated)
@@ -316,7 +339,8 @@ def fit_link_segments(level: LinkLevel, collective: Collective, group_size: int,
             busbw = busbw_from_slope(collective, seg.fit.slope_s_per_byte, group_size, per_node, level)
         out.append(LinkProfile(level=level, collective=collective, group_size=group_size, alpha_s=seg.fit.alpha_s,
                                busbw_bytes_per_s=busbw, points=pts, fit_r2=seg.fit.r2,
-                               source=source + note, min_bytes=seg.min_bytes, max_bytes=seg.max_bytes))
+                               source=source + note, min_bytes=seg.min_bytes, max_bytes=seg.max_bytes,
+                               ranks_per_node=per_node))
     return out
 
 
@@ -394,11 +418,26 @@ class GroupSpec:
 
 @dataclass
 class LinkPlan:
+    """What :func:`measure_links` times. ``one_group_at_a_time``: the disjoint groups of a spec are
+    timed one after the other instead of side by side (:func:`oversubscribed`: when a host runs more
+    ranks than it has cores, side-by-side groups time the OS scheduler, not the link)."""
+
     specs: list[GroupSpec]
     sizes: list[int]
     trials: int = 5
     warmup: int = 1
     notes: list[str] = field(default_factory=list)
+    one_group_at_a_time: bool = False
+
+
+def oversubscribed(local_ranks: int, cores: int) -> bool:
+    """Whether a host's ranks outnumber its cores. gloo's receive thread polls its sockets while a
+    message it has no buffer posted for is waiting (it burned ~0.55 of the 0.58 ms of CPU per 4 KiB
+    all-reduce on this 2-vCPU VM), so each rank keeps a core busy while it waits; with more ranks
+    than cores, a rank whose turn it is waits for a scheduler time slice. Measured here: a 4 KiB
+    ping-pong between two ranks took 50-60 µs with the other pair idle and 0.1-1.7 ms, varying from
+    trial to trial, with both pairs at it at once (4 ranks, 2 vCPUs)."""
+    return local_ranks > max(1, cores)
 
 
 def plan_groups(world: int, ranks_per_node: int, emulated: bool = False) -> list[GroupSpec]:
@@ -553,13 +592,15 @@ def remeasured_fastest(series: int, sizes: list[int], time_sizes: Callable[[int,
     return times, extra
 
 
-def _interleaved_fastest(ops: dict[int, tuple[Callable[[], None], int]], trials: int, group,
-                         device) -> dict[int, float]:
-    """Round-robin trials: each round times every size once, so a burst of other work spoils one
-    trial of several sizes rather than every trial of one size; the fastest trial of each."""
+def _interleaved_fastest(ops: dict[int, tuple[Callable[[], None], int, int]], group, device) -> dict[int, float]:
+    """Round-robin trials: each round times every size that still has trials to go once, so a burst
+    of other work spoils one trial of several sizes rather than every trial of one size; the fastest
+    trial of each. ``ops``: size index -> (call, reps per trial, trials)."""
     best = {j: math.inf for j in ops}
-    for _ in range(trials):
-        for j, (op, reps) in ops.items():
+    for round_ in range(max((t for _, _, t in ops.values()), default=0)):
+        for j, (op, reps, trials) in ops.items():
+            if round_ >= trials:
+                continue
             # one untimed call first: the size before it (a 16 MiB one, for the 4 KiB that
             # opens a round) left the caches cold for this buffer
             best[j] = min(best[j], _trial(op, reps, group, device, warm=1))
@@ -592,7 +633,24 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
             if rank in ranks:
                 mine, my_group = ranks, g
         handles.append((spec, my_group, mine))
-    jobs = [(spec, group, mine, c) for spec, group, mine in handles for c in spec.collectives]
+    # a job: one collective of one spec, all of its groups side by side or (one_group_at_a_time) one
+    # of them while the other ranks wait; a link's times are the max over its jobs (its slowest group)
+    jobs: list[tuple[GroupSpec, object, list[int] | None, Collective]] = []
+    link_of_job: list[int] = []
+    waits: list[bool] = []  # a job some ranks sit out (one group at a time)
+    for s_i, (spec, group, mine) in enumerate(handles):
+        for c_i, c in enumerate(spec.collectives):
+            for ranks in (spec.ranks if plan.one_group_at_a_time else [None]):
+                on = mine is not None and (ranks is None or rank in ranks)
+                jobs.append((spec, group if on else None, mine if on else None, c))
+                link_of_job.append(s_i * len(COLLECTIVES) + c_i)
+                waits.append(ranks is not None and len(spec.ranks) > 1)
+    # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
+    # messages would reach the busy ranks before they post a receive, and gloo's receive thread
+    # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks
+    store = _store() if any(waits) else None
+    global _CALLS
+    _CALLS += 1
     total = len(jobs) * len(plan.sizes)
     done = 0
     links: list[LinkProfile] = []
@@ -603,7 +661,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         nonlocal done
         spec, group, mine, collective = jobs[job]
         best: dict[int, float] = {}
-        ops: dict[int, tuple[Callable[[], None], int]] = {}  # small sizes: timed in interleaved rounds
+        ops: dict[int, tuple[Callable[[], None], int, int]] = {}  # small sizes: timed in interleaved rounds
         for i in indices:
             label = f"{collective.value} {spec.label} {_human(sizes[i])}" + (f" (again, round {round_})" if round_ else "")
             if round_ == 0 and progress is not None:
@@ -619,15 +677,21 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                     op()
                 _sync(device)
                 if sizes[i] <= INTERLEAVE_MAX_BYTES:
-                    ops[i] = (op, reps_for(sizes[i]))
+                    ops[i] = (op, reps_for(sizes[i]), trials_for(sizes[i], plan.trials) if round_ == 0 else plan.trials)
                 else:
                     best[i] = min(_trial(op, reps_for(sizes[i]), group, device) for _ in range(plan.trials))
                 del op
             if round_ == 0:
                 done += 1
         if ops:
-            best.update(_interleaved_fastest(ops, plan.trials, group, device))
+            best.update(_interleaved_fastest(ops, group, device))
         ops.clear()
+        if waits[job] and store is not None:
+            key = f"autopar/links/{_CALLS}/{job}/{round_}"
+            if mine is None:
+                store.wait([key])
+            elif rank == mine[0]:
+                store.set(key, "done")
         p2p = collective is Collective.p2p
         return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
 
@@ -637,16 +701,40 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         return t.tolist()
 
     all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
-    for (spec, _group, _mine, collective), times, extra in zip(jobs, all_times, all_extra):
+    merged: dict[int, tuple[GroupSpec, Collective, list[float], list[int]]] = {}
+    for link, (spec, _group, _mine, collective), times, extra in zip(link_of_job, jobs, all_times, all_extra):
+        if link in merged:  # another group of the same link, timed on its own: the slowest group counts
+            _, _, t0, e0 = merged[link]
+            merged[link] = (spec, collective, [max(a, b) for a, b in zip(t0, times)],
+                            [max(a, b) for a, b in zip(e0, extra)])
+        else:
+            merged[link] = (spec, collective, list(times), list(extra))
+    for spec, collective, times, extra in merged.values():
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) concurrently, {plan.trials} trials "
-                  f"(interleaved rounds up to 16 MiB), fastest trial per rank, max over ranks; "
+        side = ("one at a time (more ranks than cores on a host: side by side they would time the scheduler)"
+                if plan.one_group_at_a_time and len(spec.ranks) > 1 else "concurrently")
+        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) {side}, {plan.trials} trials "
+                  f"({trials_for(1, plan.trials)} up to {_human(SMALL_TRIALS_MAX_BYTES)}; interleaved rounds up to "
+                  f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "
                   + _remeasure_note(extra, plan.trials))
         links.extend(fit_link_segments(spec.level, collective, size, spec.per_node, points, source))
     if progress is not None:
         progress("links done", total, total)
     return links
+
+
+_CALLS = 0  # measure_links calls in this process (every rank makes the same ones): store keys stay fresh
+
+
+def _store():  # noqa: ANN202
+    """The process group's rendezvous store, or None (then idle ranks wait in the collective)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor; guarded
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _human(nbytes: int) -> str:

@@ -24,7 +24,7 @@ from profiler import identity
 from profiler.links import (
     DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, HOST_MIN_MAX_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank,
     measure_host_device,
-    measure_links, message_sizes, plan_groups,
+    measure_links, message_sizes, oversubscribed, plan_groups,
 )
 
 DIE_ENV = "AUTOPAR_PROFILE_TEST_DIE_RANK"  # test hook: this rank exits abruptly during the link phase
@@ -68,6 +68,7 @@ class Checked:
     sizes: list[int]
     threads: int
     notes: list[str] = field(default_factory=list)
+    oversubscribed: bool = False  # this host runs more ranks than it has cores (links.oversubscribed)
 
 
 def dist_env() -> Dist:
@@ -153,13 +154,16 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     sizes = message_sizes(min_b, max_b, quick=opts.quick)
     if opts.quick:
         notes.append(f"QUICK MODE: messages {min_b} B to {max_b} B every 4x below 1 MiB and 2x from there "
-                     f"({len(sizes)} sizes), 5 trials (interleaved rounds; spoiled-looking sizes re-measured); "
+                     f"({len(sizes)} sizes), 5 trials (15 up to 256 KiB; interleaved rounds; spoiled-looking sizes "
+                     "re-measured); "
                      "a full profile goes to 256 MiB every 2x with 7 trials; quick compute grid")
     cores = os.cpu_count() or 1
     threads = opts.threads if opts.threads else max(1, cores // max(1, d.local_world))
     if threads < 1:
         raise AutoparError("--threads", threads, "give a positive thread count", problem="is not positive")
-    return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)
+    host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes,
+                   oversubscribed(d.local_world, host_cores))
 
 
 def _die_hook(rank: int):
@@ -219,8 +223,17 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 return lambda label, done, total: progress(f"{stage}: {label}", done, total)
 
             phase = "links"
+            # every rank must build the same jobs: one group at a time if any host is oversubscribed
+            flag = torch.tensor([int(c.oversubscribed)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            one_at_a_time = bool(flag.item())
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
-                            trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3)
+                            trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
+                            one_group_at_a_time=one_at_a_time)
+            if one_at_a_time:
+                c.notes.append("links: a host runs more ranks than it has cores, so the disjoint groups of each "
+                               "level were timed one at a time, not side by side (side by side, each rank's "
+                               "polling receive thread holds a core and the ranks wait for time slices)")
             links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
             phase = "compute (rank 0 measures, the others wait)"
             compute = None

@@ -75,6 +75,16 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
         Collective.host_to_device, Collective.device_to_host}
     assert p.compute.gemm and p.compute.achieved_matmul_tflops
     assert p.device.peak_tflops and p.assumptions.reserved_memory_bytes < 1 << 30
+    # how each measured group sat is recorded, so the planner prices exactly that placement as measured
+    for link in p.links:
+        if link.level is LinkLevel.inter_node:
+            assert link.ranks_per_node == (1 if link.group_size == 2 else 2), link
+    # 4 ranks on this host: with fewer cores than that, each level's groups were timed one at a time
+    cores = len(os.sched_getaffinity(0))
+    one_at_a_time = [s for s in p.sources if "timed one at a time" in s]
+    assert bool(one_at_a_time) == (cores < 4), (cores, p.sources)
+    intra = next(x for x in p.links if x.level is LinkLevel.intra_node and x.collective is Collective.all_reduce)
+    assert ("2 group(s) one at a time" in intra.source) == (cores < 4), intra.source
 
 
 @pytest.mark.slow

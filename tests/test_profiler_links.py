@@ -11,7 +11,7 @@ from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.links import (
     busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, link_fit_report, message_sizes,
-    minimax_rel_err, plan_groups, remeasure_candidates, remeasured_fastest,
+    minimax_rel_err, oversubscribed, plan_groups, remeasure_candidates, remeasured_fastest, trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -148,6 +148,39 @@ def test_all_ranks_group_across_nodes_is_stored_per_rank(collective):
     rows = link_fit_report(prof)
     row = next(r for r in rows if r["level"] == "inter_node")
     assert row["r2"] == pytest.approx(1.0) and row["worst_rel_err"] < 1e-9
+
+
+@pytest.mark.parametrize("collective", [Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter,
+                                        Collective.all_to_all])
+def test_measured_placement_is_priced_as_measured_even_with_a_slower_intra_link(collective):
+    """The 4-rank inter-node measurement (2 per node) holds its on-node legs already: bounding it by
+    the intra-node link again would price it slower than it was measured. Other placements, and
+    entries that do not say how they were measured, keep the bound."""
+    pts = _points(50e-6, 1 / 5e9)
+    link = fit_link(LinkLevel.inter_node, collective, 4, 2, pts, "t")
+    assert link.ranks_per_node == 2
+    slow_intra = LinkProfile(level=LinkLevel.intra_node, collective=collective, group_size=2, alpha_s=0,
+                             busbw_bytes_per_s=1e9)
+    prof = _profile([link, slow_intra])
+    for p in pts:
+        assert collective_time_s(prof, collective, GroupPlacement(4, 2), p.bytes) == pytest.approx(p.time_s, rel=1e-9)
+    row = next(r for r in link_fit_report(prof) if r["level"] == "inter_node")
+    assert row["worst_rel_err"] < 1e-9
+    # the same entry without its placement: the intra-node bound applies and binds (slower)
+    unknown = [link.model_copy(update={"ranks_per_node": None}), slow_intra]
+    big = pts[-1]
+    assert collective_time_s(_profile(unknown), collective, GroupPlacement(4, 2), big.bytes) > 1.2 * big.time_s
+    # another group size priced from this entry (8 ranks, 2 per node): the general rule, bound included
+    at8 = collective_time_s(_profile([link, slow_intra], nodes=4), collective, GroupPlacement(8, 2), big.bytes)
+    assert at8 == pytest.approx(collective_time_s(_profile(unknown, nodes=4), collective, GroupPlacement(8, 2),
+                                                  big.bytes), rel=1e-12)
+
+
+def test_oversubscribed_hosts_and_small_message_trials():
+    assert oversubscribed(4, 2) and oversubscribed(3, 2) and oversubscribed(2, 0)
+    assert not oversubscribed(2, 2) and not oversubscribed(8, 96)
+    assert trials_for(4096, 5) == 15 and trials_for(256 << 10, 5) == 15
+    assert trials_for((256 << 10) + 4, 5) == 5 and trials_for(16 << 20, 7) == 7
 
 
 def test_busbw_conventions():

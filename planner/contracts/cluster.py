@@ -82,6 +82,10 @@ class LinkProfile(Contract):
     cache). Entries without bounds cover every size, as before. The planner prices a message with
     the segment that covers it, else the nearest one. The profiler stores all of the link's points
     on each segment (each segment's fit used those in its range; ``fit_r2`` is over those).
+
+    ``ranks_per_node`` says how the measured group sat (the profiler records it): an ``inter_node``
+    entry with ``group_size`` n and ``ranks_per_node`` g is the measured time of exactly such a group,
+    its on-node legs included, and prices it as measured (:func:`planner.cost.comm.collective_time_s`).
     """
 
     level: LinkLevel
@@ -95,6 +99,10 @@ class LinkProfile(Contract):
     min_bytes: int | None = Field(None, ge=0,
                                   description="smallest message this segment covers (inclusive); None = any")
     max_bytes: int | None = Field(None, gt=0, description="message size this segment stops at (exclusive); None = any")
+    ranks_per_node: int | None = Field(
+        None, ge=1, description="members of the measured group on each node; None = not recorded. An inter_node "
+        "entry measured at exactly a group's size and placement already holds its on-node legs, so the planner "
+        "does not bound it by the intra_node link again")
 
     @model_validator(mode="after")
     def _range(self) -> LinkProfile:

@@ -146,6 +146,10 @@ def collective_time_s(
     g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``. All-to-all
     has no such sharing: each rank pushes its own ``(n - g)/n`` of the buffer through its own NIC,
     ``t = alpha + max(bytes·(n-g)/n / nic, bytes·(g-1)/n / nvlink)``.
+
+    An inter-node entry measured at exactly this group's size and placement (``group_size`` n,
+    ``ranks_per_node`` g) already holds the on-node legs, so it is not bounded by the intra-node
+    link a second time: ``g · busbw`` (ring) and ``bytes·(n-g)/n / nic`` (all-to-all) alone.
     """
     n = group.size
     if n <= 1 or nbytes <= 0:
@@ -158,17 +162,18 @@ def collective_time_s(
         link = find_link(profile, LinkLevel.intra_node, collective, n, nbytes)
         return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
     net = find_link(profile, LinkLevel.inter_node, collective, n, nbytes)
+    as_measured = net.group_size == n and net.ranks_per_node == group.per_node
     if collective is Collective.all_to_all:
         # every rank sends (n - g)/n of its buffer through its own NIC and (g - 1)/n over NVLink
         g = group.per_node
         off_node = nbytes * (n - g) / n / net.busbw_bytes_per_s
         on_node = 0.0
-        if g > 1:
+        if g > 1 and not as_measured:
             intra = find_link(profile, LinkLevel.intra_node, collective, g, nbytes)
             on_node = nbytes * (g - 1) / n / intra.busbw_bytes_per_s
         return net.alpha_s + max(off_node, on_node)
     busbw = net.busbw_bytes_per_s * group.per_node
-    if group.per_node > 1:
+    if group.per_node > 1 and not as_measured:
         intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node, nbytes)
         busbw = min(busbw, intra.busbw_bytes_per_s)
     return net.alpha_s + factor * nbytes / busbw
