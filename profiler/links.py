@@ -798,9 +798,20 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     return out, notes
 
 
+COPY_MIN_TRIAL_S = 2e-4  # a copy trial repeats the copy for at least this long
+
+
 def _time_copy(fn: Callable[[], None], device, trials: int, reps: int) -> float:
+    """Fastest of ``trials`` trials, each ``reps`` copies or more: enough that a trial lasts
+    :data:`COPY_MIN_TRIAL_S` (a 4 KiB copy in RAM takes well under a microsecond, so a few of them
+    would time the clock and the call overhead, not the copy)."""
     fn()
     _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = time.perf_counter() - t0
+    reps = max(reps, min(100_000, math.ceil(COPY_MIN_TRIAL_S / max(one, 1e-8))))
     ts = []
     for _ in range(trials):
         t0 = time.perf_counter()
