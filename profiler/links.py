@@ -418,9 +418,11 @@ class GroupSpec:
 
 @dataclass
 class LinkPlan:
-    """What :func:`measure_links` times. ``one_group_at_a_time``: the disjoint groups of a spec are
-    timed one after the other instead of side by side (:func:`oversubscribed`: when a host runs more
-    ranks than it has cores, side-by-side groups time the OS scheduler, not the link)."""
+    """What :func:`measure_links` times. ``one_group_at_a_time``: the disjoint groups of a spec that
+    share a host are timed one after the other instead of side by side (:func:`oversubscribed`: when
+    a host runs more ranks than it has cores, side-by-side groups time the OS scheduler, not the
+    link); groups on different hosts still run side by side (:func:`host_waves`). ``hosts``: each
+    rank's host name (None: all on one host)."""
 
     specs: list[GroupSpec]
     sizes: list[int]
@@ -428,6 +430,25 @@ class LinkPlan:
     warmup: int = 1
     notes: list[str] = field(default_factory=list)
     one_group_at_a_time: bool = False
+    hosts: list[str] | None = None
+
+
+def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[list[int]]]:
+    """The groups split into waves in which no two groups share a host, in order (first fit): the
+    groups of one wave are timed side by side, the waves one after the other. Intra-node pairs of
+    different machines share a wave; groups spanning every machine, or every group when all ranks
+    sit on one host (``hosts`` None, or emulated nodes), get a wave each."""
+    waves: list[tuple[set[str], list[list[int]]]] = []
+    for group in groups:
+        used = {hosts[r] for r in group} if hosts is not None else {""}
+        for taken, members in waves:
+            if not taken & used:
+                taken |= used
+                members.append(group)
+                break
+        else:
+            waves.append((set(used), [group]))
+    return [members for _, members in waves]
 
 
 def oversubscribed(local_ranks: int, cores: int) -> bool:
@@ -634,21 +655,23 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 mine, my_group = ranks, g
         handles.append((spec, my_group, mine))
     # a job: one collective of one spec, all of its groups side by side or (one_group_at_a_time) one
-    # of them while the other ranks wait; a link's times are the max over its jobs (its slowest group)
+    # wave of them (no two on a host) while the other ranks wait; a link's times are the max over its
+    # jobs (its slowest group)
     jobs: list[tuple[GroupSpec, object, list[int] | None, Collective]] = []
     link_of_job: list[int] = []
-    waits: list[bool] = []  # a job some ranks sit out (one group at a time)
+    leaders: list[list[int]] = []  # a job some ranks sit out: the first rank of each group that runs
     for s_i, (spec, group, mine) in enumerate(handles):
+        waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
         for c_i, c in enumerate(spec.collectives):
-            for ranks in (spec.ranks if plan.one_group_at_a_time else [None]):
-                on = mine is not None and (ranks is None or rank in ranks)
+            for wave in waves:
+                on = mine is not None and mine in wave
                 jobs.append((spec, group if on else None, mine if on else None, c))
                 link_of_job.append(s_i * len(COLLECTIVES) + c_i)
-                waits.append(ranks is not None and len(spec.ranks) > 1)
+                leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
     # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
     # messages would reach the busy ranks before they post a receive, and gloo's receive thread
     # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks
-    store = _store() if any(waits) else None
+    store = _store() if any(leaders) else None
     global _CALLS
     _CALLS += 1
     total = len(jobs) * len(plan.sizes)
@@ -686,12 +709,12 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         if ops:
             best.update(_interleaved_fastest(ops, group, device))
         ops.clear()
-        if waits[job] and store is not None:
-            key = f"autopar/links/{_CALLS}/{job}/{round_}"
+        if leaders[job] and store is not None:
+            key = f"autopar/links/{_CALLS}/{job}/{round_}/"
             if mine is None:
-                store.wait([key])
+                store.wait([key + str(lead) for lead in leaders[job]])
             elif rank == mine[0]:
-                store.set(key, "done")
+                store.set(key + str(rank), "done")
         p2p = collective is Collective.p2p
         return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
 
@@ -712,8 +735,9 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     for spec, collective, times, extra in merged.values():
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        side = ("one at a time (more ranks than cores on a host: side by side they would time the scheduler)"
-                if plan.one_group_at_a_time and len(spec.ranks) > 1 else "concurrently")
+        waves = len(host_waves(spec.ranks, plan.hosts)) if plan.one_group_at_a_time else 1
+        side = (f"one at a time on each host, in {waves} wave(s) (more ranks than cores on a host: side by side "
+                "they would time the scheduler)" if waves > 1 else "concurrently")
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) {side}, {plan.trials} trials "
                   f"({trials_for(1, plan.trials)} up to {_human(SMALL_TRIALS_MAX_BYTES)}; interleaved rounds up to "
                   f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "

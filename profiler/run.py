@@ -229,11 +229,11 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             one_at_a_time = bool(flag.item())
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
-                            one_group_at_a_time=one_at_a_time)
+                            one_group_at_a_time=one_at_a_time, hosts=hostnames)
             if one_at_a_time:
                 c.notes.append("links: a host runs more ranks than it has cores, so the disjoint groups of each "
-                               "level were timed one at a time, not side by side (side by side, each rank's "
-                               "polling receive thread holds a core and the ranks wait for time slices)")
+                               "level that share a host were timed one at a time, not side by side (side by side, "
+                               "each rank's polling receive thread holds a core and the ranks wait for time slices)")
             links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
             phase = "compute (rank 0 measures, the others wait)"
             compute = None

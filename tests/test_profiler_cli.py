@@ -156,3 +156,37 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path):
     assert wall < 150  # the 20 s collective timeout fires; a hang would run into the 240 s limit
     assert re.search(r"rank\s*:\s*2 \(local_rank: 2\)", text), text[-3000:]
     assert not (tmp_path / "p.json").exists()
+
+
+WAVES_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from planner.contracts import Collective, LinkLevel
+from profiler.links import GroupSpec, LinkPlan, measure_links
+
+dist.init_process_group("gloo")
+hosts = ["a"] * 4 + ["b"] * 4  # two machines of 4 ranks: pairs sharing a machine take turns
+spec = GroupSpec(LinkLevel.intra_node, 2, 2, [[0, 1], [2, 3], [4, 5], [6, 7]], "pairs",
+                 collectives=(Collective.all_reduce,))
+plan = LinkPlan([spec], [4096, 65536], trials=2, warmup=1, one_group_at_a_time=True, hosts=hosts)
+links = measure_links(plan, torch.device("cpu"))
+if dist.get_rank() == 0:
+    print(json.dumps([{"source": x.source, "times": [p.time_s for p in x.points]} for x in links]))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_groups_on_different_hosts_share_a_wave(tmp_path):
+    """8 ranks on two (named) machines, one group at a time per machine: the pairs [0,1] and [4,5]
+    run in one wave, [2,3] and [6,7] in the next, the idle ranks waiting on the store for both
+    leaders; the run ends (no rank waits for a key nobody sets) and every pair was timed."""
+    script = tmp_path / "waves.py"
+    script.write_text(WAVES_SCRIPT)
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "8", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out) >= 1 and "4 group(s) one at a time on each host, in 2 wave(s)" in out[0]["source"]
+    assert all(t > 0 for t in out[0]["times"])

@@ -10,8 +10,8 @@ from planner.contracts import ClusterProfile, Collective, LinkLevel
 from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.links import (
-    busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, link_fit_report, message_sizes,
-    minimax_rel_err, oversubscribed, plan_groups, remeasure_candidates, remeasured_fastest, trials_for,
+    busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, host_waves, link_fit_report,
+    message_sizes, minimax_rel_err, oversubscribed, plan_groups, remeasure_candidates, remeasured_fastest, trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -174,6 +174,22 @@ def test_measured_placement_is_priced_as_measured_even_with_a_slower_intra_link(
     at8 = collective_time_s(_profile([link, slow_intra], nodes=4), collective, GroupPlacement(8, 2), big.bytes)
     assert at8 == pytest.approx(collective_time_s(_profile(unknown, nodes=4), collective, GroupPlacement(8, 2),
                                                   big.bytes), rel=1e-12)
+
+
+def test_host_waves_time_groups_sharing_a_host_one_at_a_time():
+    """Only groups that share a host need to take turns: pairs on different machines still run side
+    by side, groups spanning every machine (or every group on one machine) get a wave each."""
+    pairs = [[0, 1], [2, 3]]
+    across = [[0, 2], [1, 3]]
+    two_hosts = ["a", "a", "b", "b"]
+    assert host_waves(pairs, two_hosts) == [pairs]
+    assert host_waves(across, two_hosts) == [[[0, 2]], [[1, 3]]]
+    one_host = ["a"] * 4  # emulated nodes on one machine
+    assert host_waves(pairs, one_host) == [[[0, 1]], [[2, 3]]] and host_waves(pairs, None) == [[[0, 1]], [[2, 3]]]
+    # 4 hosts x 2 ranks: the intra pairs all side by side; pairs across two hosts two at a time
+    eight = ["h0", "h0", "h1", "h1", "h2", "h2", "h3", "h3"]
+    assert host_waves([[0, 1], [2, 3], [4, 5], [6, 7]], eight) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    assert host_waves([[0, 2], [1, 3], [4, 6], [5, 7]], eight) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
 
 
 def test_oversubscribed_hosts_and_small_message_trials():
