@@ -10,7 +10,9 @@ shapes fresh with the same timing, and prints predicted vs measured. The noise f
 measured again) is printed too, so a miss can be told apart from a noisy machine.
 Then runs ``autopar profile --quick`` under torchrun (4 gloo ranks) and prints its wall time (target
 60 s) and, for every measured collective and level, the planner's α-β prediction against the
-measured points: R² and worst relative error (target 20%).
+measured points: R² and worst relative error (target 20%). A second quick profile then shows how far
+the link points themselves move from run to run (printed, not judged), so a fit miss can be told
+apart from a point that moved.
 Exit status 1 when any figure misses its target.
 
 Use ``--threads 1`` on a small CPU machine: with 2 threads on 2 vCPUs the same GEMM moves by ~15-20%
@@ -206,6 +208,35 @@ def link_accuracy(profile: ClusterProfile) -> list[dict]:
     return link_fit_report(profile, print_table=True)
 
 
+def link_noise(first: ClusterProfile, again: ClusterProfile) -> None:
+    """Run-to-run noise of the link points (diagnostic, not judged): each measured point of the
+    first profile against the same link and size in a second profile measured right after it."""
+    from planner.contracts.cluster import link_key, link_points
+
+    def points(p: ClusterProfile) -> dict:
+        groups: dict = {}
+        for x in p.links:
+            groups.setdefault(link_key(x), []).append(x)
+        return {k: {pt.bytes: pt.time_s for pt in link_points(v)} for k, v in groups.items()}
+
+    a, b = points(first), points(again)
+    print("\nrun-to-run noise of the link points (a second quick profile, same sizes; not judged):")
+    print(f"{'level':<12}{'collective':<16}{'n':>3}{'median':>9}{'max':>8}  at")
+    every: list[float] = []
+    for key, pts in a.items():
+        other = b.get(key, {})
+        diffs = [(abs(other[s] - t) / t, s) for s, t in pts.items() if s in other]
+        if not diffs:
+            continue
+        every += [d for d, _ in diffs]
+        worst = max(diffs)
+        print(f"{key[0].value:<12}{key[1].value:<16}{key[2] or '-':>3}{statistics.median(d for d, _ in diffs) * 100:>8.1f}%"
+              f"{worst[0] * 100:>7.1f}%  {worst[1]} B")
+    if every:
+        print(f"all points: median {statistics.median(every) * 100:.1f}%, max {max(every) * 100:.1f}%, "
+              f"{sum(d > LINK_TARGET for d in every)} of {len(every)} moved by more than {LINK_TARGET:.0%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the quick profiling grid (about a minute)")
@@ -219,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--skip-links", action="store_true", help="compute tables only")
     ap.add_argument("--skip-compute", action="store_true", help="links and the quick-profile wall time only")
+    ap.add_argument("--link-noise", type=int, default=1, choices=(0, 1),
+                    help="1: run a second quick profile and print how far its link points moved (not judged)")
     args = ap.parse_args(argv)
     if args.precisions is None:
         args.precisions = "bf16" if args.quick else "fp32,bf16"
@@ -255,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"autopar profile --quick, {args.ranks} gloo ranks", f"{wall:.1f} s wall",
                          f"<= {QUICK_WALL_TARGET_S:.0f} s", wall <= QUICK_WALL_TARGET_S))
         links = link_accuracy(profile)
+        if args.link_noise and not args.profile:
+            again, _ = quick_profile_run(args)
+            link_noise(profile, again)
         for r in links:
             segs = f", {r['segments']} seg" if r.get("segments", 1) > 1 else ""
             rows.append((f"link {r['level']} {r['collective']} n={r['group_size'] or '-'} (R2 {r['r2']:.3f}{segs})",
