@@ -19,9 +19,11 @@ are timed side by side, as training runs them, except on a host with more ranks 
 (:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
 posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
 (a 4 KiB ping-pong: 50-60 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
-each group is timed alone while the others wait on the rendezvous store (not in a collective,
-whose messages would set the busy ranks' receive threads polling), and the link keeps its slowest
-group. The profile's sources say which.
+groups that sit on the same host take turns (:func:`host_waves`; groups on other hosts, and groups
+spanning hosts, which share the hosts' network links in training, still run side by side) while
+the others wait on the rendezvous store (not in a collective, whose messages would set the busy
+ranks' receive threads polling), and the link keeps its slowest group. The profile's sources say
+which.
 
 **Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
 time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
@@ -63,6 +65,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
 from planner.contracts.cluster import TimedPoint, link_key, link_points
@@ -436,8 +439,12 @@ class LinkPlan:
 def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[list[int]]]:
     """The groups split into waves in which no two groups share a host, in order (first fit): the
     groups of one wave are timed side by side, the waves one after the other. Intra-node pairs of
-    different machines share a wave; groups spanning every machine, or every group when all ranks
-    sit on one host (``hosts`` None, or emulated nodes), get a wave each."""
+    different machines share a wave; every group gets a wave of its own when all ranks sit on one
+    host (``hosts`` None, or emulated nodes). Groups that span several hosts stay side by side in
+    one wave: in training they share each host's network link, and timed alone each would have it
+    to itself (its bandwidth overstated by up to the ranks per host)."""
+    if hosts is not None and any(len({hosts[r] for r in group}) > 1 for group in groups):
+        return [groups]
     waves: list[tuple[set[str], list[list[int]]]] = []
     for group in groups:
         used = {hosts[r] for r in group} if hosts is not None else {""}
@@ -670,7 +677,8 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
     # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
     # messages would reach the busy ranks before they post a receive, and gloo's receive thread
-    # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks
+    # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks.
+    # Without a store, all ranks meet in a barrier after each wave (the waves still take turns).
     store = _store() if any(leaders) else None
     global _CALLS
     _CALLS += 1
@@ -711,15 +719,17 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         ops.clear()
         if leaders[job] and store is not None:
             key = f"autopar/links/{_CALLS}/{job}/{round_}/"
-            if mine is None:
-                store.wait([key + str(lead) for lead in leaders[job]])
+            if mine is None:  # a wave lasts far longer than one collective: not the collective timeout
+                store.wait([key + str(lead) for lead in leaders[job]], STORE_WAIT)
             elif rank == mine[0]:
                 store.set(key + str(rank), "done")
+        elif leaders[job]:  # no store to wait on: everyone meets in a barrier after each wave
+            dist.barrier()
         p2p = collective is Collective.p2p
         return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
 
     def slowest_rank(job: int, local: list[float]) -> list[float]:
-        t = torch.tensor(local, dtype=torch.float64)
+        t = torch.tensor(local, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank of any group at this level
         return t.tolist()
 
@@ -749,10 +759,11 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
 
 
 _CALLS = 0  # measure_links calls in this process (every rank makes the same ones): store keys stay fresh
+STORE_WAIT = timedelta(hours=1)  # a rank that dies ends the run sooner: torchrun stops the others
 
 
 def _store():  # noqa: ANN202
-    """The process group's rendezvous store, or None (then idle ranks wait in the collective)."""
+    """The process group's rendezvous store, or None (then all ranks meet in a barrier per wave)."""
     try:
         from torch.distributed import distributed_c10d
 
@@ -828,13 +839,16 @@ COPY_MIN_TRIAL_S = 2e-4  # a copy trial repeats the copy for at least this long
 def _time_copy(fn: Callable[[], None], device, trials: int, reps: int) -> float:
     """Fastest of ``trials`` trials, each ``reps`` copies or more: enough that a trial lasts
     :data:`COPY_MIN_TRIAL_S` (a 4 KiB copy in RAM takes well under a microsecond, so a few of them
-    would time the clock and the call overhead, not the copy)."""
+    would time the clock's resolution and the timer calls, not the copy). The count comes from the
+    fastest of 3 single copies, so one preempted copy does not shorten every trial."""
     fn()
     _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = time.perf_counter() - t0
+    one = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        one = min(one, time.perf_counter() - t0)
     reps = max(reps, min(100_000, math.ceil(COPY_MIN_TRIAL_S / max(one, 1e-8))))
     ts = []
     for _ in range(trials):

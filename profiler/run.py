@@ -68,7 +68,6 @@ class Checked:
     sizes: list[int]
     threads: int
     notes: list[str] = field(default_factory=list)
-    oversubscribed: bool = False  # this host runs more ranks than it has cores (links.oversubscribed)
 
 
 def dist_env() -> Dist:
@@ -161,9 +160,25 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     threads = opts.threads if opts.threads else max(1, cores // max(1, d.local_world))
     if threads < 1:
         raise AutoparError("--threads", threads, "give a positive thread count", problem="is not positive")
-    host_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes,
-                   oversubscribed(d.local_world, host_cores))
+    return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)
+
+
+def _cores() -> list[int]:
+    """The CPUs this process may run on (all of the host's when it is not pinned)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def any_host_oversubscribed(ranks: list[tuple[str, list[int]]]) -> bool:
+    """Whether some host runs more ranks than the CPUs its ranks may use together (the union of
+    their affinities: ranks pinned to cores of their own do not count as sharing). ``ranks``: each
+    rank's (host name, CPUs). CPU quotas of a container are not seen."""
+    hosts: dict[str, tuple[int, set[int]]] = {}
+    for host, cpus in ranks:
+        n, union = hosts.get(host, (0, set()))
+        hosts[host] = (n + 1, union | set(cpus))
+    return any(oversubscribed(n, len(union)) for n, union in hosts.values())
 
 
 def _die_hook(rank: int):
@@ -208,8 +223,9 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
     t_start = time.perf_counter()
     try:
         phase = "identity (gather hostnames)"
-        hostnames: list = [None] * d.world
-        dist.all_gather_object(hostnames, identity.hostname())
+        gathered: list = [None] * d.world
+        dist.all_gather_object(gathered, (identity.hostname(), _cores()))
+        hostnames = [h for h, _ in gathered]
         if c.emulated:  # one name per emulated node: the hosts of its first rank
             node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
         else:
@@ -223,10 +239,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 return lambda label, done, total: progress(f"{stage}: {label}", done, total)
 
             phase = "links"
-            # every rank must build the same jobs: one group at a time if any host is oversubscribed
-            flag = torch.tensor([int(c.oversubscribed)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            one_at_a_time = bool(flag.item())
+            # every rank holds the same gathered (host, cores) and so builds the same jobs
+            one_at_a_time = any_host_oversubscribed(gathered)
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
                             one_group_at_a_time=one_at_a_time, hosts=hostnames)

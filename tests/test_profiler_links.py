@@ -170,6 +170,10 @@ def test_measured_placement_is_priced_as_measured_even_with_a_slower_intra_link(
     unknown = [link.model_copy(update={"ranks_per_node": None}), slow_intra]
     big = pts[-1]
     assert collective_time_s(_profile(unknown), collective, GroupPlacement(4, 2), big.bytes) > 1.2 * big.time_s
+    # another collective priced from this entry (a profile without it falls back to it): bound included
+    other = next(c for c in (Collective.all_gather, Collective.all_reduce) if c is not collective)
+    assert collective_time_s(_profile([link, slow_intra]), other, GroupPlacement(4, 2), big.bytes) == pytest.approx(
+        collective_time_s(_profile(unknown), other, GroupPlacement(4, 2), big.bytes), rel=1e-12)
     # another group size priced from this entry (8 ranks, 2 per node): the general rule, bound included
     at8 = collective_time_s(_profile([link, slow_intra], nodes=4), collective, GroupPlacement(8, 2), big.bytes)
     assert at8 == pytest.approx(collective_time_s(_profile(unknown, nodes=4), collective, GroupPlacement(8, 2),
@@ -177,19 +181,29 @@ def test_measured_placement_is_priced_as_measured_even_with_a_slower_intra_link(
 
 
 def test_host_waves_time_groups_sharing_a_host_one_at_a_time():
-    """Only groups that share a host need to take turns: pairs on different machines still run side
-    by side, groups spanning every machine (or every group on one machine) get a wave each."""
+    """Only groups that share a host take turns: pairs on different machines still run side by side;
+    groups spanning machines stay side by side too (in training they share each machine's network
+    link); on one machine (or emulated nodes) every group gets a wave of its own."""
     pairs = [[0, 1], [2, 3]]
     across = [[0, 2], [1, 3]]
     two_hosts = ["a", "a", "b", "b"]
     assert host_waves(pairs, two_hosts) == [pairs]
-    assert host_waves(across, two_hosts) == [[[0, 2]], [[1, 3]]]
+    assert host_waves(across, two_hosts) == [across]
     one_host = ["a"] * 4  # emulated nodes on one machine
     assert host_waves(pairs, one_host) == [[[0, 1]], [[2, 3]]] and host_waves(pairs, None) == [[[0, 1]], [[2, 3]]]
-    # 4 hosts x 2 ranks: the intra pairs all side by side; pairs across two hosts two at a time
-    eight = ["h0", "h0", "h1", "h1", "h2", "h2", "h3", "h3"]
-    assert host_waves([[0, 1], [2, 3], [4, 5], [6, 7]], eight) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
-    assert host_waves([[0, 2], [1, 3], [4, 6], [5, 7]], eight) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    assert host_waves(across, one_host) == [[[0, 2]], [[1, 3]]]
+    # two machines of 4 ranks: the pairs of a machine take turns, the machines side by side
+    eight = ["a"] * 4 + ["b"] * 4
+    assert host_waves([[0, 1], [2, 3], [4, 5], [6, 7]], eight) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+def test_any_host_oversubscribed_counts_the_cpus_a_hosts_ranks_may_use():
+    from profiler.run import any_host_oversubscribed
+
+    assert any_host_oversubscribed([("a", [0, 1])] * 4)  # 4 ranks sharing 2 CPUs
+    assert not any_host_oversubscribed([("a", [i]) for i in range(4)])  # each rank pinned to a core of its own
+    assert not any_host_oversubscribed([("a", [0, 1]), ("a", [0, 1]), ("b", [0, 1]), ("b", [0, 1])])
+    assert any_host_oversubscribed([("a", list(range(8)))] * 2 + [("b", [0])] * 2)  # one host is enough
 
 
 def test_oversubscribed_hosts_and_small_message_trials():

@@ -162,7 +162,7 @@ def collective_time_s(
         link = find_link(profile, LinkLevel.intra_node, collective, n, nbytes)
         return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
     net = find_link(profile, LinkLevel.inter_node, collective, n, nbytes)
-    as_measured = net.group_size == n and net.ranks_per_node == group.per_node
+    as_measured = net.collective is collective and net.group_size == n and net.ranks_per_node == group.per_node
     if collective is Collective.all_to_all:
         # every rank sends (n - g)/n of its buffer through its own NIC and (g - 1)/n over NVLink
         g = group.per_node
