@@ -35,8 +35,11 @@ def canonical_hash(doc: Any) -> str:
 
 
 def profile_hash(profile: ClusterProfile) -> str:
-    """Hash of what was measured: the profile without its timestamp (re-uploading a file is no new version)."""
-    return canonical_hash(profile.model_dump(mode="json", exclude={"created_at"}))
+    """Hash of what was measured: the profile without its timestamp (re-uploading a file is no new
+    version), and without the fields left at their defaults, so a contract that gains an optional
+    field (``LinkProfile.ranks_per_node``) hashes a file written before it the same as before.
+    Migration 0002 rehashed the rows stored under the older rule."""
+    return canonical_hash(profile.model_dump(mode="json", exclude={"created_at"}, exclude_defaults=True))
 
 
 def _paged(db: Database, q, order, limit: int, offset: int) -> tuple[list, int]:  # noqa: ANN001

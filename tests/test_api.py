@@ -84,6 +84,37 @@ def test_profiles_are_immutable_versioned_and_deduplicated_by_content(client: Te
     assert client.get("/v1/profiles", params={"cluster": "lab-a"}).json()["total"] == 2
 
 
+def test_migration_0002_rehashes_rows_stored_under_the_older_rule(database_url: str) -> None:
+    """A row stored by revision 0001's rule (every field hashed) is found again after the upgrade,
+    so re-uploading that file is no new version."""
+    import json
+
+    from sqlalchemy import text
+
+    from planner.contracts import ClusterProfile
+
+    db = Database(Settings(database_url=database_url).database_url)
+    try:
+        downgrade(db.engine)
+        migrate(db.engine, "0001")
+        prof = ClusterProfile.model_validate(measured(name="lab-legacy"))
+        legacy = store.canonical_hash(prof.model_dump(mode="json", exclude={"created_at"}))
+        assert legacy != store.profile_hash(prof)
+        with db.engine.begin() as conn:
+            cid = conn.execute(text("INSERT INTO clusters (name, created_at) VALUES ('lab-legacy', :t) RETURNING id"),
+                               {"t": prof.created_at}).scalar_one()
+            conn.execute(text(
+                "INSERT INTO profiles (cluster_id, version, content_hash, kind, gpu_name, gpus_per_node, num_nodes, "
+                "measured_at, uploaded_at, body) VALUES (:c, 1, :h, 'measured', 'x', 8, 1, :t, :t, :b)"),
+                {"c": cid, "h": legacy, "t": prof.created_at, "b": json.dumps(prof.model_dump(mode="json"))})
+        migrate(db.engine)
+        row, _cluster, created = store.upload_profile(db, prof)
+        assert not created and row.version == 1 and row.content_hash == store.profile_hash(prof)
+    finally:
+        downgrade(db.engine)
+        db.dispose()
+
+
 def test_concurrent_uploads_give_gapless_versions_and_no_duplicates(client: TestClient) -> None:
     db = client.app.state.db
     from planner.contracts import ClusterProfile
