@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--skip-links", action="store_true", help="compute tables only")
     ap.add_argument("--skip-compute", action="store_true", help="links and the quick-profile wall time only")
-    ap.add_argument("--link-noise", type=int, default=1, choices=(0, 1),
-                    help="1: run a second quick profile and print how far its link points moved (not judged)")
+    ap.add_argument("--link-noise", action=argparse.BooleanOptionalAction, default=True,
+                    help="run a second quick profile and print how far its link points moved (not judged)")
     args = ap.parse_args(argv)
     if args.precisions is None:
         args.precisions = "bf16" if args.quick else "fp32,bf16"

@@ -18,7 +18,7 @@ slowest rank finishes the collective).
 are timed side by side, as training runs them, except on a host with more ranks than cores
 (:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
 posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
-(a 4 KiB ping-pong: 50-60 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
+(a 4 KiB ping-pong: 43-61 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
 groups that sit on the same host take turns (:func:`host_waves`; groups on other hosts, and groups
 spanning hosts, which share the hosts' network links in training, still run side by side) while
 the others wait on the rendezvous store (not in a collective, whose messages would set the busy
@@ -460,10 +460,10 @@ def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[li
 
 def oversubscribed(local_ranks: int, cores: int) -> bool:
     """Whether a host's ranks outnumber its cores. gloo's receive thread polls its sockets while a
-    message it has no buffer posted for is waiting (it burned ~0.55 of the 0.58 ms of CPU per 4 KiB
-    all-reduce on this 2-vCPU VM), so each rank keeps a core busy while it waits; with more ranks
+    message it has no buffer posted for is waiting (568 µs of CPU per 581 µs 2-rank 4 KiB all-reduce
+    on this 2-vCPU VM), so each rank keeps a core busy while it waits; with more ranks
     than cores, a rank whose turn it is waits for a scheduler time slice. Measured here: a 4 KiB
-    ping-pong between two ranks took 50-60 µs with the other pair idle and 0.1-1.7 ms, varying from
+    ping-pong between two ranks took 43-61 µs with the other pair idle and 0.1-1.7 ms, varying from
     trial to trial, with both pairs at it at once (4 ranks, 2 vCPUs)."""
     return local_ranks > max(1, cores)
 
@@ -542,21 +542,16 @@ def _trial(op: Callable[[], None], reps: int, group, device, warm: int = 0) -> f
     seconds per call."""
     import torch.distributed as dist
 
+    from profiler.timing import sync
+
     for _ in range(warm):
         op()
     dist.barrier(group=group)
     t0 = time.perf_counter()
     for _ in range(reps):
         op()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / reps
-
-
-def _sync(device) -> None:
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        torch.cuda.synchronize(device)
 
 
 REMEASURE_ABOVE = 0.10  # a point more than 10% above what its neighbours say gets more trials ...
@@ -650,6 +645,8 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     import torch
     import torch.distributed as dist
 
+    from profiler.timing import sync
+
     rank, world = dist.get_rank(), dist.get_world_size()
     # create every subgroup on every rank, in the same order (new_group is collective)
     handles: list[tuple[GroupSpec, object, list[int] | None]] = []
@@ -665,15 +662,17 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     # wave of them (no two on a host) while the other ranks wait; a link's times are the max over its
     # jobs (its slowest group)
     jobs: list[tuple[GroupSpec, object, list[int] | None, Collective]] = []
-    link_of_job: list[int] = []
+    link_of_job: list[tuple[int, Collective]] = []  # (spec index, collective): the link a job measures
     leaders: list[list[int]] = []  # a job some ranks sit out: the first rank of each group that runs
+    waves_of: list[int] = []  # per spec: how many waves its groups take
     for s_i, (spec, group, mine) in enumerate(handles):
         waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
-        for c_i, c in enumerate(spec.collectives):
+        waves_of.append(len(waves))
+        for c in spec.collectives:
             for wave in waves:
                 on = mine is not None and mine in wave
                 jobs.append((spec, group if on else None, mine if on else None, c))
-                link_of_job.append(s_i * len(COLLECTIVES) + c_i)
+                link_of_job.append((s_i, c))
                 leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
     # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
     # messages would reach the busy ranks before they post a receive, and gloo's receive thread
@@ -706,7 +705,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 warm = plan.warmup * (reps_for(sizes[i]) if i == indices[0] else 1)  # the first also warms the group up
                 for _ in range(warm):
                     op()
-                _sync(device)
+                sync(device)
                 if sizes[i] <= INTERLEAVE_MAX_BYTES:
                     ops[i] = (op, reps_for(sizes[i]), trials_for(sizes[i], plan.trials) if round_ == 0 else plan.trials)
                 else:
@@ -716,7 +715,6 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 done += 1
         if ops:
             best.update(_interleaved_fastest(ops, group, device))
-        ops.clear()
         if leaders[job] and store is not None:
             key = f"autopar/links/{_CALLS}/{job}/{round_}/"
             if mine is None:  # a wave lasts far longer than one collective: not the collective timeout
@@ -734,18 +732,15 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         return t.tolist()
 
     all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
-    merged: dict[int, tuple[GroupSpec, Collective, list[float], list[int]]] = {}
-    for link, (spec, _group, _mine, collective), times, extra in zip(link_of_job, jobs, all_times, all_extra):
-        if link in merged:  # another group of the same link, timed on its own: the slowest group counts
-            _, _, t0, e0 = merged[link]
-            merged[link] = (spec, collective, [max(a, b) for a, b in zip(t0, times)],
-                            [max(a, b) for a, b in zip(e0, extra)])
-        else:
-            merged[link] = (spec, collective, list(times), list(extra))
-    for spec, collective, times, extra in merged.values():
+    # a link's waves, each timed on its own: the slowest group counts (idle ranks reported 0)
+    merged: dict[tuple[int, Collective], tuple[list[float], list[int]]] = {}
+    for link, times, extra in zip(link_of_job, all_times, all_extra):
+        t0, e0 = merged.get(link, (times, extra))
+        merged[link] = ([max(a, b) for a, b in zip(t0, times)], [max(a, b) for a, b in zip(e0, extra)])
+    for (s_i, collective), (times, extra) in merged.items():
+        spec, waves = handles[s_i][0], waves_of[s_i]
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        waves = len(host_waves(spec.ranks, plan.hosts)) if plan.one_group_at_a_time else 1
         side = (f"one at a time on each host, in {waves} wave(s) (more ranks than cores on a host: side by side "
                 "they would time the scheduler)" if waves > 1 else "concurrently")
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) {side}, {plan.trials} trials "
@@ -783,10 +778,15 @@ def _human(nbytes: int) -> str:
 # ------------------------------------------------------------------------------------ host/device
 
 
+COPY_MIN_TRIAL_S = 2e-4  # a copy trial repeats the copy for at least this long (profiler.timing sizes it)
+
+
 def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list[LinkProfile], list[str]]:
     """Host↔device copy bandwidth (pinned; pageable noted). On CPU there is no device: the host
     memory copy bandwidth stands in (a "device" that *is* host memory), said in the source."""
     import torch
+
+    from profiler.timing import time_fn
 
     notes: list[str] = []
     is_cuda = getattr(device, "type", str(device)) == "cuda"
@@ -807,8 +807,10 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
                 dev = torch.empty(numel)
             dst, src = (dev, host) if to_device else (host, dev)
             src.fill_(1.0)
-            out_t.append(_time_copy(lambda dst=dst, src=src: dst.copy_(src, non_blocking=is_cuda), device, trials,
-                                    reps_for(sizes[i])))
+            # a 4 KiB copy in RAM takes well under a microsecond: repeated until a trial lasts
+            # COPY_MIN_TRIAL_S, so the trial times the copy, not the clock; the fastest trial
+            out_t.append(time_fn(lambda dst=dst, src=src: dst.copy_(src, non_blocking=is_cuda), device=device,
+                                 warmup=1, trials=trials, min_time_s=COPY_MIN_TRIAL_S).min_s)
         return out_t
 
     all_times, all_extra = remeasured_fastest(len(directions), sizes, time_sizes)
@@ -818,7 +820,8 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
             host = torch.empty(max(1, sizes[-1] // 4))  # pageable, largest size only (what offload without pinning gets)
             dev = torch.empty_like(host, device=device)
             dst, src = (dev, host) if to_device else (host, dev)
-            pageable[collective.value] = sizes[-1] / _time_copy(lambda: dst.copy_(src), device, trials, 1)
+            pageable[collective.value] = sizes[-1] / time_fn(lambda: dst.copy_(src), device=device, warmup=1,
+                                                             trials=trials, min_time_s=COPY_MIN_TRIAL_S).min_s
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
                     "the host link so optimizer-offload plans can still be priced")
@@ -832,29 +835,3 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
                      "entries are RAM-to-RAM copies (pinned vs pageable does not apply) standing in for it")
     return out, notes
 
-
-COPY_MIN_TRIAL_S = 2e-4  # a copy trial repeats the copy for at least this long
-
-
-def _time_copy(fn: Callable[[], None], device, trials: int, reps: int) -> float:
-    """Fastest of ``trials`` trials, each ``reps`` copies or more: enough that a trial lasts
-    :data:`COPY_MIN_TRIAL_S` (a 4 KiB copy in RAM takes well under a microsecond, so a few of them
-    would time the clock's resolution and the timer calls, not the copy). The count comes from the
-    fastest of 3 single copies, so one preempted copy does not shorten every trial."""
-    fn()
-    _sync(device)
-    one = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        one = min(one, time.perf_counter() - t0)
-    reps = max(reps, min(100_000, math.ceil(COPY_MIN_TRIAL_S / max(one, 1e-8))))
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync(device)
-        ts.append((time.perf_counter() - t0) / reps)
-    return min(ts)

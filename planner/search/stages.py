@@ -31,6 +31,7 @@ from planner.contracts import (
     Collective,
     LinkLevel,
     ModelSpec,
+    MoESpec,
     ParallelLayout,
     Precision,
     Recompute,
@@ -1016,7 +1017,6 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
                         training.moe_load_imbalance)
         base = cache[base_key] = {kind: (kinds.count(kind), *_block_floor_base(model, profile, kinds.index(kind), mb))
                                   for kind in sorted(set(kinds))}
-    gpn, a = profile.gpus_per_node, profile.assumptions
     h, elt = model.hidden_size, training.precision.bytes
     tokens = batch * (training.seq_length // cp)
     tp_key = ("work-floor-tp", tp, sp, tokens, tp_overlap)  # shared by every ep
@@ -1027,28 +1027,38 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     for count, fixed, moe in base.values():
         per = fixed + tp_s
         if moe is not None:
-            # the routed experts' GEMMs and (with EP) the dispatch/combine all-to-all, as block_cost
-            # (the GEMMs shared by sp on and off, the all-to-all by every micro-batch of these tokens)
-            moe_key = ("work-floor-moe", tp, sp, tokens, ep, ep_overlap)
-            moe_s = cache.get(moe_key)
-            if moe_s is None:
-                gemm_key = ("work-floor-experts", tp, tokens, ep)
-                gemms = cache.get(gemm_key)
-                if gemms is None:
-                    local_experts = max(moe.num_experts // ep, 1)
-                    per_expert = max(int(routed_token_count(moe, tokens, training.moe_load_imbalance) / local_experts), 1)
-                    gemms = cache[gemm_key] = sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp,
-                                                             training.precision, local_experts))
-                a2a_s = 0.0
-                if ep > 1:
-                    size = routed_token_count(moe, tokens, training.moe_load_imbalance) * h * elt / (tp if sp else 1)
-                    a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, gpn), size)
-                    a2a_s = 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
-                moe_s = cache[moe_key] = (gemms, a2a_s)
-            per += moe_s[0]
-            per += moe_s[1]  # 0.0 without EP: adds nothing
+            gemms, a2a_s = _moe_floor_s(model, training, profile, moe, tp, sp, tokens, ep, ep_overlap, cache)
+            per += gemms
+            per += a2a_s
         total += count * per
     cache[key] = total * (1 - 1e-9)
+    return cache[key]
+
+
+def _moe_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, moe: MoESpec, tp: int,
+                 sp: bool, tokens: int, ep: int, ep_overlap: bool, cache: dict) -> tuple[float, float]:
+    """(routed experts' GEMMs, exposed dispatch/combine all-to-all: 0 without EP) of an MoE block,
+    forward + backward, as ``block_cost`` computes them, for :func:`work_floor_s`. Memoised in
+    ``cache``: the GEMMs per (tp, tokens, ep), shared by sp on and off."""
+    key = ("work-floor-moe", tp, sp, tokens, ep, ep_overlap)
+    got = cache.get(key)
+    if got is not None:
+        return got
+    routed = routed_token_count(moe, tokens, training.moe_load_imbalance)
+    gemm_key = ("work-floor-experts", tp, tokens, ep)
+    gemms = cache.get(gemm_key)
+    if gemms is None:
+        local_experts = max(moe.num_experts // ep, 1)
+        per_expert = max(int(routed / local_experts), 1)
+        gemms = cache[gemm_key] = sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp,
+                                                 training.precision, local_experts))
+    a2a_s = 0.0
+    if ep > 1:
+        a = profile.assumptions
+        size = routed * model.hidden_size * training.precision.bytes / (tp if sp else 1)
+        a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, profile.gpus_per_node), size)
+        a2a_s = 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
+    cache[key] = (gemms, a2a_s)
     return cache[key]
 
 
