@@ -41,6 +41,29 @@ def _meminfo(key: str) -> int:
     return 0
 
 
+def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size of this host's largest CPU cache (the last level, as the kernel reports it under
+    ``base``/index*/size, e.g. ``480M``); 0 where it cannot be read (not Linux, no sysfs)."""
+    best = 0
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

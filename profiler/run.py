@@ -259,8 +259,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 if c.precisions:
                     grid.precisions = c.precisions
                 compute = measure_compute(device, grid, progress=report("compute"))
-                # every 2x and to 64 MiB at least: copies are cheap, and the step where copies leave the
-                # cache (a few MiB on a CPU) needs 3 points past it for a segment of its own
+                # every 2x and to 64 MiB at least: copies are cheap, and a fit wants the bulk rate
+                # (offloaded optimizer states are far larger than any message) under many points
                 host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
                 host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
                 grid_notes = list(grid.notes)

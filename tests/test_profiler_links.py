@@ -9,9 +9,11 @@ import pytest
 from planner.contracts import ClusterProfile, Collective, LinkLevel
 from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
+from profiler.identity import last_level_cache_bytes
 from profiler.links import (
-    busbw_from_slope, fit_alpha_beta, fit_link, fit_link_segments, fit_segments, host_waves, link_fit_report,
-    message_sizes, minimax_rel_err, oversubscribed, plan_groups, remeasure_candidates, remeasured_fastest, trials_for,
+    ColdCopies, busbw_from_slope, cold_arena_bytes, fit_alpha_beta, fit_link, fit_link_segments, fit_segments,
+    host_waves, link_fit_report, measure_host_device, message_sizes, minimax_rel_err, oversubscribed, plan_groups,
+    remeasure_candidates, remeasured_fastest, trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -346,3 +348,54 @@ def test_link_chart_draws_segments_as_one_series():
     assert svg.count("<title>all_gather (n=2) fit</title>") == 1
     assert "<title>all_reduce (n=2) fit</title>" not in svg
 
+
+
+def test_cold_arena_is_twice_the_cache_within_memory():
+    mib = 1024 * 1024
+    # twice the cache when that is larger than 4 copies of the largest size
+    assert cold_arena_bytes(64 * mib, 480 * mib, 24 * 1024 * mib) == 960 * mib
+    # 4 copies of the largest size when the cache is small; an unknown cache counts as 256 MiB
+    assert cold_arena_bytes(256 * mib, 32 * mib, 64 * 1024 * mib) == 1024 * mib
+    assert cold_arena_bytes(4 * mib, 0, 64 * 1024 * mib) == 512 * mib
+    # capped at 1/8 of the available memory, but always 2 copies of the largest size
+    assert cold_arena_bytes(64 * mib, 480 * mib, 2048 * mib) == 256 * mib
+    assert cold_arena_bytes(64 * mib, 480 * mib, 256 * mib) == 128 * mib
+    # a whole number of pages
+    assert cold_arena_bytes(5000, 10_000, 1 << 40) % 4096 == 0
+
+
+def test_cold_copies_take_fresh_page_aligned_slices_and_wrap():
+    cold = ColdCopies(64 * 1024)  # 16 pages of 1024 floats
+    assert cold.slot(10) == 0
+    assert cold.slot(1024) == 1024  # the next page, not element 10
+    assert cold.slot(2048) == 2048
+    starts = [cold.slot(4096) for _ in range(3)]
+    assert starts == [4096, 8192, 12288]
+    assert cold.slot(4096) == 0  # 16384 + 4096 would overrun: back to the start
+    with pytest.raises(ValueError, match="does not fit"):
+        cold.slot(cold.numel + 1)
+    # a copy moves data from one arena to the other, slice by slice
+    fwd = cold.copy_fn(4096, forward=True)
+    fwd()
+    copied = cold.b[cold.offset - 1024:cold.offset]
+    assert bool((copied == 1.0).all())
+    assert float(cold.b.sum()) == 1024.0  # only that slice
+
+
+def test_last_level_cache_read_from_sysfs(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert last_level_cache_bytes(str(tmp_path)) == 480 * 1024 * 1024
+    assert last_level_cache_bytes(str(tmp_path / "missing")) == 0
+
+
+def test_cpu_host_copies_say_they_stream_dram():
+    import torch
+
+    links, notes = measure_host_device(torch.device("cpu"), [4096, 65536, 1 << 20], trials=1)
+    assert {link.collective for link in links} == {Collective.host_to_device, Collective.device_to_host}
+    for link in links:
+        assert "arenas" in link.source and len(link.points) == 3
+        assert all(p.time_s > 0 for p in link.points)
