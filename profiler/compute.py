@@ -338,14 +338,27 @@ def _attention_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision is Precision.fp8 else DTYPES[precision]
 
 
+def kv_heads_to_run(heads: int, kv_heads: int, dtype: torch.dtype, device_type: str) -> tuple[int, bool]:
+    """(K/V heads to allocate, ``enable_gqa``) for SDPA with ``kv_heads`` K/V heads.
+
+    On CUDA the only fused kernel for fp32 is the memory-efficient one (flash and cuDNN take 16-bit
+    only), and it does not take grouped K/V: with ``enable_gqa`` SDPA would fall back to the math
+    kernel, which holds the whole score matrix (32 GiB for 32 heads at 16k tokens, and the graph keeps
+    its softmax). So fp32 GQA on CUDA runs on K/V expanded to the query heads, as a model without a
+    grouped kernel does (repeat_kv): the same FLOPs, on the kernel such a model gets."""
+    if kv_heads != heads and device_type == "cuda" and dtype == torch.float32:
+        return heads, False
+    return kv_heads, kv_heads != heads
+
+
 def _attention_fns(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
                    device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
     """(causal SDPA forward without autograd, its backward alone: autograd.grad on a retained graph)."""
     dtype = _attention_dtype(precision)
+    kv_run, gqa = kv_heads_to_run(heads, kv_heads, dtype, device.type)
     q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    gqa = kv_heads != heads
+    k = torch.randn(batch, kv_run, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, kv_run, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
 
     def forward() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -376,6 +389,14 @@ def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precisio
     def make(i: int) -> list[Callable[[], object]]:
         (b, s, h, kv, d), p = jobs[i]
         return list(_attention_fns(b, s, h, kv, d, p, device))
+
+    expanded = sorted({(h, kv) for (_, _, h, kv, _), p in jobs
+                       if kv_heads_to_run(h, kv, _attention_dtype(p), device.type)[0] != kv})
+    if expanded:
+        layouts = ", ".join(f"{h}/{kv} heads" for h, kv in expanded)
+        grid.notes.append(f"attention fp32 with grouped K/V on CUDA ({layouts}): timed with K/V expanded to the "
+                          "query heads on the memory-efficient kernel, which takes no grouped K/V (SDPA's math "
+                          "fallback would hold the whole score matrix)")
 
     sizes = [8 * b * s * max(h, kv) * d * _attention_dtype(p).itemsize for (b, s, h, kv, d), p in jobs]
     return [AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d, causal=True,
@@ -521,6 +542,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 __all__ = [
     "ComputeGrid",
     "default_grid",
+    "kv_heads_to_run",
     "linear_gemms",
     "linear_shapes",
     "measure_attention",

@@ -126,6 +126,11 @@ def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[D
         notes.append(f"{props.name}: peak_tflops are the best measured GEMM rates (no datasheet lookup)")
         if Precision.bf16 not in peaks and Precision.fp16 not in peaks:
             peaks[Precision.bf16] = max(peaks.values(), default=1.0)
+            notes.append("no bf16/fp16 GEMM measured: peak_tflops['bf16'] is the best measured rate "
+                         "(measure bf16 too for a true 16-bit peak)")
+        if not bw:
+            notes.append("no residual add measured (no 16/32-bit precision): hbm_bandwidth_bytes_per_s is a "
+                         "1 TB/s placeholder, not a measurement")
         spec = DeviceSpec(name=props.name, memory_bytes=int(props.total_memory), peak_tflops=peaks,
                           hbm_bandwidth_bytes_per_s=bw or 1e12, sm_count=props.multi_processor_count)
         return spec, notes

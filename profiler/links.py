@@ -434,6 +434,7 @@ class LinkPlan:
     notes: list[str] = field(default_factory=list)
     one_group_at_a_time: bool = False
     hosts: list[str] | None = None
+    timeout: timedelta | None = None  # of the sub-groups' collectives (None: torch's default for the backend)
 
 
 def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[list[int]]]:
@@ -654,7 +655,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         mine = None
         my_group = None
         for ranks in spec.ranks:
-            g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            g = dist.new_group(ranks, timeout=plan.timeout) if len(ranks) < world else dist.group.WORLD
             if rank in ranks:
                 mine, my_group = ranks, g
         handles.append((spec, my_group, mine))
@@ -890,8 +891,10 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     for (collective, to_device), times, extra in zip(directions, all_times, all_extra):
         points = [TimedPoint(bytes=max(1, b // 4) * 4, time_s=max(t, 1e-9)) for b, t in zip(sizes, times)]
         if is_cuda:
-            host = torch.empty(max(1, sizes[-1] // 4))  # pageable, largest size only (what offload without pinning gets)
-            dev = torch.empty_like(host, device=device)
+            # pageable, largest size only (what offload without pinning gets); written, so the copy
+            # reads real pages rather than the kernel's shared zero page
+            host = torch.ones(max(1, sizes[-1] // 4))
+            dev = torch.ones_like(host, device=device)
             dst, src = (dev, host) if to_device else (host, dev)
             pageable[collective.value] = sizes[-1] / time_fn(lambda: dst.copy_(src), device=device, warmup=1,
                                                              trials=trials, min_time_s=COPY_MIN_TRIAL_S).min_s

@@ -103,6 +103,10 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
         raise AutoparError("--nproc-per-node", d.local_world,
                            f"start at most {torch.cuda.device_count()} ranks per node (one per GPU)",
                            problem=f"is more ranks than the {torch.cuda.device_count()} GPUs on this node")
+    if device_type == "cuda":
+        # before anything touches CUDA (the fp8 probe of --precisions): else every rank opens a
+        # context on GPU 0, which holds memory there all run and fails on exclusive-process GPUs
+        torch.cuda.set_device(d.local_rank)
     rpn = opts.ranks_per_node if opts.ranks_per_node is not None else d.local_world
     if rpn < 1 or d.world % rpn:
         divisors = [k for k in range(1, d.world + 1) if d.world % k == 0]
@@ -126,7 +130,8 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
             raise AutoparError("--tp-degrees", opts.tp_degrees,
                                f"use degrees dividing {model.name}'s {model.num_attention_heads} attention heads",
                                problem="does not divide the attention heads")
-    precisions = parse_precisions(opts.precisions, torch.device(device_type)) if opts.precisions else None
+    here = torch.device("cuda", d.local_rank) if device_type == "cuda" else torch.device("cpu")
+    precisions = parse_precisions(opts.precisions, here) if opts.precisions else None
     min_b = opts.min_bytes if opts.min_bytes is not None else DEFAULT_MIN_BYTES
     max_b = opts.max_bytes if opts.max_bytes is not None else (QUICK_MAX_BYTES if opts.quick else DEFAULT_MAX_BYTES)
     if min_b < 4:
@@ -219,6 +224,11 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # waits for rank 0's compute go over a gloo group of their own, also when the collectives are
+    # NCCL: an NCCL barrier runs under the group's timeout, and the watchdog aborts the waiting ranks
+    # when rank 0's compute takes longer (minutes with --model); a gloo monitored barrier takes its
+    # own timeout and names the ranks that did not arrive (one code path, tested on CPU)
+    wait_group = dist.new_group(backend="gloo", timeout=timeout)
     phase = "start"
     t_start = time.perf_counter()
     try:
@@ -243,7 +253,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             one_at_a_time = any_host_oversubscribed(gathered)
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
-                            one_group_at_a_time=one_at_a_time, hosts=hostnames)
+                            one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout)
             if one_at_a_time:
                 c.notes.append("links: a host runs more ranks than it has cores, so the disjoint groups of each "
                                "level that share a host were timed one at a time, not side by side (side by side, "
@@ -266,7 +276,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 grid_notes = list(grid.notes)
             # the others wait here; rank 0's compute can take minutes, so wait with a monitored
             # barrier of its own (generous) timeout on gloo rather than the collective timeout
-            _wait_for_rank0(dist, backend, max(opts.timeout_s, 3600.0))
+            _wait_for_rank0(dist, wait_group, max(opts.timeout_s, 3600.0))
         if d.rank != 0:
             dist.destroy_process_group()
             return None
@@ -302,12 +312,10 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         raise RankFailure(d.rank, d.world, phase, msg) from exc
 
 
-def _wait_for_rank0(dist, backend: str, timeout_s: float) -> None:  # noqa: ANN001
-    if backend == "gloo":
-        # wait_all_ranks: rank 0 reports every rank that did not arrive (died or hung), by number
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    else:
-        dist.barrier()
+def _wait_for_rank0(dist, group, timeout_s: float) -> None:  # noqa: ANN001
+    """Wait up to ``timeout_s`` for every rank of ``group`` (a gloo group). wait_all_ranks: rank 0
+    reports every rank that did not arrive (died or hung), by number."""
+    dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 class RankFailure(RuntimeError):

@@ -16,8 +16,10 @@ from planner.reference import reference_profile
 from profiler.compute import (
     ComputeGrid,
     default_grid,
+    kv_heads_to_run,
     linear_gemms,
     linear_shapes,
+    measure_attentions,
     measure_compute,
     parse_precisions,
     supported_precisions,
@@ -207,3 +209,20 @@ def test_rounds_are_batched_within_the_memory_budget():
     assert _batches([5, 5, 5, 5], budget=10) == [range(0, 2), range(2, 4)]
     assert _batches([30, 1, 1], budget=10) == [range(0, 1), range(1, 3)]  # one item over budget still runs alone
     assert _batches([], budget=10) == []
+
+
+def test_fp32_grouped_attention_on_cuda_runs_on_expanded_kv():
+    # CUDA's only fused fp32 kernel (memory-efficient) takes no grouped K/V: expand them there
+    assert kv_heads_to_run(32, 8, torch.float32, "cuda") == (32, False)
+    # 16-bit on CUDA (flash takes grouped K/V), any CPU run, and plain multi-head stay as they are
+    assert kv_heads_to_run(32, 8, torch.bfloat16, "cuda") == (8, True)
+    assert kv_heads_to_run(32, 8, torch.float32, "cpu") == (8, True)
+    assert kv_heads_to_run(8, 8, torch.float32, "cuda") == (8, False)
+
+
+def test_grouped_attention_on_cpu_keeps_grouped_kv_and_adds_no_note():
+    grid = default_grid(quick=True)
+    grid.warmup, grid.trials, grid.min_time_s = 0, 1, 0.0
+    point = measure_attentions([((1, 64, 8, 2, 16), Precision.fp32)], torch.device("cpu"), grid)[0]
+    assert point.num_kv_heads == 2 and point.forward_time_s > 0 and point.backward_time_s > 0
+    assert not any("expanded" in n for n in grid.notes)
