@@ -224,14 +224,17 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    # waits for rank 0's compute go over a gloo group of their own, also when the collectives are
-    # NCCL: an NCCL barrier runs under the group's timeout, and the watchdog aborts the waiting ranks
-    # when rank 0's compute takes longer (minutes with --model); a gloo monitored barrier takes its
-    # own timeout and names the ranks that did not arrive (one code path, tested on CPU)
-    wait_group = dist.new_group(backend="gloo", timeout=timeout)
     phase = "start"
     t_start = time.perf_counter()
     try:
+        # waits for rank 0's compute go over a gloo group of their own, also when the collectives
+        # are NCCL: an NCCL barrier runs under the group's timeout, and the watchdog aborts the
+        # waiting ranks when rank 0's compute takes longer (minutes with --model); a gloo monitored
+        # barrier takes its own timeout and names the ranks that did not arrive (one code path,
+        # tested on CPU). On NCCL clusters gloo needs its own TCP connections between the nodes.
+        phase = ("gloo group for the waits (on a GPU cluster, set GLOO_SOCKET_IFNAME to the network interface "
+                 "if the host name resolves to a loopback address)")
+        wait_group = dist.new_group(backend="gloo", timeout=timeout)
         phase = "identity (gather hostnames)"
         gathered: list = [None] * d.world
         dist.all_gather_object(gathered, (identity.hostname(), _cores()))

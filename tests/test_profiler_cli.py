@@ -105,6 +105,38 @@ def test_link_fit_report_on_measured_profile(quick_run):
 
 
 @pytest.mark.slow
+def test_benchmark_judges_every_link_in_every_run(quick_run, monkeypatch, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import argparse
+
+    import profile_accuracy
+
+    p: ClusterProfile = quick_run["profile"]
+    # run 2 lacks the intra-node p2p link; run 3 has one point of the 4-rank all-reduce 3x slower
+    no_p2p = p.model_copy(update={"links": [x for x in p.links if not (
+        x.level is LinkLevel.intra_node and x.collective is Collective.p2p)]})
+    spoiled = p.model_copy(deep=True)
+    for x in spoiled.links:
+        if x.level is LinkLevel.inter_node and x.collective is Collective.all_reduce and x.group_size == 4:
+            x.points[len(x.points) // 2].time_s *= 3
+    runs = iter([p, no_p2p, spoiled])
+    monkeypatch.setattr(profile_accuracy, "quick_profile_run", lambda args: (next(runs), 41.0))
+    rows = profile_accuracy.link_runs(argparse.Namespace(profile=None, link_runs=3, ranks=4))
+    by_name = {name.split(" (R2")[0]: (value, ok) for name, value, _, ok in rows}
+    assert by_name["link intra_node p2p n=2"][1] is False and "/3 runs" in by_name["link intra_node p2p n=2"][0]
+    assert by_name["link inter_node all_reduce n=4"][1] is False
+    first_ok = {r["level"] + r["collective"] + str(r["group_size"]) for r in link_fit_report(p)
+                if r["worst_rel_err"] <= 0.2}
+    # links the first run fitted and the later runs did not touch pass in all three runs
+    if "intra_nodeall_reduce2" in first_ok:
+        assert by_name["link intra_node all_reduce n=2"] == (by_name["link intra_node all_reduce n=2"][0], True)
+    full = by_name["links: runs with every link within 20%"]
+    assert full[1] is False and full[0].endswith("of 3") and not full[0].startswith(("2", "3"))
+    assert rows[0][1] == "41.0-41.0 s wall (3 runs)"
+    assert "quick profile 2 against 1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_upload_stores_the_same_profile(quick_run):
     assert len(quick_run["stored"]) == 1
     stored = ClusterProfile.model_validate(quick_run["stored"][0]["profile"])

@@ -357,9 +357,11 @@ def test_cold_arena_is_twice_the_cache_within_memory():
     # 4 copies of the largest size when the cache is small; an unknown cache counts as 256 MiB
     assert cold_arena_bytes(256 * mib, 32 * mib, 64 * 1024 * mib) == 1024 * mib
     assert cold_arena_bytes(4 * mib, 0, 64 * 1024 * mib) == 512 * mib
-    # capped at 1/8 of the available memory, but always 2 copies of the largest size
+    # capped at 1/8 of the available memory, but never below the largest copy (the two arenas then
+    # take no more than the copy's own source and destination)
     assert cold_arena_bytes(64 * mib, 480 * mib, 2048 * mib) == 256 * mib
-    assert cold_arena_bytes(64 * mib, 480 * mib, 256 * mib) == 128 * mib
+    assert cold_arena_bytes(64 * mib, 480 * mib, 256 * mib) == 64 * mib
+    assert cold_arena_bytes(2048 * mib, 480 * mib, 6 * 1024 * mib) == 2048 * mib
     # a whole number of pages
     assert cold_arena_bytes(5000, 10_000, 1 << 40) % 4096 == 0
 
@@ -391,11 +393,15 @@ def test_last_level_cache_read_from_sysfs(tmp_path):
     assert last_level_cache_bytes(str(tmp_path / "missing")) == 0
 
 
-def test_cpu_host_copies_say_they_stream_dram():
+def test_cpu_host_copies_stream_arenas_sized_by_the_cache(monkeypatch):
     import torch
 
+    import profiler.identity
+
+    # a 1 MiB cache: 4 MiB arenas (4 copies of the largest size), not 2x a server's L3 in a unit test
+    monkeypatch.setattr(profiler.identity, "last_level_cache_bytes", lambda: 1 << 20)
     links, notes = measure_host_device(torch.device("cpu"), [4096, 65536, 1 << 20], trials=1)
     assert {link.collective for link in links} == {Collective.host_to_device, Collective.device_to_host}
     for link in links:
-        assert "arenas" in link.source and len(link.points) == 3
-        assert all(p.time_s > 0 for p in link.points)
+        assert "two 4 MiB arenas (4.0x the 1 MiB last-level cache)" in link.source
+        assert len(link.points) == 3 and all(p.time_s > 0 for p in link.points)
