@@ -57,11 +57,14 @@ def _run_calls(fn: Callable[[], object], calls: int) -> None:
 def _time_calls(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Seconds for ``calls`` back-to-back calls of ``fn`` (device-side time on CUDA)."""
     if device.type == "cuda":
+        # on the stream the calls' kernels go to: the current stream of the tensors' device (which
+        # need not be the current device)
+        stream = torch.cuda.current_stream(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         _run_calls(fn, calls)
-        end.record()
+        end.record(stream)
         end.synchronize()
         return start.elapsed_time(end) / 1e3
     sync(device)
