@@ -795,9 +795,11 @@ def cold_arena_bytes(max_copy_bytes: int, cache_bytes: int, available_bytes: int
     2 buffers the memory check of ``autopar profile`` allows for). A multiple of 4 KiB."""
     want = max(COLD_CACHE_MULTIPLE * (cache_bytes or COLD_FALLBACK_CACHE_BYTES), 4 * max_copy_bytes)
     size = min(want, COLD_ARENA_MAX_BYTES, max(available_bytes, 0) // COLD_ARENA_MEMORY_SHARE)
-    size = max(size, max_copy_bytes)
-    page = 4 * PAGE_ELEMENTS
-    return -(-size // page) * page
+    return _round_up(max(size, max_copy_bytes), 4 * PAGE_ELEMENTS)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class ColdCopies:
@@ -829,7 +831,7 @@ class ColdCopies:
         if numel > self.numel:
             raise ValueError(f"a copy of {numel * 4} B does not fit the {self.numel * 4} B arena")
         off = self.offset if self.offset + numel <= self.numel else 0
-        self.offset = off + -(-numel // PAGE_ELEMENTS) * PAGE_ELEMENTS
+        self.offset = off + _round_up(numel, PAGE_ELEMENTS)
         return off
 
     def copy_fn(self, nbytes: int, forward: bool) -> Callable[[], None]:

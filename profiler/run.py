@@ -277,8 +277,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
                 host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
                 grid_notes = list(grid.notes)
-            # the others wait here; rank 0's compute can take minutes, so wait with a monitored
-            # barrier of its own (generous) timeout on gloo rather than the collective timeout
+            # the others wait here for rank 0's compute, on wait_group (see above), at least an hour
             _wait_for_rank0(dist, wait_group, max(opts.timeout_s, 3600.0))
         if d.rank != 0:
             dist.destroy_process_group()
