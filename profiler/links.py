@@ -19,11 +19,13 @@ are timed side by side, as training runs them, except on a host with more ranks 
 (:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
 posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
 (a 4 KiB ping-pong: 43-61 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
-groups that sit on the same host take turns (:func:`host_waves`; groups on other hosts, and groups
-spanning hosts, which share the hosts' network links in training, still run side by side) while
-the others wait on the rendezvous store (not in a collective, whose messages would set the busy
-ranks' receive threads polling), and the link keeps its slowest group. The profile's sources say
-which.
+only one group per host is timed, the first wave of :func:`host_waves` (groups on other hosts, and
+groups spanning hosts, which share the hosts' network links in training, still run side by side),
+while the others wait on the rendezvous store (not in a collective, whose messages would set the
+busy ranks' receive threads polling). The groups left out share the timed group's host and, its
+ranks outnumbering the cores, the same cores: timing them in turn repeated the measurement (and
+took a third of a quick profile's link time on a 2-vCPU VM), and the link kept the slower of two
+noisy repeats. The profile's sources say which groups were timed.
 
 **Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
 time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
@@ -421,10 +423,11 @@ class GroupSpec:
 
 @dataclass
 class LinkPlan:
-    """What :func:`measure_links` times. ``one_group_at_a_time``: the disjoint groups of a spec that
-    share a host are timed one after the other instead of side by side (:func:`oversubscribed`: when
-    a host runs more ranks than it has cores, side-by-side groups time the OS scheduler, not the
-    link); groups on different hosts still run side by side (:func:`host_waves`). ``hosts``: each
+    """What :func:`measure_links` times. ``one_group_at_a_time``: of the disjoint groups of a spec
+    that share a host, only one is timed, with the other ranks of that host idle, instead of all
+    side by side (:func:`oversubscribed`: when a host runs more ranks than it has cores, side-by-side
+    groups time the OS scheduler, not the link, and the groups all run on the same cores); groups on
+    different hosts still run side by side (the first wave of :func:`host_waves`). ``hosts``: each
     rank's host name (None: all on one host)."""
 
     specs: list[GroupSpec]
@@ -659,26 +662,24 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
             if rank in ranks:
                 mine, my_group = ranks, g
         handles.append((spec, my_group, mine))
-    # a job: one collective of one spec, all of its groups side by side or (one_group_at_a_time) one
-    # wave of them (no two on a host) while the other ranks wait; a link's times are the max over its
-    # jobs (its slowest group)
+    # a job: one collective of one spec, all of its groups side by side or (one_group_at_a_time) the
+    # first wave of them (one per host) while the other ranks wait; a link's times are the max over
+    # the groups timed (its slowest group)
     jobs: list[tuple[GroupSpec, object, list[int] | None, Collective]] = []
-    link_of_job: list[tuple[int, Collective]] = []  # (spec index, collective): the link a job measures
     leaders: list[list[int]] = []  # a job some ranks sit out: the first rank of each group that runs
-    waves_of: list[int] = []  # per spec: how many waves its groups take
-    for s_i, (spec, group, mine) in enumerate(handles):
+    timed: list[int] = []  # per job: how many of its spec's groups are timed
+    for spec, group, mine in handles:
         waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
-        waves_of.append(len(waves))
+        wave = waves[0]  # the groups of later waves share these groups' hosts (first fit)
+        on = mine is not None and mine in wave
         for c in spec.collectives:
-            for wave in waves:
-                on = mine is not None and mine in wave
-                jobs.append((spec, group if on else None, mine if on else None, c))
-                link_of_job.append((s_i, c))
-                leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
+            jobs.append((spec, group if on else None, mine if on else None, c))
+            leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
+            timed.append(len(wave))
     # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
     # messages would reach the busy ranks before they post a receive, and gloo's receive thread
     # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks.
-    # Without a store, all ranks meet in a barrier after each wave (the waves still take turns).
+    # Without a store, all ranks meet in a barrier after each job instead.
     store = _store() if any(leaders) else None
     global _CALLS
     _CALLS += 1
@@ -722,7 +723,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                 store.wait([key + str(lead) for lead in leaders[job]], STORE_WAIT)
             elif rank == mine[0]:
                 store.set(key + str(rank), "done")
-        elif leaders[job]:  # no store to wait on: everyone meets in a barrier after each wave
+        elif leaders[job]:  # no store to wait on: everyone meets in a barrier after each job
             dist.barrier()
         p2p = collective is Collective.p2p
         return [best[i] / 2.0 if p2p else best[i] for i in indices]  # ping-pong: a trial is two messages
@@ -732,19 +733,15 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # slowest rank of any group at this level
         return t.tolist()
 
+    # the slowest rank of the groups timed (idle ranks reported 0)
     all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
-    # a link's waves, each timed on its own: the slowest group counts (idle ranks reported 0)
-    merged: dict[tuple[int, Collective], tuple[list[float], list[int]]] = {}
-    for link, times, extra in zip(link_of_job, all_times, all_extra):
-        t0, e0 = merged.get(link, (times, extra))
-        merged[link] = ([max(a, b) for a, b in zip(t0, times)], [max(a, b) for a, b in zip(e0, extra)])
-    for (s_i, collective), (times, extra) in merged.items():
-        spec, waves = handles[s_i][0], waves_of[s_i]
+    for (spec, _, _, collective), times, extra, n_timed in zip(jobs, all_times, all_extra, timed):
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
-        side = (f"one at a time on each host, in {waves} wave(s) (more ranks than cores on a host: side by side "
-                "they would time the scheduler)" if waves > 1 else "concurrently")
-        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s) {side}, {plan.trials} trials "
+        side = (f"{n_timed} timed, one per host, the others' ranks idle (more ranks than cores on a host: side by "
+                "side they would time the scheduler, and in turn they repeat the timed group's measurement on "
+                "the same cores)" if n_timed < len(spec.ranks) else "timed side by side")
+        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s), {side}, {plan.trials} trials "
                   f"({trials_for(1, plan.trials)} up to {_human(SMALL_TRIALS_MAX_BYTES)}; interleaved rounds up to "
                   f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "
                   + _remeasure_note(extra, plan.trials))
@@ -759,7 +756,7 @@ STORE_WAIT = timedelta(hours=1)  # a rank that dies ends the run sooner: torchru
 
 
 def _store():  # noqa: ANN202
-    """The process group's rendezvous store, or None (then all ranks meet in a barrier per wave)."""
+    """The process group's rendezvous store, or None (then all ranks meet in a barrier after each job)."""
     try:
         from torch.distributed import distributed_c10d
 

@@ -258,9 +258,10 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
                             one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout)
             if one_at_a_time:
-                c.notes.append("links: a host runs more ranks than it has cores, so the disjoint groups of each "
-                               "level that share a host were timed one at a time, not side by side (side by side, "
-                               "each rank's polling receive thread holds a core and the ranks wait for time slices)")
+                c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
+                               "each level that share a host only one was timed, the host's other ranks idle (side "
+                               "by side, each rank's polling receive thread holds a core and the ranks wait for "
+                               "time slices; the groups left out run on the same cores)")
             links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
             phase = "compute (rank 0 measures, the others wait)"
             compute = None

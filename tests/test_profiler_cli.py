@@ -79,12 +79,14 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
     for link in p.links:
         if link.level is LinkLevel.inter_node:
             assert link.ranks_per_node == (1 if link.group_size == 2 else 2), link
-    # 4 ranks on this host: with fewer cores than that, each level's groups were timed one at a time
+    # 4 ranks on this host: with fewer cores than that, one group of each level was timed (they all
+    # share this host's cores), else both side by side
     cores = len(os.sched_getaffinity(0))
-    one_at_a_time = [s for s in p.sources if "timed one at a time" in s]
-    assert bool(one_at_a_time) == (cores < 4), (cores, p.sources)
+    one_per_host = [s for s in p.sources if "only one was timed" in s]
+    assert bool(one_per_host) == (cores < 4), (cores, p.sources)
     intra = next(x for x in p.links if x.level is LinkLevel.intra_node and x.collective is Collective.all_reduce)
-    assert ("2 group(s) one at a time" in intra.source) == (cores < 4), intra.source
+    assert ("2 group(s), 1 timed, one per host" in intra.source) == (cores < 4), intra.source
+    assert ("2 group(s), timed side by side" in intra.source) == (cores >= 4), intra.source
 
 
 @pytest.mark.slow
@@ -204,7 +206,7 @@ spec = GroupSpec(LinkLevel.intra_node, 2, 2, [[0, 1], [2, 3], [4, 5], [6, 7]], "
 plan = LinkPlan([spec], [4096, 65536], trials=2, warmup=1, one_group_at_a_time=True, hosts=hosts)
 links = measure_links(plan, torch.device("cpu"))
 import profiler.links as L
-L._store = lambda: None  # no rendezvous store: the ranks meet in a barrier after each wave instead
+L._store = lambda: None  # no rendezvous store: the ranks meet in a barrier after each job instead
 again = measure_links(plan, torch.device("cpu"))
 if dist.get_rank() == 0:
     print(json.dumps([{"source": x.source, "times": [p.time_s for p in x.points]} for x in [*links, *again]]))
@@ -213,10 +215,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_groups_on_different_hosts_share_a_wave(tmp_path):
-    """8 ranks on two (named) machines, one group at a time per machine: the pairs [0,1] and [4,5]
-    run in one wave, [2,3] and [6,7] in the next, the idle ranks waiting on the store for both
-    leaders; the run ends (no rank waits for a key nobody sets) and every pair was timed."""
+def test_one_group_per_host_is_timed_side_by_side(tmp_path):
+    """8 ranks on two (named) machines, one group per machine: the pairs [0,1] and [4,5] run side
+    by side, [2,3] and [6,7] idle, waiting on the store for both leaders (and, without a store, in a
+    barrier); the run ends (no rank waits for a key nobody sets) and every point was timed."""
     script = tmp_path / "waves.py"
     script.write_text(WAVES_SCRIPT)
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "8", str(script)]
@@ -225,5 +227,5 @@ def test_groups_on_different_hosts_share_a_wave(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(out) >= 2
     for link in out:  # with the store and without it
-        assert "4 group(s) one at a time on each host, in 2 wave(s)" in link["source"]
+        assert "4 group(s), 2 timed, one per host" in link["source"]
         assert all(t > 0 for t in link["times"])
