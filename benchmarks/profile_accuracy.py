@@ -129,7 +129,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     precisions = parse_precisions(args.precisions, device)
     grid = default_grid(quick=args.quick, device_type=device.type)
     grid = replace(grid, precisions=precisions, elementwise_bytes=[], warmup=2, trials=args.trials,
-                   min_time_s=args.min_time_s, max_gemm_flops=None, max_attention_flops=None)
+                   min_time_s=args.min_time_s, max_call_s=None, max_table_s=None)
     print(f"grid: {len(grid.gemm)} GEMM shapes x {len(precisions)} precisions, {len(grid.attention)} attention "
           f"configs; {grid.trials} trials of >= {grid.min_time_s * 1e3:.0f} ms each, in rounds over the shapes; median")
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ bytes are least ambiguous: read two tensors, write one), so caches do not inflat
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from planner.contracts import ModelSpec, Precision
 from planner.contracts.cluster import AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
 from planner.errors import AutoparError
-from profiler.timing import TimingResult, sync, time_fn, time_rounds
+from profiler.timing import Budget, TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,14 @@ class ComputeGrid:
 
     ``gemm``: (m, n, k) of ``(m×k)·(k×n)``; ``attention``: (batch, seq, heads, kv_heads, head_dim),
     causal; ``elementwise_bytes``: size in bytes of the activation each elementwise op reads.
-    GEMMs above ``max_gemm_flops`` (a CPU time budget) are skipped at measure time and left to the
-    planner's interpolation; likewise attention above ``max_attention_flops``.
+
+    A time budget (CPU grids): in each precision the GEMMs, and the attention configs, are measured
+    in order of FLOPs, and the walk stops at the first whose call takes longer than ``max_call_s``
+    or whose timing would take the table's time past ``max_table_s`` (:class:`profiler.timing.Budget`):
+    it and the larger ones are not measured, and the planner prices them at the rate of the nearest
+    measured shapes; the profile's notes say where each table stopped. A budget in seconds, not in
+    FLOPs, because precisions run at very different rates on one CPU: bf16 GEMMs ran 100x slower
+    than fp32 on a 2-vCPU AMD EPYC VM without native bf16 (0.9 GFLOP/s at 1024³).
     """
 
     gemm: list[tuple[int, int, int]]
@@ -53,8 +60,8 @@ class ComputeGrid:
     warmup: int = 2
     trials: int = 5
     min_time_s: float = 0.0
-    max_gemm_flops: float | None = None
-    max_attention_flops: float | None = None
+    max_call_s: float | None = None
+    max_table_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -200,10 +207,11 @@ def default_grid(
     precisions = _default_precisions(device_type)
     if cpu:
         timing = dict(warmup=1, trials=3, min_time_s=0.003) if quick else dict(warmup=2, trials=5, min_time_s=0.02)
-        caps = dict(max_gemm_flops=4e9 if quick else 1e11, max_attention_flops=2e9 if quick else 5e10)
+        # per table (one kind of operation in one precision): a quick profile has about a minute in all
+        caps = dict(max_call_s=0.1, max_table_s=4.0) if quick else dict(max_call_s=2.0, max_table_s=120.0)
     else:
         timing = dict(warmup=3, trials=5, min_time_s=0.002) if quick else dict(warmup=5, trials=7, min_time_s=0.005)
-        caps = dict(max_gemm_flops=None, max_attention_flops=None)
+        caps = dict(max_call_s=None, max_table_s=None)
 
     if model is not None:
         tps = tp_degrees or [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0]
@@ -298,31 +306,49 @@ def _element_bytes(precision: Precision) -> int:
 
 def _timed_in_rounds(sizes: list[int], make_fns: Callable[[int], list[Callable[[], object]] | None],
                      device: torch.device, grid: ComputeGrid,
-                     on_progress: Callable[[int], None] | None) -> list[list[TimingResult] | None]:
+                     on_progress: Callable[[int], None] | None,
+                     budget: Budget | None = None) -> list[list[TimingResult] | None]:
     """Job ``i``'s operations (``make_fns(i)``; None: nothing to run) timed in interleaved rounds
     (:func:`~profiler.timing.time_rounds`), in batches of jobs whose operands (``sizes``, bytes) fit
     :data:`ROUNDS_BUDGET_BYTES` (each batch's tensors are freed before the next is built).
-    ``on_progress(n)``: about ``n`` jobs are done. Returns each job's timings, or None."""
+    ``on_progress(n)``: about ``n`` jobs are done. With a ``budget`` the jobs come in order of cost
+    and the walk stops where it says (``budget.stopped`` names the job). Returns each job's timings,
+    or None (nothing to run, or past the budget)."""
     out: list[list[TimingResult] | None] = []
     for batch in _batches(sizes):
+        if budget is not None and budget.stopped is not None:  # stopped: build nothing more
+            out += [None] * len(batch)
+            continue
         per_job = [make_fns(i) for i in batch]
         flat = [fn for fns in per_job if fns is not None for fn in fns]
+        groups = [i for i, fns in zip(batch, per_job) if fns is not None for _ in fns]
 
         def on_round(r: int, first: int = batch.start, count: int = len(batch)) -> None:
             if on_progress is not None:
                 on_progress(first + count * (r + 1) // grid.trials)
 
         timed = iter(time_rounds(flat, device=device, warmup=grid.warmup, trials=grid.trials,
-                                 min_time_s=grid.min_time_s, on_round=on_round))
-        out += [None if fns is None else [next(timed) for _ in fns] for fns in per_job]
+                                 min_time_s=grid.min_time_s, on_round=on_round, budget=budget, groups=groups))
+        for fns in per_job:
+            results = None if fns is None else [next(timed) for _ in fns]
+            out.append(None if results is None or any(r is None for r in results) else results)
         del per_job, flat
     return out
 
 
+def budget_for(grid: ComputeGrid) -> Budget | None:
+    """A fresh time budget for one table of ``grid`` (None: measure every shape)."""
+    if grid.max_call_s is None and grid.max_table_s is None:
+        return None
+    return Budget(max_call_s=grid.max_call_s, max_total_s=grid.max_table_s)
+
+
 def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: torch.device, grid: ComputeGrid,
-                  on_progress: Callable[[int], None] | None = None) -> list[GemmPoint | None]:
+                  on_progress: Callable[[int], None] | None = None,
+                  budget: Budget | None = None) -> list[GemmPoint | None]:
     """Every GEMM of ``jobs`` ((m, n, k), precision), timed in interleaved rounds
-    (:func:`_timed_in_rounds`); None where a shape cannot run in its precision."""
+    (:func:`_timed_in_rounds`); None where a shape cannot run in its precision or is past the
+    ``budget`` (the jobs then come in order of FLOPs)."""
     def make(i: int) -> list[Callable[[], object]] | None:
         (m, n, k), p = jobs[i]
         fn = _gemm_fn(m, n, k, p, device)
@@ -330,7 +356,7 @@ def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: to
 
     sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k), p in jobs]
     return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12))
-            for t, ((m, n, k), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress), jobs)]
+            for t, ((m, n, k), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
 
 
 def _attention_dtype(precision: Precision) -> torch.dtype:
@@ -377,15 +403,18 @@ def measure_attention(
     device: torch.device, grid: ComputeGrid,
 ) -> AttentionPoint:
     """Causal SDPA forward, and its backward timed on its own (autograd.grad on a retained graph)."""
-    return measure_attentions([((batch, seq, heads, kv_heads, head_dim), precision)], device, grid)[0]
+    point = measure_attentions([((batch, seq, heads, kv_heads, head_dim), precision)], device, grid)[0]
+    assert point is not None  # no budget: always measured
+    return point
 
 
 def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precision]], device: torch.device,
-                       grid: ComputeGrid, on_progress: Callable[[int], None] | None = None) -> list[AttentionPoint]:
+                       grid: ComputeGrid, on_progress: Callable[[int], None] | None = None,
+                       budget: Budget | None = None) -> list[AttentionPoint | None]:
     """Every attention config of ``jobs`` ((batch, seq, heads, kv_heads, head_dim), precision),
     forward and backward, timed in interleaved rounds (:func:`_timed_in_rounds`; a config's tensors
     — inputs, output, its gradient and the graph kept for the backward — taken as about 8
-    query-sized tensors)."""
+    query-sized tensors); None past the ``budget`` (the jobs then come in order of FLOPs)."""
     def make(i: int) -> list[Callable[[], object]]:
         (b, s, h, kv, d), p = jobs[i]
         return list(_attention_fns(b, s, h, kv, d, p, device))
@@ -399,9 +428,11 @@ def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precisio
                           "fallback would hold the whole score matrix)")
 
     sizes = [8 * b * s * max(h, kv) * d * _attention_dtype(p).itemsize for (b, s, h, kv, d), p in jobs]
-    return [AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d, causal=True,
-                           forward_time_s=max(fwd.median_s, 1e-12), backward_time_s=max(bwd.median_s, 1e-12))
-            for (fwd, bwd), ((b, s, h, kv, d), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress), jobs)]
+    timed = _timed_in_rounds(sizes, make, device, grid, on_progress, budget)
+    return [None if t is None else
+            AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d, causal=True,
+                           forward_time_s=max(t[0].median_s, 1e-12), backward_time_s=max(t[1].median_s, 1e-12))
+            for t, ((b, s, h, kv, d), p) in zip(timed, jobs)]
 
 
 def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.device) -> tuple[Callable[[], object], int]:
@@ -460,6 +491,25 @@ def _check_precisions(grid: ComputeGrid, device: torch.device) -> None:
             )
 
 
+def _attention_flops(b: int, s: int, h: int, kv: int, d: int) -> float:
+    """Forward FLOPs of a full (non-causal) attention: the order of attention configs' costs."""
+    return 4.0 * b * s * s * h * d
+
+
+def _note_budget_stop(grid: ComputeGrid, table: str, unit: str, names: list[str], results: list[str | None],
+                      budget: Budget | None) -> None:
+    """Say in ``grid.notes`` where a table's walk stopped (:class:`~profiler.timing.Budget`), if it did.
+    ``names``: the jobs in walk order; ``results``: what each measured one did (None: not measured)."""
+    if budget is None or budget.stopped is None:
+        return
+    at, _, why = budget.stopped
+    last = max((i for i in range(at) if results[i] is not None), default=None)
+    largest = f"; the largest measured, {names[last]}, {results[last]}" if last is not None else ""
+    grid.notes.append(f"{table}: {sum(r is not None for r in results)} of {len(names)} {unit} measured, in order of "
+                      f"FLOPs; the walk stopped at {names[at]} ({why}), so the planner prices it and the "
+                      f"{len(names) - at - 1} larger ones at the rate of the nearest measured ones{largest}")
+
+
 def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress | None = None) -> ComputeProfile:
     """Measure ``grid`` on ``device`` (this process only) and return the tables and achieved peaks.
 
@@ -481,10 +531,8 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 
     profile = ComputeProfile()
     # GEMMs and attention are timed in rounds (every shape one trial per round, grid.trials rounds:
-    # see time_rounds): the progress advances as rounds finish
-    gemm_run = [(shape, p) for shape, p in gemm_jobs
-                if grid.max_gemm_flops is None or 2.0 * shape[0] * shape[1] * shape[2] <= grid.max_gemm_flops]
-    skipped_gemm = len(gemm_jobs) - len(gemm_run)
+    # see time_rounds), each precision's table its own walk in order of FLOPs within the grid's time
+    # budget (ComputeGrid): the progress advances as rounds finish
 
     def advance(section: str, start: int) -> Callable[[int], None]:
         def on_progress(n: int) -> None:
@@ -495,21 +543,35 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         return on_progress
 
     if gemm_jobs:
-        tick(f"GEMMs: {len(gemm_run)} shapes in rounds of {grid.trials} trials")
+        tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
         with torch.no_grad():
-            for point in measure_gemms(gemm_run, device, grid, advance("GEMMs", done)):
-                if point is not None:
-                    profile.gemm.append(point)
-        done = len(gemm_jobs)
-    attn_run, skipped_attn = [], 0
-    for (b, s, h, kv, d), p in attn_jobs:
-        if grid.max_attention_flops is not None and 2.0 * b * s * s * h * d > grid.max_attention_flops:
-            skipped_attn += 1
-        elif p is not Precision.fp8 or ((b, s, h, kv, d), Precision.bf16) not in attn_jobs:
-            attn_run.append(((b, s, h, kv, d), p))
+            for p in grid.precisions:
+                jobs = sorted((j for j in gemm_jobs if j[1] is p), key=lambda j: math.prod(j[0]))
+                budget, start = budget_for(grid), done
+                points = measure_gemms(jobs, device, grid, advance(f"GEMMs {p.value}", start), budget)
+                profile.gemm += [point for point in points if point is not None]
+                _note_budget_stop(grid, f"{p.value} GEMMs", "shapes", [f"{m}x{n}x{k}" for (m, n, k), _ in jobs],
+                                  [None if x is None else f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s"
+                                   for x in points], budget)
+                done = start + len(jobs)
+    done = len(gemm_jobs)
     if attn_jobs:
+        # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
+        attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]
         tick(f"attention: {len(attn_run)} configs in rounds of {grid.trials} trials")
-        measured = dict(zip(attn_run, measure_attentions(attn_run, device, grid, advance("attention", done))))
+        measured: dict = {}
+        for p in grid.precisions:
+            jobs = sorted((j for j in attn_run if j[1] is p), key=lambda j: _attention_flops(*j[0]))
+            if not jobs:
+                continue
+            budget, start = budget_for(grid), done
+            points = measure_attentions(jobs, device, grid, advance(f"attention {p.value}", start), budget)
+            measured.update((j, x) for j, x in zip(jobs, points) if x is not None)
+            _note_budget_stop(grid, f"{p.value} attention", "configs",
+                              [f"b={b} s={s} h={h}/{kv} d={d}" for (b, s, h, kv, d), _ in jobs],
+                              [None if x is None else f"took {x.forward_time_s * 1e3:.3g} ms forward and "
+                               f"{x.backward_time_s * 1e3:.3g} ms backward" for x in points], budget)
+            done = start + len(jobs)
         for (b, s, h, kv, d), p in attn_jobs:
             point = measured.get(((b, s, h, kv, d), p))
             if point is None and p is Precision.fp8 and ((b, s, h, kv, d), Precision.bf16) in measured:
@@ -524,8 +586,6 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
             profile.elementwise.append(measure_elementwise(op, nbytes, p, device, grid))
             done += 1
     tick("compute done")
-    if skipped_gemm or skipped_attn:
-        log.info("skipped %d GEMMs and %d attention configs over the %s time budget", skipped_gemm, skipped_attn, device.type)
 
     rates: dict[Precision, float] = {}
     for g in profile.gemm:

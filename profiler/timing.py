@@ -5,7 +5,8 @@ so the time is the GPU's, not the launch queue's. On CPU each trial is a ``time.
 clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
 clock resolution and per-trial overhead do not dominate; the reported time is per call. The statistic
 is the median over trials (robust to a trial disturbed by another process), with the inter-quartile
-range as the spread. :func:`time_rounds` times many operations with their trials interleaved in rounds.
+range as the spread. :func:`time_rounds` times many operations with their trials interleaved in rounds,
+within a time :class:`Budget` if given.
 """
 
 from __future__ import annotations
@@ -74,21 +75,57 @@ def _time_calls(fn: Callable[[], object], calls: int, device: torch.device) -> f
     return time.perf_counter() - t0
 
 
+@dataclass
+class Budget:
+    """A time budget for a walk over operations in order of cost (:func:`time_rounds`).
+
+    The walk stops at the first operation whose warm-up call takes longer than ``max_call_s``, or
+    whose timing would take the walk's projected time (warm-ups spent plus ``trials`` trials of every
+    operation kept) past ``max_total_s``: that operation and every later one are not timed. One
+    budget may span several :func:`time_rounds` calls (batches of one walk); once stopped, it stays
+    stopped. ``stopped``: (group of the operation it stopped at, seconds of one call of it, why)."""
+
+    max_call_s: float | None = None
+    max_total_s: float | None = None
+    spent_s: float = 0.0  # projected seconds of the operations kept so far
+    stopped: tuple[int, float, str] | None = None
+
+    def admit(self, group: int, single_s: float, projected_s: float) -> bool:
+        """Keep an operation whose call takes ``single_s`` and whose timing costs ``projected_s`` in all?"""
+        if self.stopped is not None:
+            return False
+        if self.max_call_s is not None and single_s > self.max_call_s:
+            self.stopped = (group, single_s, f"one call took {single_s:.3g} s, over the {self.max_call_s:g} s a call "
+                                              "budget")
+            return False
+        if self.max_total_s is not None and self.spent_s + projected_s > self.max_total_s:
+            self.stopped = (group, single_s, f"timing it would take the table past its {self.max_total_s:g} s "
+                                              "budget")
+            return False
+        self.spent_s += projected_s
+        return True
+
+
 def _calls_for(fn: Callable[[], object], device: torch.device, warmup: int, min_time_s: float,
-               max_calls_per_trial: int) -> int:
+               max_calls_per_trial: int, at_least_one: bool = False) -> tuple[int, float, float]:
     """Warm ``fn`` up (caches, allocator, kernel selection, lazy initialisation) and size its inner
-    loop so a trial lasts at least ``min_time_s``."""
-    single = math.inf
-    for _ in range(max(warmup, 2 if min_time_s > 0 else 0)):  # min of 2+: one hiccup must not size the loop
-        single = min(single, _time_calls(fn, 1, device))
+    loop so a trial lasts at least ``min_time_s``. Returns (calls per trial, seconds of one call,
+    seconds spent here); ``at_least_one``: time one warm-up call even when ``warmup`` is 0."""
+    single, spent = math.inf, 0.0
+    # min of 2+: one hiccup must not size the loop
+    for _ in range(max(warmup, 2 if min_time_s > 0 else 0, 1 if at_least_one else 0)):
+        t = _time_calls(fn, 1, device)
+        single, spent = min(single, t), spent + t
     calls = 1
     if min_time_s > 0 and math.isfinite(single):
         calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(single, 1e-9))))
         # one timed calibration trial at that count: the first estimate may include one-off costs
         if calls > 1:
-            per = _time_calls(fn, calls, device) / calls
+            t = _time_calls(fn, calls, device)
+            per, spent = t / calls, spent + t
+            single = min(single, per)
             calls = max(1, min(max_calls_per_trial, math.ceil(min_time_s / max(per, 1e-9))))
-    return calls
+    return calls, single, spent
 
 
 def time_fn(
@@ -106,8 +143,10 @@ def time_fn(
     trial lasts at least ``min_time_s``; the per-call time of a trial is its time / ``calls``.
     Returns the median per-call time over trials and their inter-quartile range.
     """
-    return time_rounds([fn], device=device, warmup=warmup, trials=trials, min_time_s=min_time_s,
-                       max_calls_per_trial=max_calls_per_trial)[0]
+    result = time_rounds([fn], device=device, warmup=warmup, trials=trials, min_time_s=min_time_s,
+                         max_calls_per_trial=max_calls_per_trial)[0]
+    assert result is not None  # no budget: every operation is timed
+    return result
 
 
 def time_rounds(
@@ -119,7 +158,9 @@ def time_rounds(
     min_time_s: float = 0.0,
     max_calls_per_trial: int = 100_000,
     on_round: Callable[[int], None] | None = None,
-) -> list[TimingResult]:
+    budget: Budget | None = None,
+    groups: list[int] | None = None,
+) -> list[TimingResult | None]:
     """Time several operations as :func:`time_fn` times one, but in rounds: each is warmed up and
     sized first, then round ``r`` times one trial of every operation in turn, ``trials`` rounds.
 
@@ -127,16 +168,37 @@ def time_rounds(
     spreads each operation's trials over the whole measurement instead of one moment of it, so the
     median of each sees the same mix of fast and slow moments, and shapes measured minutes apart
     (a profile, then a check of it) compare like with like. ``on_round(r)`` is called after round ``r``.
+
+    With a ``budget`` the operations are taken to come in order of cost, and the walk stops where the
+    budget says (:class:`Budget`): those operations get None. ``groups`` (one id per operation,
+    consecutive operations sharing one, such as an attention forward and its backward) stand or fall
+    together: a stop inside a group drops its earlier operations too; the budget records the group.
     """
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1")
     device = torch.device(device)
-    calls = [_calls_for(fn, device, warmup, min_time_s, max_calls_per_trial) for fn in fns]
+    groups = groups if groups is not None else list(range(len(fns)))
+    calls: list[int | None] = []
+    for i, fn in enumerate(fns):
+        if budget is not None and budget.stopped is not None:
+            calls.append(None)
+            continue
+        n, single, spent = _calls_for(fn, device, warmup, min_time_s, max_calls_per_trial, budget is not None)
+        if budget is not None and not budget.admit(groups[i], single, spent + trials * n * single):
+            calls.append(None)
+            for j in range(i - 1, -1, -1):  # the stopped group's earlier operations go too
+                if groups[j] != groups[i]:
+                    break
+                calls[j] = None
+            continue
+        calls.append(n)
     times: list[list[float]] = [[] for _ in fns]
     for r in range(trials):
         for i, fn in enumerate(fns):
-            times[i].append(_time_calls(fn, calls[i], device) / calls[i])
+            if calls[i] is not None:
+                times[i].append(_time_calls(fn, calls[i], device) / calls[i])
         if on_round is not None:
             on_round(r)
-    return [TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t, calls_per_trial=c)
+    return [None if c is None else TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t,
+                                                calls_per_trial=c)
             for t, c in zip(times, calls)]

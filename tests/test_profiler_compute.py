@@ -234,3 +234,66 @@ def test_grouped_attention_on_cpu_keeps_grouped_kv_and_adds_no_note():
     point = measure_attentions([((1, 64, 8, 2, 16), Precision.fp32)], CPU, grid)[0]
     assert point.forward_time_s > 0 and point.backward_time_s > 0
     assert not any("expanded" in n for n in grid.notes)
+
+
+def test_budget_stops_at_the_first_call_over_its_limit_and_stays_stopped():
+    from profiler.timing import Budget
+
+    b = Budget(max_call_s=0.1, max_total_s=1.0)
+    assert b.admit(0, 0.01, 0.2) and b.admit(1, 0.05, 0.3)
+    assert b.spent_s == pytest.approx(0.5)
+    assert not b.admit(2, 0.2, 0.3)  # one call over 0.1 s
+    assert b.stopped is not None and b.stopped[0] == 2 and "over the 0.1 s a call budget" in b.stopped[2]
+    assert not b.admit(3, 0.001, 0.001)  # stopped: nothing more, however cheap
+    total = Budget(max_total_s=1.0)
+    assert total.admit(0, 0.1, 0.6) and not total.admit(1, 0.1, 0.6)  # 1.2 s projected > 1 s
+    assert total.stopped[0] == 1 and "past its 1 s budget" in total.stopped[2]
+
+
+def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():
+    """Operations in order of cost: the walk stops at the first over the call budget; it, every
+    later one, and the earlier operations of its group get None and are never timed in a round."""
+    from profiler.timing import Budget, time_rounds
+
+    calls = {name: 0 for name in "abcde"}
+
+    def op(name: str, seconds: float):
+        def run() -> None:
+            calls[name] += 1
+            time.sleep(seconds)
+        return run
+
+    fns = [op("a", 0.001), op("b", 0.002), op("c", 0.003), op("d", 0.05), op("e", 0.001)]
+    budget = Budget(max_call_s=0.02)
+    results = time_rounds(fns, device=CPU, warmup=1, trials=3, budget=budget, groups=[0, 1, 2, 2, 3])
+    assert [r is not None for r in results] == [True, True, False, False, False]
+    assert budget.stopped is not None and budget.stopped[0] == 2 and budget.stopped[1] >= 0.05
+    assert calls == {"a": 4, "b": 4, "c": 1, "d": 1, "e": 0}  # c, d: their warm-up only; e never ran
+    assert all(len(r.trials) == 3 for r in results[:2])
+
+
+def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budget():
+    """A call budget between the small and the large GEMM's time: in each precision's table the
+    walk keeps the shapes below it and stops at the first above, whatever the grid's order, and a
+    note says where (the planner prices the rest at the nearest measured rate)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(768, 768)
+        single = min(time_fn(lambda: x @ x, device=CPU, warmup=1, trials=3).trials)
+        grid = ComputeGrid(gemm=[(768, 768, 768), (32, 32, 32), (64, 64, 64)], attention=[], elementwise_bytes=[],
+                           precisions=[Precision.fp32], warmup=1, trials=2, min_time_s=0.0, max_call_s=single / 8)
+        compute = measure_compute(CPU, grid)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted((g.m, g.n, g.k) for g in compute.gemm) == [(32, 32, 32), (64, 64, 64)]
+    (note,) = grid.notes
+    assert note.startswith("fp32 GEMMs: 2 of 3 shapes measured, in order of FLOPs; the walk stopped at 768x768x768")
+    assert "64x64x64, ran at" in note
+
+
+def test_default_grids_carry_a_time_budget_on_cpu_only():
+    quick, full = default_grid(quick=True), default_grid()
+    assert quick.max_call_s < full.max_call_s and quick.max_table_s < full.max_table_s
+    gpu = default_grid(quick=True, device_type="cuda")
+    assert gpu.max_call_s is None and gpu.max_table_s is None
