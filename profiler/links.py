@@ -4,7 +4,7 @@ Every collective is timed on the *full buffer* the planner prices (:func:`planne
 the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
 the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
 group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
-dominate). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
+dominate; with ``LinkPlan.min_trial_s``, no more than last that long, :func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
 each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
 one; each such trial makes one untimed call first (the 16 MiB call before the 4 KiB one that opens a
 round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
@@ -110,6 +110,19 @@ def reps_for(nbytes: int) -> int:
     if nbytes <= 8 * MIB:
         return 2
     return 1
+
+
+def reps_within(nbytes: int, call_s: float, min_trial_s: float) -> int:
+    """Back-to-back calls per trial for a size whose call takes ``call_s``: :func:`reps_for`'s count,
+    cut to the fewest calls that last ``min_trial_s`` (at least 1). The count by size is there so the
+    barrier's exit skew does not dominate a trial of fast calls; a slow call needs fewer to outlast it
+    (a 4 KiB all-reduce of 4 gloo ranks on 2 vCPUs took 2-5 ms a call, so its 8 calls a trial took
+    40 ms where 2 outlast the 1.6 ms barrier several times over, and took half of a quick profile's
+    link time)."""
+    most = reps_for(nbytes)
+    if min_trial_s <= 0 or not math.isfinite(call_s):
+        return most
+    return max(1, min(most, math.ceil(min_trial_s / max(call_s, 1e-9))))
 
 
 SMALL_TRIALS_MAX_BYTES = 256 * KIB
@@ -438,6 +451,7 @@ class LinkPlan:
     one_group_at_a_time: bool = False
     hosts: list[str] | None = None
     timeout: timedelta | None = None  # of the sub-groups' collectives (None: torch's default for the backend)
+    min_trial_s: float = 0.0  # > 0: calls per trial cut to what lasts this long (:func:`reps_within`)
 
 
 def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[list[int]]]:
@@ -685,6 +699,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     _CALLS += 1
     total = len(jobs) * len(plan.sizes)
     done = 0
+    reps_by_job: dict[int, dict[int, int]] = {}
     links: list[LinkProfile] = []
     sizes = plan.sizes
 
@@ -693,6 +708,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         nonlocal done
         spec, group, mine, collective = jobs[job]
         best: dict[int, float] = {}
+        reps_of = reps_by_job.setdefault(job, {})  # set in the first pass, kept by the re-measurements
         ops: dict[int, tuple[Callable[[], None], int, int]] = {}  # small sizes: timed in interleaved rounds
         for i in indices:
             label = f"{collective.value} {spec.label} {_human(sizes[i])}" + (f" (again, round {round_})" if round_ else "")
@@ -705,13 +721,22 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
             else:
                 op = _op(collective, sizes[i], group, mine, rank, device)
                 warm = plan.warmup * (reps_for(sizes[i]) if i == indices[0] else 1)  # the first also warms the group up
+                call_s = math.inf
                 for _ in range(warm):
+                    t0 = time.perf_counter()
                     op()
-                sync(device)
+                    sync(device)
+                    call_s = min(call_s, time.perf_counter() - t0)
+                if i not in reps_of:  # the group agrees on the calls per trial: the most any rank wants
+                    want = torch.tensor([reps_within(sizes[i], call_s, plan.min_trial_s)], device=device)
+                    if plan.min_trial_s > 0:
+                        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+                    reps_of[i] = int(want.item())
+                reps = reps_of[i]
                 if sizes[i] <= INTERLEAVE_MAX_BYTES:
-                    ops[i] = (op, reps_for(sizes[i]), trials_for(sizes[i], plan.trials) if round_ == 0 else plan.trials)
+                    ops[i] = (op, reps, trials_for(sizes[i], plan.trials) if round_ == 0 else plan.trials)
                 else:
-                    best[i] = min(_trial(op, reps_for(sizes[i]), group, device) for _ in range(plan.trials))
+                    best[i] = min(_trial(op, reps, group, device) for _ in range(plan.trials))
                 del op
             if round_ == 0:
                 done += 1
@@ -741,7 +766,9 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         side = (f"{n_timed} timed, one per host, the others' ranks idle (more ranks than cores on a host: side by "
                 "side they would time the scheduler, and in turn they repeat the timed group's measurement on "
                 "the same cores)" if n_timed < len(spec.ranks) else "timed side by side")
-        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s), {side}, {plan.trials} trials "
+        per_trial = (f"calls per trial by size, cut to what lasts {plan.min_trial_s * 1e3:g} ms"
+                     if plan.min_trial_s > 0 else "calls per trial by size")
+        source = (f"measured: {spec.label}, {len(spec.ranks)} group(s), {side}, {per_trial}, {plan.trials} trials "
                   f"({trials_for(1, plan.trials)} up to {_human(SMALL_TRIALS_MAX_BYTES)}; interleaved rounds up to "
                   f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "
                   + _remeasure_note(extra, plan.trials))

@@ -70,6 +70,9 @@ class Checked:
     notes: list[str] = field(default_factory=list)
 
 
+LINK_MIN_TRIAL_S = 0.008  # a link trial's calls: no more than last 8 ms (profiler.links.reps_within)
+
+
 def dist_env() -> Dist:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -239,11 +242,12 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         gathered: list = [None] * d.world
         dist.all_gather_object(gathered, (identity.hostname(), _cores()))
         hostnames = [h for h, _ in gathered]
-        if c.emulated:  # one name per emulated node: the hosts of its first rank
-            node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
-        else:
-            node_hosts = list(dict.fromkeys(hostnames)) if len(set(hostnames)) == c.num_nodes else \
-                [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
+        # one name per node, the host of its first rank (torchrun numbers a node's ranks consecutively)
+        node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
+        shared = {h: node_hosts.count(h) for h in node_hosts if node_hosts.count(h) > 1}
+        if shared and not c.emulated:
+            c.notes.append("SHARED HOSTS: " + ", ".join(f"{k} torchrun nodes run on host {h}" for h, k in shared.items())
+                           + "; the inter_node links between them went over that host's loopback, not a network")
         ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
         with ctx as progress:
             def report(stage: str):
@@ -256,7 +260,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             one_at_a_time = any_host_oversubscribed(gathered)
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
-                            one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout)
+                            one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout,
+                            min_trial_s=LINK_MIN_TRIAL_S)
             if one_at_a_time:
                 c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
                                "each level that share a host only one was timed, the host's other ranks idle (side "
@@ -285,7 +290,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             return None
         phase = "assemble"
         spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
-        env = identity.environment(node_hosts if c.emulated else hostnames, backend, c.emulated)
+        env = identity.environment(node_hosts, backend, c.emulated)
         assumptions = Assumptions()
         sources = [
             f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",

@@ -87,6 +87,8 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
     intra = next(x for x in p.links if x.level is LinkLevel.intra_node and x.collective is Collective.all_reduce)
     assert ("2 group(s), 1 timed, one per host" in intra.source) == (cores < 4), intra.source
     assert ("2 group(s), timed side by side" in intra.source) == (cores >= 4), intra.source
+    # every group agreed on its calls per trial (a rank that disagreed would have hung the run)
+    assert all("cut to what lasts 8 ms" in x.source for x in p.links if x.level is not LinkLevel.host_device)
 
 
 @pytest.mark.slow
@@ -190,6 +192,45 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path):
     assert wall < 150  # the 20 s collective timeout fires; a hang would run into the 240 s limit
     assert re.search(r"rank\s*:\s*2 \(local_rank: 2\)", text), text[-3000:]
     assert not (tmp_path / "p.json").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_read_from_torchrun_not_emulated(tmp_path):
+    """A real 2-node launch: two torchrun agents (--nnodes 2, one per node rank) of 2 ranks each.
+    The profiler takes the nodes from torchrun (LOCAL_WORLD_SIZE), not --ranks-per-node: a
+    2x2 profile that is not labelled emulated, with one host name per node, and a note that the two
+    nodes share this host, so their inter_node links are its loopback."""
+    port = str(_free_port())
+    out = tmp_path / "p.json"
+    agents = []
+    for node_rank in ("0", "1"):
+        cmd = [TORCHRUN, "--nnodes", "2", "--node-rank", node_rank, "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", port, AUTOPAR, "profile", "--quick", "--max-bytes", "65536",
+               "--out", str(out)]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=_env(OMP_NUM_THREADS="1")))
+    try:
+        results = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for a, (stdout, stderr) in zip(agents, results):
+        assert a.returncode == 0, stderr[-3000:]
+    p = ClusterProfile.model_validate_json(out.read_text())
+    assert (p.num_nodes, p.gpus_per_node) == (2, 2)
+    assert not p.name.startswith("emulated") and not any("EMULATED" in s for s in p.sources)
+    assert len(p.environment.hostnames) == 2 and not any("emulated" in h for h in p.environment.hostnames)
+    assert any(s.startswith("SHARED HOSTS: 2 torchrun nodes run on host") for s in p.sources), p.sources
+    across = {(x.collective, x.group_size, x.ranks_per_node) for x in p.links if x.level is LinkLevel.inter_node}
+    assert (Collective.p2p, 2, 1) in across and (Collective.all_reduce, 4, 2) in across
 
 
 WAVES_SCRIPT = """

@@ -11,9 +11,10 @@ from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.identity import last_level_cache_bytes
 from profiler.links import (
+    MIB,
     ColdCopies, busbw_from_slope, cold_arena_bytes, fit_alpha_beta, fit_link, fit_link_segments, fit_segments,
     host_waves, link_fit_report, measure_host_device, message_sizes, minimax_rel_err, oversubscribed, plan_groups,
-    remeasure_candidates, remeasured_fastest, trials_for,
+    remeasure_candidates, remeasured_fastest, reps_for, reps_within, trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -213,6 +214,16 @@ def test_oversubscribed_hosts_and_small_message_trials():
     assert not oversubscribed(2, 2) and not oversubscribed(8, 96)
     assert trials_for(4096, 5) == 15 and trials_for(256 << 10, 5) == 15
     assert trials_for((256 << 10) + 4, 5) == 5 and trials_for(16 << 20, 7) == 7
+
+
+def test_calls_per_trial_are_cut_to_what_lasts_the_minimum_trial():
+    assert reps_for(4096) == 8 and reps_for(MIB) == 4 and reps_for(16 * MIB) == 1
+    # fast calls keep the count by size; a slow one needs fewer to last 8 ms, never none
+    assert reps_within(4096, 50e-6, 0.008) == 8
+    assert reps_within(4096, 3e-3, 0.008) == 3 and reps_within(4096, 5e-3, 0.008) == 2
+    assert reps_within(4096, 0.02, 0.008) == 1 and reps_within(MIB, 1e-3, 0.008) == 4
+    # no minimum, or no timing of the call: the count by size
+    assert reps_within(4096, 5e-3, 0.0) == 8 and reps_within(4096, float("inf"), 0.008) == 8
 
 
 def test_busbw_conventions():
