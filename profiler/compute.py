@@ -85,6 +85,15 @@ def _fp8_matmul_problem(device: torch.device) -> str | None:
     return None
 
 
+def cpu_bf16_is_native() -> bool | None:
+    """Whether torch runs bf16 matmul on this CPU through oneDNN (AVX-512 or AMX), not its unoptimised
+    fallback; None when torch cannot say."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - a private probe: unknown is not an error
+        return None
+
+
 def unsupported_precisions(device: torch.device) -> dict[Precision, str]:
     """Precisions ``device`` cannot measure, each with the reason."""
     device = torch.device(device)
@@ -591,6 +600,15 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     for g in profile.gemm:
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)
     profile.achieved_matmul_tflops = rates
+    if device.type == "cpu" and Precision.bf16 in rates and cpu_bf16_is_native() is False:
+        fp32 = rates.get(Precision.fp32)
+        than = f" against fp32's {fp32 * 1e3:.3g} ({fp32 / rates[Precision.bf16]:.0f}x slower)" if fp32 else ""
+        grid.notes.append(
+            f"bf16 on this CPU: torch has no oneDNN bf16 matmul here (CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 GEMMs ran its unoptimised fallback, at best "
+            f"{rates[Precision.bf16] * 1e3:.3g} GFLOP/s{than}, at rates that jump from shape to shape and run to "
+            "run; the planner's interpolation between the bf16 table's shapes may be far off (fp32 is this "
+            "CPU's training precision)")
     adds = [e for e in profile.elementwise if e.op == "add"]
     if adds:
         largest = max(grid.elementwise_bytes)

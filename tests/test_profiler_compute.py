@@ -297,3 +297,27 @@ def test_default_grids_carry_a_time_budget_on_cpu_only():
     assert quick.max_call_s < full.max_call_s and quick.max_table_s < full.max_table_s
     gpu = default_grid(quick=True, device_type="cuda")
     assert gpu.max_call_s is None and gpu.max_table_s is None
+
+
+@pytest.mark.parametrize("native", [False, True, None])
+def test_a_cpu_without_native_bf16_says_so(monkeypatch, native):
+    """Without oneDNN bf16 (an AVX2-only CPU) torch's bf16 matmul is an unoptimised fallback, 30-70x
+    slower than fp32 and erratic by shape: the profile notes it, with the measured rates."""
+    import profiler.compute as compute
+
+    monkeypatch.setattr(compute, "cpu_bf16_is_native", lambda: native)
+    grid = ComputeGrid(gemm=[(32, 32, 32)], attention=[], elementwise_bytes=[],
+                       precisions=[Precision.fp32, Precision.bf16], warmup=1, trials=1)
+    measure_compute(CPU, grid)
+    notes = [n for n in grid.notes if n.startswith("bf16 on this CPU")]
+    if native is False:
+        (note,) = notes
+        assert "unoptimised fallback" in note and "GFLOP/s against fp32's" in note
+    else:
+        assert not notes
+
+
+def test_the_bf16_probe_answers_on_this_cpu():
+    from profiler.compute import cpu_bf16_is_native
+
+    assert cpu_bf16_is_native() in (True, False)  # torch 2.13 has the probe: not "unknown"
