@@ -46,8 +46,8 @@ class ComputeGrid:
 
     A time budget (CPU grids): in each precision the GEMMs, and the attention configs, are measured
     in order of FLOPs, and the walk stops at the first whose call takes longer than ``max_call_s``
-    or whose timing would take the table's time past ``max_table_s`` (:class:`profiler.timing.Budget`):
-    it and the larger ones are not measured, and the planner prices them at the rate of the nearest
+    or whose timing would take the table's time past ``max_table_s`` (:class:`profiler.timing.Budget`;
+    the smallest is always measured): it and the larger ones are not measured, and the planner prices them at the rate of the nearest
     measured shapes; the profile's notes say where each table stopped. A budget in seconds, not in
     FLOPs, because precisions run at very different rates on one CPU: bf16 GEMMs ran 100x slower
     than fp32 on a 2-vCPU AMD EPYC VM without native bf16 (0.9 GFLOP/s at 1024³).
@@ -600,15 +600,15 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     for g in profile.gemm:
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)
     profile.achieved_matmul_tflops = rates
-    if device.type == "cpu" and Precision.bf16 in rates and cpu_bf16_is_native() is False:
-        fp32 = rates.get(Precision.fp32)
-        than = f" against fp32's {fp32 * 1e3:.3g} ({fp32 / rates[Precision.bf16]:.0f}x slower)" if fp32 else ""
+    if device.type == "cpu" and Precision.bf16 in grid.precisions and cpu_bf16_is_native() is False:
+        bf16, fp32 = rates.get(Precision.bf16), rates.get(Precision.fp32)
+        than = f" against fp32's {fp32 * 1e3:.3g} ({fp32 / bf16:.0f}x slower)" if bf16 and fp32 else ""
+        best = f", at best {bf16 * 1e3:.3g} GFLOP/s{than}," if bf16 else ""
         grid.notes.append(
             f"bf16 on this CPU: torch has no oneDNN bf16 matmul here (CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 GEMMs ran its unoptimised fallback, at best "
-            f"{rates[Precision.bf16] * 1e3:.3g} GFLOP/s{than}, at rates that jump from shape to shape and run to "
-            "run; the planner's interpolation between the bf16 table's shapes may be far off (fp32 is this "
-            "CPU's training precision)")
+            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 GEMMs ran its unoptimised fallback{best} at "
+            "rates that jump from shape to shape and run to run; the planner's interpolation between the bf16 "
+            "table's shapes may be far off (fp32 is this CPU's training precision)")
     adds = [e for e in profile.elementwise if e.op == "add"]
     if adds:
         largest = max(grid.elementwise_bytes)

@@ -1,4 +1,4 @@
-"""Who is being measured: device name, count and memory, software versions, hostnames of all ranks."""
+"""Who is being measured: device name, count and memory, software versions, one host name per node."""
 
 from __future__ import annotations
 

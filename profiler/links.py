@@ -4,7 +4,7 @@ Every collective is timed on the *full buffer* the planner prices (:func:`planne
 the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
 the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
 group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
-dominate; with ``LinkPlan.min_trial_s``, no more than last that long, :func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
+dominate; with ``LinkPlan.min_trial_s``, cut to the fewest calls that last that long, :func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
 each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
 one; each such trial makes one untimed call first (the 16 MiB call before the 4 KiB one that opens a
 round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
@@ -25,7 +25,8 @@ while the others wait on the rendezvous store (not in a collective, whose messag
 busy ranks' receive threads polling). The groups left out share the timed group's host and, its
 ranks outnumbering the cores, the same cores: timing them in turn repeated the measurement (and
 took a third of a quick profile's link time on a 2-vCPU VM), and the link kept the slower of two
-noisy repeats. The profile's sources say which groups were timed.
+noisy repeats. Hosts with a core per rank still time all their groups side by side
+(``LinkPlan.crowded_hosts``). The profile's sources say how many groups were timed.
 
 **Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
 time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
@@ -118,7 +119,9 @@ def reps_within(nbytes: int, call_s: float, min_trial_s: float) -> int:
     barrier's exit skew does not dominate a trial of fast calls; a slow call needs fewer to outlast it
     (a 4 KiB all-reduce of 4 gloo ranks on 2 vCPUs took 2-5 ms a call, so its 8 calls a trial took
     40 ms where 2 outlast the 1.6 ms barrier several times over, and took half of a quick profile's
-    link time)."""
+    link time). Shorter trials did not read slower there: the fastest of 15 trials (max over ranks,
+    median of 4 repeats) was 3.9 ms a call with 1 call per trial, 4.2 with 2 and 4.9 with 8; longer
+    trials catch more of the scheduler's slices than the barrier's skew adds to short ones."""
     most = reps_for(nbytes)
     if min_trial_s <= 0 or not math.isfinite(call_s):
         return most
@@ -450,6 +453,7 @@ class LinkPlan:
     notes: list[str] = field(default_factory=list)
     one_group_at_a_time: bool = False
     hosts: list[str] | None = None
+    crowded_hosts: set[str] | None = None  # the hosts with more ranks than cores (None: all of them)
     timeout: timedelta | None = None  # of the sub-groups' collectives (None: torch's default for the backend)
     min_trial_s: float = 0.0  # > 0: calls per trial cut to what lasts this long (:func:`reps_within`)
 
@@ -474,6 +478,17 @@ def host_waves(groups: list[list[int]], hosts: list[str] | None) -> list[list[li
         else:
             waves.append((set(used), [group]))
     return [members for _, members in waves]
+
+
+def timed_groups(waves: list[list[list[int]]], hosts: list[str] | None,
+                 crowded: set[str] | None) -> list[list[int]]:
+    """The groups timed, side by side, from :func:`host_waves`' ``waves``: the first wave (one group
+    per host; the groups of later waves share those hosts, first fit), plus every later group whose
+    hosts all have a core per rank (not in ``crowded``; None: every host is crowded), which has the
+    cores to run beside the others."""
+    if crowded is None or hosts is None:
+        return waves[0]
+    return [*waves[0], *(g for w in waves[1:] for g in w if not any(hosts[r] in crowded for r in g))]
 
 
 def oversubscribed(local_ranks: int, cores: int) -> bool:
@@ -684,7 +699,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     timed: list[int] = []  # per job: how many of its spec's groups are timed
     for spec, group, mine in handles:
         waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
-        wave = waves[0]  # the groups of later waves share these groups' hosts (first fit)
+        wave = timed_groups(waves, plan.hosts, plan.crowded_hosts)
         on = mine is not None and mine in wave
         for c in spec.collectives:
             jobs.append((spec, group if on else None, mine if on else None, c))

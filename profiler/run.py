@@ -178,15 +178,20 @@ def _cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def any_host_oversubscribed(ranks: list[tuple[str, list[int]]]) -> bool:
-    """Whether some host runs more ranks than the CPUs its ranks may use together (the union of
+def crowded_hosts(ranks: list[tuple[str, list[int]]]) -> set[str]:
+    """The hosts that run more ranks than the CPUs their ranks may use together (the union of
     their affinities: ranks pinned to cores of their own do not count as sharing). ``ranks``: each
     rank's (host name, CPUs). CPU quotas of a container are not seen."""
     hosts: dict[str, tuple[int, set[int]]] = {}
     for host, cpus in ranks:
         n, union = hosts.get(host, (0, set()))
         hosts[host] = (n + 1, union | set(cpus))
-    return any(oversubscribed(n, len(union)) for n, union in hosts.values())
+    return {h for h, (n, union) in hosts.items() if oversubscribed(n, len(union))}
+
+
+def any_host_oversubscribed(ranks: list[tuple[str, list[int]]]) -> bool:
+    """Whether some host runs more ranks than its ranks' CPUs (:func:`crowded_hosts`)."""
+    return bool(crowded_hosts(ranks))
 
 
 def _die_hook(rank: int):
@@ -246,8 +251,10 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
         shared = {h: node_hosts.count(h) for h in node_hosts if node_hosts.count(h) > 1}
         if shared and not c.emulated:
-            c.notes.append("SHARED HOSTS: " + ", ".join(f"{k} torchrun nodes run on host {h}" for h, k in shared.items())
-                           + "; the inter_node links between them went over that host's loopback, not a network")
+            c.notes.append("SHARED HOSTS: " + ", ".join(f"{k} torchrun nodes report host name {h}" for h, k in
+                                                        shared.items())
+                           + "; if they are one machine, the inter_node links between them are its loopback, "
+                             "not a network")
         ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
         with ctx as progress:
             def report(stage: str):
@@ -261,12 +268,12 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
                             one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout,
-                            min_trial_s=LINK_MIN_TRIAL_S)
+                            min_trial_s=LINK_MIN_TRIAL_S, crowded_hosts=crowded_hosts(gathered))
             if one_at_a_time:
                 c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
-                               "each level that share a host only one was timed, the host's other ranks idle (side "
-                               "by side, each rank's polling receive thread holds a core and the ranks wait for "
-                               "time slices; the groups left out run on the same cores)")
+                               "each level that share such a host only one was timed, the host's other ranks idle "
+                               "(side by side, each rank's polling receive thread holds a core and the ranks wait "
+                               "for time slices; the groups left out run on the same cores)")
             links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
             phase = "compute (rank 0 measures, the others wait)"
             compute = None

@@ -240,19 +240,25 @@ def test_budget_stops_at_the_first_call_over_its_limit_and_stays_stopped():
     from profiler.timing import Budget
 
     b = Budget(max_call_s=0.1, max_total_s=1.0)
-    assert b.admit(0, 0.01, 0.2) and b.admit(1, 0.05, 0.3)
+    assert b.call_limit_s() is None  # the first operation is kept whatever it costs: no limit yet
+    assert b.admit(0, 0.01, 0.2) and b.call_limit_s() == 0.1 and b.admit(1, 0.05, 0.3)
     assert b.spent_s == pytest.approx(0.5)
     assert not b.admit(2, 0.2, 0.3)  # one call over 0.1 s
     assert b.stopped is not None and b.stopped[0] == 2 and "over the 0.1 s a call budget" in b.stopped[2]
     assert not b.admit(3, 0.001, 0.001)  # stopped: nothing more, however cheap
+    assert b.call_limit_s() is None and b.kept == 2
     total = Budget(max_total_s=1.0)
     assert total.admit(0, 0.1, 0.6) and not total.admit(1, 0.1, 0.6)  # 1.2 s projected > 1 s
     assert total.stopped[0] == 1 and "past its 1 s budget" in total.stopped[2]
+    first = Budget(max_call_s=0.1, max_total_s=1.0)
+    assert first.admit(0, 5.0, 20.0)  # a table is never empty: its first operation stays
+    assert not first.admit(1, 0.01, 0.01) and "past its 1 s budget" in first.stopped[2]
 
 
 def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():
-    """Operations in order of cost: the walk stops at the first over the call budget; it, every
-    later one, and the earlier operations of its group get None and are never timed in a round."""
+    """Operations in order of cost: the walk stops at the first over the call budget after one
+    call of it (not its 3 warm-ups); it, every later one, and the earlier operations of its group get
+    None and are never timed in a round."""
     from profiler.timing import Budget, time_rounds
 
     calls = {name: 0 for name in "abcde"}
@@ -265,11 +271,15 @@ def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():
 
     fns = [op("a", 0.001), op("b", 0.002), op("c", 0.003), op("d", 0.05), op("e", 0.001)]
     budget = Budget(max_call_s=0.02)
-    results = time_rounds(fns, device=CPU, warmup=1, trials=3, budget=budget, groups=[0, 1, 2, 2, 3])
+    results = time_rounds(fns, device=CPU, warmup=3, trials=3, budget=budget, groups=[0, 1, 2, 2, 3])
     assert [r is not None for r in results] == [True, True, False, False, False]
     assert budget.stopped is not None and budget.stopped[0] == 2 and budget.stopped[1] >= 0.05
-    assert calls == {"a": 4, "b": 4, "c": 1, "d": 1, "e": 0}  # c, d: their warm-up only; e never ran
+    assert calls == {"a": 6, "b": 6, "c": 3, "d": 1, "e": 0}  # c: its warm-ups only; d: one call; e never ran
     assert all(len(r.trials) == 3 for r in results[:2])
+    # a walk whose first operation is over the call budget still times it (a table is never empty)
+    slow_first = time_rounds([op("a", 0.03), op("b", 0.001)], device=CPU, warmup=1, trials=2,
+                             budget=Budget(max_call_s=0.02))
+    assert slow_first[0] is not None and len(slow_first[0].trials) == 2
 
 
 def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budget():

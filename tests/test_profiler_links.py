@@ -14,7 +14,7 @@ from profiler.links import (
     MIB,
     ColdCopies, busbw_from_slope, cold_arena_bytes, fit_alpha_beta, fit_link, fit_link_segments, fit_segments,
     host_waves, link_fit_report, measure_host_device, message_sizes, minimax_rel_err, oversubscribed, plan_groups,
-    remeasure_candidates, remeasured_fastest, reps_for, reps_within, trials_for,
+    remeasure_candidates, remeasured_fastest, reps_for, reps_within, timed_groups, trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)
@@ -200,8 +200,20 @@ def test_host_waves_time_groups_sharing_a_host_one_at_a_time():
     assert host_waves([[0, 1], [2, 3], [4, 5], [6, 7]], eight) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
 
 
+def test_timed_groups_one_per_crowded_host_all_on_hosts_with_a_core_per_rank():
+    eight = ["a"] * 4 + ["b"] * 4
+    waves = host_waves([[0, 1], [2, 3], [4, 5], [6, 7]], eight)
+    assert timed_groups(waves, eight, None) == [[0, 1], [4, 5]]  # every host crowded: one group each
+    assert timed_groups(waves, eight, {"a", "b"}) == [[0, 1], [4, 5]]
+    assert timed_groups(waves, eight, {"a"}) == [[0, 1], [4, 5], [6, 7]]  # b has the cores: all of its pairs
+    assert timed_groups(waves, eight, set()) == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert timed_groups([[[0, 1]], [[2, 3]]], None, set()) == [[0, 1]]  # no host names: one host, crowded
+
+
 def test_any_host_oversubscribed_counts_the_cpus_a_hosts_ranks_may_use():
-    from profiler.run import any_host_oversubscribed
+    from profiler.run import any_host_oversubscribed, crowded_hosts
+
+    assert crowded_hosts([("a", [0, 1])] * 4 + [("b", list(range(8)))] * 4) == {"a"}
 
     assert any_host_oversubscribed([("a", [0, 1])] * 4)  # 4 ranks sharing 2 CPUs
     assert not any_host_oversubscribed([("a", [i]) for i in range(4)])  # each rank pinned to a core of its own

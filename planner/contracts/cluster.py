@@ -55,7 +55,7 @@ class DeviceSpec(Contract):
 
 
 class Environment(Contract):
-    hostnames: list[str] = Field(default_factory=list)  # one per node: the host of its first rank
+    hostnames: list[str] = Field(default_factory=list)  # the hosts (a profile: one per node, its first rank's)
     driver_version: str | None = None
     cuda_version: str | None = None
     torch_version: str | None = None
