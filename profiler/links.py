@@ -14,7 +14,7 @@ and median agree. Messages up to 256 KiB get 3x the trials (:func:`trials_for`):
 their latency is what a busy host spoils most. The time recorded is the maximum over ranks (the
 slowest rank finishes the collective).
 
-**Groups side by side, or one at a time.** A level's disjoint groups (the TP pairs of every node)
+**Groups side by side, or one per host.** A level's disjoint groups (the TP pairs of every node)
 are timed side by side, as training runs them, except on a host with more ranks than cores
 (:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
 posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
