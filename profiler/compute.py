@@ -47,10 +47,11 @@ class ComputeGrid:
     A time budget (CPU grids): in each precision the GEMMs, and the attention configs, are measured
     in order of FLOPs, and the walk stops at the first whose call takes longer than ``max_call_s``
     or whose timing would take the table's time past ``max_table_s`` (:class:`profiler.timing.Budget`;
-    the smallest is always measured): it and the larger ones are not measured, and the planner prices them at the rate of the nearest
-    measured shapes; the profile's notes say where each table stopped. A budget in seconds, not in
-    FLOPs, because precisions run at very different rates on one CPU: bf16 GEMMs ran 100x slower
-    than fp32 on a 2-vCPU AMD EPYC VM without native bf16 (0.9 GFLOP/s at 1024³).
+    the smallest is always measured): it and the larger ones are not measured, and the planner
+    prices them at the rate of the nearest measured shapes; the profile's notes say where each table
+    stopped. A budget in seconds, not in FLOPs, because precisions run at very different rates on one
+    CPU: on a 2-vCPU AMD EPYC VM without native bf16 a 1024³ GEMM took 2.3 s in bf16 (0.9 GFLOP/s)
+    and 26.5 ms in fp32, 87x apart.
     """
 
     gemm: list[tuple[int, int, int]]
@@ -551,36 +552,40 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
                 tick(f"{section}: {n} timed")
         return on_progress
 
+    def walk(table: str, unit: str, jobs: list, cost: Callable, measure: Callable, name: Callable,
+             result: Callable) -> list:
+        """One table (one kind of operation in one precision) measured in order of ``cost`` within
+        a fresh budget (:func:`budget_for`), the stop noted; each job's point, or None."""
+        nonlocal done
+        jobs.sort(key=cost)
+        budget, start = budget_for(grid), done
+        points = measure(jobs, device, grid, advance(table, start), budget)
+        _note_budget_stop(grid, table, unit, [name(*j[0]) for j in jobs],
+                          [None if x is None else result(x) for x in points], budget)
+        done = start + len(jobs)
+        return points
+
     if gemm_jobs:
         tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
         with torch.no_grad():
             for p in grid.precisions:
-                jobs = sorted((j for j in gemm_jobs if j[1] is p), key=lambda j: math.prod(j[0]))
-                budget, start = budget_for(grid), done
-                points = measure_gemms(jobs, device, grid, advance(f"GEMMs {p.value}", start), budget)
+                points = walk(f"{p.value} GEMMs", "shapes", [j for j in gemm_jobs if j[1] is p],
+                              lambda j: math.prod(j[0]), measure_gemms, lambda m, n, k: f"{m}x{n}x{k}",
+                              lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s")
                 profile.gemm += [point for point in points if point is not None]
-                _note_budget_stop(grid, f"{p.value} GEMMs", "shapes", [f"{m}x{n}x{k}" for (m, n, k), _ in jobs],
-                                  [None if x is None else f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s"
-                                   for x in points], budget)
-                done = start + len(jobs)
-    done = len(gemm_jobs)
     if attn_jobs:
         # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
         attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]
         tick(f"attention: {len(attn_run)} configs in rounds of {grid.trials} trials")
         measured: dict = {}
         for p in grid.precisions:
-            jobs = sorted((j for j in attn_run if j[1] is p), key=lambda j: _attention_flops(*j[0]))
-            if not jobs:
-                continue
-            budget, start = budget_for(grid), done
-            points = measure_attentions(jobs, device, grid, advance(f"attention {p.value}", start), budget)
-            measured.update((j, x) for j, x in zip(jobs, points) if x is not None)
-            _note_budget_stop(grid, f"{p.value} attention", "configs",
-                              [f"b={b} s={s} h={h}/{kv} d={d}" for (b, s, h, kv, d), _ in jobs],
-                              [None if x is None else f"took {x.forward_time_s * 1e3:.3g} ms forward and "
-                               f"{x.backward_time_s * 1e3:.3g} ms backward" for x in points], budget)
-            done = start + len(jobs)
+            jobs = [j for j in attn_run if j[1] is p]
+            if jobs:
+                points = walk(f"{p.value} attention", "configs", jobs, lambda j: _attention_flops(*j[0]),
+                              measure_attentions, lambda b, s, h, kv, d: f"b={b} s={s} h={h}/{kv} d={d}",
+                              lambda x: f"took {x.forward_time_s * 1e3:.3g} ms forward and "
+                                        f"{x.backward_time_s * 1e3:.3g} ms backward")
+                measured.update((j, x) for j, x in zip(jobs, points) if x is not None)
         for (b, s, h, kv, d), p in attn_jobs:
             point = measured.get(((b, s, h, kv, d), p))
             if point is None and p is Precision.fp8 and ((b, s, h, kv, d), Precision.bf16) in measured:

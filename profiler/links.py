@@ -4,8 +4,9 @@ Every collective is timed on the *full buffer* the planner prices (:func:`planne
 the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
 the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
 group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
-dominate; with ``LinkPlan.min_trial_s``, cut to the fewest calls that last that long, :func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds (one trial of
-each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
+dominate; with ``LinkPlan.min_trial_s``, cut to the fewest calls that last that long,
+:func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds
+(one trial of each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
 one; each such trial makes one untimed call first (the 16 MiB call before the 4 KiB one that opens a
 round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
 scheduler preempts ranks for whole milliseconds, and the median of 5 trials moved by 50-800% between
@@ -118,8 +119,8 @@ def reps_within(nbytes: int, call_s: float, min_trial_s: float) -> int:
     cut to the fewest calls that last ``min_trial_s`` (at least 1). The count by size is there so the
     barrier's exit skew does not dominate a trial of fast calls; a slow call needs fewer to outlast it
     (a 4 KiB all-reduce of 4 gloo ranks on 2 vCPUs took 2-5 ms a call, so its 8 calls a trial took
-    40 ms where 2 outlast the 1.6 ms barrier several times over, and took half of a quick profile's
-    link time). Shorter trials did not read slower there: the fastest of 15 trials (max over ranks,
+    40 ms where 2 outlast the 1.6 ms barrier several times over, and the 4-rank group's jobs took
+    16 s of a quick profile's 41 s first pass). Shorter trials did not read slower there: the fastest of 15 trials (max over ranks,
     median of 4 repeats) was 3.9 ms a call with 1 call per trial, 4.2 with 2 and 4.9 with 8; longer
     trials catch more of the scheduler's slices than the barrier's skew adds to short ones."""
     most = reps_for(nbytes)
@@ -742,11 +743,12 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                     op()
                     sync(device)
                     call_s = min(call_s, time.perf_counter() - t0)
-                if i not in reps_of:  # the group agrees on the calls per trial: the most any rank wants
-                    want = torch.tensor([reps_within(sizes[i], call_s, plan.min_trial_s)], device=device)
-                    if plan.min_trial_s > 0:
+                if i not in reps_of:
+                    reps_of[i] = reps_within(sizes[i], call_s, plan.min_trial_s)
+                    if plan.min_trial_s > 0:  # the group agrees on the calls per trial: the most any rank wants
+                        want = torch.tensor([reps_of[i]], device=device)
                         dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
-                    reps_of[i] = int(want.item())
+                        reps_of[i] = int(want.item())
                 reps = reps_of[i]
                 if sizes[i] <= INTERLEAVE_MAX_BYTES:
                     ops[i] = (op, reps, trials_for(sizes[i], plan.trials) if round_ == 0 else plan.trials)
@@ -775,14 +777,14 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
 
     # the slowest rank of the groups timed (idle ranks reported 0)
     all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
+    per_trial = (f"calls per trial by size, cut to what lasts {plan.min_trial_s * 1e3:g} ms"
+                 if plan.min_trial_s > 0 else "calls per trial by size")
     for (spec, _, _, collective), times, extra, n_timed in zip(jobs, all_times, all_extra, timed):
         points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
         side = (f"{n_timed} timed, one per host, the others' ranks idle (more ranks than cores on a host: side by "
                 "side they would time the scheduler, and in turn they repeat the timed group's measurement on "
                 "the same cores)" if n_timed < len(spec.ranks) else "timed side by side")
-        per_trial = (f"calls per trial by size, cut to what lasts {plan.min_trial_s * 1e3:g} ms"
-                     if plan.min_trial_s > 0 else "calls per trial by size")
         source = (f"measured: {spec.label}, {len(spec.ranks)} group(s), {side}, {per_trial}, {plan.trials} trials "
                   f"({trials_for(1, plan.trials)} up to {_human(SMALL_TRIALS_MAX_BYTES)}; interleaved rounds up to "
                   f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "

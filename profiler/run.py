@@ -189,10 +189,6 @@ def crowded_hosts(ranks: list[tuple[str, list[int]]]) -> set[str]:
     return {h for h, (n, union) in hosts.items() if oversubscribed(n, len(union))}
 
 
-def any_host_oversubscribed(ranks: list[tuple[str, list[int]]]) -> bool:
-    """Whether some host runs more ranks than its ranks' CPUs (:func:`crowded_hosts`)."""
-    return bool(crowded_hosts(ranks))
-
 
 def _die_hook(rank: int):
     want = os.environ.get(DIE_ENV)
@@ -264,11 +260,12 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
 
             phase = "links"
             # every rank holds the same gathered (host, cores) and so builds the same jobs
-            one_at_a_time = any_host_oversubscribed(gathered)
+            crowded = crowded_hosts(gathered)
+            one_at_a_time = bool(crowded)
             plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
                             trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
                             one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout,
-                            min_trial_s=LINK_MIN_TRIAL_S, crowded_hosts=crowded_hosts(gathered))
+                            min_trial_s=LINK_MIN_TRIAL_S, crowded_hosts=crowded)
             if one_at_a_time:
                 c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
                                "each level that share such a host only one was timed, the host's other ranks idle "

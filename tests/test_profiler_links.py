@@ -210,15 +210,14 @@ def test_timed_groups_one_per_crowded_host_all_on_hosts_with_a_core_per_rank():
     assert timed_groups([[[0, 1]], [[2, 3]]], None, set()) == [[0, 1]]  # no host names: one host, crowded
 
 
-def test_any_host_oversubscribed_counts_the_cpus_a_hosts_ranks_may_use():
-    from profiler.run import any_host_oversubscribed, crowded_hosts
+def test_crowded_hosts_count_the_cpus_a_hosts_ranks_may_use():
+    from profiler.run import crowded_hosts
 
     assert crowded_hosts([("a", [0, 1])] * 4 + [("b", list(range(8)))] * 4) == {"a"}
-
-    assert any_host_oversubscribed([("a", [0, 1])] * 4)  # 4 ranks sharing 2 CPUs
-    assert not any_host_oversubscribed([("a", [i]) for i in range(4)])  # each rank pinned to a core of its own
-    assert not any_host_oversubscribed([("a", [0, 1]), ("a", [0, 1]), ("b", [0, 1]), ("b", [0, 1])])
-    assert any_host_oversubscribed([("a", list(range(8)))] * 2 + [("b", [0])] * 2)  # one host is enough
+    assert crowded_hosts([("a", [0, 1])] * 4) == {"a"}  # 4 ranks sharing 2 CPUs
+    assert crowded_hosts([("a", [i]) for i in range(4)]) == set()  # each rank pinned to a core of its own
+    assert crowded_hosts([("a", [0, 1]), ("a", [0, 1]), ("b", [0, 1]), ("b", [0, 1])]) == set()
+    assert crowded_hosts([("a", list(range(8)))] * 2 + [("b", [0])] * 2) == {"b"}  # one host is enough
 
 
 def test_oversubscribed_hosts_and_small_message_trials():
