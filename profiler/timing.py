@@ -79,11 +79,13 @@ def _time_calls(fn: Callable[[], object], calls: int, device: torch.device) -> f
 class Budget:
     """A time budget for a walk over operations in order of cost (:func:`time_rounds`).
 
-    The walk stops at the first operation whose warm-up call takes longer than ``max_call_s`` (it
-    gets one call only), or whose timing would take the walk's projected time (warm-ups spent plus
-    ``trials`` trials of every operation kept) past ``max_total_s``: that operation and every later
-    one are not timed. The walk's first operation is always kept, however slow, so a table is never
-    empty (an empty one would leave the planner a stand-in rate). One budget may span several
+    The walk stops at the first operation whose warm-up calls take longer than ``max_call_s`` (the
+    first and a second that confirms it: a first call may carry one-off costs, such as autograd's
+    first backward, 0.26 s for a 1 ms SDPA backward), or whose timing would take the walk's projected
+    time (warm-ups spent plus ``trials`` trials of every operation kept) past ``max_total_s``: that
+    operation and every later one are not timed. The walk's first group of operations (a GEMM, or an
+    attention forward with its backward) is always kept, however slow, so a table is never empty (an
+    empty one would leave the planner a stand-in rate). One budget may span several
     :func:`time_rounds` calls (batches of one walk); once stopped, it stays stopped. ``stopped``:
     (group of the operation it stopped at, seconds of one call of it, why)."""
 
@@ -92,17 +94,23 @@ class Budget:
     spent_s: float = 0.0  # projected seconds of the operations kept so far
     kept: int = 0
     stopped: tuple[int, float, str] | None = None
+    first_group: int | None = None  # the group of the walk's first operation: kept whatever it costs
 
-    def call_limit_s(self) -> float | None:
-        """Seconds of one call past which the next operation is not warmed up further (None: none)."""
-        return self.max_call_s if self.kept and self.stopped is None else None
+    def call_limit_s(self, group: int | None = None) -> float | None:
+        """Seconds of one call past which an operation of ``group`` is not warmed up further (None: none)."""
+        if self.stopped is not None or not self.kept or group == self.first_group:
+            return None
+        return self.max_call_s
 
     def admit(self, group: int, single_s: float, projected_s: float) -> bool:
         """Keep an operation whose call takes ``single_s`` and whose timing costs ``projected_s`` in all?"""
         if self.stopped is not None:
             return False
-        if not self.kept:  # the first is kept whatever it costs
-            self.spent_s, self.kept = projected_s, 1
+        if not self.kept or group == self.first_group:  # the first group is kept whatever it costs
+            if not self.kept:
+                self.first_group = group
+            self.spent_s += projected_s
+            self.kept += 1
             return True
         if self.max_call_s is not None and single_s > self.max_call_s:
             self.stopped = (group, single_s, f"one call took {single_s:.3g} s, over the {self.max_call_s:g} s a call "
@@ -123,13 +131,17 @@ def _calls_for(fn: Callable[[], object], device: torch.device, warmup: int, min_
     """Warm ``fn`` up (caches, allocator, kernel selection, lazy initialisation) and size its inner
     loop so a trial lasts at least ``min_time_s``. Returns (calls per trial, seconds of one call,
     seconds spent here); ``at_least_one``: time one warm-up call even when ``warmup`` is 0;
-    ``stop_above_s``: return after the first call if it took longer (a budget will not keep it)."""
+    ``stop_above_s``: return once two calls took longer (a budget will not keep it; the second
+    confirms that the first's time was not a one-off cost)."""
     single, spent = math.inf, 0.0
     # min of 2+: one hiccup must not size the loop
-    for _ in range(max(warmup, 2 if min_time_s > 0 else 0, 1 if at_least_one else 0)):
+    warm = max(warmup, 2 if min_time_s > 0 else 0, 1 if at_least_one else 0)
+    for i in range(max(warm, 2 if stop_above_s is not None else 0)):
+        if i >= warm and (stop_above_s is None or single <= stop_above_s):
+            break  # warmed up: a call past the warm-ups only confirms a slow first one
         t = _time_calls(fn, 1, device)
         single, spent = min(single, t), spent + t
-        if stop_above_s is not None and t > stop_above_s:
+        if stop_above_s is not None and i >= 1 and single > stop_above_s:
             return 1, single, spent
     calls = 1
     if min_time_s > 0 and math.isfinite(single):
@@ -199,7 +211,7 @@ def time_rounds(
             calls.append(None)
             continue
         n, single, spent = _calls_for(fn, device, warmup, min_time_s, max_calls_per_trial, budget is not None,
-                                      budget.call_limit_s() if budget is not None else None)
+                                      budget.call_limit_s(groups[i]) if budget is not None else None)
         if budget is not None and not budget.admit(groups[i], single, spent + trials * n * single):
             calls.append(None)
             for j in range(i - 1, -1, -1):  # the stopped group's earlier operations go too

@@ -253,12 +253,17 @@ def test_budget_stops_at_the_first_call_over_its_limit_and_stays_stopped():
     first = Budget(max_call_s=0.1, max_total_s=1.0)
     assert first.admit(0, 5.0, 20.0)  # a table is never empty: its first operation stays
     assert not first.admit(1, 0.01, 0.01) and "past its 1 s budget" in first.stopped[2]
+    # ... and the rest of its group: an attention forward keeps its backward, however slow
+    pair = Budget(max_call_s=0.1, max_total_s=1.0)
+    assert pair.admit(4, 0.01, 0.02) and pair.call_limit_s(4) is None and pair.call_limit_s(5) == 0.1
+    assert pair.admit(4, 0.3, 2.0) and pair.kept == 2 and pair.stopped is None
+    assert not pair.admit(5, 0.01, 0.01) and pair.stopped[0] == 5
 
 
 def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():
-    """Operations in order of cost: the walk stops at the first over the call budget after one
-    call of it (not its 3 warm-ups); it, every later one, and the earlier operations of its group get
-    None and are never timed in a round."""
+    """Operations in order of cost: the walk stops at the first over the call budget after two
+    calls of it (not its 3 warm-ups; the second confirms the first was no one-off cost); it, every
+    later one, and the earlier operations of its group get None and are never timed in a round."""
     from profiler.timing import Budget, time_rounds
 
     calls = {name: 0 for name in "abcde"}
@@ -274,12 +279,28 @@ def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():
     results = time_rounds(fns, device=CPU, warmup=3, trials=3, budget=budget, groups=[0, 1, 2, 2, 3])
     assert [r is not None for r in results] == [True, True, False, False, False]
     assert budget.stopped is not None and budget.stopped[0] == 2 and budget.stopped[1] >= 0.05
-    assert calls == {"a": 6, "b": 6, "c": 3, "d": 1, "e": 0}  # c: its warm-ups only; d: one call; e never ran
+    assert calls == {"a": 6, "b": 6, "c": 3, "d": 2, "e": 0}  # c: its warm-ups only; d: two calls; e never ran
     assert all(len(r.trials) == 3 for r in results[:2])
     # a walk whose first operation is over the call budget still times it (a table is never empty)
     slow_first = time_rounds([op("a", 0.03), op("b", 0.001)], device=CPU, warmup=1, trials=2,
                              budget=Budget(max_call_s=0.02))
     assert slow_first[0] is not None and len(slow_first[0].trials) == 2
+    # a walk whose first group is a forward and its backward keeps both, the backward however slow
+    pair = time_rounds([op("a", 0.001), op("b", 0.03), op("c", 0.001)], device=CPU, warmup=1, trials=2,
+                       budget=Budget(max_call_s=0.02), groups=[0, 0, 1])
+    assert [r is not None for r in pair] == [True, True, True]
+    # a first call slowed by a one-off cost (lazy initialisation) does not stop the walk: a second,
+    # fast call clears it
+    first_calls = {"n": 0}
+
+    def lazy() -> None:
+        first_calls["n"] += 1
+        time.sleep(0.05 if first_calls["n"] == 1 else 0.001)
+
+    lazy_budget = Budget(max_call_s=0.02)
+    cleared = time_rounds([op("a", 0.001), lazy, op("b", 0.001)], device=CPU, warmup=1, trials=2, budget=lazy_budget)
+    assert [r is not None for r in cleared] == [True, True, True] and lazy_budget.stopped is None
+    assert cleared[1].median_s < 0.02
 
 
 def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budget():
