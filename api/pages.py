@@ -175,7 +175,14 @@ def link_charts(profile: ClusterProfile) -> list[dict]:
 
 def compute_charts(profile: ClusterProfile) -> list[dict]:
     """Achieved compute vs size per operator kind: measured points, else the cost model's prediction."""
-    from planner.cost.compute import attention_time_s, causal_work_fraction, gemm_time_s, memory_time_s, peak_flops
+    from planner.cost.compute import (
+        attention_time_s,
+        attention_work,
+        causal_work_fraction,
+        gemm_time_s,
+        memory_time_s,
+        peak_flops,
+    )
 
     out = []
     overhead = profile.assumptions.kernel_overhead_s
@@ -215,9 +222,13 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     att = profile.compute.attention
     if att:
         fwd, bwd, lf, lb = [], [], [], []
+        blocking = profile.compute.attention_blocking
         for p in att:
-            frac = causal_work_fraction(p.seq_length) if p.causal else 1.0
-            flops = 4.0 * p.batch * p.seq_length**2 * p.num_heads * p.head_dim * frac
+            if blocking:  # the kernel's own tiles (torch's CPU flash kernel)
+                work = attention_work(p.seq_length, p.seq_length, p.causal, blocking)
+            else:
+                work = p.seq_length**2 * (causal_work_fraction(p.seq_length) if p.causal else 1.0)
+            flops = 4.0 * p.batch * p.num_heads * p.head_dim * work
             fwd.append((flops, flops / p.forward_time_s / 1e12))
             bwd.append((flops, 2.5 * flops / p.backward_time_s / 1e12))
             shape = f"b={p.batch} s={p.seq_length} h={p.num_heads} d={p.head_dim} {p.precision.value}"

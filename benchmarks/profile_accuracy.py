@@ -18,11 +18,10 @@ point that moved.
 Exit status 1 when any figure misses its target.
 
 Use ``--threads 1`` on a small CPU machine: with 2 threads on 2 vCPUs the same GEMM moves by ~15-20%
-between runs (noise floor 17%), with 1 thread by ~1-2%. Known miss on CPU: torch's CPU SDPA kernel
-steps at q_len = 768 (8 heads, d=64, bf16, 1 thread: backward 31.8 ms at 767, 24.1 ms at 768, and
-a sawtooth after it: 13.8 ms at 768, 17.1 ms at 776 in another run), so a held-out 768 between measured
-512 and 1024 is predicted ~15-25% slow; no smooth interpolation follows a step, only a grid point on
-each side of it would.
+between runs (noise floor 17%), with 1 thread by ~1-2%. Attention is held out at a length in every
+gap of the grid's lengths (1.5x the lower, or the geometric mean): torch's CPU flash kernel changes its
+query blocks at 192 and 768 and computes whole 512-key blocks, which the profile records
+(``ComputeProfile.attention_blocking``) and the planner prices (:func:`planner.cost.compute.attention_work`).
 
     .venv/bin/python benchmarks/profile_accuracy.py [--quick] [--threads N] [--precisions bf16,fp32]
     .venv/bin/python benchmarks/profile_accuracy.py --skip-compute   # links + quick-profile wall only
@@ -32,6 +31,7 @@ each side of it would.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -105,10 +105,23 @@ def held_out_gemms(grid: ComputeGrid, count: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _between(values: list[int]) -> list[int]:
+    """A length between each pair of neighbouring grid values: 1.5x the lower where that is below the
+    upper, else their geometric mean, each a multiple of 16 (512 and 768 give 640)."""
+    vs = sorted(set(values))
+    out = []
+    for a, b in zip(vs, vs[1:]):
+        m = 1.5 * a if 1.5 * a < b else math.sqrt(a * b)
+        m = max(16, int(round(m / 16)) * 16)
+        if a < m < b:
+            out.append(m)
+    return out
+
+
 def held_out_attention(grid: ComputeGrid) -> list[tuple[int, int, int, int, int]]:
-    """Each measured head layout at sequence lengths between the measured ones."""
+    """Each measured head layout at sequence lengths between the measured ones (every gap of the grid)."""
     seqs = sorted({a[1] for a in grid.attention})
-    mids = _midpoints(seqs)
+    mids = _between(seqs)
     layouts = sorted({(a[0], a[2], a[3], a[4]) for a in grid.attention})
     out = []
     for i, (b, h, kv, d) in enumerate(layouts):

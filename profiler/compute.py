@@ -25,13 +25,23 @@ import torch
 import torch.nn.functional as F
 
 from planner.contracts import ModelSpec, Precision
-from planner.contracts.cluster import AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
+from planner.contracts.cluster import AttentionBlocking, AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
 from planner.errors import AutoparError
 from profiler.timing import Budget, TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
+
+# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, torch 2.2 to 2.13 at
+# least) takes its queries in blocks of 32 rows below q_len 192, 64 below 768 and 256 from 768, and its
+# keys in blocks of 512, forward and backward alike; a causal query block computes every key block, whole,
+# up to its last row's. Its rate steps where the query blocks change (measured, 1 thread, 8 heads, d=64,
+# bf16 backward on the computed tiles: 15.0 GFLOP/s at 191, 22.6 at 192; 31.0 at 767, 40.2 at 768; fp32
+# alike). Recorded as ComputeProfile.attention_blocking of CPU profiles.
+CPU_FLASH_BLOCKING = (AttentionBlocking(from_q_len=0, q_block=32, kv_block=512),
+                      AttentionBlocking(from_q_len=192, q_block=64, kv_block=512),
+                      AttentionBlocking(from_q_len=768, q_block=256, kv_block=512))
 
 DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 ELEMENTWISE_OPS = ("rmsnorm", "silu_mul", "add", "softmax_cross_entropy")
@@ -245,9 +255,9 @@ def default_grid(
         if cpu:
             # 2x apart: rates are interpolated between neighbours, and 4x apart is too coarse for 15%
             sizes = [64, 128, 256, 512, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
-            # from 256: torch's CPU flash kernels change regime below ~192 (s=160 backward is slower
-            # than s=192), which no interpolation between 128 and 256 can follow
-            seqs = [256, 512, 1024] if quick else [256, 512, 1024, 2048]
+            # torch's CPU flash kernel changes its query blocks at 192 and 768 (CPU_FLASH_BLOCKING):
+            # a point in each regime, and 768 itself, so no regime is priced from another's rates
+            seqs = [128, 256, 512, 768, 1024] if quick else [64, 128, 256, 512, 768, 1024, 2048]
             layouts = [(8, 8, 64), (8, 2, 64)] if quick else [(4, 4, 64), (8, 2, 64), (8, 8, 64), (16, 16, 64), (8, 8, 128)]
             elt_bytes = [1 << 20, 16 << 20] if quick else [256 << 10, 2 << 20, 16 << 20, 64 << 20]
         else:
@@ -601,6 +611,19 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
             done += 1
     tick("compute done")
 
+    if device.type == "cpu" and profile.attention:
+        profile.attention_blocking = list(CPU_FLASH_BLOCKING)
+        starts = [b.from_q_len for b in CPU_FLASH_BLOCKING]
+        edges = (*starts, math.inf)
+        names = [f"below {edges[1]}", *(f"{lo}-{hi - 1}" for lo, hi in zip(edges[1:-2], edges[2:-1])),
+                 f"{edges[-2]} and up"]
+        missing = [name for name, lo, hi in zip(names, edges, edges[1:])
+                   if not any(lo <= a.seq_length < hi for a in profile.attention)]
+        if missing:
+            grid.notes.append(f"attention: torch's CPU flash kernel changes its query blocks at q_len "
+                              f"{' and '.join(map(str, starts[1:]))}; nothing was measured at q_len "
+                              f"{', '.join(missing)}, so the planner prices those at the rates of the nearest "
+                              "measured lengths' regime")
     rates: dict[Precision, float] = {}
     for g in profile.gemm:
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)

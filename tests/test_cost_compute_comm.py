@@ -10,6 +10,8 @@ import pytest
 
 from planner.contracts import (
     Assumptions,
+    AttentionBlocking,
+    AttentionPoint,
     ClusterProfile,
     Collective,
     ComputeProfile,
@@ -256,6 +258,93 @@ class TestAttention:
                                 v_dim=64, precision=Precision.bf16, causal=True, flash=False)
         assert f == pytest.approx(fwd)  # 1.900544e-6
         assert b == pytest.approx(bwd)  # 2.883584e-6
+
+
+class TestMeasuredAttentionBlocking:
+    """A measured table with the kernel's tiling (torch's CPU flash kernel): rates on the computed
+    tiles, interpolated only within a regime of query blocks."""
+
+    CPU = [AttentionBlocking(from_q_len=0, q_block=32, kv_block=512),
+           AttentionBlocking(from_q_len=192, q_block=64, kv_block=512),
+           AttentionBlocking(from_q_len=768, q_block=256, kv_block=512)]
+
+    def test_causal_tiles_by_hand(self):
+        from planner.cost.compute import _causal_tiles
+
+        assert _causal_tiles(512, 64, 512) == 512 * 512  # one key block: the mask saves nothing
+        # 640 = 10 blocks of 64 rows: blocks 0-7 end by 512 and compute 512 keys, blocks 8-9 all 640
+        assert _causal_tiles(640, 64, 512) == 8 * 64 * 512 + 2 * 64 * 640  # 344064
+        # 2048 = 8 blocks of 256: key columns 512, 512, 1024, 1024, 1536, 1536, 2048, 2048
+        assert _causal_tiles(2048, 256, 512) == 256 * 10240  # 2621440: 62.5% of 2048^2
+        # 776: 3 whole blocks and 8 rows, which compute all 776 keys
+        assert _causal_tiles(776, 256, 512) == 256 * (512 + 512 + 776) + 8 * 776
+
+    def test_attention_work(self):
+        from planner.cost.compute import _causal_tiles, attention_work
+
+        assert attention_work(640, 640, True, []) == 640 * 640  # no tiling known: every score
+        assert attention_work(640, 640, False, self.CPU) == 640 * 640  # no mask: every score
+        assert attention_work(640, 640, True, self.CPU) == _causal_tiles(640, 64, 512)
+        assert attention_work(1024, 1024, True, self.CPU) == _causal_tiles(1024, 256, 512)
+        # a context-parallel share: a quarter of the 2048 square's tiles, in the regime of 512 queries
+        assert attention_work(512, 2048, True, self.CPU) == pytest.approx(_causal_tiles(2048, 64, 512) / 4)
+
+    @staticmethod
+    def _point(s: int, fwd_rate: float, bwd_rate: float, blocking) -> AttentionPoint:
+        from planner.cost.compute import attention_work
+
+        flops = 4.0 * 8 * 64 * attention_work(s, s, True, blocking)  # 2·b·h·(d_qk + d_v)·tiles
+        return AttentionPoint(precision=Precision.bf16, batch=1, seq_length=s, num_heads=8, num_kv_heads=8,
+                              head_dim=64, forward_time_s=flops / fwd_rate, backward_time_s=flops / bwd_rate)
+
+    def _profile(self, lengths_rates: dict[int, tuple[float, float]], blocking=None) -> ClusterProfile:
+        blocking = self.CPU if blocking is None else blocking
+        points = [self._point(s, f, b, blocking) for s, (f, b) in lengths_rates.items()]
+        return toy_profile(compute=ComputeProfile(attention=points, attention_blocking=blocking))
+
+    @staticmethod
+    def _time(profile: ClusterProfile, q: int, kv: int | None = None) -> tuple[float, float]:
+        return attention_time_s(profile, batch=1, q_len=q, kv_len=kv or q, heads=8, kv_heads=8, qk_dim=64, v_dim=64,
+                                precision=Precision.bf16, causal=True, flash=True)
+
+    def test_each_regime_priced_at_its_own_rates_on_the_computed_tiles(self):
+        from planner.cost.compute import attention_work
+
+        # regime of 64-row blocks at 70 / 30 GFLOP/s, regime of 256-row blocks at 80 / 40
+        table = {256: (70e9, 30e9), 512: (70e9, 30e9), 1024: (80e9, 40e9), 2048: (80e9, 40e9)}
+        prof = self._profile(table)
+        for s, (rf, rb) in table.items():  # a measured point is its own measurement
+            p = self._point(s, rf, rb, self.CPU)
+            assert self._time(prof, s) == pytest.approx((p.forward_time_s, p.backward_time_s))
+        # 640 and 767 sit between 512 and 1024 but run 64-row blocks: 70 / 30, not a mix with 80 / 40
+        for s in (640, 767):
+            work = 4.0 * 8 * 64 * attention_work(s, s, True, self.CPU)
+            assert self._time(prof, s) == pytest.approx((work / 70e9, work / 30e9))
+        work = 4.0 * 8 * 64 * attention_work(768, 768, True, self.CPU)
+        assert self._time(prof, 768) == pytest.approx((work / 80e9, work / 40e9))
+        # nothing measured below 192: the nearest measured regime's rates (256's), on 32-row tiles
+        work = 4.0 * 8 * 64 * attention_work(128, 128, True, self.CPU)
+        assert self._time(prof, 128) == pytest.approx((work / 70e9, work / 30e9))
+        # context parallelism: 512 queries of a 2048 sequence, in the 64-row regime
+        work = 4.0 * 8 * 64 * attention_work(512, 2048, True, self.CPU)
+        assert self._time(prof, 512, 2048) == pytest.approx((work / 70e9, work / 30e9))
+
+    def test_without_a_tiling_the_table_is_interpolated_on_every_score(self):
+        # the same times read by a profile that does not know the tiling (a GPU profile's reading)
+        timed = self._profile({512: (70e9, 30e9), 1024: (80e9, 40e9)})
+        blind = toy_profile(compute=ComputeProfile(attention=timed.compute.attention))
+        f512, f1024 = timed.compute.attention[0].forward_time_s, timed.compute.attention[1].forward_time_s
+        assert self._time(blind, 512)[0] == pytest.approx(f512) and self._time(blind, 1024)[0] == pytest.approx(f1024)
+        # in between: one rate from both ends on all q·kv scores, not the 64-row regime's own
+        fwd = self._time(blind, 640)[0]
+        assert fwd != pytest.approx(self._time(timed, 640)[0], rel=0.01)
+
+    def test_blocking_must_ascend(self):
+        from pydantic import ValidationError
+
+        with pytest.raises(ValidationError, match=r"attention_blocking from_q_len=\[768, 192\] must be strictly "
+                                                  r"ascending"):
+            ComputeProfile(attention_blocking=[self.CPU[2], self.CPU[1]])
 
 
 # ============================================================================================

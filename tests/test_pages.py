@@ -118,6 +118,24 @@ def test_measured_profile_page_draws_points(site: dict) -> None:
     assert "node-a" in page and "12.4" in page
 
 
+def test_a_cpu_profile_page_shows_the_attention_kernels_tiles(site: dict) -> None:
+    c = site["client"]
+    body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]
+    body.update(name="lab-cpu")
+    body["compute"]["attention_blocking"] = [{"from_q_len": 0, "q_block": 32, "kv_block": 512},
+                                             {"from_q_len": 192, "q_block": 64, "kv_block": 512},
+                                             {"from_q_len": 768, "q_block": 256, "kv_block": 512}]
+    r = c.post("/v1/profiles", json=body)
+    assert r.status_code == 201, r.text
+    page = html(site, f"/profiles/{r.json()['id']}")
+    assert "attention kernel tiles" in page and "q_len 192+: 64 × 512" in page and "q_len 768+: 256 × 512" in page
+    assert "forward measured" in page
+    # one that does not ascend is refused, naming the field
+    body["compute"]["attention_blocking"].reverse()
+    bad = c.post("/v1/profiles", json=body)
+    assert bad.status_code == 422 and "attention_blocking" in bad.text and "ascending" in bad.text
+
+
 def test_profile_versions_are_linked(site: dict) -> None:
     c = site["client"]
     body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]

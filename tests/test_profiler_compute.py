@@ -170,6 +170,26 @@ def test_default_grid_for_a_model_has_every_linear_gemm_at_each_tp():
     assert grid.precisions == [Precision.fp32, Precision.bf16]
 
 
+def test_a_cpu_profile_records_the_flash_kernels_tiling_and_the_regimes_it_missed(measured):
+    from profiler.compute import CPU_FLASH_BLOCKING
+
+    assert measured.attention_blocking == list(CPU_FLASH_BLOCKING)
+    # TINY measures q_len 128 and 256: the 256-row regime from 768 has no measurement, and says so
+    (note,) = [n for n in TINY.notes if "query blocks" in n]
+    assert "nothing was measured at q_len 768 and up" in note and "below 192" not in note
+
+
+def test_default_cpu_grids_measure_every_regime_of_the_flash_kernel():
+    from profiler.compute import CPU_FLASH_BLOCKING
+
+    starts = [b.from_q_len for b in CPU_FLASH_BLOCKING]
+    for quick in (True, False):
+        seqs = {a[1] for a in default_grid(quick=quick, device_type="cpu").attention}
+        for lo, hi in zip(starts, [*starts[1:], math.inf]):
+            # a full profile brackets lengths in every regime; a quick one measures each at least once
+            assert sum(lo <= s < hi for s in seqs) >= (1 if quick else 2), (quick, lo)
+
+
 def test_default_grids_without_a_model():
     quick = default_grid(quick=True)
     full = default_grid()

@@ -1,6 +1,7 @@
 """Versioned contracts exchanged between profiler, planner, executor and the service."""
 
 from planner.contracts.cluster import (
+    AttentionBlocking,
     AttentionPoint,
     ClusterProfile,
     Collective,
@@ -51,7 +52,8 @@ def json_schemas() -> dict[str, dict]:
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
     "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "Environment", "LinkLevel", "Collective",
-    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "ElementwisePoint",
+    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "AttentionBlocking",
+    "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
     "SearchReport", "FamilyOutcome",

@@ -181,12 +181,36 @@ class ElementwisePoint(Contract):
     time_s: float = Field(gt=0)
 
 
+class AttentionBlocking(Contract):
+    """One regime of an attention kernel's tiling: from this query length on (up to the next
+    regime's), queries are processed in blocks of ``q_block`` rows against keys in blocks of
+    ``kv_block`` columns, and a causal block computes every key block up to its last row's."""
+
+    from_q_len: int = Field(ge=0, description="first query length of the regime")
+    q_block: PositiveInt
+    kv_block: PositiveInt
+
+
 class ComputeProfile(Contract):
     gemm: list[GemmPoint] = Field(default_factory=list)
     attention: list[AttentionPoint] = Field(default_factory=list)
     elementwise: list[ElementwisePoint] = Field(default_factory=list)
     achieved_matmul_tflops: dict[Precision, float] = Field(default_factory=dict)
     achieved_memory_bandwidth_bytes_per_s: float | None = None
+    attention_blocking: list[AttentionBlocking] = Field(
+        default_factory=list,
+        description="how the measured attention kernel tiles a causal score matrix, by query length (torch's CPU "
+        "flash kernel: query blocks of 32 rows below 192, 64 below 768, 256 from there, key blocks of 512); empty: "
+        "not known (GPU kernels, whose tiles are small). The planner prices attention by the tiles computed and "
+        "interpolates only between measurements in the same regime")
+
+    @model_validator(mode="after")
+    def _blocking(self) -> ComputeProfile:
+        starts = [b.from_q_len for b in self.attention_blocking]
+        if any(x >= y for x, y in zip(starts, starts[1:])):
+            raise ValueError(f"attention_blocking from_q_len={starts} must be strictly ascending, one entry per "
+                             f"regime, e.g. {sorted(set(starts))}")
+        return self
 
 
 class Assumptions(Contract):

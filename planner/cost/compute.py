@@ -9,10 +9,11 @@ so the datasheet never enters.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 
-from planner.contracts import ClusterProfile, Precision
+from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, Precision
 from planner.cost.memo import memo_for
 
 
@@ -203,14 +204,19 @@ def attention_time_s(
     Fused (flash): forward FLOPs ``2·b·q·kv·a·(d_qk + d_v)`` times the causal fraction, at
     ``peak · attention_efficiency`` (16-bit even in FP8 recipes); backward runs 5 of those matmuls
     instead of 2 (it recomputes the scores), i.e. 2.5× forward.
+    A measured table (fused kernels) gives the rate instead: that of the nearest measurements in the
+    same regime of the kernel's tiling, on the score elements it computes (:func:`same_regime`,
+    :func:`attention_work`).
     Unfused (Megatron 2021): two batched GEMMs plus the scale-mask-softmax and dropout streaming
     the ``b·a·q·kv`` scores through HBM: 9 bytes per score forward, 11 backward.
     """
     table = [p for p in profile.compute.attention if p.precision is precision and p.causal == causal]
     flops = 2.0 * batch * q_len * kv_len * heads * (qk_dim + v_dim)
     if table and flash:
-        fwd, bwd = _interpolated_attention(table, batch, q_len, heads, kv_heads, qk_dim, flops)
-        return fwd, bwd
+        blocking = profile.compute.attention_blocking
+        work = 2.0 * batch * heads * (qk_dim + v_dim) * attention_work(q_len, kv_len, causal, blocking)
+        return _interpolated_attention(same_regime(table, q_len, blocking), blocking, batch, q_len, heads, kv_heads,
+                                       qk_dim, work)
     if flash:
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
         rate = peak_flops(profile, Precision.bf16) * profile.assumptions.attention_efficiency
@@ -227,9 +233,62 @@ def attention_time_s(
     return gemms + memory_time_s(profile, 9.0 * scores), 2.0 * gemms + memory_time_s(profile, 11.0 * scores)
 
 
-def _interpolated_attention(table, batch, seq, heads, kv_heads, head_dim, flops):  # noqa: ANN001
-    """Measured attention: forward and backward FLOP rates fitted locally in log space
-    (:func:`local_log_fit`) on (log seq, log batch·heads, log batch·kv_heads, log head_dim)."""
+def blocking_regime(blocking: list[AttentionBlocking], q_len: int) -> int:
+    """Index of the kernel regime (``ComputeProfile.attention_blocking``) a query length runs in."""
+    return max(0, bisect.bisect_right([b.from_q_len for b in blocking], q_len) - 1)
+
+
+@functools.lru_cache(maxsize=65536)
+def _causal_tiles(seq: int, q_block: int, kv_block: int) -> int:
+    """Score-matrix elements a blocked causal kernel computes for ``seq`` queries against ``seq``
+    keys (top-left aligned): each block of up to ``q_block`` query rows computes every key block,
+    whole, up to the one holding its last row's key."""
+    work, start = 0, 0
+    while start < seq:
+        rows = min(q_block, seq - start)
+        work += rows * min(-(-(start + rows) // kv_block) * kv_block, seq)
+        start += rows
+    return work
+
+
+def attention_work(q_len: int, kv_len: int, causal: bool, blocking: list[AttentionBlocking]) -> float:
+    """Score-matrix elements the attention kernel computes: all ``q_len · kv_len`` without causal
+    masking or a known tiling (``blocking`` empty: GPU flash kernels, whose small tiles the measured
+    rate absorbs); else the tiles of the regime ``q_len`` runs in (:func:`_causal_tiles`). With fewer
+    queries than keys (context parallelism: this rank's share of a causal ``kv_len`` sequence), that
+    share of the ``kv_len`` square's tiles.
+
+    Torch's CPU kernel computes whole 512-key blocks: at q_len 512 the causal mask saves nothing, at
+    2048 it saves 37.5%, so its rate on all ``q·kv`` scores rises 69 → 124 GFLOP/s from 192 to 2048
+    (bf16, forward, 1 thread) while its rate on the computed tiles stays 69-78."""
+    if not causal or not blocking:
+        return float(q_len) * kv_len
+    b = blocking[blocking_regime(blocking, q_len)]
+    return _causal_tiles(kv_len, b.q_block, b.kv_block) * (q_len / kv_len)
+
+
+def same_regime(table: list[AttentionPoint], q_len: int, blocking: list[AttentionBlocking]) -> list[AttentionPoint]:
+    """The attention measurements to interpolate ``q_len`` from: those in its regime of the kernel's
+    tiling (``ComputeProfile.attention_blocking``). Torch's CPU kernel changes its query blocks at
+    192 and 768, and its rate steps there even on the computed tiles (1 thread, bf16, 8 heads, d=64:
+    backward 15.0 GFLOP/s at 191, 22.6 at 192; 31.0 at 767, 40.2 at 768), so a fit across a switch
+    would miss on both sides of it. With no measurement in the regime, those of the regime of the
+    nearest measured length (priced at their rates, as beyond the table's ends)."""
+    if not blocking or not table:
+        return table
+    regime = blocking_regime(blocking, q_len)
+    same = [p for p in table if blocking_regime(blocking, p.seq_length) == regime]
+    if same:
+        return same
+    nearest = min(table, key=lambda p: abs(math.log(p.seq_length / q_len)))
+    regime = blocking_regime(blocking, nearest.seq_length)
+    return [p for p in table if blocking_regime(blocking, p.seq_length) == regime]
+
+
+def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_dim, work):  # noqa: ANN001
+    """Measured attention: forward and backward rates (FLOPs of the computed score elements,
+    :func:`attention_work`, per second) fitted locally in log space (:func:`local_log_fit`) on
+    (log seq, log batch·heads, log batch·kv_heads, log head_dim); ``work`` is the target's FLOPs."""
 
     def coords(b, s, h, kv, d):  # noqa: ANN001, ANN202
         return (math.log(s), math.log(b * h), math.log(b * kv), math.log(d))
@@ -238,7 +297,7 @@ def _interpolated_attention(table, batch, seq, heads, kv_heads, head_dim, flops)
     fwd_pts, bwd_pts = [], []
     for p in table:
         x = coords(p.batch, p.seq_length, p.num_heads, p.num_kv_heads, p.head_dim)
-        ref_flops = 4.0 * p.batch * p.seq_length**2 * p.num_heads * p.head_dim
-        fwd_pts.append((x, math.log(ref_flops / p.forward_time_s)))
-        bwd_pts.append((x, math.log(ref_flops / p.backward_time_s)))
-    return flops / math.exp(local_log_fit(fwd_pts, target)), flops / math.exp(local_log_fit(bwd_pts, target))
+        ref = 4.0 * p.batch * p.num_heads * p.head_dim * attention_work(p.seq_length, p.seq_length, p.causal, blocking)
+        fwd_pts.append((x, math.log(ref / p.forward_time_s)))
+        bwd_pts.append((x, math.log(ref / p.backward_time_s)))
+    return work / math.exp(local_log_fit(fwd_pts, target)), work / math.exp(local_log_fit(bwd_pts, target))
