@@ -107,7 +107,7 @@ def held_out_gemms(grid: ComputeGrid, count: int) -> list[tuple[int, int, int]]:
 
 def _between(values: list[int]) -> list[int]:
     """A length between each pair of neighbouring grid values: 1.5x the lower where that is below the
-    upper, else their geometric mean, each a multiple of 16 (512 and 768 give 640)."""
+    upper, else their geometric mean, each a multiple of 16 (512 and 768 give 624)."""
     vs = sorted(set(values))
     out = []
     for a, b in zip(vs, vs[1:]):

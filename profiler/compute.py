@@ -516,6 +516,22 @@ def _attention_flops(b: int, s: int, h: int, kv: int, d: int) -> float:
     return 4.0 * b * s * s * h * d
 
 
+def regime_gaps(points: list[AttentionPoint], blocking: tuple[AttentionBlocking, ...]) -> list[str]:
+    """The kernel regimes (``blocking``) without a measurement, per precision (the planner reads one
+    precision's table): e.g. ``["bf16 at q_len 768 and up"]``."""
+    starts = [b.from_q_len for b in blocking]
+    edges = (*starts, math.inf)
+    names = [f"below {edges[1]}", *(f"{lo}-{hi - 1}" for lo, hi in zip(edges[1:-2], edges[2:-1])),
+             f"{edges[-2]} and up"] if len(starts) > 1 else ["any"]
+    gaps = []
+    for p in dict.fromkeys(a.precision for a in points):
+        lengths = [a.seq_length for a in points if a.precision is p]
+        missing = [name for name, lo, hi in zip(names, edges, edges[1:]) if not any(lo <= s < hi for s in lengths)]
+        if missing:
+            gaps.append(f"{p.value} at q_len {', '.join(missing)}")
+    return gaps
+
+
 def _note_budget_stop(grid: ComputeGrid, table: str, unit: str, names: list[str], results: list[str | None],
                       budget: Budget | None) -> None:
     """Say in ``grid.notes`` where a table's walk stopped (:class:`~profiler.timing.Budget`), if it did.
@@ -613,17 +629,12 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 
     if device.type == "cpu" and profile.attention:
         profile.attention_blocking = list(CPU_FLASH_BLOCKING)
-        starts = [b.from_q_len for b in CPU_FLASH_BLOCKING]
-        edges = (*starts, math.inf)
-        names = [f"below {edges[1]}", *(f"{lo}-{hi - 1}" for lo, hi in zip(edges[1:-2], edges[2:-1])),
-                 f"{edges[-2]} and up"]
-        missing = [name for name, lo, hi in zip(names, edges, edges[1:])
-                   if not any(lo <= a.seq_length < hi for a in profile.attention)]
-        if missing:
+        gaps = regime_gaps(profile.attention, CPU_FLASH_BLOCKING)
+        if gaps:
             grid.notes.append(f"attention: torch's CPU flash kernel changes its query blocks at q_len "
-                              f"{' and '.join(map(str, starts[1:]))}; nothing was measured at q_len "
-                              f"{', '.join(missing)}, so the planner prices those at the rates of the nearest "
-                              "measured lengths' regime")
+                              f"{' and '.join(str(b.from_q_len) for b in CPU_FLASH_BLOCKING[1:])}; nothing was "
+                              f"measured for {'; '.join(gaps)}, so the planner prices those at the rates of the "
+                              "nearest measured lengths' regime")
     rates: dict[Precision, float] = {}
     for g in profile.gemm:
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)

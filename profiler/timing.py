@@ -95,10 +95,11 @@ class Budget:
     kept: int = 0
     stopped: tuple[int, float, str] | None = None
     first_group: int | None = None  # the group of the walk's first operation: kept whatever it costs
+    first_open: bool = True  # until an operation of another group comes (group ids may repeat across calls)
 
     def call_limit_s(self, group: int | None = None) -> float | None:
         """Seconds of one call past which an operation of ``group`` is not warmed up further (None: none)."""
-        if self.stopped is not None or not self.kept or group == self.first_group:
+        if self.stopped is not None or not self.kept or (self.first_open and group == self.first_group):
             return None
         return self.max_call_s
 
@@ -106,12 +107,13 @@ class Budget:
         """Keep an operation whose call takes ``single_s`` and whose timing costs ``projected_s`` in all?"""
         if self.stopped is not None:
             return False
-        if not self.kept or group == self.first_group:  # the first group is kept whatever it costs
+        if not self.kept or (self.first_open and group == self.first_group):  # kept whatever it costs
             if not self.kept:
                 self.first_group = group
             self.spent_s += projected_s
             self.kept += 1
             return True
+        self.first_open = False
         if self.max_call_s is not None and single_s > self.max_call_s:
             self.stopped = (group, single_s, f"one call took {single_s:.3g} s, over the {self.max_call_s:g} s a call "
                                               "budget")

@@ -286,8 +286,8 @@ class TestMeasuredAttentionBlocking:
         assert attention_work(640, 640, False, self.CPU) == 640 * 640  # no mask: every score
         assert attention_work(640, 640, True, self.CPU) == _causal_tiles(640, 64, 512)
         assert attention_work(1024, 1024, True, self.CPU) == _causal_tiles(1024, 256, 512)
-        # a context-parallel share: a quarter of the 2048 square's tiles, in the regime of 512 queries
-        assert attention_work(512, 2048, True, self.CPU) == pytest.approx(_causal_tiles(2048, 64, 512) / 4)
+        # a context-parallel share, masked by a tensor: every key block of its 512 queries is computed
+        assert attention_work(512, 2048, True, self.CPU) == 512 * 2048
 
     @staticmethod
     def _point(s: int, fwd_rate: float, bwd_rate: float, blocking) -> AttentionPoint:
@@ -325,8 +325,8 @@ class TestMeasuredAttentionBlocking:
         # nothing measured below 192: the nearest measured regime's rates (256's), on 32-row tiles
         work = 4.0 * 8 * 64 * attention_work(128, 128, True, self.CPU)
         assert self._time(prof, 128) == pytest.approx((work / 70e9, work / 30e9))
-        # context parallelism: 512 queries of a 2048 sequence, in the 64-row regime
-        work = 4.0 * 8 * 64 * attention_work(512, 2048, True, self.CPU)
+        # context parallelism: 512 queries of a 2048 sequence, every score, at the 64-row regime's rates
+        work = 4.0 * 8 * 64 * 512 * 2048
         assert self._time(prof, 512, 2048) == pytest.approx((work / 70e9, work / 30e9))
 
     def test_without_a_tiling_the_table_is_interpolated_on_every_score(self):
@@ -342,9 +342,11 @@ class TestMeasuredAttentionBlocking:
     def test_blocking_must_ascend(self):
         from pydantic import ValidationError
 
-        with pytest.raises(ValidationError, match=r"attention_blocking from_q_len=\[768, 192\] must be strictly "
+        with pytest.raises(ValidationError, match=r"attention_blocking from_q_len=\[0, 768, 192\] must be strictly "
                                                   r"ascending"):
-            ComputeProfile(attention_blocking=[self.CPU[2], self.CPU[1]])
+            ComputeProfile(attention_blocking=[self.CPU[0], self.CPU[2], self.CPU[1]])
+        with pytest.raises(ValidationError, match=r"from_q_len=\[192, 768\] must start at 0"):
+            ComputeProfile(attention_blocking=self.CPU[1:])
 
 
 # ============================================================================================

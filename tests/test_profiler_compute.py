@@ -176,7 +176,23 @@ def test_a_cpu_profile_records_the_flash_kernels_tiling_and_the_regimes_it_misse
     assert measured.attention_blocking == list(CPU_FLASH_BLOCKING)
     # TINY measures q_len 128 and 256: the 256-row regime from 768 has no measurement, and says so
     (note,) = [n for n in TINY.notes if "query blocks" in n]
-    assert "nothing was measured at q_len 768 and up" in note and "below 192" not in note
+    assert "nothing was measured for fp32 at q_len 768 and up; bf16 at q_len 768 and up" in note
+    assert "below 192" not in note
+
+
+def test_regime_gaps_are_found_per_precision():
+    from planner.contracts import AttentionPoint
+    from profiler.compute import CPU_FLASH_BLOCKING, regime_gaps
+
+    def at(s: int, p: Precision) -> AttentionPoint:
+        return AttentionPoint(precision=p, batch=1, seq_length=s, num_heads=2, num_kv_heads=2, head_dim=32,
+                              forward_time_s=1e-3, backward_time_s=2e-3)
+
+    # fp32 reached 1024, the bf16 walk stopped before 768: the bf16 table alone lacks the top regime
+    points = [at(s, Precision.fp32) for s in (128, 256, 768, 1024)] + [at(s, Precision.bf16) for s in (128, 256)]
+    assert regime_gaps(points, CPU_FLASH_BLOCKING) == ["bf16 at q_len 768 and up"]
+    assert regime_gaps([at(512, Precision.fp32)], CPU_FLASH_BLOCKING) == ["fp32 at q_len below 192, 768 and up"]
+    assert regime_gaps(points[:4], CPU_FLASH_BLOCKING) == []
 
 
 def test_default_cpu_grids_measure_every_regime_of_the_flash_kernel():
@@ -278,6 +294,10 @@ def test_budget_stops_at_the_first_call_over_its_limit_and_stays_stopped():
     assert pair.admit(4, 0.01, 0.02) and pair.call_limit_s(4) is None and pair.call_limit_s(5) == 0.1
     assert pair.admit(4, 0.3, 2.0) and pair.kept == 2 and pair.stopped is None
     assert not pair.admit(5, 0.01, 0.01) and pair.stopped[0] == 5
+    # the first group closes at the next group: a later batch's group id 0 gets no free pass
+    batches = Budget(max_call_s=0.1)
+    assert batches.admit(0, 0.01, 0.02) and batches.admit(1, 0.01, 0.02)
+    assert batches.call_limit_s(0) == 0.1 and not batches.admit(0, 0.5, 1.0)
 
 
 def test_time_rounds_within_a_budget_drops_the_rest_and_the_stopped_group():

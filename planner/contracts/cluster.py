@@ -207,6 +207,9 @@ class ComputeProfile(Contract):
     @model_validator(mode="after")
     def _blocking(self) -> ComputeProfile:
         starts = [b.from_q_len for b in self.attention_blocking]
+        if starts and starts[0] != 0:
+            raise ValueError(f"attention_blocking from_q_len={starts} must start at 0, so every query length has "
+                             f"a regime, e.g. {[0, *starts[1:]]}")
         if any(x >= y for x, y in zip(starts, starts[1:])):
             raise ValueError(f"attention_blocking from_q_len={starts} must be strictly ascending, one entry per "
                              f"regime, e.g. {sorted(set(starts))}")
