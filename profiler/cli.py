@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,26 @@ def _progress_factory():  # noqa: ANN202
     return make
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(field: str, text: str | None) -> int | None:
+    """A message size: bytes (``268435456``), or a number with a unit: K/M/G/T and KiB/MiB/GiB/TiB are
+    powers of 1024 (as nccl-tests' ``-b 8 -e 128M``), KB/MB/GB/TB powers of 1000."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise AutoparError(field, text, "give bytes or a size with a unit, e.g. 268435456, 256MiB, 256M or 64KiB",
+                           problem="is not a size")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value != int(value):
+        raise AutoparError(field, text, f"give a whole number of bytes, e.g. {int(value)}", problem="is not whole bytes")
+    return int(value)
+
+
 def publish(profile_json: str, out: Path | None, server: str | None, token: str | None) -> dict | None:
     """Write the JSON to ``out`` and POST the very same bytes to ``{server}/v1/profiles``."""
     if out is not None:
@@ -66,8 +87,11 @@ def profile(
     model: Annotated[Optional[str], typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
     tp_degrees: Annotated[Optional[str], typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
     precisions: Annotated[Optional[str], typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,
-    min_bytes: Annotated[Optional[int], typer.Option(help="smallest message (default 4096)")] = None,
-    max_bytes: Annotated[Optional[int], typer.Option(help="largest message (default 256 MiB, quick 16 MiB)")] = None,
+    min_bytes: Annotated[Optional[str], typer.Option(
+        help="smallest message: bytes, or with a unit (64KiB, 4K; K/M/G = 1024-based, KB/MB/GB = 1000); "
+             "default 4K")] = None,
+    max_bytes: Annotated[Optional[str], typer.Option(
+        help="largest message, e.g. 256MiB or 268435456 (default 256 MiB, quick 16 MiB)")] = None,
     ranks_per_node: Annotated[Optional[int], typer.Option(
         help="treat consecutive blocks of K ranks as nodes (emulated nodes, labelled so in the profile); "
              "default torchrun's LOCAL_WORLD_SIZE")] = None,
@@ -88,11 +112,12 @@ def profile(
     from profiler.run import ProfileOptions, RankFailure, dist_env, run_profile
 
     d = dist_env()
-    opts = ProfileOptions(name=name, quick=quick, model=model, tp_degrees=tp_degrees, precisions=precisions,
-                          min_bytes=min_bytes, max_bytes=max_bytes, ranks_per_node=ranks_per_node,
-                          timeout_s=timeout, threads=threads)
     t0 = time.perf_counter()
     try:
+        opts = ProfileOptions(name=name, quick=quick, model=model, tp_degrees=tp_degrees, precisions=precisions,
+                              min_bytes=parse_bytes("--min-bytes", min_bytes),
+                              max_bytes=parse_bytes("--max-bytes", max_bytes), ranks_per_node=ranks_per_node,
+                              timeout_s=timeout, threads=threads)
         if out is None and server is None:
             raise AutoparError("--out", None, "give --out PATH and/or --server URL", problem="and --server are both missing")
         result = run_profile(opts, progress_factory=_progress_factory())

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, TrainingConfig
+from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.search import search
 from profiler.links import link_fit_report
@@ -175,6 +176,24 @@ def test_max_bytes_too_large_for_memory_stops(tmp_path):
     proc = _single("--max-bytes", str(1 << 50), "--out", str(tmp_path / "p.json"))
     _no_measuring(proc)
     assert proc.returncode == 2 and "--max-bytes" in proc.stderr and "does not fit in memory" in proc.stderr, proc.stderr
+
+
+def test_message_sizes_take_units_and_refuse_what_is_not_a_size(tmp_path):
+    from profiler.cli import parse_bytes
+
+    assert parse_bytes("--max-bytes", "256MiB") == parse_bytes("--max-bytes", "256M") == 256 << 20
+    assert parse_bytes("--min-bytes", "64 KiB") == 65536 and parse_bytes("--min-bytes", "4096") == 4096
+    assert parse_bytes("--max-bytes", "1GB") == 10**9 and parse_bytes("--max-bytes", "1.5k") == 1536
+    assert parse_bytes("--max-bytes", None) is None
+    with pytest.raises(AutoparError, match=r"--min-bytes='1.3' is not whole bytes; give a whole number of bytes"):
+        parse_bytes("--min-bytes", "1.3")
+    proc = _single("--quick", "--max-bytes", "16 apples", "--out", str(tmp_path / "p.json"))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "--max-bytes='16 apples' is not a size" in proc.stderr and "256MiB" in proc.stderr
+    # a size with a unit reaches the memory check like bytes do
+    proc = _single("--max-bytes", "1TiB", "--out", str(tmp_path / "p.json"))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "--max-bytes=1099511627776 does not fit in memory" in proc.stderr, proc.stderr
 
 
 def test_missing_output_stops(tmp_path):
