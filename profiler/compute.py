@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from planner.contracts import ModelSpec, Precision
-from planner.contracts.cluster import AttentionBlocking, AttentionPoint, ComputeProfile, ElementwisePoint, GemmPoint
+from planner.contracts.cluster import (
+    AttentionBlocking,
+    AttentionPoint,
+    ComputeProfile,
+    DeviceCheck,
+    ElementwisePoint,
+    GemmPoint,
+)
 from planner.errors import AutoparError
 from profiler.timing import Budget, TimingResult, sync, time_fn, time_rounds
 
@@ -656,8 +664,65 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     return ComputeProfile.model_validate(profile.model_dump())
 
 
+# The per-rank device check: one GEMM large enough to run near the device's peak, and an add over
+# buffers far past the caches, each timed like the tables (median of trials after warm-up)
+CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
+CHECK_ADD_BYTES = {"cuda": 3 * (256 << 20), "cpu": 3 * (64 << 20)}  # read two, write one
+SLOW_DEVICE = {"cuda": 0.10, "cpu": 0.25}  # below the median by more: a slow device (CPU: shared-VM noise)
+
+
+def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,
+                 memory_bytes: int) -> DeviceCheck:
+    """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    (m, n, k), precision = CHECK_GEMM[kind]
+    dtype = DTYPES[precision]
+    timing = dict(warmup=2, trials=5, min_time_s=0.01 if kind == "cuda" else 0.02)
+    with torch.no_grad():
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        gemm_s = time_fn(lambda: torch.mm(a, b), device=device, **timing).median_s
+        a = b = None  # the add's buffers take their place
+        elems = CHECK_ADD_BYTES[kind] // 3 // 4
+        x, y, out = (torch.empty(elems, device=device, dtype=torch.float32).fill_(1.0) for _ in range(3))
+        add_s = time_fn(lambda: torch.add(x, y, out=out), device=device, **timing).median_s
+    return DeviceCheck(rank=rank, host=host, local_rank=local_rank, device=name, memory_bytes=memory_bytes,
+                       precision=precision, gemm=(m, n, k), gemm_tflops=2.0 * m * n * k / gemm_s / 1e12,
+                       memory_bandwidth_bytes_per_s=elems * 12 / add_s)
+
+
+def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]:
+    """What the ranks' checks say: devices that differ from rank 0's, and devices slower than the
+    median by more than :data:`SLOW_DEVICE` at the GEMM or the add."""
+    if not checks:
+        return []
+    notes = []
+    first = min(checks, key=lambda c: c.rank)
+    other = [c for c in checks if (c.device, c.memory_bytes) != (first.device, first.memory_bytes)]
+    if other:
+        kinds = sorted({f"{c.device} ({c.memory_bytes / 2**30:.0f} GiB)" for c in other})
+        notes.append(f"MIXED DEVICES: {len(other)} of {len(checks)} ranks have a device other than rank 0's "
+                     f"{first.device} ({first.memory_bytes / 2**30:.0f} GiB): {', '.join(kinds)} (ranks "
+                     f"{', '.join(str(c.rank) for c in other[:16])}{', ...' if len(other) > 16 else ''}); the compute "
+                     "tables are rank 0's")
+    limit = SLOW_DEVICE.get(device_type, SLOW_DEVICE["cpu"])
+    for what, value, unit, scale in (("GEMM", lambda c: c.gemm_tflops, "TFLOP/s", 1.0),
+                                     ("memory bandwidth", lambda c: c.memory_bandwidth_bytes_per_s, "GB/s", 1e-9)):
+        median = statistics.median(value(c) for c in checks)
+        slow = sorted((c for c in checks if value(c) < (1 - limit) * median), key=value)
+        if slow:
+            listed = "; ".join(f"rank {c.rank} ({c.host}, local rank {c.local_rank}) {value(c) * scale:.4g} {unit}, "
+                               f"{(1 - value(c) / median) * 100:.0f}% below" for c in slow[:8])
+            notes.append(f"SLOW DEVICES ({what}): {len(slow)} of {len(checks)} ranks more than {limit:.0%} below the "
+                         f"median {median * scale:.4g} {unit}: {listed}{'; ...' if len(slow) > 8 else ''}. "
+                         "Synchronous training runs at the slowest device's pace; the compute tables are rank 0's")
+    return notes
+
+
 __all__ = [
     "ComputeGrid",
+    "device_check",
+    "device_check_notes",
     "default_grid",
     "kv_heads_to_run",
     "linear_gemms",

@@ -272,6 +272,13 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                                "(side by side, each rank's polling receive thread holds a core and the ranks wait "
                                "for time slices; the groups left out run on the same cores)")
             links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
+            phase = "device check (every rank: one GEMM, one add)"
+            tick = report("check")
+            if tick is not None:
+                tick(f"every rank's device: one GEMM, one add ({d.world} ranks)", 0, 1)
+            checks = _device_checks(dist, wait_group, d, device, hostnames[d.rank])
+            if tick is not None:
+                tick("devices checked", 1, 1)
             phase = "compute (rank 0 measures, the others wait)"
             compute = None
             host_links, host_notes = [], []
@@ -293,6 +300,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             dist.destroy_process_group()
             return None
         phase = "assemble"
+        from profiler.compute import device_check_notes
+
         spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
         env = identity.environment(node_hosts, backend, c.emulated)
         assumptions = Assumptions()
@@ -312,8 +321,9 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                             f"-{c.num_nodes}x{c.ranks_per_node}"
         profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,
                                  num_nodes=c.num_nodes, environment=env, compute=compute,
-                                 links=[*links, *host_links], assumptions=assumptions,
-                                 sources=[*sources, f"measured in {time.perf_counter() - t_start:.1f} s"])
+                                 links=[*links, *host_links], assumptions=assumptions, device_checks=checks,
+                                 sources=[*sources, *device_check_notes(checks, c.device_type),
+                                          f"measured in {time.perf_counter() - t_start:.1f} s"])
         profile = ClusterProfile.model_validate(profile.model_dump())
         dist.destroy_process_group()
         return profile
@@ -322,6 +332,32 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
     except Exception as exc:  # noqa: BLE001 - collective failures: name the rank and the phase, then stop
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RankFailure(d.rank, d.world, phase, msg) from exc
+
+
+def _device_checks(dist, group, d, device, host: str) -> list:  # noqa: ANN001
+    """Every rank's :func:`~profiler.compute.device_check`, gathered on every rank (over the gloo
+    ``group``). GPUs check side by side, each its own; CPU ranks one local rank at a time (ranks
+    sharing a host's cores would time each other), hosts side by side."""
+    import torch
+
+    from profiler.compute import device_check
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, memory = props.name, int(props.total_memory)
+    else:
+        name, memory = f"CPU: {identity.cpu_name()}", identity.host_memory_bytes()
+    mine = None
+    if device.type == "cuda":
+        mine = device_check(device, d.rank, host, d.local_rank, name, memory)
+    else:
+        for turn in range(d.local_world):
+            if d.local_rank == turn:
+                mine = device_check(device, d.rank, host, d.local_rank, name, memory)
+            dist.barrier(group=group)
+    gathered: list = [None] * d.world
+    dist.all_gather_object(gathered, mine, group=group)
+    return sorted(gathered, key=lambda c: c.rank)
 
 
 def _wait_for_rank0(dist, group, timeout_s: float) -> None:  # noqa: ANN001

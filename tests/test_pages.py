@@ -44,6 +44,10 @@ def measured_profile(client: TestClient, name: str = "lab-h100") -> dict:
     body["compute"]["elementwise"] = [
         {"op": op, "precision": "bf16", "bytes": b, "time_s": 4e-6 + b / 2.8e12}
         for op in ("rmsnorm", "silu_mul") for b in (2**20, 2**24, 2**28, 2**31)]
+    body["device_checks"] = [
+        {"rank": r, "host": "node-a", "local_rank": r, "device": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 << 30,
+         "precision": "bf16", "gemm": [8192, 8192, 8192], "gemm_tflops": t, "memory_bandwidth_bytes_per_s": bw}
+        for r, t, bw in ((0, 741.0, 2.91e12), (1, 652.5, 2.95e12))]
     r = client.post("/v1/profiles", json=body)
     assert r.status_code == 201, r.text
     return r.json()
@@ -116,12 +120,14 @@ def test_measured_profile_page_draws_points(site: dict) -> None:
     assert "bf16 measured" in page and "rmsnorm measured" in page and "forward measured" in page
     assert "model (no measurements)" not in page
     assert "node-a" in page and "12.4" in page
+    assert ("every device checked</th><td>2 ranks, bf16 GEMM 8192×8192×8192: 652.5–741 TFLOP/s · add 2910–2950 GB/s"
+            in page)
 
 
 def test_a_cpu_profile_page_shows_the_attention_kernels_tiles(site: dict) -> None:
     c = site["client"]
     body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]
-    body.update(name="lab-cpu")
+    body.update(name="lab-cpu", device_checks=[])
     body["compute"]["attention_blocking"] = [{"from_q_len": 0, "q_block": 32, "kv_block": 512},
                                              {"from_q_len": 192, "q_block": 64, "kv_block": 512},
                                              {"from_q_len": 768, "q_block": 256, "kv_block": 512}]
@@ -130,6 +136,7 @@ def test_a_cpu_profile_page_shows_the_attention_kernels_tiles(site: dict) -> Non
     page = html(site, f"/profiles/{r.json()['id']}")
     assert "attention kernel tiles" in page and "q_len 192+: 64 × 512" in page and "q_len 768+: 256 × 512" in page
     assert "forward measured" in page
+    assert "every device checked" not in page  # none recorded
     # one that does not ascend is refused, naming the field
     body["compute"]["attention_blocking"].reverse()
     bad = c.post("/v1/profiles", json=body)

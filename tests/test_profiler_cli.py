@@ -90,6 +90,12 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
     assert ("2 group(s), timed side by side" in intra.source) == (cores >= 4), intra.source
     # the calls per trial were cut by time (the group's agreement on them ran: the run ended)
     assert all("cut to what lasts 8 ms" in x.source for x in p.links if x.level is not LinkLevel.host_device)
+    # every rank checked its device at the same GEMM and add; one host, one CPU: no MIXED DEVICES
+    assert [c.rank for c in p.device_checks] == [0, 1, 2, 3] and [c.local_rank for c in p.device_checks] == [0, 1, 2, 3]
+    assert all(c.gemm == (512, 512, 512) and c.gemm_tflops > 0 and c.memory_bandwidth_bytes_per_s > 1e8
+               for c in p.device_checks)
+    assert len({(c.device, c.memory_bytes, c.host) for c in p.device_checks}) == 1
+    assert not any("MIXED DEVICES" in s for s in p.sources)
 
 
 @pytest.mark.slow

@@ -206,6 +206,41 @@ def test_default_cpu_grids_measure_every_regime_of_the_flash_kernel():
             assert sum(lo <= s < hi for s in seqs) >= (1 if quick else 2), (quick, lo)
 
 
+def test_device_check_notes_name_mixed_and_slow_devices():
+    from planner.contracts import DeviceCheck
+    from profiler.compute import device_check, device_check_notes
+
+    def check(rank: int, tflops: float, gbps: float = 3000.0, name: str = "NVIDIA H100 80GB HBM3") -> DeviceCheck:
+        return DeviceCheck(rank=rank, host=f"node{rank // 8}", local_rank=rank % 8, device=name,
+                           memory_bytes=80 << 30, precision=Precision.bf16, gemm=(8192, 8192, 8192),
+                           gemm_tflops=tflops, memory_bandwidth_bytes_per_s=gbps * 1e9)
+
+    even = [check(r, 700.0 + r) for r in range(16)]
+    assert device_check_notes(even, "cuda") == []
+    # one GPU 14% below the median GEMM rate: slow on a GPU cluster (10%), within a CPU's noise (25%)
+    slow = [*even[:5], check(5, 610.0), *even[6:]]
+    (note,) = device_check_notes(slow, "cuda")
+    assert note.startswith("SLOW DEVICES (GEMM): 1 of 16 ranks more than 10% below the median")
+    assert "rank 5 (node0, local rank 5) 610 TFLOP/s, 14% below" in note
+    assert device_check_notes(slow, "cpu") == []
+    # a device with less bandwidth, and one of another kind
+    odd = [*even[:9], check(9, 709.0, gbps=2000.0), *even[10:15], check(15, 715.0, name="NVIDIA H100 PCIe")]
+    mixed, bandwidth = device_check_notes(odd, "cuda")
+    assert mixed.startswith("MIXED DEVICES: 1 of 16 ranks have a device other than rank 0's NVIDIA H100 80GB HBM3")
+    assert "NVIDIA H100 PCIe (80 GiB) (ranks 15)" in mixed
+    assert bandwidth.startswith("SLOW DEVICES (memory bandwidth)")
+    assert "rank 9 (node1, local rank 1) 2000 GB/s" in bandwidth
+    # the real check on this CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        real = device_check(CPU, 0, "here", 0, "CPU: test", 1 << 30)
+    finally:
+        torch.set_num_threads(threads)
+    assert real.gemm == (512, 512, 512) and real.precision is Precision.fp32
+    assert 1e-3 < real.gemm_tflops < 10 and 1e8 < real.memory_bandwidth_bytes_per_s < 1e13
+
+
 def test_default_grids_without_a_model():
     quick = default_grid(quick=True)
     full = default_grid()

@@ -6,6 +6,7 @@ from planner.contracts.cluster import (
     ClusterProfile,
     Collective,
     ComputeProfile,
+    DeviceCheck,
     DeviceSpec,
     Assumptions,
     ElementwisePoint,
@@ -51,7 +52,7 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
-    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "Environment", "LinkLevel", "Collective",
+    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel", "Collective",
     "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "AttentionBlocking",
     "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",

@@ -257,6 +257,21 @@ class Assumptions(Contract):
     notes: list[str] = Field(default_factory=list)
 
 
+class DeviceCheck(Contract):
+    """One rank's device, checked at the same fixed GEMM and memory-bound add as every other rank's,
+    so a slow or different device shows beside the compute tables (measured on rank 0 only)."""
+
+    rank: int = Field(ge=0)
+    host: str
+    local_rank: int = Field(ge=0)
+    device: str = Field(description="device name as the rank sees it")
+    memory_bytes: int = Field(gt=0)
+    precision: Precision = Field(description="of the GEMM check")
+    gemm: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(description="(m, n, k) of the GEMM check")
+    gemm_tflops: float = Field(gt=0)
+    memory_bandwidth_bytes_per_s: float = Field(gt=0, description="of an add over buffers far larger than caches")
+
+
 class ClusterProfile(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["measured", "reference"]
@@ -270,6 +285,9 @@ class ClusterProfile(Contract):
     links: list[LinkProfile] = Field(default_factory=list)
     assumptions: Assumptions = Field(default_factory=Assumptions)
     sources: list[str] = Field(default_factory=list)
+    device_checks: list[DeviceCheck] = Field(
+        default_factory=list, description="every rank's device at one GEMM and one memory-bound add (measured "
+        "profiles): the compute tables are rank 0's, and synchronous training runs at its slowest device's pace")
 
     @model_validator(mode="after")
     def _links(self) -> ClusterProfile:
