@@ -6,6 +6,7 @@ import contextlib
 import re
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,6 +38,7 @@ def _progress_factory():  # noqa: ANN202
     return make
 
 
+MAX_MESSAGE_BYTES = 1 << 40
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -51,9 +53,13 @@ def parse_bytes(field: str, text: str | None) -> int | None:
     if m is None or unit not in _UNITS:
         raise AutoparError(field, text, "give bytes or a size with a unit, e.g. 268435456, 256MiB, 256M or 64KiB",
                            problem="is not a size")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value != int(value):
-        raise AutoparError(field, text, f"give a whole number of bytes, e.g. {int(value)}", problem="is not whole bytes")
+    value = Fraction(m.group(1)) * _UNITS[unit]  # exact: 16.1KB is 16100 bytes, not a float near it
+    if value.denominator != 1:
+        raise AutoparError(field, text, f"give a whole number of bytes, e.g. {max(4, round(value))}",
+                           problem="is not whole bytes")
+    if value > MAX_MESSAGE_BYTES:
+        raise AutoparError(field, text, "give at most 1 TiB (no host holds a larger message)",
+                           problem="is larger than any message")
     return int(value)
 
 

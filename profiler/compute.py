@@ -667,7 +667,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 # The per-rank device check: one GEMM large enough to run near the device's peak, and an add over
 # buffers far past the caches, each timed like the tables (median of trials after warm-up)
 CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
-CHECK_ADD_BYTES = {"cuda": 3 * (256 << 20), "cpu": 3 * (64 << 20)}  # read two, write one
+CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
 SLOW_DEVICE = {"cuda": 0.10, "cpu": 0.25}  # below the median by more: a slow device (CPU: shared-VM noise)
 
 
@@ -676,6 +676,13 @@ def device_check(device: torch.device, rank: int, host: str, local_rank: int, na
     """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`)."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     (m, n, k), precision = CHECK_GEMM[kind]
+    if kind == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        precision = Precision.fp16  # before Ampere bf16 is emulated: time the 16-bit format the GPU runs
+    buffer = CHECK_ADD_BUFFER_BYTES[kind]
+    if kind == "cpu":  # several times the last-level cache the kernel reports, within the memory free
+        from profiler.identity import available_memory_bytes, last_level_cache_bytes
+
+        buffer = min(max(buffer, 4 * last_level_cache_bytes()), max(available_memory_bytes(device) // 12, 1 << 20))
     dtype = DTYPES[precision]
     timing = dict(warmup=2, trials=5, min_time_s=0.01 if kind == "cuda" else 0.02)
     with torch.no_grad():
@@ -683,7 +690,7 @@ def device_check(device: torch.device, rank: int, host: str, local_rank: int, na
         b = torch.randn(k, n, device=device, dtype=dtype)
         gemm_s = time_fn(lambda: torch.mm(a, b), device=device, **timing).median_s
         a = b = None  # the add's buffers take their place
-        elems = CHECK_ADD_BYTES[kind] // 3 // 4
+        elems = buffer // 4
         x, y, out = (torch.empty(elems, device=device, dtype=torch.float32).fill_(1.0) for _ in range(3))
         add_s = time_fn(lambda: torch.add(x, y, out=out), device=device, **timing).median_s
     return DeviceCheck(rank=rank, host=host, local_rank=local_rank, device=name, memory_bytes=memory_bytes,
@@ -698,7 +705,9 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
         return []
     notes = []
     first = min(checks, key=lambda c: c.rank)
-    other = [c for c in checks if (c.device, c.memory_bytes) != (first.device, first.memory_bytes)]
+    # memory within 2%: identical hosts differ by kernel reservations, GPUs by ECC mode
+    other = [c for c in checks if c.device != first.device
+             or abs(c.memory_bytes - first.memory_bytes) > 0.02 * first.memory_bytes]
     if other:
         kinds = sorted({f"{c.device} ({c.memory_bytes / 2**30:.0f} GiB)" for c in other})
         notes.append(f"MIXED DEVICES: {len(other)} of {len(checks)} ranks have a device other than rank 0's "

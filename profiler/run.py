@@ -276,7 +276,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             tick = report("check")
             if tick is not None:
                 tick(f"every rank's device: one GEMM, one add ({d.world} ranks)", 0, 1)
-            checks = _device_checks(dist, wait_group, d, device, hostnames[d.rank])
+            checks = _device_checks(dist, wait_group, d, device, hostnames)
             if tick is not None:
                 tick("devices checked", 1, 1)
             phase = "compute (rank 0 measures, the others wait)"
@@ -334,29 +334,45 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         raise RankFailure(d.rank, d.world, phase, msg) from exc
 
 
-def _device_checks(dist, group, d, device, host: str) -> list:  # noqa: ANN001
+def check_turns(hostnames: list[str], rank: int) -> tuple[int, int]:
+    """(turns, this rank's turn) for checks one rank per host at a time: as many turns as the most
+    ranks on one host; a rank's turn is how many ranks of its host come before it. Every rank
+    computes the same from the same gathered names."""
+    return max(hostnames.count(h) for h in hostnames), hostnames[:rank].count(hostnames[rank])
+
+
+def _device_checks(dist, group, d, device, hostnames: list[str]) -> list:  # noqa: ANN001
     """Every rank's :func:`~profiler.compute.device_check`, gathered on every rank (over the gloo
-    ``group``). GPUs check side by side, each its own; CPU ranks one local rank at a time (ranks
-    sharing a host's cores would time each other), hosts side by side."""
+    ``group``). GPUs check side by side, each its own; CPU ranks of one host (by the gathered host
+    names, whatever the launcher says of local ranks: two torchrun agents may share a machine) one
+    at a time, since they would time each other on shared cores; hosts side by side. A rank whose
+    check fails does not leave the others waiting: every rank raises, naming it and why."""
     import torch
 
     from profiler.compute import device_check
 
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        name, memory = props.name, int(props.total_memory)
-    else:
-        name, memory = f"CPU: {identity.cpu_name()}", identity.host_memory_bytes()
-    mine = None
-    if device.type == "cuda":
-        mine = device_check(device, d.rank, host, d.local_rank, name, memory)
-    else:
-        for turn in range(d.local_world):
-            if d.local_rank == turn:
+    host = hostnames[d.rank]
+    turns, my_turn = check_turns(hostnames, d.rank) if device.type != "cuda" else (1, 0)
+    mine: object = None
+    for turn in range(turns):
+        if turn == my_turn:
+            try:
+                if device.type == "cuda":
+                    props = torch.cuda.get_device_properties(device)
+                    name, memory = props.name, int(props.total_memory)
+                else:
+                    name, memory = f"CPU: {identity.cpu_name()}", max(identity.host_memory_bytes(), 1)
                 mine = device_check(device, d.rank, host, d.local_rank, name, memory)
+            except Exception as exc:  # noqa: BLE001 - reported by every rank below
+                mine = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if turns > 1:
             dist.barrier(group=group)
     gathered: list = [None] * d.world
     dist.all_gather_object(gathered, mine, group=group)
+    failed = [(r, x) for r, x in enumerate(gathered) if isinstance(x, str)]
+    if failed:
+        raise RuntimeError("the device check failed on " + "; ".join(
+            f"rank {r} ({hostnames[r]}): {why}" for r, why in failed[:8]) + ("; ..." if len(failed) > 8 else ""))
     return sorted(gathered, key=lambda c: c.rank)
 
 

@@ -179,7 +179,7 @@ def test_unknown_precision_stops_before_measuring(tmp_path):
 
 
 def test_max_bytes_too_large_for_memory_stops(tmp_path):
-    proc = _single("--max-bytes", str(1 << 50), "--out", str(tmp_path / "p.json"))
+    proc = _single("--max-bytes", str(1 << 40), "--out", str(tmp_path / "p.json"))
     _no_measuring(proc)
     assert proc.returncode == 2 and "--max-bytes" in proc.stderr and "does not fit in memory" in proc.stderr, proc.stderr
 
@@ -191,8 +191,13 @@ def test_message_sizes_take_units_and_refuse_what_is_not_a_size(tmp_path):
     assert parse_bytes("--min-bytes", "64 KiB") == 65536 and parse_bytes("--min-bytes", "4096") == 4096
     assert parse_bytes("--max-bytes", "1GB") == 10**9 and parse_bytes("--max-bytes", "1.5k") == 1536
     assert parse_bytes("--max-bytes", None) is None
+    assert parse_bytes("--min-bytes", "16.1KB") == 16100 and parse_bytes("--min-bytes", "2.01KB") == 2010  # exact
     with pytest.raises(AutoparError, match=r"--min-bytes='1.3' is not whole bytes; give a whole number of bytes"):
         parse_bytes("--min-bytes", "1.3")
+    with pytest.raises(AutoparError, match=r"--min-bytes='2.0001K' is not whole bytes; .*e\.g\. 2048"):
+        parse_bytes("--min-bytes", "2.0001K")
+    with pytest.raises(AutoparError, match=r"is larger than any message; give at most 1 TiB"):
+        parse_bytes("--max-bytes", "1" + "0" * 400)
     proc = _single("--quick", "--max-bytes", "16 apples", "--out", str(tmp_path / "p.json"))
     _no_measuring(proc)
     assert proc.returncode == 2 and "--max-bytes='16 apples' is not a size" in proc.stderr and "256MiB" in proc.stderr

@@ -241,6 +241,37 @@ def test_device_check_notes_name_mixed_and_slow_devices():
     assert 1e-3 < real.gemm_tflops < 10 and 1e8 < real.memory_bandwidth_bytes_per_s < 1e13
 
 
+def test_device_checks_take_turns_by_host_and_a_failure_names_the_rank(monkeypatch):
+    import profiler.compute
+    from profiler.run import Dist, _device_checks, check_turns
+
+    # two torchrun agents on host a (ranks 0, 1, 3) and one on b: three turns, b's rank goes first
+    names = ["a", "a", "b", "a"]
+    assert [check_turns(names, r) for r in range(4)] == [(3, 0), (3, 1), (3, 0), (3, 2)]
+    assert check_turns(["a", "b"], 1) == (1, 0)
+
+    class OneRank:  # the collectives of a world of one
+        barriers = 0
+
+        def barrier(self, group=None):  # noqa: ANN001
+            OneRank.barriers += 1
+
+        def all_gather_object(self, out, obj, group=None):  # noqa: ANN001
+            out[0] = obj
+
+    d = Dist(0, 1, 0, 1, False)
+    (ok,) = _device_checks(OneRank(), None, d, CPU, ["here"])
+    assert ok.rank == 0 and ok.host == "here" and ok.gemm_tflops > 0 and OneRank.barriers == 0
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise RuntimeError("CUDA error: out of memory\nmore")
+
+    monkeypatch.setattr(profiler.compute, "device_check", broken)
+    with pytest.raises(RuntimeError, match=r"the device check failed on rank 0 \(here\): RuntimeError: CUDA error: "
+                                           r"out of memory$"):
+        _device_checks(OneRank(), None, d, CPU, ["here"])
+
+
 def test_default_grids_without_a_model():
     quick = default_grid(quick=True)
     full = default_grid()

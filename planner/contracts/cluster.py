@@ -269,7 +269,7 @@ class DeviceCheck(Contract):
     precision: Precision = Field(description="of the GEMM check")
     gemm: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(description="(m, n, k) of the GEMM check")
     gemm_tflops: float = Field(gt=0)
-    memory_bandwidth_bytes_per_s: float = Field(gt=0, description="of an add over buffers far larger than caches")
+    memory_bandwidth_bytes_per_s: float = Field(gt=0, description="of an add over buffers several times the caches")
 
 
 class ClusterProfile(Contract):
