@@ -35,14 +35,15 @@ from planner.contracts.cluster import (
     GemmPoint,
 )
 from planner.errors import AutoparError
+from profiler.identity import available_memory_bytes, last_level_cache_bytes
 from profiler.timing import Budget, TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 
-# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, torch 2.2 to 2.13 at
-# least) takes its queries in blocks of 32 rows below q_len 192, 64 below 768 and 256 from 768, and its
+# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp; its source and torch
+# 2.13's timings here agree) takes its queries in blocks of 32 rows below q_len 192, 64 below 768 and 256 from 768, and its
 # keys in blocks of 512, forward and backward alike; a causal query block computes every key block, whole,
 # up to its last row's. Its rate steps where the query blocks change (measured, 1 thread, 8 heads, d=64,
 # bf16 backward on the computed tiles: 15.0 GFLOP/s at 191, 22.6 at 192; 31.0 at 767, 40.2 at 768; fp32
@@ -665,7 +666,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 
 
 # The per-rank device check: one GEMM large enough to run near the device's peak, and an add over
-# buffers far past the caches, each timed like the tables (median of trials after warm-up)
+# buffers several times the caches, measured as the tables are (measure_gemm, measure_elementwise)
 CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
 CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
 SLOW_DEVICE = {"cuda": 0.10, "cpu": 0.25}  # below the median by more: a slow device (CPU: shared-VM noise)
@@ -680,22 +681,16 @@ def device_check(device: torch.device, rank: int, host: str, local_rank: int, na
         precision = Precision.fp16  # before Ampere bf16 is emulated: time the 16-bit format the GPU runs
     buffer = CHECK_ADD_BUFFER_BYTES[kind]
     if kind == "cpu":  # several times the last-level cache the kernel reports, within the memory free
-        from profiler.identity import available_memory_bytes, last_level_cache_bytes
-
         buffer = min(max(buffer, 4 * last_level_cache_bytes()), max(available_memory_bytes(device) // 12, 1 << 20))
-    dtype = DTYPES[precision]
-    timing = dict(warmup=2, trials=5, min_time_s=0.01 if kind == "cuda" else 0.02)
+    grid = ComputeGrid(gemm=[], attention=[], elementwise_bytes=[], precisions=[precision], warmup=2, trials=5,
+                       min_time_s=0.01 if kind == "cuda" else 0.02)
     with torch.no_grad():
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        gemm_s = time_fn(lambda: torch.mm(a, b), device=device, **timing).median_s
-        a = b = None  # the add's buffers take their place
-        elems = buffer // 4
-        x, y, out = (torch.empty(elems, device=device, dtype=torch.float32).fill_(1.0) for _ in range(3))
-        add_s = time_fn(lambda: torch.add(x, y, out=out), device=device, **timing).median_s
+        gemm = measure_gemm(m, n, k, precision, device, grid)
+        add = measure_elementwise("add", buffer, Precision.fp32, device, grid)
+    assert gemm is not None  # bf16 / fp16 / fp32 GEMMs run at any shape
     return DeviceCheck(rank=rank, host=host, local_rank=local_rank, device=name, memory_bytes=memory_bytes,
-                       precision=precision, gemm=(m, n, k), gemm_tflops=2.0 * m * n * k / gemm_s / 1e12,
-                       memory_bandwidth_bytes_per_s=elems * 12 / add_s)
+                       precision=precision, gemm=(m, n, k), gemm_tflops=2.0 * m * n * k / gemm.time_s / 1e12,
+                       memory_bandwidth_bytes_per_s=add.bytes / add.time_s)
 
 
 def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]:

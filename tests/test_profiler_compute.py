@@ -342,13 +342,13 @@ def test_budget_stops_at_the_first_call_over_its_limit_and_stays_stopped():
     from profiler.timing import Budget
 
     b = Budget(max_call_s=0.1, max_total_s=1.0)
-    assert b.call_limit_s() is None  # the first operation is kept whatever it costs: no limit yet
-    assert b.admit(0, 0.01, 0.2) and b.call_limit_s() == 0.1 and b.admit(1, 0.05, 0.3)
+    assert b.call_limit_s(0) is None  # the first operation is kept whatever it costs: no limit yet
+    assert b.admit(0, 0.01, 0.2) and b.call_limit_s(1) == 0.1 and b.admit(1, 0.05, 0.3)
     assert b.spent_s == pytest.approx(0.5)
     assert not b.admit(2, 0.2, 0.3)  # one call over 0.1 s
     assert b.stopped is not None and b.stopped[0] == 2 and "over the 0.1 s a call budget" in b.stopped[2]
     assert not b.admit(3, 0.001, 0.001)  # stopped: nothing more, however cheap
-    assert b.call_limit_s() is None and b.kept == 2
+    assert b.call_limit_s(4) is None and b.kept == 2
     total = Budget(max_total_s=1.0)
     assert total.admit(0, 0.1, 0.6) and not total.admit(1, 0.1, 0.6)  # 1.2 s projected > 1 s
     assert total.stopped[0] == 1 and "past its 1 s budget" in total.stopped[2]

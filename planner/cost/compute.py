@@ -258,7 +258,8 @@ def attention_work(q_len: int, kv_len: int, causal: bool, blocking: list[Attenti
     queries than keys (context parallelism: this rank's queries, spread over the sequence, against all
     ``kv_len`` keys) all ``q_len · kv_len``: a CPU has no ring attention (torch's is GPU-only), and
     this project's all-gather CP (:mod:`executor.cp`) passes the causal mask as a tensor, with which
-    the kernel skips no key block (measured: 1.08-1.12x the time of the unmasked call at 512-2048).
+    the kernel skips no key block (measured, fp32, 8 heads, d=64, 1 thread: 1.06x, 1.10x and 1.17x the
+    unmasked call at 512, 1024 and 2048, where is_causal took 1.01x, 0.76x and 0.63x).
 
     Torch's CPU kernel computes whole 512-key blocks: at q_len 512 the causal mask saves nothing, at
     2048 it saves 37.5%, so its rate on all ``q·kv`` scores rises 69 → 124 GFLOP/s from 192 to 2048
