@@ -190,11 +190,18 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     series: list[Series] = []
     gemm = profile.compute.gemm
     precisions = sorted({p.precision for p in gemm}, key=lambda p: p.value)
-    for i, prec in enumerate(precisions):
-        pts = [(2.0 * p.m * p.n * p.k, 2.0 * p.m * p.n * p.k / p.time_s / 1e12) for p in gemm if p.precision is prec]
-        labels = [f"{prec.value} {p.m}x{p.n}x{p.k}: {2.0 * p.m * p.n * p.k / p.time_s / 1e12:.3g} TFLOP/s"
-                  for p in gemm if p.precision is prec]
-        series.append(Series(f"{prec.value} measured", pts, "markers", charts.PALETTE[i], labels=labels))
+    colour: dict[Precision, str] = {}
+    for prec in precisions:
+        layouts = sorted({p.layout for p in gemm if p.precision is prec}, key=lambda x: x.value)
+        for layout in layouts:
+            mine = [p for p in gemm if p.precision is prec and p.layout is layout]
+            pts = [(2.0 * p.m * p.n * p.k, 2.0 * p.m * p.n * p.k / p.time_s / 1e12) for p in mine]
+            labels = [f"{prec.value} {layout.value} {p.m}x{p.n}x{p.k}: {2.0 * p.m * p.n * p.k / p.time_s / 1e12:.3g}"
+                      " TFLOP/s" for p in mine]
+            name = f"{prec.value} {layout.role} measured" if len(layouts) > 1 else f"{prec.value} measured"
+            c = charts.PALETTE[len(series) % len(charts.PALETTE)]
+            colour.setdefault(prec, c)
+            series.append(Series(name, pts, "markers", c, labels=labels))
     modelled = not gemm
     shown: list[Precision] = []
     if modelled:
@@ -211,7 +218,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     for i, prec in enumerate(precisions or shown):
         peak = peak_flops(profile, prec) / 1e12
         series.append(Series(f"{prec.value} datasheet peak {peak:.0f}", [(min(xs), peak), (max(xs), peak)], "line",
-                             charts.PALETTE[i], dashed=True))
+                             colour.get(prec, charts.PALETTE[i]), dashed=True))
     out.append(dict(kind="GEMM", modelled=modelled, svg=charts.xy_chart(
         series, title="GEMM: TFLOP/s vs FLOPs (2mnk)" + (", model (no measurements)" if modelled else ""),
         x_label="FLOPs per GEMM", y_label="TFLOP/s",

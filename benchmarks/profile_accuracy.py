@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from planner.contracts import ClusterProfile, ComputeProfile  # noqa: E402
-from planner.cost.compute import attention_time_s, gemm_time_s  # noqa: E402
+from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout  # noqa: E402
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, gemm_time_s  # noqa: E402
 from planner.reference import reference_profile  # noqa: E402
 from profiler.compute import (  # noqa: E402
     ComputeGrid,
@@ -57,6 +57,7 @@ from profiler.compute import (  # noqa: E402
     parse_precisions,
 )
 from profiler.links import link_fit_report  # noqa: E402
+from profiler.timing import time_rounds  # noqa: E402
 
 TARGET = 0.15
 LINK_TARGET = 0.20
@@ -84,10 +85,11 @@ def _midpoints(values: list[int]) -> list[int]:
 
 
 def held_out_gemms(grid: ComputeGrid, count: int) -> list[tuple[int, int, int]]:
-    """Shapes inside the grid's span with at least one dimension between grid values (not measured)."""
-    sizes = sorted({x for s in grid.gemm for x in s})
+    """Shapes inside the grid's span with at least one dimension between grid values (not measured;
+    each is then timed in every layout the grid has)."""
+    sizes = sorted({x for s in grid.gemm for x in s[:3]})
     mids = _midpoints(sizes)
-    measured = set(grid.gemm)
+    measured = {s[:3] for s in grid.gemm}
     out: list[tuple[int, int, int]] = []
     # walk a fixed pattern: (mid, mid, mid), (mid, grid, mid), (grid, mid, grid) ... over all mids
     pattern = [(1, 1, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 0), (0, 1, 1)]
@@ -136,9 +138,10 @@ def _err(pred: float, meas: float) -> float:
 
 
 def compute_accuracy(args: argparse.Namespace, device: torch.device
-                     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """Prints the compute tables; returns (predicted, measured) of every held-out time and
-    (profiled, measured again) of every noise-floor grid point time."""
+                     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float, float]]]:
+    """Prints the compute tables; returns (predicted, measured) of every held-out time, (profiled,
+    measured again) of every noise-floor grid point time, and (predicted, predicted from the nn
+    points alone, measured) of each linear layer timed under autograd."""
     precisions = parse_precisions(args.precisions, device)
     grid = default_grid(quick=args.quick, device_type=device.type)
     grid = replace(grid, precisions=precisions, elementwise_bytes=[], warmup=2, trials=args.trials,
@@ -153,27 +156,55 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
 
     pairs: list[tuple[float, float]] = []
     regrid: list[tuple[float, float]] = []
+    linear: list[tuple[float, float, float]] = []
     # the fresh measurements are timed as the profile was: every shape one trial per round
     # (measure_gemms / measure_attentions), the noise-floor grid points in the same rounds as the
     # held-out shapes, so both see the same moments of the machine
-    print(f"\n{'GEMM m x n x k':>22} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7}")
+    print(f"\n{'GEMM m x n x k layout':>25} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7}")
+    layouts = list(dict.fromkeys(s[3] for s in grid.gemm))
     with torch.no_grad():
         for p in precisions:
-            shapes = held_out_gemms(grid, args.gemms)
+            shapes = [(*shape, lay) for shape in held_out_gemms(grid, args.gemms) for lay in layouts]
             table = [g for g in compute.gemm if g.precision is p]
             again_of = table[:: max(len(table) // 4, 1)][:4]
-            fresh = measure_gemms([(shape, p) for shape in shapes] + [((g.m, g.n, g.k), p) for g in again_of],
-                                  device, grid)
-            for (m, n, k), point in zip(shapes, fresh):
+            fresh = measure_gemms([(shape, p) for shape in shapes]
+                                  + [((g.m, g.n, g.k, g.layout), p) for g in again_of], device, grid)
+            for (m, n, k, lay), point in zip(shapes, fresh):
                 assert point is not None
-                pred = gemm_time_s(cluster, m, n, k, p)
+                pred = gemm_time_s(cluster, m, n, k, p, layout=lay)
                 e = _err(pred, point.time_s)
                 pairs.append((pred, point.time_s))
-                print(f"{f'{m} x {n} x {k}':>22} {p.value:>5} {pred * 1e3:>9.3f}ms {point.time_s * 1e3:>9.3f}ms "
-                      f"{e * 100:>6.1f}%")
+                print(f"{f'{m} x {n} x {k} {lay.value}':>25} {p.value:>5} {pred * 1e3:>9.3f}ms "
+                      f"{point.time_s * 1e3:>9.3f}ms {e * 100:>6.1f}%")
             for g, again in zip(again_of, fresh[len(shapes):]):  # noise floor: grid points measured again
                 assert again is not None
                 regrid.append((g.time_s, again.time_s))
+
+    # diagnostic (not judged: the target is about GEMM and attention shapes): a linear layer's forward
+    # and backward under autograd against the planner's three GEMMs, each from its layout's table, and
+    # from the nn points alone, as every GEMM was priced before profiles timed layouts (GemmLayout).
+    # Held-out shapes with every dimension >= 192, so autograd's per-call overhead is small.
+    print(f"\n{'linear tokens x out x in':>25} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7} "
+          f"{'nn table':>11} {'error':>7}   (autograd forward + backward; diagnostic)")
+    linears = [s for s in held_out_gemms(grid, 60) if min(s) >= 192][:args.linears]
+    nn_only = cluster.model_copy(update={"compute": compute.model_copy(
+        update={"gemm": [g for g in compute.gemm if g.layout is GemmLayout.nn]})})
+    for p in precisions:
+        fns = []
+        for tokens, out_f, in_f in linears:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.value]
+            x = torch.randn(tokens, in_f, dtype=dtype, device=device, requires_grad=True)
+            w = torch.randn(out_f, in_f, dtype=dtype, device=device, requires_grad=True)
+            dy = torch.randn(tokens, out_f, dtype=dtype, device=device)
+            fns.append(lambda x=x, w=w, dy=dy: torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), dy))
+        timed = time_rounds(fns, device=device, warmup=2, trials=grid.trials, min_time_s=grid.min_time_s)
+        for (tokens, out_f, in_f), t in zip(linears, timed):
+            assert t is not None
+            pred = sum(gemm_fwd_bwd_s(cluster, tokens, out_f, in_f, p))
+            before = sum(gemm_fwd_bwd_s(nn_only, tokens, out_f, in_f, p))
+            linear.append((pred, before, t.median_s))
+            print(f"{f'{tokens} x {out_f} x {in_f}':>25} {p.value:>5} {pred * 1e3:>9.3f}ms {t.median_s * 1e3:>9.3f}ms "
+                  f"{_err(pred, t.median_s) * 100:>6.1f}% {before * 1e3:>9.3f}ms {_err(before, t.median_s) * 100:>6.1f}%")
 
     print(f"\n{'attention b,s,h/kv,d':>22} {'prec':>5} {'pred fwd':>11} {'meas fwd':>11} {'error':>7} "
           f"{'pred bwd':>11} {'meas bwd':>11} {'error':>7}")
@@ -193,7 +224,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
         pairs += [(pf, point.forward_time_s), (pb, point.backward_time_s)]
         print(f"{f'{b},{s},{h}/{kv},{d}':>22} {p.value:>5} {pf * 1e3:>9.3f}ms {point.forward_time_s * 1e3:>9.3f}ms "
               f"{ef * 100:>6.1f}% {pb * 1e3:>9.3f}ms {point.backward_time_s * 1e3:>9.3f}ms {eb * 100:>6.1f}%")
-    return pairs, regrid
+    return pairs, regrid, linear
 
 
 def quick_profile_run(args: argparse.Namespace) -> tuple[ClusterProfile, float]:
@@ -314,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", default=None, help="default: bf16 with --quick, else fp32,bf16")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--min-time-s", type=float, default=0.03, help="each trial repeats the op at least this long")
-    ap.add_argument("--gemms", type=int, default=10, help="held-out GEMM shapes per precision")
+    ap.add_argument("--gemms", type=int, default=10, help="held-out GEMM shapes per precision (each in every layout)")
+    ap.add_argument("--linears", type=int, default=4,
+                    help="held-out linear layers per precision, timed forward + backward under autograd")
     ap.add_argument("--profile", default=None, help="judge the links of this profile JSON instead of running one")
     ap.add_argument("--ranks", type=int, default=4, help="torchrun ranks for the quick profile run")
     ap.add_argument("--ranks-per-node", type=int, default=2)
@@ -333,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = []
     if not args.skip_compute:
-        pairs, regrid = compute_accuracy(args, device)
+        pairs, regrid, linear = compute_accuracy(args, device)
         noise = [_err(old, new) for old, new in regrid]
         drift = [new / old for old, new in regrid]
         errors = [_err(pred, meas) for pred, meas in pairs]
@@ -351,6 +384,13 @@ def main(argv: list[str] | None = None) -> int:
               f"with the profile rescaled by it (diagnostic, not judged): {sum(e <= TARGET for e in rescaled)} of "
               f"{len(rescaled)} within {TARGET:.0%}, median {statistics.median(rescaled) * 100:.1f}%, "
               f"worst {max(rescaled) * 100:.1f}%")
+        if linear:
+            by = [_err(pred, meas) for pred, _, meas in linear]
+            nn = [_err(before, meas) for _, before, meas in linear]
+            print(f"linear layers under autograd (diagnostic, not judged): {sum(e <= TARGET for e in by)} of {len(by)} "
+                  f"within {TARGET:.0%}, median {statistics.median(by) * 100:.1f}%, worst {max(by) * 100:.1f}%; "
+                  f"priced from the nn points alone (as before layouts): {sum(e <= TARGET for e in nn)} of {len(nn)}, "
+                  f"median {statistics.median(nn) * 100:.1f}%, worst {max(nn) * 100:.1f}%")
         rows.append(("compute: held-out GEMM/attention worst error", f"{worst * 100:.1f}% (median {med * 100:.1f}%, "
                      f"{within}/{len(errors)} <= {TARGET:.0%})", f"<= {TARGET:.0%}", worst <= TARGET))
     if not args.skip_links:

@@ -2,11 +2,11 @@
 
 Runs in one process on one device (the orchestrator calls it on one rank per node while the others
 wait). What is measured is a :class:`ComputeGrid`: by default the GEMM shapes a transformer block
-produces (forward ``Y = X·W`` as ``(tokens, out, in)``, input gradient ``dX = dY·Wᵀ`` as
-``(tokens, in, out)``, weight gradient ``dW = Xᵀ·dY`` as ``(in, out, tokens)``, the same (m, n, k)
-convention as :func:`planner.cost.compute.gemm_fwd_bwd_s`) for a model's hidden / FFN / head sizes
-at each TP degree, or a model-free grid from small to large; causal SDPA across sequence lengths and
-head layouts (forward, and backward timed on its own); and the norm / SwiGLU / residual add /
+produces, each in the operand layout torch's linear runs it in (weight stored [out×in]; forward
+``Y = X·Wᵀ`` as ``(tokens, out, in, nt)``, input gradient ``dX = dY·W`` as ``(tokens, in, out, nn)``,
+weight gradient ``dW = dYᵀ·X`` as ``(out, in, tokens, tn)``, as :func:`planner.cost.compute.gemm_fwd_bwd_s`
+prices them) for a model's hidden / FFN / head sizes at each TP degree, or a model-free grid from
+small to large in all three layouts; causal SDPA across sequence lengths and head layouts (forward, and backward timed on its own); and the norm / SwiGLU / residual add /
 softmax-cross-entropy ops, in each precision the device runs.
 
 ``achieved_matmul_tflops[p]`` is the best GEMM rate seen in precision ``p``;
@@ -32,6 +32,7 @@ from planner.contracts.cluster import (
     ComputeProfile,
     DeviceCheck,
     ElementwisePoint,
+    GemmLayout,
     GemmPoint,
 )
 from planner.errors import AutoparError
@@ -54,13 +55,17 @@ CPU_FLASH_BLOCKING = (AttentionBlocking(from_q_len=0, q_block=32, kv_block=512),
 
 DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 ELEMENTWISE_OPS = ("rmsnorm", "silu_mul", "add", "softmax_cross_entropy")
+# (m, n, k, layout) of one GEMM (GemmLayout: how torch's linear lays out its three GEMMs' operands)
+GemmShape = tuple[int, int, int, GemmLayout]
+LINEAR_LAYOUTS = (GemmLayout.nt, GemmLayout.nn, GemmLayout.tn)  # forward, input gradient, weight gradient
 
 
 @dataclass
 class ComputeGrid:
     """What :func:`measure_compute` measures and how carefully.
 
-    ``gemm``: (m, n, k) of ``(m×k)·(k×n)``; ``attention``: (batch, seq, heads, kv_heads, head_dim),
+    ``gemm``: (m, n, k, layout) of ``op(A)·op(B)``, ``m×k`` by ``k×n``, operands laid out as
+    ``layout`` (:class:`~planner.contracts.cluster.GemmLayout`); ``attention``: (batch, seq, heads, kv_heads, head_dim),
     causal; ``elementwise_bytes``: size in bytes of the activation each elementwise op reads.
 
     A time budget (CPU grids): in each precision the GEMMs, and the attention configs, are measured
@@ -73,7 +78,7 @@ class ComputeGrid:
     and 26.5 ms in fp32, 87x apart.
     """
 
-    gemm: list[tuple[int, int, int]]
+    gemm: list[GemmShape]
     attention: list[tuple[int, int, int, int, int]]
     elementwise_bytes: list[int]
     precisions: list[Precision]
@@ -206,12 +211,12 @@ def linear_shapes(model: ModelSpec, tp: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def linear_gemms(tokens: int, out_features: int, in_features: int) -> list[tuple[int, int, int]]:
-    """The three GEMMs of a linear layer: forward, input gradient, weight gradient as (m, n, k)."""
+def linear_gemms(tokens: int, out_features: int, in_features: int) -> list[GemmShape]:
+    """The three GEMMs of a linear layer (weight stored [out×in]) as torch runs them: (m, n, k, layout)."""
     return [
-        (tokens, out_features, in_features),  # Y = X·W
-        (tokens, in_features, out_features),  # dX = dY·Wᵀ
-        (in_features, out_features, tokens),  # dW = Xᵀ·dY
+        (tokens, out_features, in_features, GemmLayout.nt),  # Y = X·Wᵀ
+        (tokens, in_features, out_features, GemmLayout.nn),  # dX = dY·W
+        (out_features, in_features, tokens, GemmLayout.tn),  # dW = dYᵀ·X
     ]
 
 
@@ -235,9 +240,9 @@ def default_grid(
     cpu = device_type == "cpu"
     precisions = _default_precisions(device_type)
     if cpu:
-        timing = dict(warmup=1, trials=3, min_time_s=0.003) if quick else dict(warmup=2, trials=5, min_time_s=0.02)
+        timing = dict(warmup=1, trials=3, min_time_s=0.002) if quick else dict(warmup=2, trials=5, min_time_s=0.02)
         # per table (one kind of operation in one precision): a quick profile has about a minute in all
-        caps = dict(max_call_s=0.1, max_table_s=4.0) if quick else dict(max_call_s=2.0, max_table_s=120.0)
+        caps = dict(max_call_s=0.1, max_table_s=6.0) if quick else dict(max_call_s=2.0, max_table_s=120.0)
     else:
         timing = dict(warmup=3, trials=5, min_time_s=0.002) if quick else dict(warmup=5, trials=7, min_time_s=0.005)
         caps = dict(max_call_s=None, max_table_s=None)
@@ -250,7 +255,7 @@ def default_grid(
             tokens_list = [256] if quick else [256, 1024]
         else:
             tokens_list = [4096] if quick else [2048, 4096, 8192, 16384]
-        gemm: list[tuple[int, int, int]] = []
+        gemm: list[GemmShape] = []
         attention: list[tuple[int, int, int, int, int]] = []
         for tp in tps:
             heads = max(model.num_attention_heads // tp, 1)
@@ -274,7 +279,8 @@ def default_grid(
             seqs = [1024, 2048, 4096, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
             layouts = [(32, 8, 128)] if quick else [(8, 8, 128), (32, 8, 128), (64, 8, 128), (16, 16, 64)]
             elt_bytes = [16 << 20, 256 << 20] if quick else [1 << 20, 16 << 20, 256 << 20, 1 << 30]
-        gemm = [(m, n, k) for m in sizes for n in sizes for k in sizes]
+        # every shape in each linear GEMM's layout: a library's speed can depend on it (GemmLayout)
+        gemm = [(m, n, k, lay) for m in sizes for n in sizes for k in sizes for lay in LINEAR_LAYOUTS]
         attention = [(1, s, h, kv, d) for (h, kv, d) in layouts for s in seqs]
     return ComputeGrid(
         gemm=list(dict.fromkeys(gemm)),
@@ -293,8 +299,12 @@ def _time(fn: Callable[[], object], device: torch.device, grid: ComputeGrid) -> 
     return time_fn(fn, device=device, warmup=grid.warmup, trials=grid.trials, min_time_s=grid.min_time_s)
 
 
-def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device) -> Callable[[], object] | None:
-    """A closure running one (m×k)·(k×n) GEMM in ``precision``; None if the shape cannot run in it."""
+def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device,
+             layout: GemmLayout = GemmLayout.nn) -> Callable[[], object] | None:
+    """A closure running one GEMM of ``m×k`` by ``k×n`` in ``precision``, operands laid out as
+    ``layout`` (``nt``: ``A·Bᵀ`` with B stored [n×k], ``tn``: ``Aᵀ·B`` with A stored [k×m]); None if
+    the shape cannot run in it. FP8 runs ``nt`` whatever ``layout`` says: ``torch._scaled_mm`` takes
+    only a row-major A and a column-major B, and FP8 recipes transpose their operands to get that."""
     if precision is Precision.fp8:
         if k % 16 or n % 16:
             return None  # torch._scaled_mm needs k and n multiples of 16
@@ -303,14 +313,24 @@ def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device)
         one = torch.ones((), device=device)
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     dtype = DTYPES[precision]
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
+    a, b = gemm_operands(m, n, k, layout, dtype, device)
     out = torch.empty(m, n, device=device, dtype=dtype)
     return lambda: torch.matmul(a, b, out=out)
 
 
-def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> GemmPoint | None:
-    return measure_gemms([((m, n, k), precision)], device, grid)[0]
+def gemm_operands(m: int, n: int, k: int, layout: GemmLayout, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A as m×k, B as k×n), random, each a stored tensor or the transposed view of one as ``layout`` says."""
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if layout is GemmLayout.tn \
+        else torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if layout is GemmLayout.nt \
+        else torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
+def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid,
+                 layout: GemmLayout = GemmLayout.nn) -> GemmPoint | None:
+    return measure_gemms([((m, n, k, layout), precision)], device, grid)[0]
 
 
 ROUNDS_BUDGET_BYTES = 2 << 30  # operands kept alive at once for interleaved rounds (a batch of shapes)
@@ -372,20 +392,21 @@ def budget_for(grid: ComputeGrid) -> Budget | None:
     return Budget(max_call_s=grid.max_call_s, max_total_s=grid.max_table_s)
 
 
-def measure_gemms(jobs: list[tuple[tuple[int, int, int], Precision]], device: torch.device, grid: ComputeGrid,
+def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device, grid: ComputeGrid,
                   on_progress: Callable[[int], None] | None = None,
                   budget: Budget | None = None) -> list[GemmPoint | None]:
-    """Every GEMM of ``jobs`` ((m, n, k), precision), timed in interleaved rounds
+    """Every GEMM of ``jobs`` ((m, n, k, layout), precision), timed in interleaved rounds
     (:func:`_timed_in_rounds`); None where a shape cannot run in its precision or is past the
-    ``budget`` (the jobs then come in order of FLOPs)."""
+    ``budget`` (the jobs then come in order of FLOPs). FP8 points say ``nt``, the layout FP8 runs in."""
     def make(i: int) -> list[Callable[[], object]] | None:
-        (m, n, k), p = jobs[i]
-        fn = _gemm_fn(m, n, k, p, device)
+        (m, n, k, layout), p = jobs[i]
+        fn = _gemm_fn(m, n, k, p, device, layout)
         return None if fn is None else [fn]
 
-    sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k), p in jobs]
-    return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12))
-            for t, ((m, n, k), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
+    sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k, _), p in jobs]
+    return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12),
+                                             layout=GemmLayout.nt if p is Precision.fp8 else layout)
+            for t, ((m, n, k, layout), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
 
 
 def _attention_dtype(precision: Precision) -> torch.dtype:
@@ -563,7 +584,9 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     """
     device = torch.device(device)
     _check_precisions(grid, device)
-    gemm_jobs = [(s, p) for p in grid.precisions for s in grid.gemm]
+    # FP8 runs every GEMM as nt (see _gemm_fn): one job per shape
+    gemm_jobs = list(dict.fromkeys(((m, n, k, GemmLayout.nt if p is Precision.fp8 else lay), p)
+                                   for p in grid.precisions for m, n, k, lay in grid.gemm))
     attn_jobs = [(c, p) for p in grid.precisions for c in grid.attention]
     elt_precisions = [p for p in grid.precisions if p is not Precision.fp8]  # fp8 recipes keep bf16 activations
     elt_jobs = [(op, b, p) for p in elt_precisions for b in grid.elementwise_bytes for op in ELEMENTWISE_OPS]
@@ -605,7 +628,8 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         with torch.no_grad():
             for p in grid.precisions:
                 points = walk(f"{p.value} GEMMs", "shapes", [j for j in gemm_jobs if j[1] is p],
-                              lambda j: math.prod(j[0]), measure_gemms, lambda m, n, k: f"{m}x{n}x{k}",
+                              lambda j: math.prod(j[0][:3]), measure_gemms,
+                              lambda m, n, k, lay: f"{m}x{n}x{k} {lay.value}",
                               lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s")
                 profile.gemm += [point for point in points if point is not None]
     if attn_jobs:
@@ -649,20 +673,28 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)
     profile.achieved_matmul_tflops = rates
     if device.type == "cpu" and Precision.bf16 in grid.precisions and cpu_bf16_is_native() is False:
-        bf16, fp32 = rates.get(Precision.bf16), rates.get(Precision.fp32)
-        than = f" against fp32's {fp32 * 1e3:.3g} ({fp32 / bf16:.0f}x slower)" if bf16 and fp32 else ""
-        best = f", at best {bf16 * 1e3:.3g} GFLOP/s{than}," if bf16 else ""
-        grid.notes.append(
-            f"bf16 on this CPU: torch has no oneDNN bf16 matmul here (CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 GEMMs ran its unoptimised fallback{best} at "
-            "rates that jump from shape to shape and run to run; the planner's interpolation between the bf16 "
-            "table's shapes may be far off (fp32 is this CPU's training precision)")
+        grid.notes.append(_bf16_fallback_note(profile.gemm, rates.get(Precision.fp32)))
     adds = [e for e in profile.elementwise if e.op == "add"]
     if adds:
         largest = max(grid.elementwise_bytes)
         big = [e for e in adds if e.bytes >= 3 * largest * 0.99] or adds
         profile.achieved_memory_bandwidth_bytes_per_s = max(e.bytes / e.time_s for e in big)
     return ComputeProfile.model_validate(profile.model_dump())
+
+
+def _bf16_fallback_note(gemm: list[GemmPoint], fp32_tflops: float | None) -> str:
+    """What the profile says of bf16 GEMMs on a CPU without oneDNN bf16, with the best rate of each layout."""
+    best: dict[GemmLayout, float] = {}
+    for g in gemm:
+        if g.precision is Precision.bf16:
+            best[g.layout] = max(best.get(g.layout, 0.0), 2e-9 * g.m * g.n * g.k / g.time_s)
+    rates = ", ".join(f"{lay.role} {best[lay]:.3g}" for lay in LINEAR_LAYOUTS if lay in best)
+    than = f" against fp32's {fp32_tflops * 1e3:.3g}" if fp32_tflops else ""
+    measured = f", at best {rates} GFLOP/s{than}," if rates else ""
+    return (f"bf16 on this CPU: torch has no oneDNN bf16 matmul here (CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 GEMMs ran its unoptimised fallback{measured} at "
+            "rates that depend on the operand layout and jump from shape to shape; the planner's interpolation "
+            "between the bf16 table's shapes may be far off (fp32 is this CPU's training precision)")
 
 
 # The per-rank device check: one GEMM large enough to run near the device's peak, and an add over
@@ -735,6 +767,7 @@ __all__ = [
     "measure_attentions",
     "measure_compute",
     "measure_elementwise",
+    "gemm_operands",
     "measure_gemm",
     "measure_gemms",
     "parse_precisions",

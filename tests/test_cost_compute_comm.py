@@ -16,6 +16,7 @@ from planner.contracts import (
     Collective,
     ComputeProfile,
     DeviceSpec,
+    GemmLayout,
     GemmPoint,
     LinkLevel,
     LinkProfile,
@@ -35,6 +36,7 @@ from planner.cost.comm import (
 from planner.cost.compute import (
     attention_time_s,
     causal_work_fraction,
+    gemm_fwd_bwd_s,
     gemm_time_s,
     k_efficiency,
     memory_time_s,
@@ -200,6 +202,29 @@ class TestGemm:
         table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=1024, n=1024, k=1024, time_s=1e-4)])
         p = toy_profile(compute=table)
         assert gemm_time_s(p, 2048, 1024, 1024, Precision.bf16) == pytest.approx(2e-4)
+
+    def test_each_linear_gemm_priced_from_its_layouts_table(self):
+        """Forward from the nt points, input gradient from nn, weight gradient from tn: torch's CPU
+        bf16 fallback ran nn 7-20x slower than the others on one shape, so one table cannot stand
+        for all three."""
+        rates = {GemmLayout.nt: 10e9, GemmLayout.nn: 1e9, GemmLayout.tn: 20e9}
+        pts = [GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, layout=lay, time_s=2 * s**3 / r)
+               for lay, r in rates.items() for s in (256, 512)]
+        p = toy_profile(compute=ComputeProfile(gemm=pts))
+        for lay, r in rates.items():
+            assert gemm_time_s(p, 384, 384, 384, Precision.bf16, layout=lay) == pytest.approx(2 * 384**3 / r)
+        fwd, bwd = gemm_fwd_bwd_s(p, 512, 256, 384, Precision.bf16)  # Y[512x256] = X[512x384]·W
+        flops = 2 * 512 * 256 * 384
+        assert fwd == pytest.approx(flops / 10e9)
+        assert bwd == pytest.approx(flops / 1e9 + flops / 20e9)
+
+    def test_a_table_of_one_layout_stands_for_every_layout(self):
+        # profiles measured before GemmPoint.layout timed every GEMM as nn
+        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=1024, n=1024, k=1024, time_s=1e-4)])
+        assert table.gemm[0].layout is GemmLayout.nn
+        p = toy_profile(compute=table)
+        fwd, bwd = gemm_fwd_bwd_s(p, 1024, 1024, 1024, Precision.bf16)
+        assert fwd == pytest.approx(1e-4) and bwd == pytest.approx(2e-4)
 
 
 class TestAttention:

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from planner.contracts import ClusterProfile, ComputeProfile, Precision
-from planner.cost.compute import attention_time_s, gemm_time_s
+from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout, Precision
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, gemm_time_s
 from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.reference import reference_profile
@@ -30,7 +30,7 @@ from profiler.timing import time_fn
 CPU = torch.device("cpu")
 
 TINY = ComputeGrid(
-    gemm=[(64, 64, 64), (256, 256, 256), (512, 512, 512)],
+    gemm=[(64, 64, 64, GemmLayout.nt), (256, 256, 256, GemmLayout.nt), (512, 512, 512, GemmLayout.nt)],
     attention=[(1, 128, 4, 4, 32), (1, 256, 4, 2, 32)],
     elementwise_bytes=[1 << 20],
     precisions=[Precision.fp32, Precision.bf16],
@@ -118,7 +118,7 @@ def test_achieved_peaks_plausible_and_profile_validates(measured):
 def test_planner_returns_measured_time_at_measured_shape(measured):
     cluster = cluster_with(measured)
     for g in measured.gemm:
-        assert gemm_time_s(cluster, g.m, g.n, g.k, g.precision) == pytest.approx(g.time_s, rel=1e-9)
+        assert gemm_time_s(cluster, g.m, g.n, g.k, g.precision, layout=g.layout) == pytest.approx(g.time_s, rel=1e-9)
     for a in measured.attention:
         fwd, bwd = attention_time_s(
             cluster, batch=a.batch, q_len=a.seq_length, kv_len=a.seq_length, heads=a.num_heads,
@@ -144,8 +144,36 @@ def test_supported_and_parsed_precisions():
         parse_precisions(" ", CPU)
 
 
+def test_gemm_operands_lie_in_memory_as_their_layout_says():
+    """nt: B is the transpose of a stored [n×k] weight (a linear's forward); tn: A the transpose of a
+    stored [k×m] tensor (its weight gradient dYᵀ·X); nn: both as stored (its input gradient)."""
+    from profiler.compute import gemm_operands
+
+    m, n, k = 48, 80, 32
+    for layout in GemmLayout:
+        a, b = gemm_operands(m, n, k, layout, torch.float32, CPU)
+        assert a.shape == (m, k) and b.shape == (k, n)
+        assert a.is_contiguous() == (layout is not GemmLayout.tn) and a.t().is_contiguous() == (layout is GemmLayout.tn)
+        assert b.is_contiguous() == (layout is not GemmLayout.nt) and b.t().is_contiguous() == (layout is GemmLayout.nt)
+
+
+def test_each_layout_of_a_shape_is_its_own_point_and_the_planner_returns_it():
+    grid = ComputeGrid(gemm=[(96, 160, 128, lay) for lay in GemmLayout], attention=[], elementwise_bytes=[],
+                       precisions=[Precision.fp32], warmup=1, trials=2)
+    compute = measure_compute(CPU, grid)
+    assert sorted(g.layout.value for g in compute.gemm) == ["nn", "nt", "tn"]
+    cluster = cluster_with(compute)
+    for g in compute.gemm:
+        assert gemm_time_s(cluster, 96, 160, 128, Precision.fp32, layout=g.layout) == pytest.approx(g.time_s)
+    by = {g.layout: g.time_s for g in compute.gemm}
+    # a linear layer Y[96x160] = X[96x128]·Wᵀ: forward is the nt point; its backward GEMMs have other
+    # shapes, priced from the nn and tn tables
+    fwd, _ = gemm_fwd_bwd_s(cluster, 96, 160, 128, Precision.fp32)
+    assert fwd == pytest.approx(by[GemmLayout.nt])
+
+
 def test_measure_refuses_unsupported_precision_before_measuring():
-    grid = ComputeGrid(gemm=[(8, 8, 8)], attention=[], elementwise_bytes=[], precisions=[Precision.fp8])
+    grid = ComputeGrid(gemm=[(8, 8, 8, GemmLayout.nt)], attention=[], elementwise_bytes=[], precisions=[Precision.fp8])
     with pytest.raises(AutoparError, match="fp8"):
         measure_compute(CPU, grid, progress=lambda *a: pytest.fail("measured before validating"))
 
@@ -163,7 +191,8 @@ def test_default_grid_for_a_model_has_every_linear_gemm_at_each_tp():
         assert linear_shapes(model, tp) == expected
         for out_f, in_f in expected.values():
             fwd, dgrad, wgrad = linear_gemms(4096, out_f, in_f)
-            assert fwd == (4096, out_f, in_f) and dgrad == (4096, in_f, out_f) and wgrad == (in_f, out_f, 4096)
+            assert fwd == (4096, out_f, in_f, GemmLayout.nt) and dgrad == (4096, in_f, out_f, GemmLayout.nn)
+            assert wgrad == (out_f, in_f, 4096, GemmLayout.tn)
             assert {fwd, dgrad, wgrad} <= shapes
         assert (1, 4096, a // tp, max(kv // tp, 1), d) in grid.attention
     assert len(grid.gemm) == len(shapes)  # no duplicates
@@ -279,7 +308,10 @@ def test_default_grids_without_a_model():
     assert len(quick.attention) <= len(full.attention)
     for grid in (quick, full):
         assert grid.gemm and grid.attention and grid.elementwise_bytes
-        assert min(m * n * k for m, n, k in grid.gemm) < max(m * n * k for m, n, k in grid.gemm) / 1000
+        assert min(m * n * k for m, n, k, _ in grid.gemm) < max(m * n * k for m, n, k, _ in grid.gemm) / 1000
+        # every shape in each of the linear layer's three layouts
+        assert {lay for *_, lay in grid.gemm} == set(GemmLayout)
+        assert len(grid.gemm) == 3 * len({s[:3] for s in grid.gemm})
 
 
 def test_planner_interpolates_log_rate_between_measured_shapes():
@@ -418,15 +450,16 @@ def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budge
     try:
         x = torch.randn(768, 768)
         single = min(time_fn(lambda: x @ x, device=CPU, warmup=1, trials=3).trials)
-        grid = ComputeGrid(gemm=[(768, 768, 768), (32, 32, 32), (64, 64, 64)], attention=[], elementwise_bytes=[],
+        grid = ComputeGrid(gemm=[(768, 768, 768, GemmLayout.nn), (32, 32, 32, GemmLayout.nn), (64, 64, 64, GemmLayout.nn)],
+                           attention=[], elementwise_bytes=[],
                            precisions=[Precision.fp32], warmup=1, trials=2, min_time_s=0.0, max_call_s=single / 8)
         compute = measure_compute(CPU, grid)
     finally:
         torch.set_num_threads(threads)
     assert sorted((g.m, g.n, g.k) for g in compute.gemm) == [(32, 32, 32), (64, 64, 64)]
     (note,) = grid.notes
-    assert note.startswith("fp32 GEMMs: 2 of 3 shapes measured, in order of FLOPs; the walk stopped at 768x768x768")
-    assert "64x64x64, ran at" in note
+    assert note.startswith("fp32 GEMMs: 2 of 3 shapes measured, in order of FLOPs; the walk stopped at 768x768x768 nn")
+    assert "64x64x64 nn, ran at" in note
 
 
 def test_default_grids_carry_a_time_budget_on_cpu_only():
@@ -443,7 +476,7 @@ def test_a_cpu_without_native_bf16_says_so(monkeypatch, native):
     import profiler.compute as compute
 
     monkeypatch.setattr(compute, "cpu_bf16_is_native", lambda: native)
-    grid = ComputeGrid(gemm=[(32, 32, 32)], attention=[], elementwise_bytes=[],
+    grid = ComputeGrid(gemm=[(32, 32, 32, lay) for lay in GemmLayout], attention=[], elementwise_bytes=[],
                        precisions=[Precision.fp32, Precision.bf16], warmup=1, trials=1)
     measure_compute(CPU, grid)
     notes = [n for n in grid.notes if n.startswith("bf16 on this CPU")]

@@ -11,6 +11,7 @@ from planner.contracts.cluster import (
     Assumptions,
     ElementwisePoint,
     Environment,
+    GemmLayout,
     GemmPoint,
     LinkLevel,
     LinkProfile,
@@ -53,7 +54,7 @@ def json_schemas() -> dict[str, dict]:
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
     "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel", "Collective",
-    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmPoint", "AttentionPoint", "AttentionBlocking",
+    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "AttentionPoint", "AttentionBlocking",
     "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",

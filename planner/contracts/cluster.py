@@ -154,11 +154,34 @@ def check_link_segments(links: list[LinkProfile]) -> None:
                 )
 
 
+class GemmLayout(str, Enum):
+    """How the operands of ``C[m×n] = op(A)·op(B)`` (reducing over ``k``) lie in memory, named as in
+    BLAS for row-major tensors: ``n`` an operand as stored, ``t`` the transpose of a stored one. The
+    three GEMMs of a linear layer each have their own, and a GEMM library's speed can depend on it
+    (torch's CPU bf16 fallback runs ``nn`` 7-20x slower than ``nt`` / ``tn``).
+
+    - ``nt``: ``A[m×k]·B[n×k]ᵀ`` — forward ``Y = X·Wᵀ`` (m tokens, n out features, k in features)
+    - ``nn``: ``A[m×k]·B[k×n]`` — input gradient ``dX = dY·W`` (m tokens, n in, k out)
+    - ``tn``: ``A[k×m]ᵀ·B[k×n]`` — weight gradient ``dW = dYᵀ·X`` (m out, n in, k tokens)
+    """
+
+    nn = "nn"
+    nt = "nt"
+    tn = "tn"
+
+    @property
+    def role(self) -> str:
+        """The linear-layer GEMM this layout is, e.g. ``forward X·Wᵀ (nt)``."""
+        return {"nt": "forward X·Wᵀ", "nn": "input grad dY·W", "tn": "weight grad dYᵀ·X"}[self.value] + f" ({self.value})"
+
+
 class GemmPoint(Contract):
     precision: Precision
     m: int = Field(gt=0)
     n: int = Field(gt=0)
     k: int = Field(gt=0)
+    layout: GemmLayout = Field(
+        GemmLayout.nn, description="operand layout timed (profiles before this field timed every GEMM as nn)")
     time_s: float = Field(gt=0)
 
 

@@ -13,7 +13,7 @@ import bisect
 import functools
 import math
 
-from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, Precision
+from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
 from planner.cost.memo import memo_for
 
 
@@ -69,22 +69,25 @@ def _matmul_rate(profile: ClusterProfile, precision: Precision) -> float:
     return peak_flops(profile, precision) * eff
 
 
-def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1) -> float:
-    """Time of ``count`` GEMMs of (m×k)·(k×n) on one GPU."""
+def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1,
+                layout: GemmLayout = GemmLayout.nn) -> float:
+    """Time of ``count`` GEMMs of (m×k)·(k×n) on one GPU, operands laid out as ``layout``."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     memo = memo_for(profile)
     if memo is not None:
-        key = ("gemm", m, n, k, precision)
+        key = ("gemm", m, n, k, precision, layout)
         one = memo.get(key)
         if one is None:
-            one = memo[key] = _one_gemm_time(profile, m, n, k, precision)
+            one = memo[key] = _one_gemm_time(profile, m, n, k, precision, layout)
         return count * one
-    return count * _one_gemm_time(profile, m, n, k, precision)
+    return count * _one_gemm_time(profile, m, n, k, precision, layout)
 
 
-def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
+def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, layout: GemmLayout) -> float:
     table = [p for p in profile.compute.gemm if p.precision is precision]
+    # the layout's own points; a profile that timed one layout only (before GemmPoint.layout) stands for all
+    table = [p for p in table if p.layout is layout] or table
     if table:
         return _interpolated_gemm_time(table, m, n, k)
     return _roofline_gemm_time(profile, m, n, k, precision)
@@ -95,12 +98,14 @@ def gemm_fwd_bwd_s(
 ) -> tuple[float, float]:
     """(forward, backward) time of a linear layer ``Y[m×n] = X[m×k] · W[k×n]``, ``count`` times.
 
-    Backward is the input gradient ``dX = dY · Wᵀ`` (an m×k output reducing over n) plus the weight
-    gradient ``dW = Xᵀ · dY`` (a k×n output reducing over the m tokens): same FLOPs as forward
-    each, but different shapes and so different efficiency.
+    Each GEMM in the operand layout torch's linear runs it in (:class:`GemmLayout`; W stored
+    ``[n×k]``): forward ``X·Wᵀ`` (nt); backward the input gradient ``dX = dY·W`` (an m×k output
+    reducing over n, nn) plus the weight gradient ``dW = dYᵀ·X`` (an n×k output reducing over the m
+    tokens, tn): the same FLOPs as forward each, but other shapes and layouts, so other speeds.
     """
-    fwd = gemm_time_s(profile, m, n, k, precision, count)
-    bwd = gemm_time_s(profile, m, k, n, precision, count) + gemm_time_s(profile, k, n, m, precision, count)
+    fwd = gemm_time_s(profile, m, n, k, precision, count, GemmLayout.nt)
+    bwd = (gemm_time_s(profile, m, k, n, precision, count, GemmLayout.nn)
+           + gemm_time_s(profile, n, k, m, precision, count, GemmLayout.tn))
     return fwd, bwd
 
 
@@ -223,8 +228,8 @@ def attention_time_s(
         fwd = flops * frac / rate
         return fwd, 2.5 * fwd
     p16 = Precision.bf16 if precision is Precision.fp8 else precision
-    # one batched GEMM each for QK^T and PV (one launch, batch·heads problems)
-    gemms = gemm_time_s(profile, q_len * batch * heads, kv_len, qk_dim, p16) + gemm_time_s(
+    # one batched GEMM each for QK^T (nt: K stored [kv×d]) and PV (nn) (one launch, batch·heads problems)
+    gemms = gemm_time_s(profile, q_len * batch * heads, kv_len, qk_dim, p16, layout=GemmLayout.nt) + gemm_time_s(
         profile, q_len * batch * heads, v_dim, kv_len, p16
     )
     scores = batch * heads * q_len * kv_len
