@@ -22,7 +22,7 @@ from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
-from planner.contracts.cluster import Collective, LinkLevel, link_key, link_points
+from planner.contracts.cluster import Collective, GemmLayout, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
 
 log = logging.getLogger("autopar.pages")
@@ -192,12 +192,14 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     precisions = sorted({p.precision for p in gemm}, key=lambda p: p.value)
     colour: dict[Precision, str] = {}
     for prec in precisions:
-        layouts = sorted({p.layout for p in gemm if p.precision is prec}, key=lambda x: x.value)
+        # forward, input gradient, weight gradient: the order of a linear layer's GEMMs
+        layouts = [x for x in (GemmLayout.nt, GemmLayout.nn, GemmLayout.tn) if any(
+            p.precision is prec and p.layout is x for p in gemm)]
         for layout in layouts:
             mine = [p for p in gemm if p.precision is prec and p.layout is layout]
             pts = [(2.0 * p.m * p.n * p.k, 2.0 * p.m * p.n * p.k / p.time_s / 1e12) for p in mine]
-            labels = [f"{prec.value} {layout.value} {p.m}x{p.n}x{p.k}: {2.0 * p.m * p.n * p.k / p.time_s / 1e12:.3g}"
-                      " TFLOP/s" for p in mine]
+            tag = f"{prec.value} {layout.value}" if len(layouts) > 1 else prec.value
+            labels = [f"{tag} {p.m}x{p.n}x{p.k}: {2.0 * p.m * p.n * p.k / p.time_s / 1e12:.3g} TFLOP/s" for p in mine]
             name = f"{prec.value} {layout.role} measured" if len(layouts) > 1 else f"{prec.value} measured"
             c = charts.PALETTE[len(series) % len(charts.PALETTE)]
             colour.setdefault(prec, c)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout  # noqa: E402
+from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout, Precision  # noqa: E402
 from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, gemm_time_s  # noqa: E402
 from planner.reference import reference_profile  # noqa: E402
 from profiler.compute import (  # noqa: E402
@@ -164,7 +164,9 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     layouts = list(dict.fromkeys(s[3] for s in grid.gemm))
     with torch.no_grad():
         for p in precisions:
-            shapes = [(*shape, lay) for shape in held_out_gemms(grid, args.gemms) for lay in layouts]
+            # FP8 runs every GEMM as nt (profiler.compute._gemm_fn): its shapes once each
+            shapes = [(*shape, lay) for shape in held_out_gemms(grid, args.gemms)
+                      for lay in ([GemmLayout.nt] if p is Precision.fp8 else layouts)]
             table = [g for g in compute.gemm if g.precision is p]
             again_of = table[:: max(len(table) // 4, 1)][:4]
             fresh = measure_gemms([(shape, p) for shape in shapes]
@@ -182,14 +184,15 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
 
     # diagnostic (not judged: the target is about GEMM and attention shapes): a linear layer's forward
     # and backward under autograd against the planner's three GEMMs, each from its layout's table, and
-    # from the nn points alone, as every GEMM was priced before profiles timed layouts (GemmLayout).
+    # from the nn points alone, which is the price before profiles timed layouts (GemmLayout): a table
+    # of one layout stands for all, the weight gradient looked up as the old (in, out, tokens) shape.
     # Held-out shapes with every dimension >= 192, so autograd's per-call overhead is small.
     print(f"\n{'linear tokens x out x in':>25} {'prec':>5} {'predicted':>11} {'measured':>11} {'error':>7} "
           f"{'nn table':>11} {'error':>7}   (autograd forward + backward; diagnostic)")
     linears = [s for s in held_out_gemms(grid, 60) if min(s) >= 192][:args.linears]
     nn_only = cluster.model_copy(update={"compute": compute.model_copy(
         update={"gemm": [g for g in compute.gemm if g.layout is GemmLayout.nn]})})
-    for p in precisions:
+    for p in [p for p in precisions if p is not Precision.fp8]:  # an FP8 linear is not a plain F.linear
         fns = []
         for tokens, out_f, in_f in linears:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.value]

@@ -70,7 +70,8 @@ class ComputeGrid:
 
     A time budget (CPU grids): in each precision the GEMMs, and the attention configs, are measured
     in order of FLOPs, and the walk stops at the first whose call takes longer than ``max_call_s``
-    or whose timing would take the table's time past ``max_table_s`` (:class:`profiler.timing.Budget`;
+    or whose timing would take the table's time past ``max_table_s`` (the GEMMs of each layout walk
+    on their own, with an equal share of it) (:class:`profiler.timing.Budget`;
     the smallest is always measured): it and the larger ones are not measured, and the planner
     prices them at the rate of the nearest measured shapes; the profile's notes say where each table
     stopped. A budget in seconds, not in FLOPs, because precisions run at very different rates on one
@@ -385,11 +386,11 @@ def _timed_in_rounds(sizes: list[int], make_fns: Callable[[int], list[Callable[[
     return out
 
 
-def budget_for(grid: ComputeGrid) -> Budget | None:
-    """A fresh time budget for one table of ``grid`` (None: measure every shape)."""
+def budget_for(grid: ComputeGrid, share: float = 1.0) -> Budget | None:
+    """A fresh time budget for one table of ``grid``, or for ``share`` of one (None: measure every shape)."""
     if grid.max_call_s is None and grid.max_table_s is None:
         return None
-    return Budget(max_call_s=grid.max_call_s, max_total_s=grid.max_table_s)
+    return Budget(max_call_s=grid.max_call_s, max_total_s=None if grid.max_table_s is None else grid.max_table_s * share)
 
 
 def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device, grid: ComputeGrid,
@@ -611,12 +612,12 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         return on_progress
 
     def walk(table: str, unit: str, jobs: list, cost: Callable, measure: Callable, name: Callable,
-             result: Callable) -> list:
+             result: Callable, share: float = 1.0) -> list:
         """One table (one kind of operation in one precision) measured in order of ``cost`` within
-        a fresh budget (:func:`budget_for`), the stop noted; each job's point, or None."""
+        a fresh budget (:func:`budget_for`; ``share`` of it), the stop noted; each job's point, or None."""
         nonlocal done
         jobs.sort(key=cost)
-        budget, start = budget_for(grid), done
+        budget, start = budget_for(grid, share), done
         points = measure(jobs, device, grid, advance(table, start), budget)
         _note_budget_stop(grid, table, unit, [name(*j[0]) for j in jobs],
                           [None if x is None else result(x) for x in points], budget)
@@ -627,11 +628,16 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
         with torch.no_grad():
             for p in grid.precisions:
-                points = walk(f"{p.value} GEMMs", "shapes", [j for j in gemm_jobs if j[1] is p],
-                              lambda j: math.prod(j[0][:3]), measure_gemms,
-                              lambda m, n, k, lay: f"{m}x{n}x{k} {lay.value}",
-                              lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s")
-                profile.gemm += [point for point in points if point is not None]
+                # each layout its own walk with an equal share of the precision's budget: one layout's
+                # slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others
+                layouts = list(dict.fromkeys(j[0][3] for j in gemm_jobs if j[1] is p))
+                for lay in layouts:
+                    points = walk(f"{p.value} {lay.value} GEMMs", "shapes",
+                                  [j for j in gemm_jobs if j[1] is p and j[0][3] is lay],
+                                  lambda j: math.prod(j[0][:3]), measure_gemms, lambda m, n, k, _: f"{m}x{n}x{k}",
+                                  lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s",
+                                  share=1.0 / len(layouts))
+                    profile.gemm += [point for point in points if point is not None]
     if attn_jobs:
         # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
         attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]

@@ -19,7 +19,10 @@ from planner.contracts import (
     Assumptions,
     ClusterProfile,
     Collective,
+    ComputeProfile,
     DeviceSpec,
+    GemmLayout,
+    GemmPoint,
     LinkLevel,
     LinkProfile,
     ModelSpec,
@@ -364,6 +367,21 @@ class TestBlockTensorParallel:
         assert bc.backward.comm_bytes["tp"] == pytest.approx(2 * 4_194_304)
         expected = {100e9: 4.194304e-5, 10e9: 8.388608e-4 - 0.5 * 2048 * 1024 * 8704 / 100e12}[busbw]
         assert bc.backward.exposed_comm_s["tp"] == pytest.approx(expected)
+
+    def test_backward_all_reduces_hidden_by_the_weight_gradient_gemms_alone(self):
+        # a measured table whose weight-gradient (tn) GEMMs run 4x faster than its input-gradient (nn)
+        # ones: the backward GEMMs split 4:1, and the all-reduces beside the weight gradient hide
+        # behind its fifth, not half of the backward. 10 GB/s: total 8.388608e-4 s > that fifth
+        rates = {GemmLayout.nt: 100e12, GemmLayout.nn: 100e12, GemmLayout.tn: 400e12}
+        pts = [GemmPoint(precision=Precision.bf16, m=1024, n=1024, k=1024, layout=lay, time_s=2 * 1024**3 / r)
+               for lay, r in rates.items()]
+        p = easy_profile(links=easy_links(intra=10e9), async_overlap_efficiency=0.5)
+        p = p.model_copy(update={"compute": ComputeProfile(gemm=pts)})
+        bc = block(llama(), micro(tp=2), p)
+        assert bc.backward.gemm_s == pytest.approx(self.BWD_GEMM / 2 + self.BWD_GEMM / 8)
+        wgrad = self.BWD_GEMM / 8
+        total = 2 * 4_194_304 / 10e9
+        assert bc.backward.exposed_comm_s["tp"] == pytest.approx(total - 0.5 * wgrad)
 
     def test_backward_fully_hidden_with_efficiency_1(self):
         # eff 1, comm 8.39e-5 < half 1.83e-4: everything hidden

@@ -143,6 +143,30 @@ def test_a_cpu_profile_page_shows_the_attention_kernels_tiles(site: dict) -> Non
     assert bad.status_code == 422 and "attention_blocking" in bad.text and "must start at 0" in bad.text
 
 
+def test_a_profile_with_gemm_layouts_draws_a_series_per_layout(site: dict) -> None:
+    c = site["client"]
+    body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]
+    body.update(name="lab-layouts", device_checks=[])
+    rate = {"nt": 600e12, "nn": 500e12, "tn": 400e12}
+    body["compute"]["gemm"] = [{"precision": "bf16", "m": s, "n": s, "k": s, "layout": lay, "time_s": 2 * s**3 / r}
+                               for lay, r in rate.items() for s in (1024, 4096)]
+    r = c.post("/v1/profiles", json=body)
+    assert r.status_code == 201, r.text
+    page = html(site, f"/profiles/{r.json()['id']}")
+    names = ["bf16 forward X·Wᵀ (nt) measured", "bf16 input grad dY·W (nn) measured", "bf16 weight grad dYᵀ·X (tn) measured"]
+    at = [page.find(n) for n in names]
+    assert all(i >= 0 for i in at) and at == sorted(at)  # a linear layer's order
+    assert "bf16 tn 4096x4096x4096: 400 TFLOP/s" in page
+    assert "bf16 measured" not in page
+    # one layout only (profiles before layouts): one series, as before
+    assert "bf16 measured" in html(site, f"/profiles/{site['measured']['id']}")
+    assert "bf16 nn " not in html(site, f"/profiles/{site['measured']['id']}")
+    # a layout not in the enum is refused, naming the field and the choices
+    body["compute"]["gemm"][0]["layout"] = "tt"
+    bad = c.post("/v1/profiles", json=body)
+    assert bad.status_code == 422 and "layout" in bad.text and "'nn', 'nt' or 'tn'" in bad.text
+
+
 def test_profile_versions_are_linked(site: dict) -> None:
     c = site["client"]
     body = c.get(f"/v1/profiles/{site['measured']['id']}").json()["profile"]

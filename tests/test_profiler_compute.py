@@ -458,8 +458,27 @@ def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budge
         torch.set_num_threads(threads)
     assert sorted((g.m, g.n, g.k) for g in compute.gemm) == [(32, 32, 32), (64, 64, 64)]
     (note,) = grid.notes
-    assert note.startswith("fp32 GEMMs: 2 of 3 shapes measured, in order of FLOPs; the walk stopped at 768x768x768 nn")
-    assert "64x64x64 nn, ran at" in note
+    assert note.startswith("fp32 nn GEMMs: 2 of 3 shapes measured, in order of FLOPs; the walk stopped at 768x768x768 ")
+    assert "64x64x64, ran at" in note
+
+
+def test_each_gemm_layout_walks_on_its_own_share_of_the_budget(monkeypatch):
+    """A layout whose calls are over the call budget stops its own walk only: the others are measured
+    (on an AVX2 CPU torch's bf16 fallback runs nn 3-16x slower than nt and tn)."""
+    import profiler.compute as compute
+
+    def fake(m, n, k, precision, device, layout=GemmLayout.nn):  # noqa: ANN001, ANN202
+        return lambda: time.sleep(0.006 if layout is GemmLayout.nn else 0.0001)
+
+    monkeypatch.setattr(compute, "_gemm_fn", fake)
+    grid = ComputeGrid(gemm=[(s, s, s, lay) for s in (16, 32, 64) for lay in GemmLayout], attention=[],
+                       elementwise_bytes=[], precisions=[Precision.fp32], warmup=1, trials=2, max_call_s=0.003,
+                       max_table_s=30.0)
+    measured = measure_compute(CPU, grid)
+    got = sorted((g.layout.value, g.m) for g in measured.gemm)
+    assert got == [("nn", 16), ("nt", 16), ("nt", 32), ("nt", 64), ("tn", 16), ("tn", 32), ("tn", 64)]
+    (note,) = grid.notes
+    assert note.startswith("fp32 nn GEMMs: 1 of 3 shapes measured, in order of FLOPs; the walk stopped at 32x32x32 ")
 
 
 def test_default_grids_carry_a_time_budget_on_cpu_only():

@@ -155,10 +155,12 @@ def check_link_segments(links: list[LinkProfile]) -> None:
 
 
 class GemmLayout(str, Enum):
-    """How the operands of ``C[m×n] = op(A)·op(B)`` (reducing over ``k``) lie in memory, named as in
-    BLAS for row-major tensors: ``n`` an operand as stored, ``t`` the transpose of a stored one. The
-    three GEMMs of a linear layer each have their own, and a GEMM library's speed can depend on it
-    (torch's CPU bf16 fallback runs ``nn`` 7-20x slower than ``nt`` / ``tn``).
+    """How the operands of ``C[m×n] = op(A)·op(B)`` (reducing over ``k``) lie in memory, for row-major
+    (torch) tensors: ``n`` an operand as stored, ``t`` the transpose of a stored one. The three GEMMs
+    of a linear layer each have their own, and a GEMM library's speed can depend on it (torch's CPU
+    bf16 fallback, measured on an AVX2 VM: 256³-512³ ran 3-16x slower as ``nn`` than as ``nt`` or
+    ``tn``). Column-major BLAS names each the other way round (cuBLAS and Transformer Engine call the
+    forward ``X·Wᵀ`` "TN").
 
     - ``nt``: ``A[m×k]·B[n×k]ᵀ`` — forward ``Y = X·Wᵀ`` (m tokens, n out features, k in features)
     - ``nn``: ``A[m×k]·B[k×n]`` — input gradient ``dX = dY·W`` (m tokens, n in, k out)
@@ -181,7 +183,8 @@ class GemmPoint(Contract):
     n: int = Field(gt=0)
     k: int = Field(gt=0)
     layout: GemmLayout = Field(
-        GemmLayout.nn, description="operand layout timed (profiles before this field timed every GEMM as nn)")
+        GemmLayout.nn, description="operand layout timed (profiles before this field timed every GEMM as nn, "
+        "FP8 ones as nt)")
     time_s: float = Field(gt=0)
 
 

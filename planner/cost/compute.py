@@ -84,29 +84,47 @@ def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Prec
     return count * _one_gemm_time(profile, m, n, k, precision, layout)
 
 
+# where a profile has no points of the layout asked for: the one it has, in this order (profiles
+# before GemmPoint.layout timed every GEMM as nn, FP8 runs every GEMM as nt)
+_FALLBACK_LAYOUTS = (GemmLayout.nn, GemmLayout.nt, GemmLayout.tn)
+
+
 def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, layout: GemmLayout) -> float:
     table = [p for p in profile.compute.gemm if p.precision is precision]
-    # the layout's own points; a profile that timed one layout only (before GemmPoint.layout) stands for all
-    table = [p for p in table if p.layout is layout] or table
-    if table:
-        return _interpolated_gemm_time(table, m, n, k)
-    return _roofline_gemm_time(profile, m, n, k, precision)
+    if not table:
+        return _roofline_gemm_time(profile, m, n, k, precision)
+    have = {p.layout for p in table}
+    use = layout if layout in have else next(x for x in _FALLBACK_LAYOUTS if x in have)
+    if use is not layout and layout is GemmLayout.tn:
+        # the weight gradient from another layout's points: as its transposed product Cᵀ = Bᵀ·Aᵀ, the
+        # same work, which is how profiles before layouts timed it ((in, out, tokens), not (out, in, tokens))
+        m, n = n, m
+    return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k)
 
 
 def gemm_fwd_bwd_s(
     profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1
 ) -> tuple[float, float]:
-    """(forward, backward) time of a linear layer ``Y[m×n] = X[m×k] · W[k×n]``, ``count`` times.
+    """(forward, backward) time of a linear layer ``Y[m×n] = X[m×k] · W[k×n]``, ``count`` times:
+    :func:`linear_gemms_s` with the backward's two GEMMs added up."""
+    fwd, dgrad, wgrad = linear_gemms_s(profile, m, n, k, precision, count)
+    return fwd, dgrad + wgrad
+
+
+def linear_gemms_s(
+    profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1
+) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) time of a linear layer ``Y[m×n] = X[m×k] · W[k×n]``,
+    ``count`` times.
 
     Each GEMM in the operand layout torch's linear runs it in (:class:`GemmLayout`; W stored
-    ``[n×k]``): forward ``X·Wᵀ`` (nt); backward the input gradient ``dX = dY·W`` (an m×k output
-    reducing over n, nn) plus the weight gradient ``dW = dYᵀ·X`` (an n×k output reducing over the m
-    tokens, tn): the same FLOPs as forward each, but other shapes and layouts, so other speeds.
+    ``[n×k]``): forward ``X·Wᵀ`` (nt); the input gradient ``dX = dY·W`` (an m×k output reducing over
+    n, nn); the weight gradient ``dW = dYᵀ·X`` (an n×k output reducing over the m tokens, tn): the
+    same FLOPs each, but other shapes and layouts, so other speeds.
     """
-    fwd = gemm_time_s(profile, m, n, k, precision, count, GemmLayout.nt)
-    bwd = (gemm_time_s(profile, m, k, n, precision, count, GemmLayout.nn)
-           + gemm_time_s(profile, n, k, m, precision, count, GemmLayout.tn))
-    return fwd, bwd
+    return (gemm_time_s(profile, m, n, k, precision, count, GemmLayout.nt),
+            gemm_time_s(profile, m, k, n, precision, count, GemmLayout.nn),
+            gemm_time_s(profile, n, k, m, precision, count, GemmLayout.tn))
 
 
 def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
@@ -232,6 +250,8 @@ def attention_time_s(
     gemms = gemm_time_s(profile, q_len * batch * heads, kv_len, qk_dim, p16, layout=GemmLayout.nt) + gemm_time_s(
         profile, q_len * batch * heads, v_dim, kv_len, p16
     )
+    # backward: dP = dO·Vᵀ (nt), dV = Pᵀ·dO (tn), dQ = dS·K (nn), dK = dSᵀ·Q (tn): twice the forward's
+    # FLOPs, priced as twice its two GEMMs (the calibration's attention constants were fitted so)
     scores = batch * heads * q_len * kv_len
     # forward: fused scale-mask-softmax (read 2 B, write 2 B) and dropout (read 2, write 2, mask 1)
     # backward: dropout (read grad 2 + mask 1, write 2) and softmax (read y 2, dy 2, write 2)

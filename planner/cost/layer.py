@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, Precision, Recompute
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
-from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, memory_time_s
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, linear_gemms_s, memory_time_s
 
 
 ELEMENTWISE_BACKWARD_RATIO = 1.25
@@ -96,24 +96,27 @@ def routed_token_count(moe, tokens: float, imbalance: float) -> float:  # noqa: 
     return tokens * moe.top_k * imbalance
 
 
+Gemms = tuple[float, float, float]  # (forward, input gradient, weight gradient) seconds
+
+
 def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int, split: int,
-               precision: Precision, count: int = 1) -> tuple[float, float]:
-    """(fwd, bwd) of the up (fused gate+up for SwiGLU) and down projections, ``ffn`` split over ``split``."""
+               precision: Precision, count: int = 1) -> Gemms:
+    """(fwd, dgrad, wgrad) of the up (fused gate+up for SwiGLU) and down projections, ``ffn`` split over ``split``."""
     h = model.hidden_size
     up = (2 if model.ffn_kind == "swiglu" else 1) * ffn // split
-    return _sum(gemm_fwd_bwd_s(profile, tokens, up, h, precision, count),
-                gemm_fwd_bwd_s(profile, tokens, h, ffn // split, precision, count))
+    return _sum(linear_gemms_s(profile, tokens, up, h, precision, count),
+                linear_gemms_s(profile, tokens, h, ffn // split, precision, count))
 
 
-def _sum(*pairs: tuple[float, float]) -> tuple[float, float]:
-    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+def _sum(*parts: Gemms) -> Gemms:
+    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 def _attention_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, t: int,
-                     precision: Precision) -> tuple[float, float]:
-    """(fwd, bwd) of the attention projections on one TP rank."""
+                     precision: Precision) -> Gemms:
+    """(fwd, dgrad, wgrad) of the attention projections on one TP rank."""
     h, a = model.hidden_size, model.num_attention_heads
-    g = gemm_fwd_bwd_s
+    g = linear_gemms_s
     if model.mla is not None:
         m = model.mla
         dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -147,7 +150,7 @@ def block_cost(
     if moe is None:
         gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision))
     else:
-        gemm = _sum(gemm, gemm_fwd_bwd_s(profile, tokens, moe.num_experts, h, Precision.bf16))  # router
+        gemm = _sum(gemm, linear_gemms_s(profile, tokens, moe.num_experts, h, Precision.bf16))  # router
         if moe.num_shared_experts:
             gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision,
                                          moe.num_shared_experts))
@@ -156,7 +159,8 @@ def block_cost(
         per_expert = max(int(routed_tokens / local_experts), 1)
         gemm = _sum(gemm, _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision,
                                      local_experts))
-    fwd.gemm_s, bwd.gemm_s = gemm
+    fwd.gemm_s, bwd.gemm_s = gemm[0], gemm[1] + gemm[2]
+    dgrad_s, wgrad_s = gemm[1], gemm[2]
 
     # attention core: local heads, this rank's queries against the whole sequence
     heads = max(model.num_attention_heads // t, 1)
@@ -207,8 +211,7 @@ def block_cost(
             tp_fwd = 2 * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
             beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
         fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed), (4 if mb.sp else 2) * size)
-        half = bwd.gemm_s / 2
-        hidden = hidden_time_s(beside_wgrad, half, async_eff) + hidden_time_s(beside_dgrad, half, async_eff)
+        hidden = hidden_time_s(beside_wgrad, wgrad_s, async_eff) + hidden_time_s(beside_dgrad, dgrad_s, async_eff)
         total = beside_wgrad + critical + beside_dgrad
         bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)),
                      (6 if mb.sp else 2) * size)
