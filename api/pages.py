@@ -186,6 +186,9 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
 
     out = []
     overhead = profile.assumptions.kernel_overhead_s
+    # the model lines beside rank 0's measurements: rank 0's device, not the slowest checked one's
+    # (the pace a plan is priced at, planner.cost.compute.device_pace)
+    rank0 = profile.model_copy(update={"device_checks": []})
     # GEMM
     series: list[Series] = []
     gemm = profile.compute.gemm
@@ -212,7 +215,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
             pts = []
             for s in _log_range(128, 32768, 2):
                 s = int(s)
-                t = gemm_time_s(profile, s, s, s, prec) + overhead
+                t = gemm_time_s(rank0, s, s, s, prec) + overhead
                 pts.append((2.0 * s**3, 2.0 * s**3 / t / 1e12))
             series.append(Series(f"{prec.value} model (no measurements), square m=n=k", pts, "line",
                                  charts.PALETTE[i]))
@@ -249,7 +252,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
         fwd, bwd = [], []
         for s in _log_range(512, 131072, 1):
             s = int(s)
-            tf, tb = attention_time_s(profile, batch=1, q_len=s, kv_len=s, heads=32, kv_heads=8, qk_dim=128, v_dim=128,
+            tf, tb = attention_time_s(rank0, batch=1, q_len=s, kv_len=s, heads=32, kv_heads=8, qk_dim=128, v_dim=128,
                                       precision=Precision.bf16, causal=True, flash=True)
             flops = 4.0 * s * s * 32 * 128 * causal_work_fraction(s)
             fwd.append((flops, flops / (tf + overhead) / 1e12))
@@ -267,7 +270,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     for i, op in enumerate(ops):
         pts = [(p.bytes, p.bytes / p.time_s / 1e9) for p in elt if p.op == op]
         series.append(Series(f"{op} measured", pts, "markers", charts.PALETTE[i % len(charts.PALETTE)]))
-    model_pts = [(b, b / (memory_time_s(profile, b) + overhead) / 1e9) for b in _log_range(64 * 1024, 4 * 1024**3, 1)]
+    model_pts = [(b, b / (memory_time_s(rank0, b) + overhead) / 1e9) for b in _log_range(64 * 1024, 4 * 1024**3, 1)]
     series.append(Series("model" + ("" if elt else " (no measurements)"), model_pts, "line", "#6b7280", dashed=bool(elt)))
     hbm = profile.device.hbm_bandwidth_bytes_per_s / 1e9
     series.append(Series(f"HBM datasheet {hbm:,.0f} GB/s", [(model_pts[0][0], hbm), (model_pts[-1][0], hbm)], "line",

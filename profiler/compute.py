@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from planner.contracts import ModelSpec, Precision
 from planner.contracts.cluster import (
+    SLOW_DEVICE_LIMIT,
     AttentionBlocking,
     AttentionPoint,
     ComputeProfile,
@@ -707,7 +708,8 @@ def _bf16_fallback_note(gemm: list[GemmPoint], fp32_tflops: float | None) -> str
 # buffers several times the caches, measured as the tables are (measure_gemm, measure_elementwise)
 CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
 CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
-SLOW_DEVICE = {"cuda": 0.10, "cpu": 0.25}  # below the median by more: a slow device (CPU: shared-VM noise)
+# below the median by more: a slow device (CPU: shared-VM noise); the planner's limit (device_pace)
+SLOW_DEVICE = {"cuda": SLOW_DEVICE_LIMIT["gpu"], "cpu": SLOW_DEVICE_LIMIT["cpu"]}
 
 
 def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,
@@ -757,7 +759,8 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
                                f"{(1 - value(c) / median) * 100:.0f}% below" for c in slow[:8])
             notes.append(f"SLOW DEVICES ({what}): {len(slow)} of {len(checks)} ranks more than {limit:.0%} below the "
                          f"median {median * scale:.4g} {unit}: {listed}{'; ...' if len(slow) > 8 else ''}. "
-                         "Synchronous training runs at the slowest device's pace; the compute tables are rank 0's")
+                         "Synchronous training runs at the slowest device's pace: the planner prices every device "
+                         "at the slowest one's (the compute tables, rank 0's, scaled by rank 0's check over its)")
     return notes
 
 

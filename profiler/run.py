@@ -308,7 +308,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         sources = [
             f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",
             f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
-            "compute: rank 0 only (one table stands for every device)",
+            "compute: rank 0 only (one table stands for every device, scaled to the slowest where a device check finds a straggler)",
             *c.notes, *dev_notes, *host_notes, *grid_notes,
         ]
         if c.device_type == "cpu":

@@ -3,9 +3,15 @@ prediction for a small GPT-style model on one DGX A100 node (8 GPUs)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from pydantic import ValidationError
 
 from planner.contracts import (
+    ClusterProfile,
+    DeviceCheck,
+    GemmLayout,
     ModelSpec,
     MoESpec,
     ParallelLayout,
@@ -313,3 +319,92 @@ def test_pipeline_p2p_without_scatter_gather_sends_tp_times_the_bytes():
     assert p2p_whole.bytes_per_step == pytest.approx(2 * m * per_transfer)  # forward + backward each micro-batch
     assert p2p_split.bytes_per_step == pytest.approx(2 * m * per_transfer / 4)
     assert p2p_whole.time_s > p2p_split.time_s and whole.step_time_s > split.step_time_s
+
+
+# ============================================================================================
+# the slowest checked device's pace
+# ============================================================================================
+def _checks(gemm: list[float], bw: list[float]) -> list[DeviceCheck]:
+    return [DeviceCheck(rank=r, host=f"node-{r // 4}", local_rank=r % 4, device="NVIDIA A100-SXM4-80GB",
+                        memory_bytes=80 << 30, precision=Precision.bf16, gemm=(8192, 8192, 8192), gemm_tflops=g,
+                        memory_bandwidth_bytes_per_s=b) for r, (g, b) in enumerate(zip(gemm, bw))]
+
+
+class TestDevicePace:
+    def test_every_device_is_priced_at_a_stragglers_pace(self, node):
+        from planner.cost.compute import (
+            DevicePace,
+            _roofline_gemm_time,
+            attention_time_s,
+            device_pace,
+            gemm_time_s,
+            memory_time_s,
+        )
+        from planner.cost.memo import memoised
+
+        # rank 2's GEMM check 20% below the median, rank 3's add 47% below: stragglers (GPU limit 10%)
+        slow = node.model_copy(update={"device_checks": _checks([250, 260, 200, 255], [1.8e12, 1.7e12, 1.8e12, 0.9e12])})
+        pace = device_pace(slow)
+        assert pace.compute == pytest.approx(1.25) and pace.compute_rank == 2
+        assert pace.memory == pytest.approx(2.0) and pace.memory_rank == 3
+        assert gemm_time_s(slow, 4096, 4096, 4096, Precision.bf16) == pytest.approx(
+            1.25 * gemm_time_s(node, 4096, 4096, 4096, Precision.bf16))
+        # a GEMM with K = 16: its HBM traffic at the memory pace outlasts its compute at the compute pace
+        compute = _roofline_gemm_time(node, 8192, 8192, 16, Precision.bf16, DevicePace(compute=1e9)) / 1e9
+        traffic = _roofline_gemm_time(node, 8192, 8192, 16, Precision.bf16, DevicePace(memory=1e9)) / 1e9
+        assert 1.25 * compute < 2.0 * traffic
+        assert gemm_time_s(slow, 8192, 8192, 16, Precision.bf16) == pytest.approx(2.0 * traffic)
+        assert memory_time_s(slow, 1e9) == pytest.approx(2.0 * memory_time_s(node, 1e9))
+        args = dict(batch=1, q_len=4096, kv_len=4096, heads=16, kv_heads=16, qk_dim=64, v_dim=64,
+                    precision=Precision.bf16, causal=True)
+        for a, b in zip(attention_time_s(slow, flash=True, **args), attention_time_s(node, flash=True, **args)):
+            assert a == pytest.approx(1.25 * b)
+        # unfused: two batched GEMMs at their pace and the scores' memory passes at the memory pace, once each
+        rows = 4096 * 16
+        gemms = gemm_time_s(node, rows, 4096, 64, Precision.bf16, layout=GemmLayout.nt) + gemm_time_s(
+            node, rows, 64, 4096, Precision.bf16)
+        paced = (gemm_time_s(slow, rows, 4096, 64, Precision.bf16, layout=GemmLayout.nt)
+                 + gemm_time_s(slow, rows, 64, 4096, Precision.bf16))
+        fwd_fast, _ = attention_time_s(node, flash=False, **args)
+        fwd_slow, _ = attention_time_s(slow, flash=False, **args)
+        assert fwd_slow == pytest.approx(paced + 2.0 * (fwd_fast - gemms))
+        # the memoised path (the search) prices the same
+        with memoised(slow):
+            assert gemm_time_s(slow, 8192, 8192, 16, Precision.bf16) == pytest.approx(2.0 * traffic)
+            assert device_pace(slow) == pace
+
+        base, priced = run(node, tp=8), run(slow, tp=8)
+        assert priced.step_time_s > 1.2 * base.step_time_s
+        (note,) = [n for n in priced.notes if n.startswith("priced at the slowest")]
+        assert "GEMMs and attention at rank 2's, 1.25x rank 0's time" in note
+        assert "memory-bound work at rank 3's, 2.00x rank 0's time" in note
+        assert not [n for n in base.notes if n.startswith("priced at the slowest")]
+
+    def test_noise_rank_0_slowest_or_no_checks_change_nothing(self, node):
+        from planner.cost.compute import device_pace
+
+        assert device_pace(node) == (1.0, 1.0, None, None)
+        # within 10% of the median: timing noise, not a straggler
+        noisy = node.model_copy(update={"device_checks": _checks([250, 240, 232, 255], [1.8e12, 1.7e12, 1.65e12, 1.8e12])})
+        # rank 0 itself the straggler: its tables already run at the slowest pace
+        first = node.model_copy(update={"device_checks": _checks([200, 250, 245, 260], [0.9e12, 1.8e12, 1.7e12, 1.9e12])})
+        for p in (noisy, first):
+            assert device_pace(p) == (1.0, 1.0, None, None)
+            a, b = run(node, tp=8), run(p, tp=8)
+            assert a.step_time_s == b.step_time_s and a.notes == b.notes
+
+    def test_cpu_profiles_allow_more_noise(self, node):
+        from planner.cost.compute import device_pace
+
+        cpu = node.model_copy(update={"device": node.device.model_copy(update={"name": "CPU: AMD EPYC (1 threads/rank)"}),
+                                      "device_checks": _checks([100, 98, 80, 101], [30e9, 29e9, 28e9, 31e9])})
+        assert cpu.is_cpu and device_pace(cpu).compute == 1.0  # 19% below the median: within the CPU limit 25%
+        cpu.device_checks[2].gemm_tflops = 60.0
+        assert device_pace(cpu).compute == pytest.approx(100 / 60)
+
+    def test_checks_must_include_rank_0_once(self, node):
+        body = node.model_dump()
+        for ranks, problem in (([1, 2], "has no check of rank 0"), ([0, 1, 1], "repeats rank(s) [1]")):
+            body["device_checks"] = [c.model_dump() | {"rank": r} for c, r in zip(_checks([1.0] * 3, [1.0] * 3), ranks)]
+            with pytest.raises(ValidationError, match=re.escape(problem)):
+                ClusterProfile.model_validate(body)

@@ -283,6 +283,12 @@ class Assumptions(Contract):
     notes: list[str] = Field(default_factory=list)
 
 
+# a rank whose device check ran this far below the checks' median is a straggler, not timing noise:
+# the profile notes it (SLOW DEVICES) and the planner prices every device at its pace (CPU ranks on a
+# shared VM move more between checks)
+SLOW_DEVICE_LIMIT = {"gpu": 0.10, "cpu": 0.25}
+
+
 class DeviceCheck(Contract):
     """One rank's device, checked at the same fixed GEMM and memory-bound add as every other rank's,
     so a slow or different device shows beside the compute tables (measured on rank 0 only)."""
@@ -313,7 +319,23 @@ class ClusterProfile(Contract):
     sources: list[str] = Field(default_factory=list)
     device_checks: list[DeviceCheck] = Field(
         default_factory=list, description="every rank's device at one GEMM and one memory-bound add (measured "
-        "profiles): the compute tables are rank 0's, and synchronous training runs at its slowest device's pace")
+        "profiles): the compute tables are rank 0's, and synchronous training runs at its slowest device's pace, "
+        "so the planner scales them by rank 0's check over the slowest rank's")
+
+    @property
+    def is_cpu(self) -> bool:
+        """A profile of CPU ranks (``autopar profile`` names their device ``CPU: ...``)."""
+        return self.device.name.upper().startswith("CPU")
+
+    @model_validator(mode="after")
+    def _checks(self) -> ClusterProfile:
+        ranks = [c.rank for c in self.device_checks]
+        if ranks and (0 not in ranks or len(set(ranks)) != len(ranks)):
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            problem = f"repeats rank(s) {dup}" if dup else "has no check of rank 0"
+            raise ValueError(f"device_checks {problem} (ranks {sorted(ranks)[:16]}); give one check per rank, "
+                             "rank 0's included (the compute tables are rank 0's and are scaled by its check)")
+        return self
 
     @model_validator(mode="after")
     def _links(self) -> ClusterProfile:

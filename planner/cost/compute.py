@@ -1,4 +1,5 @@
-"""Time of one operator on one GPU, from the profile's measured tables or from a roofline.
+"""Time of one operator on one GPU, from the profile's measured tables or from a roofline, at the
+slowest checked device's pace where the profile's device checks found a straggler (:func:`device_pace`).
 
 Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_efficiency · waves ·
 K/(K+K0)), bytes / (hbm · memory_efficiency))``. These are times of the work itself; the fixed cost of
@@ -12,8 +13,11 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import statistics
+from typing import NamedTuple
 
 from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
+from planner.contracts.cluster import SLOW_DEVICE_LIMIT
 from planner.cost.memo import memo_for
 
 
@@ -52,11 +56,54 @@ def k_efficiency(k: int, k_overhead: float) -> float:
     return k / (k + k_overhead)
 
 
+class DevicePace(NamedTuple):
+    """How much slower than the device the compute tables were measured on (rank 0's) the slowest
+    checked device runs (``ClusterProfile.device_checks``), at GEMMs and at memory-bound work: >= 1."""
+
+    compute: float = 1.0
+    memory: float = 1.0
+    compute_rank: int | None = None  # the slowest rank at the GEMM check (None: no slower one)
+    memory_rank: int | None = None
+
+
+def device_pace(profile: ClusterProfile) -> DevicePace:
+    """Synchronous training runs at its slowest device's pace, and the compute tables are rank 0's:
+    where a rank's check ran more than ``SLOW_DEVICE_LIMIT`` below the checks' median (the profile's
+    ``SLOW DEVICES`` note: a straggler, not timing noise), every device is priced at the slowest
+    one's: rank 0's times × rank 0's check / the slowest's (GEMMs and attention by the GEMM check,
+    memory-bound work by the add), in every precision (the check runs one: bf16 on GPUs, fp32 on CPUs)."""
+    checks = profile.device_checks
+    if not checks:
+        return DevicePace()
+    memo = memo_for(profile)
+    if memo is not None and "pace" in memo:
+        return memo["pace"]
+    first = next(c for c in checks if c.rank == 0)  # the contract requires rank 0's check
+    limit = SLOW_DEVICE_LIMIT["cpu" if profile.is_cpu else "gpu"]
+    factors: list[tuple[float, int | None]] = []
+    for value in (lambda c: c.gemm_tflops, lambda c: c.memory_bandwidth_bytes_per_s):
+        median = statistics.median(value(c) for c in checks)
+        slowest = min(checks, key=lambda c: (value(c), c.rank))
+        if value(slowest) < (1 - limit) * median and value(slowest) < value(first):
+            factors.append((value(first) / value(slowest), slowest.rank))
+        else:
+            factors.append((1.0, None))
+    pace = DevicePace(factors[0][0], factors[1][0], factors[0][1], factors[1][1])
+    if memo is not None:
+        memo["pace"] = pace
+    return pace
+
+
 def memory_time_s(profile: ClusterProfile, nbytes: float) -> float:
-    """Bandwidth-bound work: ``bytes / (achieved or datasheet·efficiency HBM bandwidth)``."""
+    """Bandwidth-bound work: ``bytes / (achieved or datasheet·efficiency HBM bandwidth)``, at the
+    slowest checked device's pace (:func:`device_pace`)."""
+    return nbytes / _bandwidth(profile) * (device_pace(profile).memory if profile.device_checks else 1.0)
+
+
+def _bandwidth(profile: ClusterProfile) -> float:
+    """Rank 0's memory-bound bytes/s: achieved, else datasheet HBM bandwidth × efficiency."""
     measured = profile.compute.achieved_memory_bandwidth_bytes_per_s
-    bw = measured or profile.device.hbm_bandwidth_bytes_per_s * profile.assumptions.memory_bandwidth_efficiency
-    return nbytes / bw
+    return measured or profile.device.hbm_bandwidth_bytes_per_s * profile.assumptions.memory_bandwidth_efficiency
 
 
 def _matmul_rate(profile: ClusterProfile, precision: Precision) -> float:
@@ -71,7 +118,8 @@ def _matmul_rate(profile: ClusterProfile, precision: Precision) -> float:
 
 def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int = 1,
                 layout: GemmLayout = GemmLayout.nn) -> float:
-    """Time of ``count`` GEMMs of (m×k)·(k×n) on one GPU, operands laid out as ``layout``."""
+    """Time of ``count`` GEMMs of (m×k)·(k×n) on one GPU, operands laid out as ``layout``, at the
+    slowest checked device's pace (:func:`device_pace`)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     memo = memo_for(profile)
@@ -90,16 +138,17 @@ _FALLBACK_LAYOUTS = (GemmLayout.nn, GemmLayout.nt, GemmLayout.tn)
 
 
 def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, layout: GemmLayout) -> float:
+    pace = device_pace(profile)
     table = [p for p in profile.compute.gemm if p.precision is precision]
     if not table:
-        return _roofline_gemm_time(profile, m, n, k, precision)
+        return _roofline_gemm_time(profile, m, n, k, precision, pace)
     have = {p.layout for p in table}
     use = layout if layout in have else next(x for x in _FALLBACK_LAYOUTS if x in have)
     if use is not layout and layout is GemmLayout.tn:
         # the weight gradient from another layout's points: as its transposed product Cᵀ = Bᵀ·Aᵀ, the
         # same work, which is how profiles before layouts timed it ((in, out, tokens), not (out, in, tokens))
         m, n = n, m
-    return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k)
+    return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k) * pace.compute
 
 
 def gemm_fwd_bwd_s(
@@ -127,17 +176,18 @@ def linear_gemms_s(
             gemm_time_s(profile, n, k, m, precision, count, GemmLayout.tn))
 
 
-def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision) -> float:
+def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision,
+                        pace: DevicePace = DevicePace()) -> float:
     a = profile.assumptions
     flops = 2.0 * m * n * k
     waves = wave_efficiency(m, n, profile.device.sm_count, tuple(tuple(t) for t in a.gemm_tiles))
     compute = flops / (_matmul_rate(profile, precision) * waves * k_efficiency(k, a.gemm_k_overhead))
     elt = 1 if precision is Precision.fp8 else precision.bytes
     out = 4 if precision is Precision.fp32 else 2  # FP8 GEMMs write 16-bit outputs
-    traffic = memory_time_s(profile, elt * (m * k + k * n) + out * m * n)
+    traffic = (elt * (m * k + k * n) + out * m * n) / _bandwidth(profile)
     # FP8 input casts are fused into the producing norm / activation kernels (Transformer Engine),
     # so they add no separate HBM pass here.
-    return max(compute, traffic)
+    return max(compute * pace.compute, traffic * pace.memory)
 
 
 def _interpolated_gemm_time(table, m: int, n: int, k: int) -> float:  # noqa: ANN001
@@ -222,7 +272,31 @@ def attention_time_s(
     causal: bool,
     flash: bool,
 ) -> tuple[float, float]:
-    """(forward, backward) time of the attention core for ``heads`` local heads.
+    """(forward, backward) time of the attention core for ``heads`` local heads
+    (:func:`_attention_time_s`), at the slowest checked device's pace (:func:`device_pace`)."""
+    fwd, bwd = _attention_time_s(profile, batch=batch, q_len=q_len, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
+                                 qk_dim=qk_dim, v_dim=v_dim, precision=precision, causal=causal, flash=flash)
+    if not flash or not profile.device_checks:
+        return fwd, bwd  # unfused: its GEMMs and memory passes are each priced at the pace already
+    pace = device_pace(profile).compute
+    return fwd * pace, bwd * pace
+
+
+def _attention_time_s(
+    profile: ClusterProfile,
+    *,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    heads: int,
+    kv_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    precision: Precision,
+    causal: bool,
+    flash: bool,
+) -> tuple[float, float]:
+    """(forward, backward) time of the attention core for ``heads`` local heads on rank 0's device.
 
     Fused (flash): forward FLOPs ``2·b·q·kv·a·(d_qk + d_v)`` times the causal fraction, at
     ``peak · attention_efficiency`` (16-bit even in FP8 recipes); backward runs 5 of those matmuls

@@ -23,9 +23,10 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups, placement
-from planner.cost.compute import memory_time_s, peak_flops
+from planner.cost.compute import device_pace, memory_time_s, peak_flops
 from planner.cost.flops import model_flops_per_step, recompute_flops
 from planner.cost.layer import BlockCost, MicroBatch, PassCost, block_cost, embedding_cost, lm_head_cost
+from planner.cost.memo import memo_for, memoised
 from planner.cost.memory import (
     ActivationShape,
     layer_activation_bytes,
@@ -188,6 +189,15 @@ def predict(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
 ) -> Prediction:
     """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``."""
+    if memo_for(profile) is None:  # the profile is held unchanged for the call: its lookups may be kept
+        with memoised(profile):
+            return _predict(model, training, profile, layout)
+    return _predict(model, training, profile, layout)
+
+
+def _predict(
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
+) -> Prediction:
     m = check_layout(model, training, layout, profile.num_gpus)
     if training.precision is Precision.fp8 and Precision.fp8 not in profile.device.peak_tflops:
         raise AutoparError("precision", "fp8", "train in bf16 on this GPU, or use a GPU with FP8 (Hopper or later)",
@@ -396,6 +406,14 @@ def predict(
                      f"{peak.capacity_bytes / 2**30:.1f} GiB")
     if training.precision is Precision.fp8:
         notes.append("MFU/HFU are against the dense 16-bit peak")
+    pace = device_pace(profile)
+    slower = [f"{what} at rank {rank}'s, {f:.2f}x rank 0's time" for what, f, rank in
+              (("GEMMs and attention", pace.compute, pace.compute_rank), ("memory-bound work", pace.memory,
+                                                                          pace.memory_rank)) if rank is not None]
+    if slower:
+        notes.append("priced at the slowest checked device's pace (the compute tables are rank 0's; a device "
+                     "check ran more than the straggler limit below the median, and synchronous training waits "
+                     "for the slowest device): " + "; ".join(slower))
     return Prediction(
         step_time_s=step_s,
         tokens_per_s=tokens / step_s,
