@@ -66,6 +66,9 @@ class DevicePace(NamedTuple):
     memory_rank: int | None = None
 
 
+_NO_PACE = DevicePace()
+
+
 def device_pace(profile: ClusterProfile) -> DevicePace:
     """Synchronous training runs at its slowest device's pace, and the compute tables are rank 0's:
     where a rank's check ran more than ``SLOW_DEVICE_LIMIT`` below the checks' median (the profile's
@@ -74,7 +77,7 @@ def device_pace(profile: ClusterProfile) -> DevicePace:
     memory-bound work by the add), in every precision (the check runs one: bf16 on GPUs, fp32 on CPUs)."""
     checks = profile.device_checks
     if not checks:
-        return DevicePace()
+        return _NO_PACE
     memo = memo_for(profile)
     if memo is not None and "pace" in memo:
         return memo["pace"]
@@ -97,7 +100,11 @@ def device_pace(profile: ClusterProfile) -> DevicePace:
 def memory_time_s(profile: ClusterProfile, nbytes: float) -> float:
     """Bandwidth-bound work: ``bytes / (achieved or datasheet·efficiency HBM bandwidth)``, at the
     slowest checked device's pace (:func:`device_pace`)."""
-    return nbytes / _bandwidth(profile) * (device_pace(profile).memory if profile.device_checks else 1.0)
+    measured = profile.compute.achieved_memory_bandwidth_bytes_per_s  # _bandwidth, inlined: a hot path
+    bw = measured or profile.device.hbm_bandwidth_bytes_per_s * profile.assumptions.memory_bandwidth_efficiency
+    if profile.device_checks:
+        return nbytes / bw * device_pace(profile).memory
+    return nbytes / bw
 
 
 def _bandwidth(profile: ClusterProfile) -> float:
@@ -138,7 +145,7 @@ _FALLBACK_LAYOUTS = (GemmLayout.nn, GemmLayout.nt, GemmLayout.tn)
 
 
 def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, layout: GemmLayout) -> float:
-    pace = device_pace(profile)
+    pace = device_pace(profile) if profile.device_checks else _NO_PACE
     table = [p for p in profile.compute.gemm if p.precision is precision]
     if not table:
         return _roofline_gemm_time(profile, m, n, k, precision, pace)
