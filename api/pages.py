@@ -22,7 +22,7 @@ from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
-from planner.contracts.cluster import Collective, GemmLayout, LinkLevel, link_key, link_points
+from planner.contracts.cluster import LINEAR_LAYOUTS, Collective, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
 
 log = logging.getLogger("autopar.pages")
@@ -196,8 +196,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     colour: dict[Precision, str] = {}
     for prec in precisions:
         # forward, input gradient, weight gradient: the order of a linear layer's GEMMs
-        layouts = [x for x in (GemmLayout.nt, GemmLayout.nn, GemmLayout.tn) if any(
-            p.precision is prec and p.layout is x for p in gemm)]
+        layouts = [x for x in LINEAR_LAYOUTS if any(p.precision is prec and p.layout is x for p in gemm)]
         for layout in layouts:
             mine = [p for p in gemm if p.precision is prec and p.layout is layout]
             pts = [(2.0 * p.m * p.n * p.k, 2.0 * p.m * p.n * p.k / p.time_s / 1e12) for p in mine]

@@ -49,6 +49,7 @@ from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout, Precis
 from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, gemm_time_s  # noqa: E402
 from planner.reference import reference_profile  # noqa: E402
 from profiler.compute import (  # noqa: E402
+    DTYPES,
     ComputeGrid,
     default_grid,
     measure_attentions,
@@ -195,7 +196,7 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     for p in [p for p in precisions if p is not Precision.fp8]:  # an FP8 linear is not a plain F.linear
         fns = []
         for tokens, out_f, in_f in linears:
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.value]
+            dtype = DTYPES[p]
             x = torch.randn(tokens, in_f, dtype=dtype, device=device, requires_grad=True)
             w = torch.randn(out_f, in_f, dtype=dtype, device=device, requires_grad=True)
             dy = torch.randn(tokens, out_f, dtype=dtype, device=device)

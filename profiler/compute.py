@@ -4,8 +4,8 @@ Runs in one process on one device (the orchestrator calls it on one rank per nod
 wait). What is measured is a :class:`ComputeGrid`: by default the GEMM shapes a transformer block
 produces, each in the operand layout torch's linear runs it in (weight stored [out×in]; forward
 ``Y = X·Wᵀ`` as ``(tokens, out, in, nt)``, input gradient ``dX = dY·W`` as ``(tokens, in, out, nn)``,
-weight gradient ``dW = dYᵀ·X`` as ``(out, in, tokens, tn)``, as :func:`planner.cost.compute.gemm_fwd_bwd_s`
-prices them) for a model's hidden / FFN / head sizes at each TP degree, or a model-free grid from
+weight gradient ``dW = dYᵀ·X`` as ``(out, in, tokens, tn)``, as
+:func:`planner.cost.compute.linear_gemms_s` prices them) for a model's hidden / FFN / head sizes at each TP degree, or a model-free grid from
 small to large in all three layouts; causal SDPA across sequence lengths and head layouts (forward, and backward timed on its own); and the norm / SwiGLU / residual add /
 softmax-cross-entropy ops, in each precision the device runs.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from planner.contracts import ModelSpec, Precision
 from planner.contracts.cluster import (
-    SLOW_DEVICE_LIMIT,
+    LINEAR_LAYOUTS,
     AttentionBlocking,
     AttentionPoint,
     ComputeProfile,
@@ -35,6 +35,7 @@ from planner.contracts.cluster import (
     ElementwisePoint,
     GemmLayout,
     GemmPoint,
+    slow_device_limit,
 )
 from planner.errors import AutoparError
 from profiler.identity import available_memory_bytes, last_level_cache_bytes
@@ -58,7 +59,6 @@ DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precisi
 ELEMENTWISE_OPS = ("rmsnorm", "silu_mul", "add", "softmax_cross_entropy")
 # (m, n, k, layout) of one GEMM (GemmLayout: how torch's linear lays out its three GEMMs' operands)
 GemmShape = tuple[int, int, int, GemmLayout]
-LINEAR_LAYOUTS = (GemmLayout.nt, GemmLayout.nn, GemmLayout.tn)  # forward, input gradient, weight gradient
 
 
 @dataclass
@@ -708,8 +708,6 @@ def _bf16_fallback_note(gemm: list[GemmPoint], fp32_tflops: float | None) -> str
 # buffers several times the caches, measured as the tables are (measure_gemm, measure_elementwise)
 CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
 CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
-# below the median by more: a slow device (CPU: shared-VM noise); the planner's limit (device_pace)
-SLOW_DEVICE = {"cuda": SLOW_DEVICE_LIMIT["gpu"], "cpu": SLOW_DEVICE_LIMIT["cpu"]}
 
 
 def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,
@@ -735,7 +733,8 @@ def device_check(device: torch.device, rank: int, host: str, local_rank: int, na
 
 def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]:
     """What the ranks' checks say: devices that differ from rank 0's, and devices slower than the
-    median by more than :data:`SLOW_DEVICE` at the GEMM or the add."""
+    median by more than :func:`~planner.contracts.cluster.slow_device_limit` at the GEMM or the add
+    (the planner's straggler rule, :func:`planner.cost.compute.device_pace`)."""
     if not checks:
         return []
     notes = []
@@ -749,7 +748,7 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
                      f"{first.device} ({first.memory_bytes / 2**30:.0f} GiB): {', '.join(kinds)} (ranks "
                      f"{', '.join(str(c.rank) for c in other[:16])}{', ...' if len(other) > 16 else ''}); the compute "
                      "tables are rank 0's")
-    limit = SLOW_DEVICE.get(device_type, SLOW_DEVICE["cpu"])
+    limit = slow_device_limit(device_type != "cuda")
     for what, value, unit, scale in (("GEMM", lambda c: c.gemm_tflops, "TFLOP/s", 1.0),
                                      ("memory bandwidth", lambda c: c.memory_bandwidth_bytes_per_s, "GB/s", 1e-9)):
         median = statistics.median(value(c) for c in checks)

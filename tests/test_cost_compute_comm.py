@@ -38,6 +38,7 @@ from planner.cost.compute import (
     causal_work_fraction,
     gemm_fwd_bwd_s,
     gemm_time_s,
+    linear_gemms_s,
     k_efficiency,
     memory_time_s,
     peak_flops,
@@ -224,10 +225,13 @@ class TestGemm:
                for lay, r in ((GemmLayout.nt, 10e9), (GemmLayout.nn, 1e9))]
         p = toy_profile(compute=ComputeProfile(gemm=pts))
         assert gemm_time_s(p, 512, 512, 512, Precision.bf16, layout=GemmLayout.tn) == pytest.approx(2 * 512**3 / 1e9)
-        # FP8 points are all nt: every layout from them
-        fp8 = [GemmPoint(precision=Precision.fp8, m=512, n=512, k=512, layout=GemmLayout.nt, time_s=1e-5)]
-        p = toy_profile(compute=ComputeProfile(gemm=fp8))
-        assert gemm_fwd_bwd_s(p, 512, 512, 512, Precision.fp8) == pytest.approx((1e-5, 2e-5))
+        # FP8 points are all nt, timed at each linear GEMM's own shape: each priced from its own point
+        tokens, out_f, in_f = 4096, 1024, 512
+        times = {(tokens, out_f, in_f): 1e-4, (tokens, in_f, out_f): 2e-4, (out_f, in_f, tokens): 3e-4}
+        fp8 = [GemmPoint(precision=Precision.fp8, m=m, n=n, k=k, layout=GemmLayout.nt, time_s=t)
+               for (m, n, k), t in times.items()]
+        p = toy_profile(compute=ComputeProfile(gemm=fp8), peaks={Precision.bf16: 100.0, Precision.fp8: 200.0})
+        assert linear_gemms_s(p, tokens, out_f, in_f, Precision.fp8) == pytest.approx((1e-4, 2e-4, 3e-4))
 
     def test_an_older_model_grid_profile_prices_a_linear_layer_from_its_own_points(self):
         """Profiles before layouts timed a linear's weight gradient as (in, out, tokens) nn: the

@@ -10,8 +10,10 @@ from pydantic import ValidationError
 
 from planner.contracts import (
     ClusterProfile,
+    ComputeProfile,
     DeviceCheck,
     GemmLayout,
+    GemmPoint,
     ModelSpec,
     MoESpec,
     ParallelLayout,
@@ -376,9 +378,21 @@ class TestDevicePace:
         base, priced = run(node, tp=8), run(slow, tp=8)
         assert priced.step_time_s > 1.2 * base.step_time_s
         (note,) = [n for n in priced.notes if n.startswith("priced at the slowest")]
+        assert "a device check ran more than 10% below the checks' median" in note
         assert "GEMMs and attention at rank 2's, 1.25x rank 0's time" in note
         assert "memory-bound work at rank 3's, 2.00x rank 0's time" in note
         assert not [n for n in base.notes if n.startswith("priced at the slowest")]
+
+    def test_a_measured_tables_times_are_scaled_too(self, node):
+        from planner.cost.compute import gemm_time_s
+
+        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, layout=lay, time_s=1e-3 * s / 1024)
+                                     for s in (1024, 2048) for lay in GemmLayout])
+        measured = node.model_copy(update={"compute": table})
+        slow = measured.model_copy(update={"device_checks": _checks([250, 260, 200, 255], [1.8e12] * 4)})
+        for lay in GemmLayout:
+            assert gemm_time_s(slow, 1024, 1024, 1024, Precision.bf16, layout=lay) == pytest.approx(1.25e-3)
+            assert gemm_time_s(measured, 1024, 1024, 1024, Precision.bf16, layout=lay) == pytest.approx(1e-3)
 
     def test_noise_rank_0_slowest_or_no_checks_change_nothing(self, node):
         from planner.cost.compute import device_pace
@@ -404,7 +418,8 @@ class TestDevicePace:
 
     def test_checks_must_include_rank_0_once(self, node):
         body = node.model_dump()
-        for ranks, problem in (([1, 2], "has no check of rank 0"), ([0, 1, 1], "repeats rank(s) [1]")):
+        for ranks, problem in (([1, 2], "has no check of rank 0"), ([0, 1, 1], "repeats rank(s) [1] (ranks"),
+                               ([1, 1], "repeats rank(s) [1] and has no check of rank 0")):
             body["device_checks"] = [c.model_dump() | {"rank": r} for c, r in zip(_checks([1.0] * 3, [1.0] * 3), ranks)]
             with pytest.raises(ValidationError, match=re.escape(problem)):
                 ClusterProfile.model_validate(body)

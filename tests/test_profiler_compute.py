@@ -480,6 +480,18 @@ def test_each_gemm_layout_walks_on_its_own_share_of_the_budget(monkeypatch):
     (note,) = grid.notes
     assert note.startswith("fp32 nn GEMMs: 1 of 3 shapes measured, in order of FLOPs; the walk stopped at 32x32x32 ")
 
+    # the table budget is shared: three shapes of ~3 x 20 ms fit 0.3 s alone, one in a third of it
+    monkeypatch.setattr(compute, "_gemm_fn", lambda *a, **k: lambda: time.sleep(0.02))
+
+    def walked(layouts: list[GemmLayout]) -> dict[GemmLayout, int]:
+        g = ComputeGrid(gemm=[(s, s, s, lay) for s in (16, 32, 64) for lay in layouts], attention=[],
+                        elementwise_bytes=[], precisions=[Precision.fp32], warmup=1, trials=2, max_table_s=0.3)
+        points = measure_compute(CPU, g).gemm
+        return {lay: sum(p.layout is lay for p in points) for lay in layouts}
+
+    assert walked([GemmLayout.nt]) == {GemmLayout.nt: 3}
+    assert walked(list(GemmLayout)) == {lay: 1 for lay in GemmLayout}
+
 
 def test_default_grids_carry_a_time_budget_on_cpu_only():
     quick, full = default_grid(quick=True), default_grid()
@@ -502,6 +514,9 @@ def test_a_cpu_without_native_bf16_says_so(monkeypatch, native):
     if native is False:
         (note,) = notes
         assert "unoptimised fallback" in note and "GFLOP/s against fp32's" in note
+        # the best rate of each layout, in a linear layer's order
+        at = [note.find(r) for r in ("forward X·Wᵀ (nt) ", "input grad dY·W (nn) ", "weight grad dYᵀ·X (tn) ")]
+        assert all(i >= 0 for i in at) and at == sorted(at)
     else:
         assert not notes
 

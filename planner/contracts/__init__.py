@@ -13,6 +13,7 @@ from planner.contracts.cluster import (
     Environment,
     GemmLayout,
     GemmPoint,
+    LINEAR_LAYOUTS,
     LinkLevel,
     LinkProfile,
     TimedPoint,
@@ -54,7 +55,7 @@ def json_schemas() -> dict[str, dict]:
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
     "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel", "Collective",
-    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "AttentionPoint", "AttentionBlocking",
+    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "LINEAR_LAYOUTS", "AttentionPoint", "AttentionBlocking",
     "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",

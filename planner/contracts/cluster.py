@@ -177,14 +177,18 @@ class GemmLayout(str, Enum):
         return {"nt": "forward X·Wᵀ", "nn": "input grad dY·W", "tn": "weight grad dYᵀ·X"}[self.value] + f" ({self.value})"
 
 
+# a linear layer's GEMMs in the order they run: forward, input gradient, weight gradient
+LINEAR_LAYOUTS = (GemmLayout.nt, GemmLayout.nn, GemmLayout.tn)
+
+
 class GemmPoint(Contract):
     precision: Precision
     m: int = Field(gt=0)
     n: int = Field(gt=0)
     k: int = Field(gt=0)
     layout: GemmLayout = Field(
-        GemmLayout.nn, description="operand layout timed (profiles before this field timed every GEMM as nn, "
-        "FP8 ones as nt)")
+        GemmLayout.nn, description="operand layout timed; points of profiles before this field load as nn (what "
+        "they timed, except FP8 points, which ran as nt and are priced the same: FP8 has no other layout)")
     time_s: float = Field(gt=0)
 
 
@@ -289,6 +293,11 @@ class Assumptions(Contract):
 SLOW_DEVICE_LIMIT = {"gpu": 0.10, "cpu": 0.25}
 
 
+def slow_device_limit(cpu: bool) -> float:
+    """How far below the device checks' median a straggler's check runs (:data:`SLOW_DEVICE_LIMIT`)."""
+    return SLOW_DEVICE_LIMIT["cpu" if cpu else "gpu"]
+
+
 class DeviceCheck(Contract):
     """One rank's device, checked at the same fixed GEMM and memory-bound add as every other rank's,
     so a slow or different device shows beside the compute tables (measured on rank 0 only)."""
@@ -332,9 +341,9 @@ class ClusterProfile(Contract):
         ranks = [c.rank for c in self.device_checks]
         if ranks and (0 not in ranks or len(set(ranks)) != len(ranks)):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            problem = f"repeats rank(s) {dup}" if dup else "has no check of rank 0"
-            raise ValueError(f"device_checks {problem} (ranks {sorted(ranks)[:16]}); give one check per rank, "
-                             "rank 0's included (the compute tables are rank 0's and are scaled by its check)")
+            problems = ([f"repeats rank(s) {dup[:16]}"] if dup else []) + ([] if 0 in ranks else ["has no check of rank 0"])
+            raise ValueError(f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
+                             "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)")
         return self
 
     @model_validator(mode="after")

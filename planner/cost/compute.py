@@ -17,7 +17,7 @@ import statistics
 from typing import NamedTuple
 
 from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
-from planner.contracts.cluster import SLOW_DEVICE_LIMIT
+from planner.contracts.cluster import slow_device_limit
 from planner.cost.memo import memo_for
 
 
@@ -82,7 +82,7 @@ def device_pace(profile: ClusterProfile) -> DevicePace:
     if memo is not None and "pace" in memo:
         return memo["pace"]
     first = next(c for c in checks if c.rank == 0)  # the contract requires rank 0's check
-    limit = SLOW_DEVICE_LIMIT["cpu" if profile.is_cpu else "gpu"]
+    limit = slow_device_limit(profile.is_cpu)
     factors: list[tuple[float, int | None]] = []
     for value in (lambda c: c.gemm_tflops, lambda c: c.memory_bandwidth_bytes_per_s):
         median = statistics.median(value(c) for c in checks)
@@ -100,11 +100,9 @@ def device_pace(profile: ClusterProfile) -> DevicePace:
 def memory_time_s(profile: ClusterProfile, nbytes: float) -> float:
     """Bandwidth-bound work: ``bytes / (achieved or datasheet·efficiency HBM bandwidth)``, at the
     slowest checked device's pace (:func:`device_pace`)."""
-    measured = profile.compute.achieved_memory_bandwidth_bytes_per_s  # _bandwidth, inlined: a hot path
-    bw = measured or profile.device.hbm_bandwidth_bytes_per_s * profile.assumptions.memory_bandwidth_efficiency
     if profile.device_checks:
-        return nbytes / bw * device_pace(profile).memory
-    return nbytes / bw
+        return nbytes / _bandwidth(profile) * device_pace(profile).memory
+    return nbytes / _bandwidth(profile)
 
 
 def _bandwidth(profile: ClusterProfile) -> float:
@@ -151,9 +149,9 @@ def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: P
         return _roofline_gemm_time(profile, m, n, k, precision, pace)
     have = {p.layout for p in table}
     use = layout if layout in have else next(x for x in _FALLBACK_LAYOUTS if x in have)
-    if use is not layout and layout is GemmLayout.tn:
-        # the weight gradient from another layout's points: as its transposed product Cᵀ = Bᵀ·Aᵀ, the
-        # same work, which is how profiles before layouts timed it ((in, out, tokens), not (out, in, tokens))
+    if layout is GemmLayout.tn and use is GemmLayout.nn:
+        # the weight gradient from nn points: as its transposed product Cᵀ = Bᵀ·Aᵀ, the same work, which
+        # is how profiles before layouts timed it ((in, out, tokens) nn, not (out, in, tokens) tn)
         m, n = n, m
     return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k) * pace.compute
 
@@ -184,7 +182,7 @@ def linear_gemms_s(
 
 
 def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision,
-                        pace: DevicePace = DevicePace()) -> float:
+                        pace: DevicePace = _NO_PACE) -> float:
     a = profile.assumptions
     flops = 2.0 * m * n * k
     waves = wave_efficiency(m, n, profile.device.sm_count, tuple(tuple(t) for t in a.gemm_tiles))

@@ -22,6 +22,7 @@ from planner.contracts import (
     StagePrediction,
     TrainingConfig,
 )
+from planner.contracts.cluster import slow_device_limit
 from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups, placement
 from planner.cost.compute import device_pace, memory_time_s, peak_flops
 from planner.cost.flops import model_flops_per_step, recompute_flops
@@ -412,8 +413,8 @@ def _predict(
                                                                           pace.memory_rank)) if rank is not None]
     if slower:
         notes.append("priced at the slowest checked device's pace (the compute tables are rank 0's; a device "
-                     "check ran more than the straggler limit below the median, and synchronous training waits "
-                     "for the slowest device): " + "; ".join(slower))
+                     f"check ran more than {slow_device_limit(profile.is_cpu):.0%} below the checks' median, and "
+                     "synchronous training waits for the slowest device): " + "; ".join(slower))
     return Prediction(
         step_time_s=step_s,
         tokens_per_s=tokens / step_s,
