@@ -15,9 +15,10 @@ of all ranks, identical on every rank.
 Step time: from a barrier before the step to a barrier after the optimizer update (CUDA
 synchronised), so it is the slowest rank's time. Median after ``warmup`` steps; tokens/s =
 global tokens per step / median; MFU = ``plan.prediction.model_flops_per_step`` / (median x ranks
-x peak FLOP/s of one rank), the peak from ``--profile`` (a GPU's datasheet peak in the plan's
-precision; a CPU's measured best matmul rate) or, on a known GPU without a profile, the reference
-datasheet; None otherwise.
+x peak FLOP/s of one rank), the peak from ``--profile`` as the prediction's MFU takes it
+(:func:`planner.cost.predict.mfu_peak_flops`: the dense 16-bit peak, or the fp32 one where faster,
+as on a CPU without native bf16) or, on a known GPU without a profile, the reference datasheet in
+the plan's precision; None otherwise.
 """
 
 from __future__ import annotations
@@ -301,23 +302,21 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def peak_tflops(profile: ClusterProfile | None, device: torch.device, precision: Precision) -> float | None:
-    """Peak TFLOP/s of one rank for MFU: a GPU's datasheet peak in ``precision`` (from the profile, else the
-    reference datasheet of a known GPU); a CPU's measured best matmul rate from a measured profile; else None."""
+    """Peak TFLOP/s of one rank for MFU: the profile's, as the prediction's MFU takes it (so predicted
+    and measured MFU share one denominator); without a profile, a known GPU's reference datasheet peak
+    in ``precision``; else None."""
+    if profile is not None:
+        from planner.cost.predict import mfu_peak_flops
+
+        return mfu_peak_flops(profile) / 1e12
     if device.type == "cuda":
-        if profile is not None:
-            peaks = profile.device.peak_tflops
-            return peaks.get(precision) or peaks.get(Precision.bf16)
         from planner.reference import ALIASES, reference_profile
 
         name = torch.cuda.get_device_name(device).lower()
         for alias in ALIASES:
             if alias.split("-")[0] in name:
                 return reference_profile(alias).device.peak_tflops.get(precision)
-        return None
-    if profile is None or not profile.compute.achieved_matmul_tflops:
-        return None
-    rates = profile.compute.achieved_matmul_tflops
-    return rates.get(precision) or rates.get(Precision.fp32) or max(rates.values())
+    return None
 
 
 def _maybe_die(step: int, rank: int) -> None:

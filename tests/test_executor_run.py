@@ -56,9 +56,11 @@ def test_unsupported_plans_are_refused_before_any_process_starts(tmp_path: Path)
 @pytest.mark.slow
 def test_autopar_run_dp4_writes_a_valid_report_matching_the_reference(tmp_path: Path) -> None:
     plan = write_plan(tmp_path / "plan.json", dp_shard=4)
-    # a CPU profile whose measured matmul rate sets the MFU's peak
+    # a CPU profile whose measured matmul rates are its peaks (as `autopar profile` writes them): the MFU
+    # is against its fp32 peak, faster than its bf16 one (no native bf16), as the prediction's MFU is
     prof = profile_for(4).model_copy(update={"kind": "measured"})
-    prof.compute.achieved_matmul_tflops = {Precision.fp32: 0.05}
+    prof.compute.achieved_matmul_tflops = {Precision.fp32: 0.05, Precision.bf16: 0.01}
+    prof.device.peak_tflops = {Precision.fp32: 0.05, Precision.bf16: 0.01}
     (tmp_path / "prof.json").write_text(ClusterProfile.model_validate(prof.model_dump()).model_dump_json())
     r = autopar_run(str(tmp_path / "plan.json"), "--steps", "5", "--warmup", "2", "--out", str(tmp_path / "r.json"),
                     "--profile", str(tmp_path / "prof.json"))

@@ -423,3 +423,21 @@ class TestDevicePace:
             body["device_checks"] = [c.model_dump() | {"rank": r} for c, r in zip(_checks([1.0] * 3, [1.0] * 3), ranks)]
             with pytest.raises(ValidationError, match=re.escape(problem)):
                 ClusterProfile.model_validate(body)
+
+
+def test_mfu_is_against_fp32_where_a_cpu_runs_it_faster_than_bf16(node):
+    """A CPU without native bf16 (its profile's bf16 'peak' is torch's fallback rate): MFU against
+    its fp32 peak, so an fp32 run's MFU stays below 100% (it was 242% on the AVX2 VM's profile)."""
+    from planner.cost.predict import mfu_peak_flops
+
+    gpu = run(node, tp=8)
+    assert mfu_peak_flops(node) == pytest.approx(node.device.peak_tflops[Precision.bf16] * 1e12)
+    assert not [n for n in gpu.notes if "fp32 peak" in n]
+    cpu = node.model_copy(update={"device": node.device.model_copy(update={
+        "peak_tflops": {Precision.bf16: node.device.peak_tflops[Precision.bf16] / 4,
+                        Precision.fp32: node.device.peak_tflops[Precision.bf16]}})})
+    assert mfu_peak_flops(cpu) == pytest.approx(node.device.peak_tflops[Precision.bf16] * 1e12)
+    slow = run(cpu, tp=8)
+    assert slow.mfu == pytest.approx(slow.model_flops_per_step / (slow.step_time_s * 8 * mfu_peak_flops(cpu)))
+    (note,) = [n for n in slow.notes if "fp32 peak" in n]
+    assert "its fastest dense precision: its bf16 runs at" in note

@@ -502,8 +502,8 @@ def test_default_grids_carry_a_time_budget_on_cpu_only():
 
 @pytest.mark.parametrize("native", [False, True, None])
 def test_a_cpu_without_native_bf16_says_so(monkeypatch, native):
-    """Without oneDNN bf16 (an AVX2-only CPU) torch's bf16 matmul is an unoptimised fallback, 30-70x
-    slower than fp32 and erratic by shape: the profile notes it, with the measured rates."""
+    """Without oneDNN bf16 (an AVX2-only CPU) torch's bf16 matmul is an unoptimised fallback, 4-70x
+    slower than fp32 by operand layout and shape: the profile notes it, with each layout's best rate."""
     import profiler.compute as compute
 
     monkeypatch.setattr(compute, "cpu_bf16_is_native", lambda: native)

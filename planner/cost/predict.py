@@ -186,6 +186,14 @@ def _exposed(comm_s: float, window_s: float, eff: float) -> float:
     return comm_s - hidden_time_s(comm_s, window_s, eff)
 
 
+def mfu_peak_flops(profile: ClusterProfile) -> float:
+    """The peak MFU and HFU are against: the dense 16-bit peak, or the fp32 one where that is faster
+    (a CPU without native bf16 runs bf16 matmuls 4-70x slower than fp32, by operand layout and shape
+    on an AVX2 VM: its bf16 "peak" would put an fp32 run's MFU above 100%)."""
+    fp32 = profile.device.peak_tflops.get(Precision.fp32)
+    return max(peak_flops(profile, Precision.bf16), (fp32 or 0.0) * 1e12)
+
+
 def predict(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
 ) -> Prediction:
@@ -399,7 +407,7 @@ def _predict(
             rec_extra += rec_cache[(kinds[li], r)]
     hw_flops = model_flops + rec_extra
     n = profile.num_gpus
-    peak16 = peak_flops(profile, Precision.bf16)
+    peak16 = mfu_peak_flops(profile)
     tokens = training.tokens_per_step
     notes = []
     if not peak.fits:
@@ -407,6 +415,10 @@ def _predict(
                      f"{peak.capacity_bytes / 2**30:.1f} GiB")
     if training.precision is Precision.fp8:
         notes.append("MFU/HFU are against the dense 16-bit peak")
+    if peak16 > peak_flops(profile, Precision.bf16):
+        notes.append(f"MFU/HFU are against this device's fp32 peak ({peak16 / 1e12:.3g} TFLOP/s), its fastest dense "
+                     f"precision: its bf16 runs at {peak_flops(profile, Precision.bf16) / 1e12:.3g} (a CPU without "
+                     "native bf16)")
     pace = device_pace(profile)
     slower = [f"{what} at rank {rank}'s, {f:.2f}x rank 0's time" for what, f, rank in
               (("GEMMs and attention", pace.compute, pace.compute_rank), ("memory-bound work", pace.memory,
