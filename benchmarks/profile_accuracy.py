@@ -56,6 +56,7 @@ from profiler.compute import (  # noqa: E402
     measure_compute,
     measure_gemms,
     parse_precisions,
+    timed_layout,
 )
 from profiler.links import link_fit_report  # noqa: E402
 from profiler.timing import time_rounds  # noqa: E402
@@ -165,9 +166,9 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     layouts = list(dict.fromkeys(s[3] for s in grid.gemm))
     with torch.no_grad():
         for p in precisions:
-            # FP8 runs every GEMM as nt (profiler.compute._gemm_fn): its shapes once each
-            shapes = [(*shape, lay) for shape in held_out_gemms(grid, args.gemms)
-                      for lay in ([GemmLayout.nt] if p is Precision.fp8 else layouts)]
+            # FP8 runs every GEMM as nt: its shapes once each
+            shapes = list(dict.fromkeys((*shape, timed_layout(lay, p)) for shape in held_out_gemms(grid, args.gemms)
+                                        for lay in layouts))
             table = [g for g in compute.gemm if g.precision is p]
             again_of = table[:: max(len(table) // 4, 1)][:4]
             fresh = measure_gemms([(shape, p) for shape in shapes]
@@ -194,9 +195,8 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
     nn_only = cluster.model_copy(update={"compute": compute.model_copy(
         update={"gemm": [g for g in compute.gemm if g.layout is GemmLayout.nn]})})
     for p in [p for p in precisions if p is not Precision.fp8]:  # an FP8 linear is not a plain F.linear
-        fns = []
+        fns, dtype = [], DTYPES[p]
         for tokens, out_f, in_f in linears:
-            dtype = DTYPES[p]
             x = torch.randn(tokens, in_f, dtype=dtype, device=device, requires_grad=True)
             w = torch.randn(out_f, in_f, dtype=dtype, device=device, requires_grad=True)
             dy = torch.randn(tokens, out_f, dtype=dtype, device=device)

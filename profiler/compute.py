@@ -5,9 +5,10 @@ wait). What is measured is a :class:`ComputeGrid`: by default the GEMM shapes a 
 produces, each in the operand layout torch's linear runs it in (weight stored [out×in]; forward
 ``Y = X·Wᵀ`` as ``(tokens, out, in, nt)``, input gradient ``dX = dY·W`` as ``(tokens, in, out, nn)``,
 weight gradient ``dW = dYᵀ·X`` as ``(out, in, tokens, tn)``, as
-:func:`planner.cost.compute.linear_gemms_s` prices them) for a model's hidden / FFN / head sizes at each TP degree, or a model-free grid from
-small to large in all three layouts; causal SDPA across sequence lengths and head layouts (forward, and backward timed on its own); and the norm / SwiGLU / residual add /
-softmax-cross-entropy ops, in each precision the device runs.
+:func:`planner.cost.compute.linear_gemms_s` prices them) for a model's hidden / FFN / head sizes at
+each TP degree, or a model-free grid from small to large in all three layouts; causal SDPA across
+sequence lengths and head layouts (forward, and backward timed on its own); and the norm / SwiGLU /
+residual add / softmax-cross-entropy ops, in each precision the device runs.
 
 ``achieved_matmul_tflops[p]`` is the best GEMM rate seen in precision ``p``;
 ``achieved_memory_bandwidth_bytes_per_s`` is the best rate of the largest residual add (the op whose
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ from planner.contracts.cluster import (
     ElementwisePoint,
     GemmLayout,
     GemmPoint,
+    slow_checks,
     slow_device_limit,
 )
 from planner.errors import AutoparError
@@ -320,6 +321,12 @@ def _gemm_fn(m: int, n: int, k: int, precision: Precision, device: torch.device,
     return lambda: torch.matmul(a, b, out=out)
 
 
+def timed_layout(layout: GemmLayout, precision: Precision) -> GemmLayout:
+    """The layout a GEMM of ``precision`` is timed (and recorded) in: FP8 runs ``nt`` whatever the
+    GEMM's own layout (:func:`_gemm_fn`)."""
+    return GemmLayout.nt if precision is Precision.fp8 else layout
+
+
 def gemm_operands(m: int, n: int, k: int, layout: GemmLayout, dtype: torch.dtype,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(A as m×k, B as k×n), random, each a stored tensor or the transposed view of one as ``layout`` says."""
@@ -330,9 +337,8 @@ def gemm_operands(m: int, n: int, k: int, layout: GemmLayout, dtype: torch.dtype
     return a, b
 
 
-def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid,
-                 layout: GemmLayout = GemmLayout.nn) -> GemmPoint | None:
-    return measure_gemms([((m, n, k, layout), precision)], device, grid)[0]
+def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> GemmPoint | None:
+    return measure_gemms([((m, n, k, GemmLayout.nn), precision)], device, grid)[0]
 
 
 ROUNDS_BUDGET_BYTES = 2 << 30  # operands kept alive at once for interleaved rounds (a batch of shapes)
@@ -407,7 +413,7 @@ def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device,
 
     sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k, _), p in jobs]
     return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12),
-                                             layout=GemmLayout.nt if p is Precision.fp8 else layout)
+                                             layout=timed_layout(layout, p))
             for t, ((m, n, k, layout), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
 
 
@@ -586,8 +592,8 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     """
     device = torch.device(device)
     _check_precisions(grid, device)
-    # FP8 runs every GEMM as nt (see _gemm_fn): one job per shape
-    gemm_jobs = list(dict.fromkeys(((m, n, k, GemmLayout.nt if p is Precision.fp8 else lay), p)
+    # FP8 runs every GEMM as nt: one job per shape
+    gemm_jobs = list(dict.fromkeys(((m, n, k, timed_layout(lay, p)), p)
                                    for p in grid.precisions for m, n, k, lay in grid.gemm))
     attn_jobs = [(c, p) for p in grid.precisions for c in grid.attention]
     elt_precisions = [p for p in grid.precisions if p is not Precision.fp8]  # fp8 recipes keep bf16 activations
@@ -748,11 +754,11 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
                      f"{first.device} ({first.memory_bytes / 2**30:.0f} GiB): {', '.join(kinds)} (ranks "
                      f"{', '.join(str(c.rank) for c in other[:16])}{', ...' if len(other) > 16 else ''}); the compute "
                      "tables are rank 0's")
-    limit = slow_device_limit(device_type != "cuda")
+    cpu = device_type != "cuda"
+    limit = slow_device_limit(cpu)
     for what, value, unit, scale in (("GEMM", lambda c: c.gemm_tflops, "TFLOP/s", 1.0),
                                      ("memory bandwidth", lambda c: c.memory_bandwidth_bytes_per_s, "GB/s", 1e-9)):
-        median = statistics.median(value(c) for c in checks)
-        slow = sorted((c for c in checks if value(c) < (1 - limit) * median), key=value)
+        median, slow = slow_checks(checks, value, cpu)
         if slow:
             listed = "; ".join(f"rank {c.rank} ({c.host}, local rank {c.local_rank}) {value(c) * scale:.4g} {unit}, "
                                f"{(1 - value(c) / median) * 100:.0f}% below" for c in slow[:8])
@@ -777,6 +783,7 @@ __all__ = [
     "measure_elementwise",
     "gemm_operands",
     "measure_gemm",
+    "timed_layout",
     "measure_gemms",
     "parse_precisions",
     "supported_precisions",

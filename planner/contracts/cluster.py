@@ -8,6 +8,8 @@ assumptions that turn datasheet peaks into achieved speed, in :class:`Efficiency
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Literal
@@ -296,6 +298,15 @@ SLOW_DEVICE_LIMIT = {"gpu": 0.10, "cpu": 0.25}
 def slow_device_limit(cpu: bool) -> float:
     """How far below the device checks' median a straggler's check runs (:data:`SLOW_DEVICE_LIMIT`)."""
     return SLOW_DEVICE_LIMIT["cpu" if cpu else "gpu"]
+
+
+def slow_checks(checks: list[DeviceCheck], value: Callable[[DeviceCheck], float],
+                cpu: bool) -> tuple[float, list[DeviceCheck]]:
+    """(median of ``value`` over ``checks``, the stragglers: checks more than :func:`slow_device_limit`
+    below it, slowest first). The profile's SLOW DEVICES note and the planner's pace both read this."""
+    median = statistics.median(value(c) for c in checks)
+    limit = slow_device_limit(cpu)
+    return median, sorted((c for c in checks if value(c) < (1 - limit) * median), key=lambda c: (value(c), c.rank))
 
 
 class DeviceCheck(Contract):

@@ -13,11 +13,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import statistics
 from typing import NamedTuple
 
 from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
-from planner.contracts.cluster import slow_device_limit
+from planner.contracts.cluster import slow_checks
 from planner.cost.memo import memo_for
 
 
@@ -82,13 +81,11 @@ def device_pace(profile: ClusterProfile) -> DevicePace:
     if memo is not None and "pace" in memo:
         return memo["pace"]
     first = next(c for c in checks if c.rank == 0)  # the contract requires rank 0's check
-    limit = slow_device_limit(profile.is_cpu)
     factors: list[tuple[float, int | None]] = []
     for value in (lambda c: c.gemm_tflops, lambda c: c.memory_bandwidth_bytes_per_s):
-        median = statistics.median(value(c) for c in checks)
-        slowest = min(checks, key=lambda c: (value(c), c.rank))
-        if value(slowest) < (1 - limit) * median and value(slowest) < value(first):
-            factors.append((value(first) / value(slowest), slowest.rank))
+        _, slow = slow_checks(checks, value, profile.is_cpu)
+        if slow and value(slow[0]) < value(first):
+            factors.append((value(first) / value(slow[0]), slow[0].rank))
         else:
             factors.append((1.0, None))
     pace = DevicePace(factors[0][0], factors[1][0], factors[0][1], factors[1][1])
@@ -277,31 +274,8 @@ def attention_time_s(
     causal: bool,
     flash: bool,
 ) -> tuple[float, float]:
-    """(forward, backward) time of the attention core for ``heads`` local heads
-    (:func:`_attention_time_s`), at the slowest checked device's pace (:func:`device_pace`)."""
-    fwd, bwd = _attention_time_s(profile, batch=batch, q_len=q_len, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
-                                 qk_dim=qk_dim, v_dim=v_dim, precision=precision, causal=causal, flash=flash)
-    if not flash or not profile.device_checks:
-        return fwd, bwd  # unfused: its GEMMs and memory passes are each priced at the pace already
-    pace = device_pace(profile).compute
-    return fwd * pace, bwd * pace
-
-
-def _attention_time_s(
-    profile: ClusterProfile,
-    *,
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    heads: int,
-    kv_heads: int,
-    qk_dim: int,
-    v_dim: int,
-    precision: Precision,
-    causal: bool,
-    flash: bool,
-) -> tuple[float, float]:
-    """(forward, backward) time of the attention core for ``heads`` local heads on rank 0's device.
+    """(forward, backward) time of the attention core for ``heads`` local heads, at the slowest checked
+    device's pace (:func:`device_pace`).
 
     Fused (flash): forward FLOPs ``2·b·q·kv·a·(d_qk + d_v)`` times the causal fraction, at
     ``peak · attention_efficiency`` (16-bit even in FP8 recipes); backward runs 5 of those matmuls
@@ -314,16 +288,19 @@ def _attention_time_s(
     """
     table = [p for p in profile.compute.attention if p.precision is precision and p.causal == causal]
     flops = 2.0 * batch * q_len * kv_len * heads * (qk_dim + v_dim)
-    if table and flash:
-        blocking = profile.compute.attention_blocking
-        work = 2.0 * batch * heads * (qk_dim + v_dim) * attention_work(q_len, kv_len, causal, blocking)
-        return _interpolated_attention(same_regime(table, q_len, blocking), blocking, batch, q_len, heads, kv_heads,
-                                       qk_dim, work)
     if flash:
+        pace = device_pace(profile).compute if profile.device_checks else 1.0
+        if table:
+            blocking = profile.compute.attention_blocking
+            work = 2.0 * batch * heads * (qk_dim + v_dim) * attention_work(q_len, kv_len, causal, blocking)
+            fwd, bwd = _interpolated_attention(same_regime(table, q_len, blocking), blocking, batch, q_len, heads,
+                                               kv_heads, qk_dim, work)
+            return fwd * pace, bwd * pace
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
         rate = peak_flops(profile, Precision.bf16) * profile.assumptions.attention_efficiency
-        fwd = flops * frac / rate
+        fwd = flops * frac / rate * pace
         return fwd, 2.5 * fwd
+    # unfused: its GEMMs and memory passes are each priced at the pace (gemm_time_s, memory_time_s)
     p16 = Precision.bf16 if precision is Precision.fp8 else precision
     # one batched GEMM each for QK^T (nt: K stored [kv×d]) and PV (nn) (one launch, batch·heads problems)
     gemms = gemm_time_s(profile, q_len * batch * heads, kv_len, qk_dim, p16, layout=GemmLayout.nt) + gemm_time_s(

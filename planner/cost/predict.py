@@ -407,7 +407,7 @@ def _predict(
             rec_extra += rec_cache[(kinds[li], r)]
     hw_flops = model_flops + rec_extra
     n = profile.num_gpus
-    peak16 = mfu_peak_flops(profile)
+    mfu_peak, bf16_peak = mfu_peak_flops(profile), peak_flops(profile, Precision.bf16)
     tokens = training.tokens_per_step
     notes = []
     if not peak.fits:
@@ -415,10 +415,9 @@ def _predict(
                      f"{peak.capacity_bytes / 2**30:.1f} GiB")
     if training.precision is Precision.fp8:
         notes.append("MFU/HFU are against the dense 16-bit peak")
-    if peak16 > peak_flops(profile, Precision.bf16):
-        notes.append(f"MFU/HFU are against this device's fp32 peak ({peak16 / 1e12:.3g} TFLOP/s), its fastest dense "
-                     f"precision: its bf16 runs at {peak_flops(profile, Precision.bf16) / 1e12:.3g} (a CPU without "
-                     "native bf16)")
+    if mfu_peak > bf16_peak:
+        notes.append(f"MFU/HFU are against this device's fp32 peak ({mfu_peak / 1e12:.3g} TFLOP/s), its fastest dense "
+                     f"precision: its bf16 runs at {bf16_peak / 1e12:.3g} (a CPU without native bf16)")
     pace = device_pace(profile)
     slower = [f"{what} at rank {rank}'s, {f:.2f}x rank 0's time" for what, f, rank in
               (("GEMMs and attention", pace.compute, pace.compute_rank), ("memory-bound work", pace.memory,
@@ -433,8 +432,8 @@ def _predict(
         tokens_per_s_per_gpu=tokens / step_s / n,
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
-        mfu=model_flops / (step_s * n * peak16),
-        hfu=hw_flops / (step_s * n * peak16),
+        mfu=model_flops / (step_s * n * mfu_peak),
+        hfu=hw_flops / (step_s * n * mfu_peak),
         compute_time_s=m * (fwd_s[crit] + bwd_s[crit]),
         bubble_time_s=bubble_s,
         bubble_fraction=bubble_s / step_s,
