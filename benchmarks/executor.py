@@ -206,14 +206,14 @@ def single_gpu(profile_path: str | None, steps: int, tmp: Path) -> None:
     """(c): a single-GPU plan's predicted vs measured step time and peak memory."""
     import torch
 
-    from planner.reference import ALIASES, reference_profile
+    from planner.reference import datasheet_for, reference_profile
 
     name = torch.cuda.get_device_name(0)
     if profile_path:
         profile = ClusterProfile.model_validate_json(Path(profile_path).read_text())
     else:
-        alias = next((a for a in ALIASES if a.split("-")[0] in name.lower()), "h100")
-        profile = reference_profile(alias)
+        found = datasheet_for(name)
+        profile = reference_profile(found[0] if found else "h100")
     profile = profile.model_copy(update={"gpus_per_node": 1, "num_nodes": 1})
     spec = ModelSpec(name="gpu-bench", num_layers=8, hidden_size=2048, num_attention_heads=16, num_kv_heads=8,
                      ffn_hidden_size=5632, vocab_size=32000)

@@ -310,12 +310,10 @@ def peak_tflops(profile: ClusterProfile | None, device: torch.device, precision:
 
         return mfu_peak_flops(profile) / 1e12
     if device.type == "cuda":
-        from planner.reference import ALIASES, reference_profile
+        from planner.reference import datasheet_for
 
-        name = torch.cuda.get_device_name(device).lower()
-        for alias in ALIASES:
-            if alias.split("-")[0] in name:
-                return reference_profile(alias).device.peak_tflops.get(precision)
+        found = datasheet_for(torch.cuda.get_device_name(device))
+        return found[1].peak_tflops.get(precision) if found else None
     return None
 
 

@@ -121,18 +121,40 @@ def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[D
     achieved = dict(compute.achieved_matmul_tflops)
     bw = compute.achieved_memory_bandwidth_bytes_per_s
     if getattr(device, "type", str(device)) == "cuda":
+        from planner.reference import datasheet_for
+
         props = torch.cuda.get_device_properties(device)
-        peaks = {p: v for p, v in achieved.items() if v > 0}
-        notes.append(f"{props.name}: peak_tflops are the best measured GEMM rates (no datasheet lookup)")
-        if Precision.bf16 not in peaks and Precision.fp16 not in peaks:
-            peaks[Precision.bf16] = max(peaks.values(), default=1.0)
-            notes.append("no bf16/fp16 GEMM measured: peak_tflops['bf16'] is the best measured rate "
-                         "(measure bf16 too for a true 16-bit peak)")
+        measured = {p: v for p, v in achieved.items() if v > 0}
+        found = datasheet_for(props.name)
+        if found is not None:
+            # peak_tflops means the datasheet's (MFU's denominator, as published runs quote it); the
+            # compute tables hold what this GPU ran at
+            key, sheet = found
+            peaks = dict(sheet.peak_tflops)
+            vs = [f"{p.value} GEMM {measured[p]:.4g} TFLOP/s = {measured[p] / sheet.peak_tflops[p]:.0%} of "
+                  f"{sheet.peak_tflops[p]:.4g}" for p in Precision if p in measured and p in sheet.peak_tflops]
+            if bw:
+                vs.append(f"memory (residual add) {bw / 1e12:.3g} TB/s = {bw / sheet.hbm_bandwidth_bytes_per_s:.0%} "
+                          f"of {sheet.hbm_bandwidth_bytes_per_s / 1e12:.3g}")
+            notes.append(f"{props.name}: peak_tflops are the {sheet.name} datasheet's (planner/data/hardware.csv, "
+                         f"system {key}; fp32 is its TF32 rate, half the 16-bit peak); measured best against it: "
+                         + "; ".join(vs))
+        else:
+            peaks = dict(measured)
+            notes.append(f"{props.name}: no datasheet in planner/data/hardware.csv for this GPU (PCIe and NVL cards "
+                         "are not matched to SXM figures): peak_tflops are the best measured GEMM rates, so MFU "
+                         "is against what this GPU reached, not a datasheet")
+            if Precision.bf16 not in peaks and Precision.fp16 not in peaks:
+                peaks[Precision.bf16] = max(peaks.values(), default=1.0)
+                notes.append("no bf16/fp16 GEMM measured: peak_tflops['bf16'] is the best measured rate "
+                             "(measure bf16 too for a true 16-bit peak)")
         if not bw:
-            notes.append("no residual add measured (no 16/32-bit precision): hbm_bandwidth_bytes_per_s is a "
-                         "1 TB/s placeholder, not a measurement")
+            notes.append("no residual add measured (no 16/32-bit precision): hbm_bandwidth_bytes_per_s is "
+                         + ("the datasheet's" if found else "a 1 TB/s placeholder") + ", not a measurement")
+        fallback_bw = found[1].hbm_bandwidth_bytes_per_s if found else 1e12
         spec = DeviceSpec(name=props.name, memory_bytes=int(props.total_memory), peak_tflops=peaks,
-                          hbm_bandwidth_bytes_per_s=bw or 1e12, sm_count=props.multi_processor_count)
+                          hbm_bandwidth_bytes_per_s=bw or fallback_bw, sm_count=props.multi_processor_count,
+                          tdp_w=found[1].tdp_w if found else None)
         return spec, notes
     total = host_memory_bytes()
     per_rank = max(1, total // max(1, ranks_per_node))

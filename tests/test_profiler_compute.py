@@ -525,3 +525,53 @@ def test_the_bf16_probe_answers_on_this_cpu():
     from profiler.compute import cpu_bf16_is_native
 
     assert cpu_bf16_is_native() in (True, False)  # torch 2.13 has the probe: not "unknown"
+
+
+# ------------------------------------------------------------------ a GPU's DeviceSpec: datasheet peaks
+
+
+@pytest.mark.parametrize("cuda_name, key", [
+    ("NVIDIA H200", "hgx-h200"), ("NVIDIA H100 80GB HBM3", "dgx-h100"), ("NVIDIA A100-SXM4-40GB", "dgx-a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", "dgx-a100-80gb"), ("NVIDIA B200", "dgx-b200"), ("NVIDIA H800", "hgx-h800"),
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None), ("NVIDIA L40S", None),
+])
+def test_datasheet_for_matches_sxm_parts_only(cuda_name, key):
+    from planner.reference import datasheet_for
+
+    found = datasheet_for(cuda_name)
+    assert (found[0] if found else None) == key
+    if found:
+        assert found[1].peak_tflops == reference_profile(key).device.peak_tflops
+
+
+def _fake_cuda_props(monkeypatch, name: str) -> None:
+    class Props:
+        total_memory = 150_000_000_000
+        multi_processor_count = 132
+
+    Props.name = name
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+
+
+def test_gpu_device_spec_takes_datasheet_peaks_and_says_what_was_reached(monkeypatch):
+    from profiler.identity import device_spec
+
+    _fake_cuda_props(monkeypatch, "NVIDIA H200")
+    compute = ComputeProfile(achieved_matmul_tflops={Precision.bf16: 742.0, Precision.fp32: 51.0},
+                             achieved_memory_bandwidth_bytes_per_s=4.1e12)
+    spec, notes = device_spec(torch.device("cuda", 0), compute, 1)
+    assert spec.peak_tflops[Precision.bf16] == pytest.approx(989.0)  # hardware.csv's H200, not the 742 reached
+    assert spec.hbm_bandwidth_bytes_per_s == pytest.approx(4.1e12)  # measured: what memory-bound work gets
+    assert spec.sm_count == 132 and spec.memory_bytes == 150_000_000_000
+    assert "bf16 GEMM 742 TFLOP/s = 75% of 989" in notes[0] and "4.1 TB/s = 85% of 4.8" in notes[0]
+
+
+def test_gpu_device_spec_without_a_datasheet_keeps_the_measured_rates(monkeypatch):
+    from profiler.identity import device_spec
+
+    _fake_cuda_props(monkeypatch, "NVIDIA H100 PCIe")  # 756 TFLOP/s datasheet, not the SXM's 989
+    compute = ComputeProfile(achieved_matmul_tflops={Precision.bf16: 600.0},
+                             achieved_memory_bandwidth_bytes_per_s=1.9e12)
+    spec, notes = device_spec(torch.device("cuda", 0), compute, 1)
+    assert spec.peak_tflops == {Precision.bf16: 600.0}
+    assert "no datasheet" in notes[0]

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5, as one prepared run on one GPU (a lent machine is held by the minute):
+#   env       the card, driver, torch/CUDA/NCCL, and two ceilings measured plainly (a large bf16
+#             matmul, a large device-to-device copy) to hold the profiler's figures against
+#   quick     `autopar profile --quick` on this GPU under torchrun (NCCL, one rank) -> gpu-quick.json:
+#             achieved GEMM TFLOP/s and memory bandwidth against the datasheet (the profile's notes)
+#   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
+#             executor, predicted against measured step time, MFU and peak memory
+#   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
+#   full      the full (not quick) profile -> gpu-full.json, in whatever time is left
+# Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 450) and the next step
+# runs whatever the last one did; logs and profiles go to $OUT (a temporary folder if unset).
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
+# Where python lacks pydantic, the wheels in .whl/ (pydantic, typer and what they need) go to /tmp/site.
+set -u
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-450} ))
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if ! $PY -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheels in .whl/ did not install"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+left() { echo $(( DEADLINE - $(date +%s) )); }
+step() {  # step NAME CAP_SECONDS COMMAND...: run with the smaller of CAP and the time left, log to $OUT/NAME.log
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 20 ]; then echo "=== $name: skipped, ${t}s left"; return; fi
+  echo "=== $(date +%T) $name (at most ${t}s)"
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local why=""; [ "$rc" -eq 124 ] && why=" (stopped at its time cap)"
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s$why"
+  tail -n "${TAIL:-20}" "$OUT/$name.log" | cut -c1-220
+}
+
+step env 60 $PY - <<'EOF'
+import shutil, subprocess, torch
+if shutil.which("nvidia-smi"):
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,"
+                          "power.limit", "--format=csv"], capture_output=True, text=True).stdout.strip())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)
+import pydantic; print("pydantic", pydantic.VERSION)
+if torch.cuda.is_available():
+    dev = torch.device("cuda", 0)
+    def best_of(fn, reps):
+        fn(); torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); e.synchronize(); times.append(s.elapsed_time(e) / 1e3)
+        return sorted(times)[len(times) // 2]
+    n = 8192
+    a, b = torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    t = best_of(lambda: a @ b, 20)
+    print(f"ceiling: bf16 {n}^3 matmul (random data, median of 20) {2 * n**3 / t / 1e12:.0f} TFLOP/s")
+    x = torch.empty(1 << 30, device=dev, dtype=torch.uint8); y = torch.empty_like(x)
+    t = best_of(lambda: y.copy_(x), 20)
+    print(f"ceiling: 1 GiB device-to-device copy {2 * x.numel() / t / 1e12:.2f} TB/s (bytes read + written)")
+EOF
+
+step quick 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler --quick --out "$OUT/gpu-quick.json"
+ok=1
+if [ -s "$OUT/gpu-quick.json" ]; then
+  TAIL=14 step executor 150 $PY benchmarks/executor.py --skip-cpu --gpu-profile "$OUT/gpu-quick.json" --steps 12
+  grep -q "step time   predicted" "$OUT/executor.log" || ok=0
+else
+  ok=0
+fi
+TAIL=45 step accuracy 170 $PY benchmarks/profile_accuracy.py --quick --skip-links --precisions bf16,fp32
+grep -q "^summary" "$OUT/accuracy.log" || ok=0
+# the full profile only where everything before it ran: else the machine's time is better left for a rerun
+if [ "$ok" = 1 ]; then
+  step full 400 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler --out "$OUT/gpu-full.json"
+else
+  echo "=== full: not run (a step before it failed)"
+fi
+
+for f in "$OUT/gpu-quick.json" "$OUT/gpu-full.json"; do
+  [ -s "$f" ] || continue
+  $PY - "$f" <<'EOF'
+import sys
+from planner.contracts import ClusterProfile
+p = ClusterProfile.model_validate_json(open(sys.argv[1]).read())
+c = p.compute
+print(f"--- {sys.argv[1]}: {p.name}, {p.device.name}, {len(c.gemm)} GEMM / {len(c.attention)} attention / "
+      f"{len(c.elementwise)} elementwise points")
+print("achieved TFLOP/s:", {k.value: round(v, 1) for k, v in c.achieved_matmul_tflops.items()},
+      f"memory {(c.achieved_memory_bandwidth_bytes_per_s or 0) / 1e12:.2f} TB/s")
+for d in p.device_checks:
+    print(f"device check rank {d.rank}: {d.precision.value} {d.gemm} {d.gemm_tflops:.0f} TFLOP/s, "
+          f"add {d.memory_bandwidth_bytes_per_s / 1e12:.2f} TB/s")
+for link in p.links:
+    print(f"link {link.level.value} {link.collective.value}: alpha {link.alpha_s * 1e6:.1f} us, "
+          f"{link.busbw_bytes_per_s / 1e9:.1f} GB/s")
+for s in p.sources:
+    if any(w in s for w in ("datasheet", "pageable", "measured in", "QUICK")):
+        print("note:", s[:400])
+EOF
+done
+ls -la "$OUT"
