@@ -95,7 +95,8 @@ LAYOUTS = [
 
 def env() -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**clean, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # and packages found there
+    return {**clean, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
 
 
 def torchrun(nproc: int, *args: str) -> None:

@@ -7,8 +7,9 @@
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
 #             executor, predicted against measured step time, MFU and peak memory
 #   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
-#   full      the full (not quick) profile -> gpu-full.json, in whatever time is left
-# Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 450) and the next step
+#   full      the full (not quick) profile -> gpu-full.json, in whatever time is left, in the training
+#             precisions (FULL_PRECISIONS, default bf16,fp8: fp32's large GEMMs alone take about a minute)
+# SKIP="accuracy ..." leaves steps out (a rerun of what failed). Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 450) and the next step
 # runs whatever the last one did; logs and profiles go to $OUT (a temporary folder if unset).
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
@@ -29,6 +30,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 step() {  # step NAME CAP_SECONDS COMMAND...: run with the smaller of CAP and the time left, log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "=== $name: skipped (SKIP)"; return;; esac
   local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
   if [ "$t" -lt 20 ]; then echo "=== $name: skipped, ${t}s left"; return; fi
   echo "=== $(date +%T) $name (at most ${t}s)"
@@ -65,19 +67,22 @@ if torch.cuda.is_available():
     print(f"ceiling: 1 GiB device-to-device copy {2 * x.numel() / t / 1e12:.2f} TB/s (bytes read + written)")
 EOF
 
-step quick 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler --quick --out "$OUT/gpu-quick.json"
+QUICK=${QUICK_PROFILE:-$OUT/gpu-quick.json}  # QUICK_PROFILE: a quick profile of this GPU from an earlier run
+[ -n "${QUICK_PROFILE:-}" ] || step quick 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler \
+  --quick --out "$QUICK"
 ok=1
-if [ -s "$OUT/gpu-quick.json" ]; then
-  TAIL=14 step executor 150 $PY benchmarks/executor.py --skip-cpu --gpu-profile "$OUT/gpu-quick.json" --steps 12
+if [ -s "$QUICK" ]; then
+  TAIL=14 step executor 150 $PY benchmarks/executor.py --skip-cpu --gpu-profile "$QUICK" --steps 12
   grep -q "step time   predicted" "$OUT/executor.log" || ok=0
 else
   ok=0
 fi
 TAIL=45 step accuracy 170 $PY benchmarks/profile_accuracy.py --quick --skip-links --precisions bf16,fp32
-grep -q "^summary" "$OUT/accuracy.log" || ok=0
+[ ! -e "$OUT/accuracy.log" ] || grep -q "^summary" "$OUT/accuracy.log" || ok=0
 # the full profile only where everything before it ran: else the machine's time is better left for a rerun
 if [ "$ok" = 1 ]; then
-  step full 400 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler --out "$OUT/gpu-full.json"
+  step full 400 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler \
+    --precisions "${FULL_PRECISIONS:-bf16,fp8}" --out "$OUT/gpu-full.json"
 else
   echo "=== full: not run (a step before it failed)"
 fi

@@ -531,7 +531,10 @@ def clusters() -> None:
 
 def _register_plugins() -> None:
     """Subcommands of other autopar packages (serve, profile, run) from the entry-point group."""
+    taken = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
     for ep in entry_points(group="autopar.commands"):
+        if ep.name in taken:  # registered by its own package's ``python -m`` entry (profiler/__main__.py)
+            continue
         try:
             command = ep.load()
         except ImportError as exc:  # e.g. executor without torch installed
