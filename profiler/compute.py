@@ -673,6 +673,11 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
             done += 1
     tick("compute done")
 
+    if device.type == "cuda":
+        grid.notes.append("CUDA timing: CUDA events around back-to-back calls; an operation the host launches "
+                          "about as slowly as the GPU runs it (small GEMMs, short attention) was queued behind a "
+                          "spin kernel so its calls ran back to back, as in a training step: the tables hold GPU "
+                          "time, and launch latency is the planner's Assumptions.kernel_overhead_s")
     if device.type == "cpu" and profile.attention:
         profile.attention_blocking = list(CPU_FLASH_BLOCKING)
         gaps = regime_gaps(profile.attention, CPU_FLASH_BLOCKING)

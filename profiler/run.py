@@ -383,9 +383,14 @@ def _wait_for_rank0(dist, group, timeout_s: float) -> None:  # noqa: ANN001
 
 
 class RankFailure(RuntimeError):
-    """A collective failed on this rank because another rank died, hung or raised."""
+    """This rank failed during a phase of the run: its own error, or a collective's because another
+    rank died, hung or raised (a rank cannot tell which from the exception alone)."""
 
     def __init__(self, rank: int, world: int, phase: str, detail: str):
         self.rank, self.phase, self.detail = rank, phase, detail
-        super().__init__(f"rank {rank}/{world}: a collective failed during {phase} — another rank died, hung or "
-                         f"raised ({detail}); torchrun's report names the rank that failed first")
+        if world == 1:  # no other rank: the error is this process's own
+            super().__init__(f"rank {rank}/{world} failed during {phase}: {detail}")
+        else:
+            super().__init__(f"rank {rank}/{world} failed during {phase}: {detail} — if that is a collective's "
+                             "error, another rank died, hung or raised: torchrun's report names the rank that "
+                             "failed first")

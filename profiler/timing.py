@@ -1,7 +1,8 @@
 """Timing one operation with care: warm-up, repeated trials, a robust statistic.
 
 On CUDA each trial is bracketed by CUDA events and the device is synchronised before reading them,
-so the time is the GPU's, not the launch queue's. On CPU each trial is a ``time.perf_counter`` wall
+so the time is the GPU's, not the launch queue's; an operation the host launches about as slowly as
+the GPU runs it is queued behind a spin kernel first, so its calls run back to back (:func:`hold_seconds`). On CPU each trial is a ``time.perf_counter`` wall
 clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
 clock resolution and per-trial overhead do not dominate; the reported time is per call. The statistic
 is the median over trials (robust to a trial disturbed by another process), with the inter-quartile
@@ -55,19 +56,75 @@ def _run_calls(fn: Callable[[], object], calls: int) -> None:
         fn()
 
 
-def _time_calls(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds for ``calls`` back-to-back calls of ``fn`` (device-side time on CUDA)."""
+# CUDA: an operation whose launch takes the host about as long as the GPU takes to run it (a 512³
+# GEMM: 12-16 µs per call from the host on the H200 machine, a few µs of GPU) would be timed at the
+# host's pace, the GPU idle between calls; in training its kernels queue behind earlier work and
+# run back to back. Such an operation's trials are queued behind a spin kernel (torch.cuda._sleep)
+# that holds the GPU until the host has queued them, so the events time the GPU alone; launch
+# latency is the planner's own term (Assumptions.kernel_overhead_s).
+HOLD_WHEN_HOST_OVER = 0.5  # hold the GPU when queueing a call takes the host over half its GPU time
+HOLD_MARGIN = 1.5  # the hold: this many times the host's queueing time of the trial's calls ...
+HOLD_EXTRA_S = 50e-6  # ... plus this much (the events and the spin kernel's own launch)
+HOLD_MAX_S = 0.25
+_SLEEP_CYCLES_PER_S: dict[int, float] = {}
+
+
+def hold_seconds(calls: int, host_per_call_s: float, device_per_call_s: float) -> float:
+    """How long to hold the GPU before a trial of ``calls`` calls (0: the GPU keeps ahead of the host anyway)."""
+    if host_per_call_s <= HOLD_WHEN_HOST_OVER * device_per_call_s:
+        return 0.0
+    return min(HOLD_MAX_S, HOLD_MARGIN * calls * host_per_call_s + HOLD_EXTRA_S)
+
+
+def _sleep_cycles_per_s(device: torch.device) -> float:
+    """Clock cycles per second of ``torch.cuda._sleep`` on ``device`` (timed once, after a spin that
+    wakes the clocks; a trial checks that its hold lasted, :func:`_time_cuda`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SLEEP_CYCLES_PER_S:
+        with torch.cuda.device(index):
+            stream = torch.cuda.current_stream(index)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
+            start.record(stream)
+            torch.cuda._sleep(20_000_000)
+            end.record(stream)
+            end.synchronize()
+            _SLEEP_CYCLES_PER_S[index] = 20_000_000 / max(start.elapsed_time(end) / 1e3, 1e-6)
+    return _SLEEP_CYCLES_PER_S[index]
+
+
+def _time_cuda(fn: Callable[[], object], calls: int, device: torch.device, hold_s: float) -> tuple[float, float, float]:
+    """(GPU seconds of ``calls`` back-to-back calls, host seconds spent queueing them, seconds the GPU
+    was held before them), on the stream the calls' kernels go to: the current stream of the
+    tensors' device (which need not be the current device)."""
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    held = None
+    if hold_s > 0:
+        held = torch.cuda.Event(enable_timing=True)
+        held.record(stream)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(max(1, int(hold_s * _sleep_cycles_per_s(device))))
+    start.record(stream)
+    t0 = time.perf_counter()
+    _run_calls(fn, calls)
+    host_s = time.perf_counter() - t0
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, host_s, (held.elapsed_time(start) / 1e3 if held is not None else 0.0)
+
+
+def _time_calls(fn: Callable[[], object], calls: int, device: torch.device, hold_s: float = 0.0) -> float:
+    """Seconds for ``calls`` back-to-back calls of ``fn`` (device-side time on CUDA, the GPU held
+    ``hold_s`` first: :func:`hold_seconds`; a hold that ended before the host had queued the calls
+    is lengthened and the trial run again, twice at most)."""
     if device.type == "cuda":
-        # on the stream the calls' kernels go to: the current stream of the tensors' device (which
-        # need not be the current device)
-        stream = torch.cuda.current_stream(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        _run_calls(fn, calls)
-        end.record(stream)
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        for _ in range(3):
+            gpu_s, host_s, held_s = _time_cuda(fn, calls, device, hold_s)
+            if hold_s <= 0 or host_s <= held_s:
+                break
+            hold_s = min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S)
+        return gpu_s
     sync(device)
     t0 = time.perf_counter()
     _run_calls(fn, calls)
@@ -158,6 +215,16 @@ def _calls_for(fn: Callable[[], object], device: torch.device, warmup: int, min_
     return calls, single, spent
 
 
+def _hold_for(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """The GPU hold for trials of ``calls`` calls of a warmed-up ``fn`` (0 off CUDA): one trial with
+    the GPU held as long as the host took for it tells the host's and the GPU's time per call."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
+        return 0.0
+    _, host_s, _ = _time_cuda(fn, calls, device, 0.0)
+    gpu_s, host_s, _ = _time_cuda(fn, calls, device, min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S))
+    return hold_seconds(calls, host_s / calls, gpu_s / calls)
+
+
 def time_fn(
     fn: Callable[[], object],
     *,
@@ -223,11 +290,12 @@ def time_rounds(
                 calls[j] = None
             continue
         calls.append(n)
+    holds = [0.0 if n is None else _hold_for(fn, n, device) for fn, n in zip(fns, calls)]
     times: list[list[float]] = [[] for _ in fns]
     for r in range(trials):
         for i, fn in enumerate(fns):
             if calls[i] is not None:
-                times[i].append(_time_calls(fn, calls[i], device) / calls[i])
+                times[i].append(_time_calls(fn, calls[i], device, holds[i]) / calls[i])
         if on_round is not None:
             on_round(r)
     return [None if c is None else TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t,

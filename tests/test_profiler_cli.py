@@ -301,3 +301,23 @@ def test_one_group_per_host_is_timed_side_by_side(tmp_path):
     for link in out:  # with the store and without it
         assert "4 group(s), 2 timed, one per host" in link["source"]
         assert all(t > 0 for t in link["times"])
+
+
+def test_python_m_profiler_runs_from_a_checkout_that_was_never_installed():
+    """A GPU machine's own Python with the repository on PYTHONPATH has no ``autopar.commands``
+    entry points: ``python -m profiler`` must still find its command (it did not, on the H200)."""
+    code = ("import importlib.metadata as m; m.entry_points = lambda **kw: []; "
+            "import runpy, sys; sys.argv = ['profiler', '--help']; runpy.run_module('profiler', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--quick" in r.stdout and "No such command" not in r.stdout + r.stderr
+
+
+def test_a_ranks_own_error_is_not_blamed_on_another_rank():
+    from profiler.run import RankFailure
+
+    alone = str(RankFailure(0, 1, "compute", "No module named 'ortools'"))
+    assert alone == "rank 0/1 failed during compute: No module named 'ortools'"  # seen on the H200 as "another rank died"
+    many = str(RankFailure(2, 4, "links", "Connection closed by peer"))
+    assert "rank 2/4 failed during links: Connection closed by peer" in many and "another rank died" in many

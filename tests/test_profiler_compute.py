@@ -575,3 +575,32 @@ def test_gpu_device_spec_without_a_datasheet_keeps_the_measured_rates(monkeypatc
     spec, notes = device_spec(torch.device("cuda", 0), compute, 1)
     assert spec.peak_tflops == {Precision.bf16: 600.0}
     assert "no datasheet" in notes[0]
+
+
+# ------------------------------------------------------- CUDA timing: the GPU held while the host queues
+
+
+def test_hold_only_where_the_host_is_about_as_slow_as_the_gpu():
+    from profiler.timing import HOLD_MAX_S, hold_seconds
+
+    # a 512³ bf16 GEMM on the H200 machine: ~14 µs to launch, a few µs to run
+    assert hold_seconds(140, 14e-6, 3e-6) == pytest.approx(1.5 * 140 * 14e-6 + 50e-6)
+    assert hold_seconds(3, 20e-6, 800e-6) == 0.0  # an 8192³ GEMM: the GPU stays ahead of the host anyway
+    assert hold_seconds(10**6, 1e-3, 1e-6) == HOLD_MAX_S
+
+
+def test_a_hold_that_ended_too_soon_is_lengthened_and_the_trial_run_again(monkeypatch):
+    import profiler.timing as timing
+
+    seen = []
+
+    def fake(fn, calls, device, hold_s):  # (gpu, host queueing, held): the first hold ends before the host is done
+        seen.append(hold_s)
+        return (0.5e-3, 2e-3, hold_s) if len(seen) == 1 else (0.3e-3, 2e-3, hold_s)
+
+    monkeypatch.setattr(timing, "_time_cuda", fake)
+    assert timing._time_calls(lambda: None, 100, torch.device("cuda"), 1e-3) == 0.3e-3
+    assert seen == [1e-3, pytest.approx(1.5 * 2e-3 + 50e-6)]
+    seen.clear()
+    assert timing._time_calls(lambda: None, 100, torch.device("cuda"), 0.0) == 0.5e-3  # no hold: one trial
+    assert seen == [0.0]
