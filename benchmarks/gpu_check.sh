@@ -37,7 +37,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run with the smaller of CAP and th
   local t0; t0=$(date +%s)
   timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  local why=""; [ "$rc" -eq 124 ] && why=" (stopped at its time cap)"
+  local why=""; { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && why=" (stopped at its time cap)"
   echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s$why"
   tail -n "${TAIL:-20}" "$OUT/$name.log" | cut -c1-220
 }
@@ -73,7 +73,7 @@ QUICK=${QUICK_PROFILE:-$OUT/gpu-quick.json}  # QUICK_PROFILE: a quick profile of
 ok=1
 if [ -s "$QUICK" ]; then
   TAIL=14 step executor 150 $PY benchmarks/executor.py --skip-cpu --gpu-profile "$QUICK" --steps 12
-  grep -q "step time   predicted" "$OUT/executor.log" || ok=0
+  [ ! -e "$OUT/executor.log" ] || grep -q "step time   predicted" "$OUT/executor.log" || ok=0
 else
   ok=0
 fi
@@ -87,7 +87,7 @@ else
   echo "=== full: not run (a step before it failed)"
 fi
 
-for f in "$OUT/gpu-quick.json" "$OUT/gpu-full.json"; do
+for f in "$QUICK" "$OUT/gpu-full.json"; do
   [ -s "$f" ] || continue
   $PY - "$f" <<'EOF'
 import sys

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
+    if a.warmup < 2:
+        ap.error(f"--warmup {a.warmup}: give at least 2 (the first step compiles and allocates; the rest are timed)")
     cluster = ClusterProfile.model_validate_json(Path(a.profile).read_text())
     cluster = cluster.model_copy(update={"gpus_per_node": 1, "num_nodes": 1})
     heads = max(a.hidden // 128, 1)
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
           "(the profiler adds some host time)")
     print(f"predicted: step {pred.step_time_s * 1e3:.1f} ms = compute {pred.compute_time_s * 1e3:.1f} + optimizer "
           f"{pred.optimizer_time_s * 1e3:.1f} + exposed comm {pred.exposed_comm_time_s * 1e3:.1f} ms; "
-          f"MFU {pred.mfu:.1%}; measured MFU at the warm-up median "
-          f"{pred.mfu * pred.step_time_s / sorted(walls)[len(walls) // 2]:.1%}")
+          f"MFU {pred.mfu:.1%}; measured MFU at the median of the warm-up steps after the first "
+          f"{pred.mfu * pred.step_time_s / statistics.median(walls[1:]):.1%}")
     events = prof.key_averages()
     if cuda:
         from torch.autograd import DeviceType
@@ -100,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         # the GPU's own rows (kernels, memcpy, memset): an operator's row (aten::mm) repeats its kernels' time
         kernels: dict[str, float] = {}
         for e in events:
-            if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0:
+            # not a GPU annotation (Optimizer.step#AdamW.step): it spans its kernels' time again
+            if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0 \
+                    and not getattr(e, "is_user_annotation", False):
                 kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e6
         if not kernels:
             print("no GPU rows in the profile (this torch's profiler labels them otherwise)")

@@ -250,13 +250,15 @@ class Runtime:
             local = self._forward_backward(tokens, targets)
         for s in self.sync:
             s.sync()
-        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        total = local.reshape(1) if isinstance(local, torch.Tensor) else \
+            torch.tensor([local], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         # every TP rank of a data-parallel rank computed the same loss: count it once
         return total.item() / self.layout.tp
 
-    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """All micro-batches of one step (pipelined or accumulated); this rank's share of the loss."""
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | torch.Tensor:
+        """All micro-batches of one step (pipelined or accumulated); this rank's share of the loss (a
+        float64 tensor on the device when accumulated here: read once, after the step's collectives)."""
         from executor.parallelize import loss_context, no_sync
         from executor.pipeline import pipeline_step
         from executor.reference import lm_loss
@@ -281,7 +283,7 @@ class Runtime:
                     # the host wait for each forward before queueing its backward (the GPU idled)
                     local = local + value.detach().double()
                     (loss * self.scale).backward()
-        return float(local)
+        return local
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient of this rank's parts as a full tensor (collective over the sharding meshes)."""

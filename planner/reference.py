@@ -194,22 +194,25 @@ def reference_profile(
     )
 
 
-# The SXM parts SYSTEMS describes, by a word of the name CUDA reports ("NVIDIA H200", "NVIDIA H100
-# 80GB HBM3", "NVIDIA A100-SXM4-40GB"); checked in this order. PCIe and NVL cards share those words
-# but not the datasheet (H100 PCIe 756, NVL 835 dense bf16 TFLOP/s against SXM's 989): not matched.
-_CUDA_NAMES = (("a100", "40gb", "dgx-a100-40gb"), ("a100", "", "dgx-a100-80gb"), ("h100", "", "dgx-h100"),
-               ("h200", "", "hgx-h200"), ("h800", "", "hgx-h800"), ("b200", "", "dgx-b200"))
-_NOT_SXM = ("pcie", "nvl")
+# The SXM parts SYSTEMS describes, by the model number in the name CUDA reports ("NVIDIA H200",
+# "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB") and, where one number has two parts, another
+# word of it; checked in this order, as whole words (GH200 and GB200 are other chips; an RTX A1000 is
+# no A100). Not matched: PCIe and NVL cards (H100 PCIe 756, NVL 835 dense bf16 TFLOP/s against SXM's
+# 989) and MIG slices (a fraction of the GPU), whose peaks the datasheets here do not give.
+_CUDA_NAMES = (("a100", "40gb", "dgx-a100-40gb"), ("a100", "", "dgx-a100-80gb"),
+               ("h100", "96gb", "gt-h100-96gb-500w"), ("h100", "", "dgx-h100"), ("h200", "", "hgx-h200"),
+               ("h800", "", "hgx-h800"), ("b200", "", "dgx-b200"))
+_NOT_SXM = ("pcie", "nvl", "mig")
 
 
 def datasheet_for(device_name: str) -> tuple[str, DeviceSpec] | None:
     """(system key, datasheet DeviceSpec) of the GPU CUDA names ``device_name``, or None where the
-    name is not an SXM part of :data:`SYSTEMS` (a PCIe or NVL card, or a GPU with no datasheet here)."""
-    name = device_name.lower()
-    if any(word in name for word in _NOT_SXM):
+    name is not an SXM part of :data:`SYSTEMS` (a PCIe or NVL card, a MIG slice, another GPU)."""
+    words = re.findall(r"[a-z0-9]+", device_name.lower())
+    if any(w.startswith(bad) for w in words for bad in _NOT_SXM):
         return None
-    for word, also, key in _CUDA_NAMES:
-        if word in name and also in name:
+    for number, also, key in _CUDA_NAMES:
+        if number in words and (not also or also in words):
             return key, device_spec(SYSTEMS[key])
     return None
 

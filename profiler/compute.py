@@ -40,7 +40,7 @@ from planner.contracts.cluster import (
 )
 from planner.errors import AutoparError
 from profiler.identity import available_memory_bytes, last_level_cache_bytes
-from profiler.timing import Budget, TimingResult, sync, time_fn, time_rounds
+from profiler.timing import HOLD_STATS, Budget, TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
 
@@ -592,6 +592,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     """
     device = torch.device(device)
     _check_precisions(grid, device)
+    HOLD_STATS.update(held=0, host_paced=0)
     # FP8 runs every GEMM as nt: one job per shape
     gemm_jobs = list(dict.fromkeys(((m, n, k, timed_layout(lay, p)), p)
                                    for p in grid.precisions for m, n, k, lay in grid.gemm))
@@ -673,11 +674,14 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
             done += 1
     tick("compute done")
 
-    if device.type == "cuda":
-        grid.notes.append("CUDA timing: CUDA events around back-to-back calls; an operation the host launches "
-                          "about as slowly as the GPU runs it (small GEMMs, short attention) was queued behind a "
-                          "spin kernel so its calls ran back to back, as in a training step: the tables hold GPU "
-                          "time, and launch latency is the planner's Assumptions.kernel_overhead_s")
+    if device.type == "cuda" and HOLD_STATS["held"]:
+        paced = HOLD_STATS["host_paced"]
+        grid.notes.append(f"CUDA timing: {HOLD_STATS['held']} operations that the host launches more slowly than the "
+                          "GPU runs them (small GEMMs, short attention) were timed queued behind a spin kernel, so "
+                          "their calls ran back to back as in a training step: the tables hold GPU time, and launch "
+                          "latency is the planner's Assumptions.kernel_overhead_s"
+                          + (f"; {paced} of their trials still ran at the host's pace (the hold ended first)"
+                             if paced else ""))
     if device.type == "cpu" and profile.attention:
         profile.attention_blocking = list(CPU_FLASH_BLOCKING)
         gaps = regime_gaps(profile.attention, CPU_FLASH_BLOCKING)

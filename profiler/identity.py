@@ -130,15 +130,23 @@ def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[D
             # peak_tflops means the datasheet's (MFU's denominator, as published runs quote it); the
             # compute tables hold what this GPU ran at
             key, sheet = found
-            peaks = dict(sheet.peak_tflops)
-            vs = [f"{p.value} GEMM {measured[p]:.4g} TFLOP/s = {measured[p] / sheet.peak_tflops[p]:.0%} of "
-                  f"{sheet.peak_tflops[p]:.4g}" for p in Precision if p in measured and p in sheet.peak_tflops]
+            sixteen = (Precision.bf16, Precision.fp16)
+            # the 16-bit peaks always (the contract wants one); FP8 only where this torch and GPU ran it
+            # (the planner's FP8 gate); fp32 as measured: the profiler runs it without TF32, and the
+            # datasheet's fp32 entry is the TF32 rate
+            peaks = {p: v for p, v in sheet.peak_tflops.items() if p in sixteen or (p in measured and p is not
+                                                                                     Precision.fp32)}
+            if Precision.fp32 in measured:
+                peaks[Precision.fp32] = measured[Precision.fp32]
+            vs = [f"{p.value} GEMM {measured[p]:.4g} TFLOP/s = {measured[p] / peaks[p]:.0%} of {peaks[p]:.4g}"
+                  for p in Precision if p in measured and p in peaks and p is not Precision.fp32]
             if bw:
                 vs.append(f"memory (residual add) {bw / 1e12:.3g} TB/s = {bw / sheet.hbm_bandwidth_bytes_per_s:.0%} "
                           f"of {sheet.hbm_bandwidth_bytes_per_s / 1e12:.3g}")
+            fp32 = (f"; fp32 (without TF32) reached {measured[Precision.fp32]:.4g} TFLOP/s, its peak_tflops entry"
+                    if Precision.fp32 in measured else "")
             notes.append(f"{props.name}: peak_tflops are the {sheet.name} datasheet's (planner/data/hardware.csv, "
-                         f"system {key}; fp32 is its TF32 rate, half the 16-bit peak); measured best against it: "
-                         + "; ".join(vs))
+                         f"system {key}); measured best against it: " + "; ".join(vs) + fp32)
         else:
             peaks = dict(measured)
             notes.append(f"{props.name}: no datasheet in planner/data/hardware.csv for this GPU (PCIe and NVL cards "

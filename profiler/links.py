@@ -930,7 +930,8 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
                     dst.copy_(src, non_blocking=True)
             # a small copy takes microseconds: repeated until a trial lasts COPY_MIN_TRIAL_S, so
             # the trial times the copy, not the clock; the fastest trial
-            out_t.append(time_fn(fn, device=device, warmup=1, trials=trials, min_time_s=COPY_MIN_TRIAL_S).min_s)
+            out_t.append(time_fn(fn, device=device, warmup=1, trials=trials, min_time_s=COPY_MIN_TRIAL_S,
+                                 hold=False).min_s)  # a copy's launch is part of its latency (alpha)
         return out_t
 
     all_times, all_extra = remeasured_fastest(len(directions), sizes, time_sizes)
@@ -943,7 +944,8 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
             dev = torch.ones_like(host, device=device)
             dst, src = (dev, host) if to_device else (host, dev)
             pageable[collective.value] = sizes[-1] / time_fn(lambda: dst.copy_(src), device=device, warmup=1,
-                                                             trials=trials, min_time_s=COPY_MIN_TRIAL_S).min_s
+                                                             trials=trials, min_time_s=COPY_MIN_TRIAL_S,
+                                                             hold=False).min_s
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "
                     "the host link so optimizer-offload plans can still be priced" + cold_text)

@@ -330,7 +330,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
     except AutoparError:
         raise
     except Exception as exc:  # noqa: BLE001 - collective failures: name the rank and the phase, then stop
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        msg = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         raise RankFailure(d.rank, d.world, phase, msg) from exc
 
 

@@ -1,9 +1,9 @@
 """Timing one operation with care: warm-up, repeated trials, a robust statistic.
 
 On CUDA each trial is bracketed by CUDA events and the device is synchronised before reading them,
-so the time is the GPU's, not the launch queue's; an operation the host launches about as slowly as
-the GPU runs it is queued behind a spin kernel first, so its calls run back to back (:func:`hold_seconds`). On CPU each trial is a ``time.perf_counter`` wall
-clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
+so the time is the GPU's, not the launch queue's; an operation the host launches more slowly than
+the GPU runs it is queued behind a spin kernel first, so its calls run back to back
+(:func:`hold_seconds`). On CPU each trial is a ``time.perf_counter`` wall clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
 clock resolution and per-trial overhead do not dominate; the reported time is per call. The statistic
 is the median over trials (robust to a trial disturbed by another process), with the inter-quartile
 range as the spread. :func:`time_rounds` times many operations with their trials interleaved in rounds,
@@ -56,17 +56,21 @@ def _run_calls(fn: Callable[[], object], calls: int) -> None:
         fn()
 
 
-# CUDA: an operation whose launch takes the host about as long as the GPU takes to run it (a 512³
-# GEMM: 12-16 µs per call from the host on the H200 machine, a few µs of GPU) would be timed at the
-# host's pace, the GPU idle between calls; in training its kernels queue behind earlier work and
-# run back to back. Such an operation's trials are queued behind a spin kernel (torch.cuda._sleep)
-# that holds the GPU until the host has queued them, so the events time the GPU alone; launch
-# latency is the planner's own term (Assumptions.kernel_overhead_s).
-HOLD_WHEN_HOST_OVER = 0.5  # hold the GPU when queueing a call takes the host over half its GPU time
+# CUDA: an operation whose launch takes the host longer than the GPU takes to run it (a 512³ GEMM:
+# 10-16 µs per call from the host on the H200 machine, a few µs of GPU) would be timed at the host's
+# pace, the GPU idle between calls; in training its kernels queue behind earlier work and run back to
+# back. Such an operation's trials are queued behind a spin kernel (torch.cuda._sleep) that holds the
+# GPU until the host has queued them, so the events time the GPU alone; launch latency is the
+# planner's own term (Assumptions.kernel_overhead_s). A held trial has at most HOLD_MAX_CALLS calls:
+# a stream queues about a thousand launches before the host blocks, and a blocked host is paced by the
+# GPU again. An operation that blocks the host anyway (it synchronises: a pageable copy) is not held.
+HOLD_WHEN_HOST_OVER = 0.9  # hold when queueing a call takes the host over 90% of its GPU time
 HOLD_MARGIN = 1.5  # the hold: this many times the host's queueing time of the trial's calls ...
 HOLD_EXTRA_S = 50e-6  # ... plus this much (the events and the spin kernel's own launch)
 HOLD_MAX_S = 0.25
+HOLD_MAX_CALLS = 256
 _SLEEP_CYCLES_PER_S: dict[int, float] = {}
+HOLD_STATS = {"held": 0, "host_paced": 0}  # operations held; held trials still paced by the host (reset by callers)
 
 
 def hold_seconds(calls: int, host_per_call_s: float, device_per_call_s: float) -> float:
@@ -76,10 +80,14 @@ def hold_seconds(calls: int, host_per_call_s: float, device_per_call_s: float) -
     return min(HOLD_MAX_S, HOLD_MARGIN * calls * host_per_call_s + HOLD_EXTRA_S)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _sleep_cycles_per_s(device: torch.device) -> float:
-    """Clock cycles per second of ``torch.cuda._sleep`` on ``device`` (timed once, after a spin that
-    wakes the clocks; a trial checks that its hold lasted, :func:`_time_cuda`)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    """Clock cycles per second of ``torch.cuda._sleep`` on ``device``: timed once after a spin that
+    wakes the clocks, then updated from every held trial (:func:`_time_cuda`), since the clocks move."""
+    index = _device_index(device)
     if index not in _SLEEP_CYCLES_PER_S:
         with torch.cuda.device(index):
             stream = torch.cuda.current_stream(index)
@@ -99,31 +107,37 @@ def _time_cuda(fn: Callable[[], object], calls: int, device: torch.device, hold_
     tensors' device (which need not be the current device)."""
     stream = torch.cuda.current_stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    held = None
+    held, cycles = None, 0
     if hold_s > 0:
+        cycles = max(1, int(hold_s * _sleep_cycles_per_s(device)))  # calibrated before the hold starts
         held = torch.cuda.Event(enable_timing=True)
         held.record(stream)
         with torch.cuda.device(device):
-            torch.cuda._sleep(max(1, int(hold_s * _sleep_cycles_per_s(device))))
+            torch.cuda._sleep(cycles)
     start.record(stream)
     t0 = time.perf_counter()
     _run_calls(fn, calls)
     host_s = time.perf_counter() - t0
     end.record(stream)
     end.synchronize()
-    return start.elapsed_time(end) / 1e3, host_s, (held.elapsed_time(start) / 1e3 if held is not None else 0.0)
+    held_s = 0.0
+    if held is not None:
+        held_s = held.elapsed_time(start) / 1e3
+        _SLEEP_CYCLES_PER_S[_device_index(device)] = cycles / max(held_s, 1e-6)  # the clocks as they are now
+    return start.elapsed_time(end) / 1e3, host_s, held_s
 
 
 def _time_calls(fn: Callable[[], object], calls: int, device: torch.device, hold_s: float = 0.0) -> float:
     """Seconds for ``calls`` back-to-back calls of ``fn`` (device-side time on CUDA, the GPU held
     ``hold_s`` first: :func:`hold_seconds`; a hold that ended before the host had queued the calls
-    is lengthened and the trial run again, twice at most)."""
+    is lengthened and the trial run again, twice at most, then counted in ``HOLD_STATS``)."""
     if device.type == "cuda":
         for _ in range(3):
             gpu_s, host_s, held_s = _time_cuda(fn, calls, device, hold_s)
             if hold_s <= 0 or host_s <= held_s:
-                break
+                return gpu_s
             hold_s = min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S)
+        HOLD_STATS["host_paced"] += 1
         return gpu_s
     sync(device)
     t0 = time.perf_counter()
@@ -215,14 +229,23 @@ def _calls_for(fn: Callable[[], object], device: torch.device, warmup: int, min_
     return calls, single, spent
 
 
-def _hold_for(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """The GPU hold for trials of ``calls`` calls of a warmed-up ``fn`` (0 off CUDA): one trial with
-    the GPU held as long as the host took for it tells the host's and the GPU's time per call."""
+def _hold_for(fn: Callable[[], object], calls: int, device: torch.device) -> tuple[int, float]:
+    """(calls per trial, GPU hold before each) for a warmed-up ``fn`` sized to ``calls`` calls a trial:
+    ``(calls, 0)`` off CUDA and where the GPU keeps ahead of the host; else at most
+    :data:`HOLD_MAX_CALLS` calls behind a hold, unless the host blocks even behind one (``fn``
+    synchronises), which no hold can help."""
     if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
-        return 0.0
-    _, host_s, _ = _time_cuda(fn, calls, device, 0.0)
-    gpu_s, host_s, _ = _time_cuda(fn, calls, device, min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S))
-    return hold_seconds(calls, host_s / calls, gpu_s / calls)
+        return calls, 0.0
+    gpu_s, host_s, _ = _time_cuda(fn, calls, device, 0.0)
+    if hold_seconds(calls, host_s / calls, gpu_s / calls) == 0.0:
+        return calls, 0.0
+    held_calls = min(calls, HOLD_MAX_CALLS)
+    hold = hold_seconds(held_calls, host_s / calls, gpu_s / calls)
+    _, host_s, held_s = _time_cuda(fn, held_calls, device, hold)
+    if host_s > held_s:  # the host waited for the GPU behind the hold: fn synchronises
+        return calls, 0.0
+    HOLD_STATS["held"] += 1
+    return held_calls, hold
 
 
 def time_fn(
@@ -233,15 +256,17 @@ def time_fn(
     trials: int = 5,
     min_time_s: float = 0.0,
     max_calls_per_trial: int = 100_000,
+    hold: bool = True,
 ) -> TimingResult:
     """Time ``fn()`` on ``device``: ``warmup`` untimed calls, then ``trials`` timed trials.
 
     Each trial repeats ``fn`` ``calls`` times, with ``calls`` chosen (from the warm-up timings) so a
     trial lasts at least ``min_time_s``; the per-call time of a trial is its time / ``calls``.
-    Returns the median per-call time over trials and their inter-quartile range.
+    Returns the median per-call time over trials and their inter-quartile range. ``hold=False``:
+    never hold the GPU (a link's latency is part of what is measured).
     """
     result = time_rounds([fn], device=device, warmup=warmup, trials=trials, min_time_s=min_time_s,
-                         max_calls_per_trial=max_calls_per_trial)[0]
+                         max_calls_per_trial=max_calls_per_trial, hold=hold)[0]
     assert result is not None  # no budget: every operation is timed
     return result
 
@@ -257,6 +282,7 @@ def time_rounds(
     on_round: Callable[[int], None] | None = None,
     budget: Budget | None = None,
     groups: list[int] | None = None,
+    hold: bool = True,
 ) -> list[TimingResult | None]:
     """Time several operations as :func:`time_fn` times one, but in rounds: each is warmed up and
     sized first, then round ``r`` times one trial of every operation in turn, ``trials`` rounds.
@@ -270,6 +296,8 @@ def time_rounds(
     budget says (:class:`Budget`): those operations get None. ``groups`` (one id per operation,
     consecutive operations sharing one, such as an attention forward and its backward) stand or fall
     together: a stop inside a group drops its earlier operations too; the budget records the group.
+    On CUDA an operation the host launches more slowly than the GPU runs it is timed behind a hold
+    (:func:`_hold_for`), unless ``hold`` is False.
     """
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1")
@@ -290,7 +318,11 @@ def time_rounds(
                 calls[j] = None
             continue
         calls.append(n)
-    holds = [0.0 if n is None else _hold_for(fn, n, device) for fn, n in zip(fns, calls)]
+    holds = [0.0] * len(fns)
+    if hold:
+        for i, (fn, n) in enumerate(zip(fns, calls)):
+            if n is not None:
+                calls[i], holds[i] = _hold_for(fn, n, device)
     times: list[list[float]] = [[] for _ in fns]
     for r in range(trials):
         for i, fn in enumerate(fns):

@@ -74,8 +74,9 @@ def _gemm_s(profile: ClusterProfile, model: ModelSpec, training: TrainingConfig,
 def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(name, measured):
     """The GEMM tables, interpolated to the model's shapes in their layouts, against the GEMM kernels
     of the executor's step (torch.profiler) on the same H200: +12.0% and +17.9% (quick profile,
-    micro-batches 2 and 8), +15.3% and +16.4% (full). The tables' small shapes carry some launch
-    time the executor's queued kernels do not (README "GPU"), so the planner is high, not low."""
+    micro-batches 2 and 8), +15.3% and +16.4% (full). These profiles were measured before CUDA
+    trials of small operations were held behind a spin kernel (profiler.timing.hold_seconds): their
+    small shapes carry launch time the executor's queued kernels do not, so the planner is high here."""
     profile = _profile(name)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
@@ -92,9 +93,8 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory(quick, measured):
     pred = predict(model, training, quick, ParallelLayout(micro_batch_size=run["micro_batch_size"],
                                                           zero_stage=measured["zero_stage"]))
     assert pred.memory.total_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
-    # the executor's step took 2.2x the prediction (host-side work the cost model does not charge;
-    # README "GPU"): the prediction stays below the measurement, never above it
-    assert pred.step_time_s < run["executor_median_step_s"]
+    # (its step time, 96 ms against 207.5 ms measured, is README "On a GPU"'s subject: eager
+    # elementwise work and host time the cost model does not charge)
     assert 0.4 < pred.mfu < 0.7
 
 

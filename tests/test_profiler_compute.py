@@ -534,6 +534,10 @@ def test_the_bf16_probe_answers_on_this_cpu():
     ("NVIDIA H200", "hgx-h200"), ("NVIDIA H100 80GB HBM3", "dgx-h100"), ("NVIDIA A100-SXM4-40GB", "dgx-a100-40gb"),
     ("NVIDIA A100-SXM4-80GB", "dgx-a100-80gb"), ("NVIDIA B200", "dgx-b200"), ("NVIDIA H800", "hgx-h800"),
     ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None), ("NVIDIA L40S", None),
+    ("NVIDIA H100 96GB HBM2e", "gt-h100-96gb-500w"), ("NVIDIA A100 80GB PCIe", None),
+    # other chips whose names contain a listed number, and MIG slices of listed ones
+    ("NVIDIA GH200 480GB", None), ("NVIDIA GB200", None), ("NVIDIA RTX A1000", None), ("NVIDIA A100X", None),
+    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", None),
 ])
 def test_datasheet_for_matches_sxm_parts_only(cuda_name, key):
     from planner.reference import datasheet_for
@@ -561,9 +565,24 @@ def test_gpu_device_spec_takes_datasheet_peaks_and_says_what_was_reached(monkeyp
                              achieved_memory_bandwidth_bytes_per_s=4.1e12)
     spec, notes = device_spec(torch.device("cuda", 0), compute, 1)
     assert spec.peak_tflops[Precision.bf16] == pytest.approx(989.0)  # hardware.csv's H200, not the 742 reached
+    assert spec.peak_tflops[Precision.fp32] == 51.0  # run without TF32: the datasheet's fp32 entry is TF32's
+    assert Precision.fp8 not in spec.peak_tflops  # not measured: the planner's FP8 gate stays shut
+    assert "fp32 (without TF32) reached 51" in notes[0]
     assert spec.hbm_bandwidth_bytes_per_s == pytest.approx(4.1e12)  # measured: what memory-bound work gets
     assert spec.sm_count == 132 and spec.memory_bytes == 150_000_000_000
     assert "bf16 GEMM 742 TFLOP/s = 75% of 989" in notes[0] and "4.1 TB/s = 85% of 4.8" in notes[0]
+
+
+def test_gpu_device_spec_takes_the_fp8_peak_where_fp8_ran(monkeypatch):
+    from profiler.identity import device_spec
+
+    _fake_cuda_props(monkeypatch, "NVIDIA H200")
+    compute = ComputeProfile(achieved_matmul_tflops={Precision.bf16: 736.0, Precision.fp8: 1384.0},
+                             achieved_memory_bandwidth_bytes_per_s=4.34e12)
+    spec, notes = device_spec(torch.device("cuda", 0), compute, 1)
+    assert spec.peak_tflops[Precision.fp8] == pytest.approx(2 * 989.0)
+    assert Precision.fp32 not in spec.peak_tflops
+    assert "fp8 GEMM 1384 TFLOP/s = 70% of 1978" in notes[0]
 
 
 def test_gpu_device_spec_without_a_datasheet_keeps_the_measured_rates(monkeypatch):
@@ -586,6 +605,7 @@ def test_hold_only_where_the_host_is_about_as_slow_as_the_gpu():
     # a 512³ bf16 GEMM on the H200 machine: ~14 µs to launch, a few µs to run
     assert hold_seconds(140, 14e-6, 3e-6) == pytest.approx(1.5 * 140 * 14e-6 + 50e-6)
     assert hold_seconds(3, 20e-6, 800e-6) == 0.0  # an 8192³ GEMM: the GPU stays ahead of the host anyway
+    assert hold_seconds(10, 9e-6, 10e-6) == 0.0  # launched within the GPU's time: back to back already
     assert hold_seconds(10**6, 1e-3, 1e-6) == HOLD_MAX_S
 
 
@@ -604,3 +624,34 @@ def test_a_hold_that_ended_too_soon_is_lengthened_and_the_trial_run_again(monkey
     seen.clear()
     assert timing._time_calls(lambda: None, 100, torch.device("cuda"), 0.0) == 0.5e-3  # no hold: one trial
     assert seen == [0.0]
+
+
+def test_a_hold_that_never_outlasts_the_host_is_counted(monkeypatch):
+    import profiler.timing as timing
+
+    monkeypatch.setattr(timing, "_time_cuda", lambda fn, calls, device, hold_s: (1e-3, 5e-3, min(hold_s, 1e-3)))
+    monkeypatch.setitem(timing.HOLD_STATS, "host_paced", 0)
+    assert timing._time_calls(lambda: None, 100, torch.device("cuda"), 1e-3) == 1e-3
+    assert timing.HOLD_STATS["host_paced"] == 1
+
+
+@pytest.mark.parametrize("first, second, expected", [
+    ((4e-3, 1e-3, 0.0), None, (400, 0.0)),  # the GPU is slower than the host: no hold, one look
+    ((0.6e-3, 5.6e-3, 0.0), (0.3e-3, 3.6e-3, 5.4e-3), (256, 1.5 * 256 * 14e-6 + 50e-6)),  # host-paced: held
+    ((30e-3, 30e-3, 0.0), (30e-3, 40e-3, 20e-3), (400, 0.0)),  # blocks behind the hold (it syncs): not held
+])
+def test_which_operations_are_held_and_with_how_many_calls(monkeypatch, first, second, expected):
+    import profiler.timing as timing
+
+    seen = []
+
+    def fake(fn, calls, device, hold_s):
+        seen.append((calls, hold_s))
+        return first if len(seen) == 1 else second
+
+    monkeypatch.setattr(timing, "_time_cuda", fake)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+    calls, hold = timing._hold_for(lambda: None, 400, torch.device("cuda"))
+    assert (calls, hold) == (expected[0], pytest.approx(expected[1]))
+    assert len(seen) == (1 if second is None else 2)
+    assert timing._hold_for(lambda: None, 400, torch.device("cpu")) == (400, 0.0)
