@@ -89,8 +89,9 @@ def serve(
     migrate(db.engine)
     loaded = load_reference_profiles(db) if settings.load_reference else []
     new = sum(1 for *_, created in loaded if created)
+    measured = sum(1 for profile, *_ in loaded if profile.kind == "measured")
     console.print(f"database {db.engine.url.render_as_string(hide_password=True)}: migrated; "
-                  f"{len(loaded)} reference profiles ({new} new)")
+                  f"{len(loaded) - measured} reference profiles and {measured} measured ({new} new)")
     db.dispose()
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     if example:

@@ -151,10 +151,13 @@ def list_clusters(db: Database, *, gpu: str | None = None, kind: str | None = No
 
 
 def load_reference_profiles(db: Database) -> list[tuple[Profile, Cluster, bool]]:
-    """Store the reference profile of every system in ``planner.reference`` (one node) if not stored yet."""
-    from planner.reference import list_systems, reference_profile
+    """Store the reference profile of every system in ``planner.reference`` (one node), and the
+    measured profiles shipped with the planner (:func:`planner.reference.measured_profiles`), if not
+    stored yet."""
+    from planner.reference import list_systems, measured_profiles, reference_profile
 
-    return [upload_profile(db, reference_profile(system, 1)) for system in list_systems()]
+    profiles = [reference_profile(system, 1) for system in list_systems()] + measured_profiles()
+    return [upload_profile(db, profile) for profile in profiles]
 
 
 # -- plans -----------------------------------------------------------------------------------------

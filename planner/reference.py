@@ -223,3 +223,13 @@ def system_family(system: str) -> str:
 
 def list_systems() -> list[str]:
     return list(SYSTEMS)
+
+
+def measured_profiles() -> list[ClusterProfile]:
+    """The measured profiles shipped with the planner (``planner/data/measured/*.json``: written by
+    ``autopar profile`` on real machines, e.g. one NVIDIA H200), in file-name order."""
+    folder = resources.files("planner").joinpath("data/measured")
+    if not folder.is_dir():
+        return []
+    return [ClusterProfile.model_validate_json(f.read_text())
+            for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".json")]

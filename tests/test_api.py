@@ -14,7 +14,7 @@ from api.db import Database
 from api.migrate import downgrade, migrate
 from api.settings import Settings
 from api import store
-from planner.reference import list_systems, reference_profile
+from planner.reference import list_systems, measured_profiles, reference_profile
 
 SMALL_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
               "cluster": "dgx-h100", "num_nodes": 2}
@@ -60,13 +60,17 @@ def test_migrations_build_the_schema_from_empty_and_tear_it_down(database_url: s
 
 
 def test_reference_profiles_are_loaded_once(client: TestClient) -> None:
+    shipped = measured_profiles()
+    assert [p.device.name for p in shipped] == ["NVIDIA H200"]  # planner/data/measured/
     page = client.get("/v1/clusters", params={"limit": 500}).json()
-    assert page["total"] == len(list_systems())
-    assert {c["name"] for c in page["items"]} == set(list_systems())
-    assert all(c["kind"] == "reference" and c["versions"] == 1 for c in page["items"])
+    assert page["total"] == len(list_systems()) + len(shipped)
+    assert {c["name"] for c in page["items"]} == set(list_systems()) | {p.name for p in shipped}
+    kinds = {c["name"]: c["kind"] for c in page["items"]}
+    assert all(kinds[s] == "reference" for s in list_systems()) and all(kinds[p.name] == "measured" for p in shipped)
+    assert all(c["versions"] == 1 for c in page["items"])
     again = store.load_reference_profiles(client.app.state.db)  # a restart loads nothing new
     assert not any(created for *_, created in again)
-    assert client.get("/v1/profiles").json()["total"] == len(list_systems())
+    assert client.get("/v1/profiles").json()["total"] == len(list_systems()) + len(shipped)
 
 
 def test_profiles_are_immutable_versioned_and_deduplicated_by_content(client: TestClient) -> None:
@@ -135,7 +139,7 @@ def test_concurrent_uploads_give_gapless_versions_and_no_duplicates(client: Test
 def test_profile_list_filters_and_pagination(client: TestClient) -> None:
     client.post("/v1/profiles", json=measured("lab-b"))
     page = client.get("/v1/profiles", params={"kind": "measured"}).json()
-    assert page["total"] == 1 and page["items"][0]["cluster"] == "lab-b"
+    assert {p["cluster"] for p in page["items"]} == {"lab-b", *(p.name for p in measured_profiles())}
     h100 = client.get("/v1/profiles", params={"gpu": "H100"}).json()
     assert h100["total"] >= 2 and all("h100" in p["gpu_name"].lower() for p in h100["items"])
     everything = client.get("/v1/profiles", params={"limit": 500}).json()

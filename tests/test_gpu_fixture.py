@@ -1,5 +1,7 @@
-"""The measured single-GPU profiles (NVIDIA H200, `autopar profile` on a lent machine) and what the
-planner makes of them, against what the executor measured on the same GPU (tests/fixtures/h200_*)."""
+"""The measured single-GPU profiles (NVIDIA H200, `autopar profile` on a lent machine: the quick one
+ships in planner/data/measured/, the full one is tests/fixtures/h200_full_profile.json) and what the
+planner makes of them, against what the executor measured on the same GPU
+(tests/fixtures/h200_step_measured.json)."""
 
 from __future__ import annotations
 
@@ -12,24 +14,31 @@ from planner.contracts import ClusterProfile, GemmLayout, ModelSpec, ParallelLay
 from planner.cost.comm import mesh_groups
 from planner.cost.layer import MicroBatch, block_cost, lm_head_cost
 from planner.cost.predict import predict
-from planner.reference import reference_profile
+from planner.reference import measured_profiles, reference_profile
 from planner.search.engine import search
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def _profile(name: str) -> ClusterProfile:
-    return ClusterProfile.model_validate_json((FIXTURES / name).read_text())
+QUICK = Path(__file__).resolve().parents[1] / "planner" / "data" / "measured" / "nvidia-h200-1x1.json"
+FULL = FIXTURES / "h200_full_profile.json"
+
+
+def _profile(path: Path) -> ClusterProfile:
+    return ClusterProfile.model_validate_json(path.read_text())
 
 
 @pytest.fixture(scope="module")
 def quick() -> ClusterProfile:
-    return _profile("h200_quick_profile.json")
+    """The quick profile ships with the planner (the service loads it beside the reference ones)."""
+    (profile,) = [p for p in measured_profiles() if p.device.name == "NVIDIA H200"]
+    assert profile == _profile(QUICK)
+    return profile
 
 
 @pytest.fixture(scope="module")
 def full() -> ClusterProfile:
-    return _profile("h200_full_profile.json")
+    return _profile(FULL)
 
 
 @pytest.fixture(scope="module")
@@ -70,20 +79,20 @@ def _gemm_s(profile: ClusterProfile, model: ModelSpec, training: TrainingConfig,
     return micro_batches * gemm
 
 
-@pytest.mark.parametrize("name", ["h200_quick_profile.json", "h200_full_profile.json"])
-def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(name, measured):
+@pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
+def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
     """The GEMM tables, interpolated to the model's shapes in their layouts, against the GEMM kernels
     of the executor's step (torch.profiler) on the same H200: +12.0% and +17.9% (quick profile,
     micro-batches 2 and 8), +15.3% and +16.4% (full). These profiles were measured before CUDA
     trials of small operations were held behind a spin kernel (profiler.timing.hold_seconds): their
     small shapes carry launch time the executor's queued kernels do not, so the planner is high here."""
-    profile = _profile(name)
+    profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
     for run in measured["runs"]:
         layout = ParallelLayout(micro_batch_size=run["micro_batch_size"], zero_stage=measured["zero_stage"])
         gemm_s = _gemm_s(profile, model, training, layout)
-        assert 1.0 < gemm_s / run["gemm_kernels_s"] < 1.2, (name, run["micro_batch_size"], gemm_s)
+        assert 1.0 < gemm_s / run["gemm_kernels_s"] < 1.2, (path.name, run["micro_batch_size"], gemm_s)
 
 
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory(quick, measured):

@@ -34,7 +34,7 @@ def test_serve_migrates_loads_references_posts_the_example_and_prints_the_urls(t
                 break
             lines.append(line)
         out = "".join(lines)
-        assert "reference profiles (7 new)" in out, out
+        assert "7 reference profiles and 1 measured (8 new)" in out, out
         assert "example plan #1" in out and f"http://127.0.0.1:{port}/plans/1" in out, out
         assert f"http://127.0.0.1:{port}/docs" in out and "Authorization: Bearer" in out, out
         plan = httpx.get(f"http://127.0.0.1:{port}/v1/plans/1").json()
