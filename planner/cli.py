@@ -62,7 +62,8 @@ def describe_validation_error(exc: ValidationError, what: str) -> str:
 OptModel = Annotated[str | None, typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")]
 OptModelFile = Annotated[Path | None, typer.Option(help="ModelSpec JSON file")]
 OptHfConfig = Annotated[Path | None, typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
-OptCluster = Annotated[str | None, typer.Option(help="reference cluster (see `autopar clusters`)")]
+OptCluster = Annotated[str | None, typer.Option(
+    help="reference cluster, or a measured profile shipped with the planner (see `autopar clusters`)")]
 OptNodes = Annotated[int | None, typer.Option(min=1, help="number of nodes (reference clusters; default 1)")]
 OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
 OptGlobalBatch = Annotated[int | None, typer.Option(min=1, help="sequences per optimizer step")]
@@ -90,14 +91,23 @@ def load_model(model: str | None, model_file: Path | None, hf_config: Path | Non
 
 
 def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -> ClusterProfile:
-    """A reference cluster by name, or a profile file (a measured one describes its own nodes)."""
-    from planner.reference import reference_profile
+    """A reference cluster or a shipped measured profile by name (``planner/data/measured``), or a
+    profile file (a measured one describes its own nodes)."""
+    from planner.errors import UnknownNameError
+    from planner.reference import SYSTEMS, measured_profiles, reference_profile
 
     if profile is None:
-        return reference_profile(cluster or "dgx-h100", nodes or 1)
-    if cluster:
+        shipped = {p.name: p for p in measured_profiles()}
+        if cluster not in shipped:
+            try:
+                return reference_profile(cluster or "dgx-h100", nodes or 1)
+            except UnknownNameError:
+                raise UnknownNameError("cluster", cluster, [*SYSTEMS, *shipped]) from None
+        loaded = shipped[cluster]
+    elif cluster:
         raise AutoparError("--cluster", cluster, "give either --cluster or --profile", problem="conflicts with --profile")
-    loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
+    else:
+        loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
     if nodes is None or nodes == loaded.num_nodes:
         return loaded
     if loaded.kind == "measured":
@@ -515,7 +525,8 @@ def presets() -> None:
 
 @app.command()
 def clusters() -> None:
-    """Reference cluster designs (datasheets + published collective bandwidths)."""
+    """Reference cluster designs (datasheets + published collective bandwidths), and the measured
+    profiles shipped with the planner."""
     from planner.reference import SYSTEMS, device_spec
 
     t = Table(title="Reference clusters (any node count)")
@@ -527,6 +538,20 @@ def clusters() -> None:
                   f"{dev.hbm_bandwidth_bytes_per_s / 1e12:.2f} TB/s", f"{d.intra_all_reduce_gb_s:.0f} GB/s",
                   f"{d.nic_gbit_per_gpu:.0f} Gb/s")
     console.print(t)
+    from planner.reference import measured_profiles
+
+    shipped = measured_profiles()
+    if shipped:
+        m = Table(title="Measured profiles shipped with the planner (their own node count; --cluster NAME)")
+        for col in ("name", "GPUs", "GPU memory", "bf16 reached", "memory bandwidth reached", "GEMM points"):
+            m.add_column(col)
+        for p in shipped:
+            reached = p.compute.achieved_matmul_tflops.get(Precision.bf16)
+            m.add_row(p.name, f"{p.num_nodes} x {p.gpus_per_node} {p.device.name}",
+                      f"{p.device.memory_bytes / GiB:.0f} GiB", f"{reached:.0f} TFLOP/s" if reached else "-",
+                      f"{(p.compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e12:.2f} TB/s",
+                      str(len(p.compute.gemm)))
+        console.print(m)
 
 
 def _register_plugins() -> None:

@@ -110,6 +110,16 @@ def test_clusters_lists_the_reference_systems():
     for name in SYSTEMS:
         assert name in out
     assert "989 TFLOP/s" in out and "312 TFLOP/s" in out
+    assert "nvidia-h200-1x1" in out and "736 TFLOP/s" in out  # the measured H200 (planner/data/measured)
+
+
+def test_a_shipped_measured_profile_is_a_cluster_name():
+    out = flat(invoke("plan", "--model", "llama3-8b", "--cluster", "nvidia-h200-1x1", "--global-batch", "8",
+                      "--seq", "4096").output)
+    assert "nvidia-h200-1x1" in out and "(1 GPUs)" in out
+    message = assert_usage_error(autopar("plan", "--model", "llama3-8b", "--cluster", "nvidia-h200-1x1", "--nodes",
+                                         "2", "--global-batch", "8"), "--nodes=2", "cannot change a measured profile")
+    assert "1 nodes" in message
 
 
 def _row(**cells: str) -> dict[str, str]:
@@ -228,7 +238,7 @@ def test_zero_sequence_length():
 
 def test_unknown_cluster_lists_known_clusters():
     message = assert_usage_error(autopar(*BASE, "--cluster", "tpu-v4"), "cluster='tpu-v4'", "is not known")
-    for name in SYSTEMS:
+    for name in [*SYSTEMS, "nvidia-h200-1x1"]:
         assert name in message
 
 
