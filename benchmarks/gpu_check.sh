@@ -2,6 +2,7 @@
 # The GPU checks of issue 5, as one prepared run on one GPU (a lent machine is held by the minute):
 #   env       the card, driver, torch/CUDA/NCCL, and two ceilings measured plainly (a large bf16
 #             matmul, a large device-to-device copy) to hold the profiler's figures against
+#   timing    benchmarks/gpu_timing_check.py: the held CUDA timing against torch.profiler's kernel times
 #   quick     `autopar profile --quick` on this GPU under torchrun (NCCL, one rank) -> gpu-quick.json:
 #             achieved GEMM TFLOP/s and memory bandwidth against the datasheet (the profile's notes)
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
@@ -66,6 +67,10 @@ if torch.cuda.is_available():
     t = best_of(lambda: y.copy_(x), 20)
     print(f"ceiling: 1 GiB device-to-device copy {2 * x.numel() / t / 1e12:.2f} TB/s (bytes read + written)")
 EOF
+
+# the held CUDA timing (profiler.timing) against torch.profiler's kernel times: first, since the
+# profiles' tables rest on it
+step timing 90 $PY benchmarks/gpu_timing_check.py
 
 QUICK=${QUICK_PROFILE:-$OUT/gpu-quick.json}  # QUICK_PROFILE: a quick profile of this GPU from an earlier run
 [ -n "${QUICK_PROFILE:-}" ] || step quick 150 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler \

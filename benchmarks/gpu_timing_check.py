@@ -1,0 +1,83 @@
+"""Does the profiler's CUDA timing measure the GPU? (profiler.timing's holds, issue 5)
+
+For a few operations the host launches about as slowly as a GPU runs them (small GEMMs, a small add,
+short attention) and one it does not (a large GEMM), prints per call: the time
+:func:`profiler.timing.time_fn` reports, the same without holds (``hold=False``: the GPU may wait
+for the host between calls), and the GPU's own kernel time from ``torch.profiler`` (the reference).
+Target: the held time within 15% of the kernel time for every operation. Exit status 1 on a miss;
+0 without a GPU (nothing to check).
+
+    python benchmarks/gpu_timing_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from profiler.timing import HOLD_STATS, time_fn  # noqa: E402
+
+TARGET = 0.15
+
+
+def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa: ANN001
+    """Per-call GPU kernel time of ``fn`` from torch.profiler (kernel rows only, no annotations)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    total = sum(e.self_device_time_total for e in prof.key_averages()
+                if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return total / 1e6 / calls
+
+
+def cases(device: torch.device) -> list[tuple[str, object]]:
+    def gemm(n: int):  # noqa: ANN202
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        out = torch.empty_like(a)
+        return lambda: torch.matmul(a, b, out=out)
+
+    x, y = torch.randn(1 << 18, device=device), torch.randn(1 << 18, device=device)
+    z = torch.empty_like(x)
+    q = torch.randn(1, 8, 512, 128, device=device, dtype=torch.bfloat16)
+    return [("bf16 GEMM 512^3", gemm(512)), ("bf16 GEMM 1024^3", gemm(1024)),
+            ("fp32 add 1 MiB", lambda: torch.add(x, y, out=z)),
+            ("causal SDPA b1 s512 h8 d128", lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+            ("bf16 GEMM 8192^3 (GPU-bound)", gemm(8192))]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_timing_check: no CUDA device here; nothing to check")
+        return 0
+    device = torch.device("cuda", 0)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"{'operation':<30} {'held':>10} {'unheld':>10} {'kernels':>10} {'held err':>9}")
+    worst = 0.0
+    for name, fn in cases(device):
+        held = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002).median_s
+        unheld = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002, hold=False).median_s
+        kernels = kernel_seconds(fn, device)
+        err = abs(held - kernels) / kernels
+        worst = max(worst, err)
+        print(f"{name:<30} {held * 1e6:8.1f}us {unheld * 1e6:8.1f}us {kernels * 1e6:8.1f}us {err:8.1%}")
+    print(f"operations held: {HOLD_STATS['held']}; held trials still paced by the host: {HOLD_STATS['host_paced']}")
+    verdict = "PASS" if worst <= TARGET else "MISS"
+    print(f"held time against kernel time: worst {worst:.1%} (target <= {TARGET:.0%}): {verdict}")
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
