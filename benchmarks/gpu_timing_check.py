@@ -25,9 +25,22 @@ from profiler.timing import HOLD_STATS, time_fn  # noqa: E402
 TARGET = 0.15
 
 
-def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa: ANN001
-    """Per-call GPU kernel time of ``fn`` from torch.profiler (kernel rows only, no annotations)."""
+def gpu_rows_s(events) -> dict[str, float]:  # noqa: ANN001 - torch.profiler's key_averages()
+    """Seconds per GPU row (kernels, memcpy, memset) of a torch.profiler run, by name. Operator rows
+    (aten::mm) and GPU annotations (Optimizer.step#AdamW.step) are left out: they repeat their
+    kernels' time. Also used by step_breakdown.py."""
     from torch.autograd import DeviceType
+
+    rows: dict[str, float] = {}
+    for e in events:
+        if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0 \
+                and not getattr(e, "is_user_annotation", False):
+            rows[e.key] = rows.get(e.key, 0.0) + e.self_device_time_total / 1e6
+    return rows
+
+
+def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa: ANN001
+    """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows_s`)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -37,9 +50,7 @@ def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize(device)
-    total = sum(e.self_device_time_total for e in prof.key_averages()
-                if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    return total / 1e6 / calls
+    return sum(gpu_rows_s(prof.key_averages()).values()) / calls
 
 
 def cases(device: torch.device) -> list[tuple[str, object]]:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))  # gpu_timing_check, after the repo (executor/ != executor.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -98,15 +99,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{pred.mfu * pred.step_time_s / statistics.median(walls[1:]):.1%}")
     events = prof.key_averages()
     if cuda:
-        from torch.autograd import DeviceType
+        from gpu_timing_check import gpu_rows_s
 
-        # the GPU's own rows (kernels, memcpy, memset): an operator's row (aten::mm) repeats its kernels' time
-        kernels: dict[str, float] = {}
-        for e in events:
-            # not a GPU annotation (Optimizer.step#AdamW.step): it spans its kernels' time again
-            if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0 \
-                    and not getattr(e, "is_user_annotation", False):
-                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e6
+        kernels = gpu_rows_s(events)
         if not kernels:
             print("no GPU rows in the profile (this torch's profiler labels them otherwise)")
             kernels = {"(none)": 1e-9}

@@ -97,11 +97,11 @@ def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -
     from planner.reference import SYSTEMS, measured_profiles, reference_profile
 
     if profile is None:
-        shipped = {p.name: p for p in measured_profiles()}
-        if cluster not in shipped:
-            try:
-                return reference_profile(cluster or "dgx-h100", nodes or 1)
-            except UnknownNameError:
+        try:
+            return reference_profile(cluster or "dgx-h100", nodes or 1)
+        except UnknownNameError:  # only then read the shipped measured profiles
+            shipped = {p.name: p for p in measured_profiles()}
+            if cluster not in shipped:
                 raise UnknownNameError("cluster", cluster, [*SYSTEMS, *shipped]) from None
         loaded = shipped[cluster]
     elif cluster:

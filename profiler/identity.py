@@ -130,12 +130,11 @@ def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[D
             # peak_tflops means the datasheet's (MFU's denominator, as published runs quote it); the
             # compute tables hold what this GPU ran at
             key, sheet = found
-            sixteen = (Precision.bf16, Precision.fp16)
             # the 16-bit peaks always (the contract wants one); FP8 only where this torch and GPU ran it
             # (the planner's FP8 gate); fp32 as measured: the profiler runs it without TF32, and the
             # datasheet's fp32 entry is the TF32 rate
-            peaks = {p: v for p, v in sheet.peak_tflops.items() if p in sixteen or (p in measured and p is not
-                                                                                     Precision.fp32)}
+            keep = {Precision.bf16, Precision.fp16} | ({Precision.fp8} & measured.keys())
+            peaks = {p: v for p, v in sheet.peak_tflops.items() if p in keep}
             if Precision.fp32 in measured:
                 peaks[Precision.fp32] = measured[Precision.fp32]
             vs = [f"{p.value} GEMM {measured[p]:.4g} TFLOP/s = {measured[p] / peaks[p]:.0%} of {peaks[p]:.4g}"

@@ -62,8 +62,8 @@ def _run_calls(fn: Callable[[], object], calls: int) -> None:
 # back. Such an operation's trials are queued behind a spin kernel (torch.cuda._sleep) that holds the
 # GPU until the host has queued them, so the events time the GPU alone; launch latency is the
 # planner's own term (Assumptions.kernel_overhead_s). A held trial has at most HOLD_MAX_CALLS calls:
-# a stream queues about a thousand launches before the host blocks, and a blocked host is paced by the
-# GPU again. An operation that blocks the host anyway (it synchronises: a pageable copy) is not held.
+# a stream's launch queue is finite (about a thousand launches by NVIDIA forum reports; not measured
+# here), and a host blocked on it paces the GPU again. An operation that blocks the host anyway (it synchronises: a pageable copy) is not held.
 HOLD_WHEN_HOST_OVER = 0.9  # hold when queueing a call takes the host over 90% of its GPU time
 HOLD_MARGIN = 1.5  # the hold: this many times the host's queueing time of the trial's calls ...
 HOLD_EXTRA_S = 50e-6  # ... plus this much (the events and the spin kernel's own launch)
@@ -237,10 +237,10 @@ def _hold_for(fn: Callable[[], object], calls: int, device: torch.device) -> tup
     if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
         return calls, 0.0
     gpu_s, host_s, _ = _time_cuda(fn, calls, device, 0.0)
-    if hold_seconds(calls, host_s / calls, gpu_s / calls) == 0.0:
-        return calls, 0.0
     held_calls = min(calls, HOLD_MAX_CALLS)
     hold = hold_seconds(held_calls, host_s / calls, gpu_s / calls)
+    if hold == 0.0:
+        return calls, 0.0
     _, host_s, held_s = _time_cuda(fn, held_calls, device, hold)
     if host_s > held_s:  # the host waited for the GPU behind the hold: fn synchronises
         return calls, 0.0

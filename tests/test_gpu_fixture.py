@@ -47,7 +47,13 @@ def measured() -> dict:
 
 
 def test_the_fixtures_are_measured_h200_profiles(quick, full):
+    """What the data holds, pinned to the figures README "On a GPU" quotes from it."""
     sheet = reference_profile("h200").device
+    reached = {name: (round(p.compute.achieved_matmul_tflops[Precision.bf16]),
+                      round(p.compute.achieved_memory_bandwidth_bytes_per_s / 1e10) / 100)
+               for name, p in (("quick", quick), ("full", full))}
+    assert reached == {"quick": (736, 4.34), "full": (726, 4.40)}
+    assert round(quick.compute.achieved_matmul_tflops[Precision.fp8]) == 1384
     for p in (quick, full):
         assert p.kind == "measured" and p.device.name == "NVIDIA H200" and p.num_gpus == 1
         assert p.environment.backend == "nccl" and p.environment.torch_version.startswith("2.11")
