@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # CPU build of torch for profiler/executor tests; GPU users install their own CUDA build first.
 TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8000
 STAMP  := $(VENV)/.installed
 
 .PHONY: install run test bench clean
@@ -22,9 +23,10 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 run: install
-	@# migrate the SQLite file autopar.db, load the reference profiles, serve on 127.0.0.1:8000,
-	@# post one example plan and print the URLs (Ctrl-C stops; DATABASE_URL=postgresql://... for PostgreSQL)
-	$(VENV)/bin/autopar serve --host 127.0.0.1 --port 8000 --example
+	@# migrate the SQLite file autopar.db, load the reference profiles, serve on 127.0.0.1:$(PORT),
+	@# post one example plan and print the URLs (Ctrl-C stops; DATABASE_URL=postgresql://... for PostgreSQL;
+	@# PORT=8001 where 8000 is taken)
+	$(VENV)/bin/autopar serve --host 127.0.0.1 --port $(PORT) --example
 
 test: install
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests

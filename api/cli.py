@@ -67,6 +67,26 @@ def _post_example(base: str, tokens: tuple[str, ...]) -> None:
     console.print("  Ctrl-C stops the server")
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served on (None: it can), checked by binding it as uvicorn will
+    (SO_REUSEADDR, so a port in TIME_WAIT after a restart counts as free)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host!r} does not resolve ({exc.strerror}): give an address such as 127.0.0.1 or 0.0.0.0"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return (f"--port {port}: {host}:{port} cannot be listened on ({exc.strerror}); another server may "
+                    f"hold it: stop it, or pick a free port with --port (make run PORT=8001)")
+    return None
+
+
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
@@ -82,6 +102,9 @@ def serve(
     from api.migrate import migrate
     from api.store import load_reference_profiles
 
+    why = _port_taken(host, port)
+    if why:  # before migrating, and before the example would be posted to whatever holds the port
+        raise typer.BadParameter(why)
     settings = Settings.from_env()
     if database_url:
         settings = Settings(**{**settings.__dict__, "database_url": database_url})

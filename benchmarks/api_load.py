@@ -325,10 +325,13 @@ async def client(state: LoadState, index: int, seed: int) -> None:
 
 # -- servers and databases -------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listening_socket() -> socket.socket:
+    """A TCP socket bound to a free loopback port and listening, handed to uvicorn (``--fd``): the port
+    cannot be taken between choosing it and serving on it (a client's ephemeral port once took it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
 
 
 def postgres_unavailable(server_url: str) -> str | None:
@@ -378,7 +381,8 @@ class Server:
 
     def __init__(self, database_url: str):
         self.database_url = database_url
-        self.port = free_port()
+        self._sock = listening_socket()
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = ""
 
@@ -388,9 +392,10 @@ class Server:
         env.pop("AUTOPAR_TOKENS", None)
         env.pop("AUTOPAR_LOAD_REFERENCE", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--fd", str(self._sock.fileno()),
+             "--log-level", "warning"],
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=[self._sock.fileno()])
+        self._sock.close()  # the server holds its own copy
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:

@@ -91,6 +91,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path):  # noqa: ANN20
 
 
 def free_port() -> int:
+    """A loopback port free now; another process may take it before it is bound (LiveServer does not
+    use this: it hands uvicorn a socket already listening)."""
     import socket
 
     with socket.socket() as s:
@@ -98,12 +100,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening_socket():  # noqa: ANN201
+    """A TCP socket bound to a free loopback port and listening: handed to uvicorn (``--fd``), the port
+    cannot be taken between choosing it and serving on it (an outgoing connection's ephemeral port
+    took one under the full suite: "address already in use")."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
 class LiveServer:
     """``uvicorn api.app:create_app`` in a subprocess on a free loopback port, ready when entered."""
 
     def __init__(self, database_url: str, **env: str):
         self.database_url, self.env = database_url, env
-        self.port = free_port()
+        self._sock = listening_socket()
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = ""
 
@@ -117,8 +132,9 @@ class LiveServer:
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         env = {**os.environ, "DATABASE_URL": self.database_url, **self.env}
         self.proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
-                                      "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
+                                      "--fd", str(self._sock.fileno()), "--log-level", "warning"],
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=[self._sock.fileno()])
+        self._sock.close()  # the server holds its own copy
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
