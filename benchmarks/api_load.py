@@ -326,12 +326,26 @@ async def client(state: LoadState, index: int, seed: int) -> None:
 # -- servers and databases -------------------------------------------------------------------------
 
 def listening_socket() -> socket.socket:
-    """A TCP socket bound to a free loopback port and listening, handed to uvicorn (``--fd``): the port
+    """A TCP socket bound to a free loopback port and listening, for :func:`serve_on`: the port
     cannot be taken between choosing it and serving on it (a client's ephemeral port once took it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     return sock
+
+
+# uvicorn serving on an inherited listening socket. Not `uvicorn --fd`: that wraps the socket as
+# AF_UNIX, so asyncio does not set TCP_NODELAY on its connections and every response waits out a
+# delayed ACK (the schemathesis run took 120 s instead of 19 s)
+_SERVE_ON_FD = ("import socket, sys, uvicorn; sock = socket.socket(fileno=int(sys.argv[1])); "
+                "uvicorn.Server(uvicorn.Config('api.app:create_app', factory=True, log_level='warning')).run([sock])")
+
+
+def serve_on(sock: socket.socket, **popen) -> subprocess.Popen:
+    """``api.app:create_app`` under uvicorn in a subprocess, serving on ``sock`` (which it inherits;
+    close it here afterwards)."""
+    return subprocess.Popen([sys.executable, "-c", _SERVE_ON_FD, str(sock.fileno())], pass_fds=[sock.fileno()],
+                            **popen)
 
 
 def postgres_unavailable(server_url: str) -> str | None:
@@ -391,10 +405,7 @@ class Server:
         env = {**os.environ, "DATABASE_URL": self.database_url}
         env.pop("AUTOPAR_TOKENS", None)
         env.pop("AUTOPAR_LOAD_REFERENCE", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--fd", str(self._sock.fileno()),
-             "--log-level", "warning"],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=[self._sock.fileno()])
+        self.proc = serve_on(self._sock, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self._sock.close()  # the server holds its own copy
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and self.proc.poll() is None:

@@ -8,12 +8,29 @@ missing PostgreSQL is a failure: `.ci/run` starts one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
+
+
+def _load_api_load():  # noqa: ANN202
+    """benchmarks/api_load.py as module ``api_load`` (its race-free server start serves the live-server
+    fixture; test_api_load runs it), loaded by path: benchmarks/ on sys.path would shadow the
+    ``executor`` package with benchmarks/executor.py."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "api_load.py"
+    spec = importlib.util.spec_from_file_location("api_load", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["api_load"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+api_load = _load_api_load()
 
 PG_SERVER = os.environ.get("AUTOPAR_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 _pg_state: dict = {}
@@ -92,7 +109,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path):  # noqa: ANN20
 
 def free_port() -> int:
     """A loopback port free now; another process may take it before it is bound (LiveServer does not
-    use this: it hands uvicorn a socket already listening)."""
+    use this: it hands the server a socket already listening, benchmarks/api_load.serve_on)."""
     import socket
 
     with socket.socket() as s:
@@ -100,30 +117,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def listening_socket():  # noqa: ANN201
-    """A TCP socket bound to a free loopback port and listening: handed to uvicorn (``--fd``), the port
-    cannot be taken between choosing it and serving on it (an outgoing connection's ephemeral port
-    took one under the full suite: "address already in use")."""
-    import socket
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
 class LiveServer:
     """``uvicorn api.app:create_app`` in a subprocess on a free loopback port, ready when entered."""
 
     def __init__(self, database_url: str, **env: str):
         self.database_url, self.env = database_url, env
-        self._sock = listening_socket()
+        self._sock = api_load.listening_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = ""
 
     def __enter__(self) -> LiveServer:
-        import sys
         import tempfile
         import time
 
@@ -131,9 +135,7 @@ class LiveServer:
 
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         env = {**os.environ, "DATABASE_URL": self.database_url, **self.env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
-                                      "--fd", str(self._sock.fileno()), "--log-level", "warning"],
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=[self._sock.fileno()])
+        self.proc = api_load.serve_on(self._sock, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self._sock.close()  # the server holds its own copy
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -9,14 +9,9 @@ in CI (``CI`` set). The full target (50 clients, 60 s) is ``python benchmarks/ap
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import api_load  # noqa: E402
+from conftest import api_load  # benchmarks/api_load.py, loaded by path
 
 pytestmark = pytest.mark.slow
 
