@@ -70,6 +70,10 @@ class Checked:
     notes: list[str] = field(default_factory=list)
 
 
+# a quick CPU profile measures for at most about this long (from the process group's start): torchrun's
+# launch and the imports (6-10 s on the 2-vCPU VMs) take the rest of the minute; the compute tables
+# get what the links left (profiler.compute.fit_table_budget)
+QUICK_MEASURE_S = 45.0
 LINK_MIN_TRIAL_S = 0.008  # a link trial's calls: no more than last 8 ms (profiler.links.reps_within)
 
 
@@ -283,11 +287,15 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             compute = None
             host_links, host_notes = [], []
             if d.rank == 0:
-                from profiler.compute import default_grid, measure_compute
+                from profiler.compute import default_grid, fit_table_budget, measure_compute
 
                 grid = default_grid(c.model, c.tp_degrees, quick=opts.quick, device_type=c.device_type)
                 if c.precisions:
                     grid.precisions = c.precisions
+                if opts.quick:
+                    cut = fit_table_budget(grid, QUICK_MEASURE_S - (time.perf_counter() - t_start))
+                    if cut:
+                        grid.notes.append(cut)
                 compute = measure_compute(device, grid, progress=report("compute"))
                 # every 2x and to 64 MiB at least: copies are cheap, and a fit wants the bulk rate
                 # (offloaded optimizer states are far larger than any message) under many points

@@ -191,7 +191,7 @@ class Budget:
                                               "budget")
             return False
         if self.max_total_s is not None and self.spent_s + projected_s > self.max_total_s:
-            self.stopped = (group, single_s, f"timing it would take the table past its {self.max_total_s:g} s "
+            self.stopped = (group, single_s, f"timing it would take the table past its {self.max_total_s:.3g} s "
                                               "budget")
             return False
         self.spent_s += projected_s

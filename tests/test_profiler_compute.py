@@ -657,3 +657,33 @@ def test_which_operations_are_held_and_with_how_many_calls(monkeypatch, first, s
     assert (calls, hold) == (expected[0], pytest.approx(expected[1]))
     assert len(seen) == (1 if second is None else 2)
     assert timing._hold_for(lambda: None, 400, torch.device("cpu")) == (400, 0.0)
+
+
+def test_a_quick_profile_cuts_the_table_budget_to_the_time_the_links_left():
+    """Compute runs after the links: its GEMM tables get what is left of the quick profile's minute,
+    by the phase's cost model (per_table = (left - host copies - other tables) / (n x overrun)), never
+    below the floor, never above the grid's own budget; a GPU grid (no budget) is left alone."""
+    from profiler.compute import (
+        GEMM_WALK_OVERRUN,
+        MIN_QUICK_TABLE_S,
+        QUICK_HOST_COPIES_S,
+        QUICK_OTHER_TABLES_S,
+        fit_table_budget,
+    )
+
+    roomy = default_grid(quick=True)
+    assert fit_table_budget(roomy, 120.0) is None and roomy.max_table_s == 6.0
+
+    grid = default_grid(quick=True)
+    n = len(grid.precisions)
+    left = QUICK_HOST_COPIES_S + n * QUICK_OTHER_TABLES_S + n * GEMM_WALK_OVERRUN * 3.0  # room for 3 s tables
+    note = fit_table_budget(grid, left)
+    assert grid.max_table_s == pytest.approx(3.0)
+    assert note.startswith(f"QUICK DEADLINE: {left:.0f} s were left for compute") and "from 6 s to 3.0 s" in note
+
+    late = default_grid(quick=True)
+    assert fit_table_budget(late, -5.0).startswith("QUICK DEADLINE: 0 s were left")
+    assert late.max_table_s == MIN_QUICK_TABLE_S
+
+    gpu = default_grid(quick=True, device_type="cuda")
+    assert fit_table_budget(gpu, 1.0) is None and gpu.max_table_s is None
