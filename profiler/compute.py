@@ -401,29 +401,31 @@ def budget_for(grid: ComputeGrid, share: float = 1.0) -> Budget | None:
 
 
 # what a quick CPU profile's compute phase costs besides its GEMM tables, per precision (attention and
-# elementwise tables: 1.6-2.8 s on the 2-vCPU VMs) and once (the host copies: 0.7 s), and how far the
-# GEMM walks run past their budget (warm-ups of the shape that stops them: 13.4 s for two 6 s tables)
+# elementwise tables, measured on the AVX2 VM: 3.9 s and 1.6 s for fp32 and bf16, 2.75 s a precision)
+# and once (the host copies: 0.7 s), and how far the GEMM walks run past their budget (warm-ups of the
+# shape that stops them: 13.4 s for two 6 s tables)
 QUICK_OTHER_TABLES_S = 3.0
 QUICK_HOST_COPIES_S = 1.0
 GEMM_WALK_OVERRUN = 1.15
 MIN_QUICK_TABLE_S = 2.0  # below this a precision's GEMM table is too thin to interpolate from
 
 
-def fit_table_budget(grid: ComputeGrid, seconds_left: float) -> str | None:
+def fit_table_budget(grid: ComputeGrid, seconds_left: float) -> None:
     """Shrink ``grid.max_table_s`` so the compute phase, by the estimates above, takes about
-    ``seconds_left`` (never below :data:`MIN_QUICK_TABLE_S`, never above the grid's own); a note of
-    the change for the profile, or None where the grid's budget fits. A quick profile's links run
-    first, at the machine's pace of the moment: this keeps the whole run within its minute on a slow one."""
+    ``seconds_left`` (never below :data:`MIN_QUICK_TABLE_S`, never above the grid's own), noting the
+    cut in ``grid.notes``. A quick profile's links run first, at the machine's pace of the moment:
+    this keeps the whole run within its minute on a slow one."""
     if grid.max_table_s is None or not grid.precisions:
-        return None
+        return
     n = len(grid.precisions)
     per_table = (seconds_left - QUICK_HOST_COPIES_S - n * QUICK_OTHER_TABLES_S) / (n * GEMM_WALK_OVERRUN)
     if per_table >= grid.max_table_s:
-        return None
+        return
     before, grid.max_table_s = grid.max_table_s, max(MIN_QUICK_TABLE_S, per_table)
-    return (f"QUICK DEADLINE: {max(seconds_left, 0.0):.0f} s were left for compute, so each table's budget was cut "
-            f"from {before:g} s to {grid.max_table_s:.1f} s (a table that reaches it stops at a smaller shape, as its "
-            "note says, and the planner prices the larger ones at the nearest measured rates)")
+    grid.notes.append(f"QUICK DEADLINE: {max(seconds_left, 0.0):.0f} s were left for compute, so each table's budget "
+                      f"was cut from {before:g} s to {grid.max_table_s:.1f} s (a table that reaches it stops at a "
+                      "smaller shape, as its note says, and the planner prices the larger ones at the nearest "
+                      "measured rates)")
 
 
 def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device, grid: ComputeGrid,

@@ -73,11 +73,16 @@ _SLEEP_CYCLES_PER_S: dict[int, float] = {}
 HOLD_STATS = {"held": 0, "host_paced": 0}  # operations held; held trials still paced by the host (reset by callers)
 
 
+def _hold_covering(host_s: float) -> float:
+    """A hold long enough for the host to queue calls that took it ``host_s`` to queue."""
+    return min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S)
+
+
 def hold_seconds(calls: int, host_per_call_s: float, device_per_call_s: float) -> float:
     """How long to hold the GPU before a trial of ``calls`` calls (0: the GPU keeps ahead of the host anyway)."""
     if host_per_call_s <= HOLD_WHEN_HOST_OVER * device_per_call_s:
         return 0.0
-    return min(HOLD_MAX_S, HOLD_MARGIN * calls * host_per_call_s + HOLD_EXTRA_S)
+    return _hold_covering(calls * host_per_call_s)
 
 
 def _device_index(device: torch.device) -> int:
@@ -136,7 +141,7 @@ def _time_calls(fn: Callable[[], object], calls: int, device: torch.device, hold
             gpu_s, host_s, held_s = _time_cuda(fn, calls, device, hold_s)
             if hold_s <= 0 or host_s <= held_s:
                 return gpu_s
-            hold_s = min(HOLD_MAX_S, HOLD_MARGIN * host_s + HOLD_EXTRA_S)
+            hold_s = _hold_covering(host_s)
         HOLD_STATS["host_paced"] += 1
         return gpu_s
     sync(device)

@@ -225,21 +225,15 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_torchrun_nodes_read_from_torchrun_not_emulated(tmp_path):
     """A real 2-node launch: two torchrun agents (--nnodes 2, one per node rank) of 2 ranks each.
     The profiler takes the nodes from torchrun (LOCAL_WORLD_SIZE), not --ranks-per-node: a
     2x2 profile that is not labelled emulated, with one host name per node, and a note that the two
     nodes report one host name, so their inter_node links may be its loopback."""
-    port = str(_free_port())
+    from conftest import free_port
+
+    port = str(free_port())
     out = tmp_path / "p.json"
     agents = []
     for node_rank in ("0", "1"):

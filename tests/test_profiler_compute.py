@@ -662,7 +662,7 @@ def test_which_operations_are_held_and_with_how_many_calls(monkeypatch, first, s
 def test_a_quick_profile_cuts_the_table_budget_to_the_time_the_links_left():
     """Compute runs after the links: its GEMM tables get what is left of the quick profile's minute,
     by the phase's cost model (per_table = (left - host copies - other tables) / (n x overrun)), never
-    below the floor, never above the grid's own budget; a GPU grid (no budget) is left alone."""
+    below the floor, never above the grid's own budget, the cut noted; a GPU grid (no budget) is left alone."""
     from profiler.compute import (
         GEMM_WALK_OVERRUN,
         MIN_QUICK_TABLE_S,
@@ -672,18 +672,21 @@ def test_a_quick_profile_cuts_the_table_budget_to_the_time_the_links_left():
     )
 
     roomy = default_grid(quick=True)
-    assert fit_table_budget(roomy, 120.0) is None and roomy.max_table_s == 6.0
+    fit_table_budget(roomy, 120.0)
+    assert roomy.max_table_s == 6.0 and not roomy.notes
 
     grid = default_grid(quick=True)
     n = len(grid.precisions)
     left = QUICK_HOST_COPIES_S + n * QUICK_OTHER_TABLES_S + n * GEMM_WALK_OVERRUN * 3.0  # room for 3 s tables
-    note = fit_table_budget(grid, left)
+    fit_table_budget(grid, left)
     assert grid.max_table_s == pytest.approx(3.0)
+    (note,) = grid.notes
     assert note.startswith(f"QUICK DEADLINE: {left:.0f} s were left for compute") and "from 6 s to 3.0 s" in note
 
     late = default_grid(quick=True)
-    assert fit_table_budget(late, -5.0).startswith("QUICK DEADLINE: 0 s were left")
-    assert late.max_table_s == MIN_QUICK_TABLE_S
+    fit_table_budget(late, -5.0)
+    assert late.notes[0].startswith("QUICK DEADLINE: 0 s were left") and late.max_table_s == MIN_QUICK_TABLE_S
 
     gpu = default_grid(quick=True, device_type="cuda")
-    assert fit_table_budget(gpu, 1.0) is None and gpu.max_table_s is None
+    fit_table_budget(gpu, 1.0)
+    assert gpu.max_table_s is None and not gpu.notes
