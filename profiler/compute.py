@@ -748,21 +748,51 @@ def _bf16_fallback_note(gemm: list[GemmPoint], fp32_tflops: float | None) -> str
 
 
 # The per-rank device check: one GEMM large enough to run near the device's peak, and an add over
-# buffers several times the caches, measured as the tables are (measure_gemm, measure_elementwise)
+# buffers beyond the caches, measured as the tables are (measure_gemm, measure_elementwise)
 CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 512), Precision.fp32)}
 CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
 
 
+def check_add_buffer_bytes(kind: str, cache_bytes: int, available_bytes: int, quick: bool = False) -> tuple[int, str | None]:
+    """Bytes of each of the device check's three add buffers, and a note when the check may not
+    stream past the caches.
+
+    A CPU's buffers are each at least the last-level cache the kernel reports (so the add streams
+    three times the cache, each byte evicted before it comes round again), within 1/12 of the
+    available memory. A quick profile keeps the 64 MiB floor instead: a VM's first touch of memory
+    can be slow (on a 2-vCPU Firecracker VM reporting a 480 MiB L3: 5.1 s to fill 1.8 GiB the first
+    time, 0.6 s again right after), and every rank of a host checks in turn; the figure the ranks are
+    compared by there flattened out at 64 MiB (one thread: 15.8 GB/s at 64 MiB per buffer, 15.0-15.5
+    GB/s from 128 MiB to 960 MiB, 28 GB/s at 16 MiB), but another machine's may not, which the note says."""
+    floor = CHECK_ADD_BUFFER_BYTES["cuda" if kind == "cuda" else "cpu"]
+    if kind == "cuda":
+        return floor, None
+    cap = max(available_bytes // 12, 1 << 20)
+    if quick:
+        size = min(floor, cap)
+        if cache_bytes > size:
+            return size, (f"QUICK CHECK: each rank's memory check adds {size >> 20} MiB buffers, below the "
+                          f"{cache_bytes >> 20} MiB last-level cache the kernel reports, so its bandwidth may be "
+                          "partly the cache's; the ranks are still compared at the same buffers (a full profile "
+                          "streams buffers of the cache's size)")
+        return size, None
+    size = min(max(floor, cache_bytes), cap)
+    if cache_bytes > size:
+        return size, (f"the memory check's add buffers ({size >> 20} MiB each) are below the {cache_bytes >> 20} "
+                      "MiB last-level cache (1/12 of the available memory at most): its bandwidth may be partly the cache's")
+    return size, None
+
+
 def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,
-                 memory_bytes: int) -> DeviceCheck:
-    """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`)."""
+                 memory_bytes: int, quick: bool = False) -> DeviceCheck:
+    """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`,
+    :func:`check_add_buffer_bytes`)."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     (m, n, k), precision = CHECK_GEMM[kind]
     if kind == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         precision = Precision.fp16  # before Ampere bf16 is emulated: time the 16-bit format the GPU runs
-    buffer = CHECK_ADD_BUFFER_BYTES[kind]
-    if kind == "cpu":  # several times the last-level cache the kernel reports, within the memory free
-        buffer = min(max(buffer, 4 * last_level_cache_bytes()), max(available_memory_bytes(device) // 12, 1 << 20))
+    buffer, _ = check_add_buffer_bytes(kind, last_level_cache_bytes() if kind == "cpu" else 0,
+                                       available_memory_bytes(device) if kind == "cpu" else 0, quick)
     grid = ComputeGrid(gemm=[], attention=[], elementwise_bytes=[], precisions=[precision], warmup=2, trials=5,
                        min_time_s=0.01 if kind == "cuda" else 0.02)
     with torch.no_grad():
@@ -808,6 +838,7 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
 
 __all__ = [
     "ComputeGrid",
+    "check_add_buffer_bytes",
     "device_check",
     "device_check_notes",
     "default_grid",

@@ -280,9 +280,16 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             tick = report("check")
             if tick is not None:
                 tick(f"every rank's device: one GEMM, one add ({d.world} ranks)", 0, 1)
-            checks = _device_checks(dist, wait_group, d, device, hostnames)
+            checks = _device_checks(dist, wait_group, d, device, hostnames, quick=opts.quick)
             if tick is not None:
                 tick("devices checked", 1, 1)
+            if c.device_type != "cuda":  # what rank 0's check streamed (the others', on like hosts, the same)
+                from profiler.compute import check_add_buffer_bytes
+
+                _, check_note = check_add_buffer_bytes(c.device_type, identity.last_level_cache_bytes(),
+                                                       identity.available_memory_bytes(device), opts.quick)
+                if check_note:
+                    c.notes.append(check_note)
             phase = "compute (rank 0 measures, the others wait)"
             compute = None
             host_links, host_notes = [], []
@@ -348,7 +355,7 @@ def check_turns(hostnames: list[str], rank: int) -> tuple[int, int]:
     return max(hostnames.count(h) for h in hostnames), hostnames[:rank].count(hostnames[rank])
 
 
-def _device_checks(dist, group, d, device, hostnames: list[str]) -> list:  # noqa: ANN001
+def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = False) -> list:  # noqa: ANN001
     """Every rank's :func:`~profiler.compute.device_check`, gathered on every rank (over the gloo
     ``group``). GPUs check side by side, each its own; CPU ranks of one host (by the gathered host
     names, whatever the launcher says of local ranks: two torchrun agents may share a machine) one
@@ -369,7 +376,7 @@ def _device_checks(dist, group, d, device, hostnames: list[str]) -> list:  # noq
                     name, memory = props.name, int(props.total_memory)
                 else:
                     name, memory = f"CPU: {identity.cpu_name()}", max(identity.host_memory_bytes(), 1)
-                mine = device_check(device, d.rank, host, d.local_rank, name, memory)
+                mine = device_check(device, d.rank, host, d.local_rank, name, memory, quick=quick)
             except Exception as exc:  # noqa: BLE001 - reported by every rank below
                 mine = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if turns > 1:

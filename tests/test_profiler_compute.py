@@ -270,6 +270,26 @@ def test_device_check_notes_name_mixed_and_slow_devices():
     assert 1e-3 < real.gemm_tflops < 10 and 1e8 < real.memory_bandwidth_bytes_per_s < 1e13
 
 
+def test_the_memory_check_streams_past_the_cache_unless_quick_and_says_so():
+    from profiler.compute import check_add_buffer_bytes
+
+    MiB, GiB = 1 << 20, 1 << 30
+    # a full profile: each of the three buffers at least the last-level cache (the add streams 3x it)
+    assert check_add_buffer_bytes("cpu", 32 * MiB, 16 * GiB) == (64 * MiB, None)
+    assert check_add_buffer_bytes("cpu", 480 * MiB, 22 * GiB) == (480 * MiB, None)
+    # ... within 1/12 of the memory available, said when that leaves the buffers below the cache
+    size, note = check_add_buffer_bytes("cpu", 480 * MiB, 3 * GiB)
+    assert size == 256 * MiB and "below the 480 MiB last-level cache" in note
+    # a quick profile keeps the 64 MiB floor and says so where the cache is larger
+    size, note = check_add_buffer_bytes("cpu", 480 * MiB, 22 * GiB, quick=True)
+    assert size == 64 * MiB and note.startswith("QUICK CHECK: each rank's memory check adds 64 MiB buffers, below "
+                                                "the 480 MiB last-level cache")
+    assert check_add_buffer_bytes("cpu", 32 * MiB, 22 * GiB, quick=True) == (64 * MiB, None)
+    assert check_add_buffer_bytes("cpu", 0, 22 * GiB, quick=True) == (64 * MiB, None)  # cache unknown
+    # a GPU's buffers are far beyond its L2 whatever the mode
+    assert check_add_buffer_bytes("cuda", 0, 0) == check_add_buffer_bytes("cuda", 0, 0, quick=True) == (256 * MiB, None)
+
+
 def test_device_checks_take_turns_by_host_and_a_failure_names_the_rank(monkeypatch):
     import profiler.compute
     from profiler.run import Dist, _device_checks, check_turns
