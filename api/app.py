@@ -16,7 +16,6 @@ from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -271,6 +270,14 @@ def _routes(app: FastAPI, settings: Settings) -> None:
             return JSONResponse(status_code=503, content={"status": "database unreachable"})
         return JSONResponse({"status": "ready", "database": db.dialect})
 
+    @app.get("/v1/auth", tags=["health"], dependencies=[Writer],
+             responses={k: v for k, v in AUTH_RESPONSES.items() if k != 413})
+    def auth(request: Request) -> dict:
+        """Whether this request may write (POST): 200 when writes are open or its bearer token is one of
+        the server's AUTOPAR_TOKENS, 401/403 as a POST would get. `autopar profile` and `autopar run`
+        ask before measuring, so a refused upload does not come after an hour's work."""
+        return {"writes": "token accepted" if request.app.state.settings.tokens else "open"}
+
     # -- presets
     @app.get("/v1/presets", tags=["models"])
     def presets() -> list[PresetOut]:
@@ -281,7 +288,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/v1/presets/{name}", tags=["models"], responses={404: {"description": "unknown preset"}})
     def preset(name: Annotated[str, Path(max_length=200)]) -> PresetOut:
-        from planner.presets import get_preset, list_presets
+        from planner.presets import get_preset
 
         try:
             return PresetOut(name=name, spec=get_preset(name))

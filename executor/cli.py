@@ -102,22 +102,14 @@ def render_report(report: RunReport, plan: Plan) -> None:
                       f"median over {len(report.steps) - report.warmup_steps} step(s) after {report.warmup_steps} warm-up")
 
 
-def upload(report: RunReport, server: str, token: str | None, plan_id: int) -> dict:
-    """POST the report to ``{server}/v1/runs`` for the stored plan ``plan_id``."""
-    import httpx
+def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep: Path) -> dict:
+    """POST the report to ``{server}/v1/runs`` for the stored plan ``plan_id``; if that fails, the
+    request body is kept in ``keep`` and the error says how to send it."""
+    from planner.client import json_bytes, post_or_keep
 
     body = {"plan_id": plan_id, "report": json.loads(report.model_dump_json())}
     body["report"]["plan_id"] = str(plan_id)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        r = httpx.post(f"{server.rstrip('/')}/v1/runs", json=body, headers=headers, timeout=60)
-    except httpx.HTTPError as exc:
-        raise AutoparError("--server", server, "check the URL and that `autopar serve` is running there",
-                           problem=f"could not be reached ({exc})") from None
-    if r.status_code != 201:
-        raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}"
-                           + ("; pass --token" if r.status_code in (401, 403) else ""), problem="refused the run")
-    return r.json()
+    return post_or_keep(server, "/v1/runs", json_bytes(body), token, "run", keep)
 
 
 def run(
@@ -185,6 +177,11 @@ def run(
         for flag, path in (("--data", data), ("--profile", profile)):
             if path is not None and not path.is_file():
                 raise AutoparError(flag, str(path), "give an existing file", problem="does not exist")
+        if server and node_rank == 0:  # node 0 uploads: asked before the workers start, not after training
+            from planner.client import check_plan_stored, check_writable
+
+            check_writable(server, token)
+            check_plan_stored(server, plan_id)
     except AutoparError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -227,7 +224,7 @@ def run(
         err.print(f"report written to {out}")
     if server:
         try:
-            stored = upload(report, server, token, plan_id)
+            stored = upload(report, server, token, plan_id, report_path.parent / f"run-of-plan-{plan_id}.json")
         except AutoparError as exc:
             err.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(2) from None

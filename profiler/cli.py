@@ -64,24 +64,19 @@ def parse_bytes(field: str, text: str | None) -> int | None:
 
 
 def publish(profile_json: str, out: Path | None, server: str | None, token: str | None) -> dict | None:
-    """Write the JSON to ``out`` and POST the very same bytes to ``{server}/v1/profiles``."""
+    """Write the JSON to ``out`` and POST the very same bytes to ``{server}/v1/profiles``. An upload
+    that fails keeps the profile: in ``out``, or without one in ``autopar-profile-<time>.json`` here,
+    and the error says how to send it (:func:`planner.client.post_or_keep`)."""
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile_json)
     if server is None:
         return None
-    import httpx
+    from planner.client import post_or_keep
 
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    try:
-        r = httpx.post(f"{server.rstrip('/')}/v1/profiles", content=profile_json.encode(), headers=headers, timeout=60)
-    except httpx.HTTPError as exc:
-        raise AutoparError("--server", server, "check the URL and that `autopar serve` is running there",
-                           problem=f"could not be reached ({exc})") from None
-    if r.status_code not in (200, 201):
-        raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}"
-                           + ("; pass --token" if r.status_code in (401, 403) else ""), problem="refused the profile")
-    return r.json()
+    keep = out if out is not None else Path.cwd() / f"autopar-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return post_or_keep(server, "/v1/profiles", profile_json.encode(), token, "profile", keep,
+                        already_kept=out is not None)
 
 
 def profile(
@@ -126,6 +121,10 @@ def profile(
                               timeout_s=timeout, threads=threads)
         if out is None and server is None:
             raise AutoparError("--out", None, "give --out PATH and/or --server URL", problem="and --server are both missing")
+        if server is not None and d.rank == 0:  # rank 0 uploads: it asks before anyone measures
+            from planner.client import check_writable
+
+            check_writable(server, token)
         result = run_profile(opts, progress_factory=_progress_factory())
     except AutoparError as exc:
         if d.local_rank == 0:  # every rank finds the same problem: say it once per host

@@ -291,12 +291,21 @@ def test_unknown_ids_are_404_and_huge_ids_are_422(client: TestClient) -> None:
     assert client.get(f"/v1/plans/{2**31}").status_code == 422
 
 
+def test_auth_says_writes_are_open_without_tokens(client: TestClient) -> None:
+    assert client.get("/v1/auth").json() == {"writes": "open"}
+    assert client.get("/v1/auth", headers={"Authorization": "Bearer anything"}).json() == {"writes": "open"}
+
+
 def test_write_endpoints_need_a_token_when_tokens_are_configured(database_url: str) -> None:
     settings = Settings(database_url=database_url, tokens=("s3cret", "other"))
     with TestClient(create_app(settings)) as c:
         assert c.post("/v1/plans", json=SMALL_PLAN).status_code == 401
         assert c.post("/v1/plans", json=SMALL_PLAN, headers={"Authorization": "Bearer wrong"}).status_code == 403
         assert c.post("/v1/profiles", json=measured()).status_code == 401
+        # GET /v1/auth answers as a POST would, so uploaders ask before their measuring
+        assert c.get("/v1/auth").status_code == 401
+        assert c.get("/v1/auth", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert c.get("/v1/auth", headers={"Authorization": "Bearer s3cret"}).json() == {"writes": "token accepted"}
         ok = c.post("/v1/plans", json=SMALL_PLAN, headers={"Authorization": "Bearer other"})
         assert ok.status_code == 201
         assert c.get(f"/v1/plans/{ok.json()['id']}").status_code == 200  # reads stay open

@@ -284,7 +284,13 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
         r = autopar_run(str(tmp_path / "plan.json"), "--steps", "1", "--warmup", "0", "--server", base,
                         "--plan-id", str(plan_id), env=env)
         assert r.returncode == 2 and "token" in r.stderr.lower() and "Traceback" not in r.stderr, r.stderr
+        assert "starting" not in r.stderr, r.stderr  # asked before the workers start, not after training
         assert httpx.get(f"{base}/v1/runs", params={"plan_id": plan_id}, timeout=30).json()["total"] == 1
+        # a plan id the service does not hold: refused before training too
+        r = autopar_run(str(tmp_path / "plan.json"), "--steps", "1", "--warmup", "0", "--server", base,
+                        "--plan-id", str(plan_id + 1000), env={**child_env(), "AUTOPAR_TOKEN": "tok"})
+        assert r.returncode == 2 and "--plan-id" in r.stderr and "not a plan stored" in r.stderr, r.stderr
+        assert "starting" not in r.stderr, r.stderr
 
 
 @pytest.mark.slow

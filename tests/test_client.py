@@ -1,0 +1,93 @@
+"""planner.client against a real `autopar serve`: uploaders learn of a wrong server or token before
+they measure, and an upload refused after the work keeps it in a file with a command that sends it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from planner.client import check_plan_stored, check_writable, post_or_keep
+from planner.errors import AutoparError
+from planner.reference import reference_profile
+
+AUTOPAR = str(Path(sys.executable).parent / "autopar")
+
+
+def _profile_bytes(name: str) -> bytes:
+    body = reference_profile("dgx-h100", 1).model_dump(mode="json")
+    body.update(name=name, kind="measured")
+    return json.dumps(body).encode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):  # noqa: ANN201
+    from conftest import LiveServer
+
+    tmp = tmp_path_factory.mktemp("client")
+    with LiveServer(f"sqlite:///{tmp}/c.db", AUTOPAR_TOKENS="s3cret", AUTOPAR_LOAD_REFERENCE="0") as live:
+        yield live
+
+
+def test_the_server_and_token_are_checked_before_any_work(server, tmp_path: Path) -> None:  # noqa: ANN001
+    from conftest import free_port
+
+    assert check_writable(server.url, "s3cret") == "token accepted"
+    with pytest.raises(AutoparError) as missing:
+        check_writable(server.url, None)
+    assert missing.value.field == "--token" and "needs a bearer token" in str(missing.value)
+    with pytest.raises(AutoparError) as wrong:
+        check_writable(server.url + "/", "nope")
+    assert wrong.value.field == "--token" and "not accepted" in str(wrong.value) and "nope" not in str(wrong.value)
+    with pytest.raises(AutoparError) as gone:
+        check_writable(f"http://127.0.0.1:{free_port()}", "s3cret")
+    assert gone.value.field == "--server" and "could not be reached" in str(gone.value)
+    with pytest.raises(AutoparError) as other:  # something answers, but not as autopar does
+        check_writable(f"{server.url}/v1/presets", "s3cret")
+    assert other.value.field == "--server" and "not as an autopar service does" in str(other.value)
+    with pytest.raises(AutoparError) as no_plan:
+        check_plan_stored(server.url, 4242)
+    assert no_plan.value.field == "--plan-id" and "is not a plan stored at" in str(no_plan.value)
+
+    # autopar profile stops on the token before it measures anything, and writes nothing
+    t0 = time.perf_counter()
+    out = tmp_path / "p.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "AUTOPAR_TOKEN")}
+    r = subprocess.run([AUTOPAR, "profile", "--quick", "--out", str(out), "--server", server.url, "--token", "nope"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--token" in r.stderr and "not accepted" in r.stderr, r.stderr
+    assert "compute" not in r.stderr and "Traceback" not in r.stderr and not out.exists()
+    assert time.perf_counter() - t0 < 60
+
+
+def test_a_refused_upload_keeps_the_body_and_says_how_to_send_it(server, tmp_path: Path) -> None:  # noqa: ANN001
+    body = _profile_bytes("kept-lab")
+    keep = tmp_path / "sub" / "kept.json"
+    with pytest.raises(AutoparError) as refused:
+        post_or_keep(server.url, "/v1/profiles", body, "nope", "profile", keep)
+    text = str(refused.value)
+    assert "refused the profile" in text and "403" in text and f"kept in {keep}" in text and "nope" not in text
+    assert keep.read_bytes() == body
+    assert httpx.get(f"{server.url}/v1/profiles").json()["total"] == 0
+    # the command in the message sends it, with the token from the environment
+    command = text.split("send it once the service takes it: ", 1)[1]
+    sent = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "AUTOPAR_TOKEN": "s3cret"})
+    assert sent.returncode == 0 and json.loads(sent.stdout)["created"] is True, sent.stdout + sent.stderr
+    listed = httpx.get(f"{server.url}/v1/profiles").json()
+    assert listed["total"] == 1 and listed["items"][0]["cluster"] == "kept-lab"
+    # a file the caller already wrote is named, not written again
+    mine = tmp_path / "mine.json"
+    mine.write_bytes(b"{}")
+    with pytest.raises(AutoparError) as again:
+        post_or_keep(server.url, "/v1/profiles", body, None, "profile", mine, already_kept=True)
+    assert f"kept in {mine}" in str(again.value) and mine.read_bytes() == b"{}"
+    # accepted: the service's answer
+    assert post_or_keep(server.url, "/v1/profiles", body, "s3cret", "profile", tmp_path / "unused.json")["id"] >= 1
+    assert not (tmp_path / "unused.json").exists()
