@@ -91,3 +91,23 @@ def test_a_refused_upload_keeps_the_body_and_says_how_to_send_it(server, tmp_pat
     # accepted: the service's answer
     assert post_or_keep(server.url, "/v1/profiles", body, "s3cret", "profile", tmp_path / "unused.json")["id"] >= 1
     assert not (tmp_path / "unused.json").exists()
+
+
+def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`autopar profile --server` without --out, the service gone by the end: the profile stays in the
+    working directory, byte for byte what would have been sent."""
+    from conftest import free_port
+    from profiler.cli import publish
+
+    monkeypatch.chdir(tmp_path)
+    text = _profile_bytes("late-lab").decode()
+    with pytest.raises(AutoparError) as gone:
+        publish(text, None, f"http://127.0.0.1:{free_port()}", "tok")
+    (kept,) = tmp_path.glob("autopar-profile-*.json")
+    assert kept.read_text() == text and f"kept in {kept}" in str(gone.value) and "could not be reached" in str(gone.value)
+    # with --out the profile is there already, and is the file named
+    out = tmp_path / "o" / "p.json"
+    with pytest.raises(AutoparError) as again:
+        publish(text, out, f"http://127.0.0.1:{free_port()}", None)
+    assert out.read_text() == text and f"kept in {out}" in str(again.value)
+    assert len(list(tmp_path.glob("autopar-profile-*.json"))) == 1
