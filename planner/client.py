@@ -49,7 +49,8 @@ def check_writable(server: str, token: str | None, timeout_s: float = 10.0) -> s
     except ValueError:
         writes = None
     if writes is None:
-        raise AutoparError("--server", server, "give the base URL of an `autopar serve` (e.g. http://host:8000)",
+        raise AutoparError("--server", server, "give the base URL of an `autopar serve` (e.g. http://host:8000) "
+                           "of this version or later (GET /v1/auth came with it)",
                            problem=f"answered GET /v1/auth with {r.status_code}, not as an autopar service does")
     return str(writes)
 
