@@ -88,11 +88,20 @@ class Attention(nn.Module):
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v, kv heads shared by groups of query heads."""
+    """softmax(q k^T / sqrt(d) + causal mask) v, kv heads shared by groups of query heads.
+
+    Grouped K/V go to SDPA as they are (``enable_gqa``), as ``autopar profile`` times attention
+    (``profiler.compute.kv_heads_to_run``), so the planner's attention times are this kernel's; no
+    expanded copy of K and V is kept for the backward either (the planner's activation memory counts
+    K/V at the kv heads). On a CPU the grouped flash kernel also ran 7-18% faster than on K/V expanded
+    beforehand (fwd + bwd, 8/2 to 32/8 heads, fp32 and bf16, one thread). The exception is the
+    profiler's too: fp32 on CUDA, whose one fused kernel (memory-efficient) takes no grouped K/V and
+    whose math fallback would hold the whole score matrix; there K/V are expanded."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
+    if rep > 1 and q.is_cuda and q.dtype == torch.float32:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        rep = 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 
 
 class FeedForward(nn.Module):

@@ -224,3 +224,41 @@ def test_data_is_deterministic_and_splits_by_rank(tmp_path):
         TokenFile(odd, 8, vocab_size=1000)
     with pytest.raises(AutoparError, match="data-dtype"):
         TokenFile(path, 8, vocab_size=1000, dtype="int8")
+
+
+def test_grouped_attention_is_causal_softmax_and_keeps_no_expanded_kv():
+    """attention_core against the formula (query head h reads kv head h // group), and what autograd
+    keeps for the backward: K/V at their own kv heads, as the planner's activation memory counts them
+    (expanded beforehand they were kept 4x here)."""
+    from executor.layers import attention_core
+
+    torch.manual_seed(0)
+    b, h, kv, s, d = 2, 8, 2, 24, 16
+    q = torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv, s, d, dtype=torch.float64, requires_grad=True)
+    kk, vv = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
+    scores = (q @ kk.transpose(-1, -2)) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    want = scores.softmax(-1) @ vv
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        got = attention_core(q, k, v)
+    torch.testing.assert_close(got, want)
+    kv_shaped = [t for t in saved if t.dim() == 4 and t.shape[1] in (kv, h) and t.shape[-1] == d and t.shape[2] == s]
+    assert any(t.shape[1] == kv for t in kv_shaped), [tuple(t.shape) for t in saved]
+    assert not any(t.shape == (b, h, s, d) and t.data_ptr() not in (q.data_ptr(), got.data_ptr()) for t in kv_shaped), \
+        [tuple(t.shape) for t in saved]
+    # and the gradients are the formula's
+    got.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want.sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
