@@ -39,7 +39,7 @@ from planner.contracts.cluster import (
     slow_device_limit,
 )
 from planner.errors import AutoparError
-from profiler.identity import available_memory_bytes, last_level_cache_bytes
+from profiler.identity import available_memory_bytes, reachable_cache_bytes
 from profiler.timing import HOLD_STATS, Budget, TimingResult, sync, time_fn, time_rounds
 
 log = logging.getLogger(__name__)
@@ -783,16 +783,23 @@ def check_add_buffer_bytes(kind: str, cache_bytes: int, available_bytes: int, qu
     return size, None
 
 
+def check_buffer_for(device: torch.device, quick: bool = False) -> tuple[int, str | None]:
+    """:func:`check_add_buffer_bytes` for this process on ``device``: the cache its threads can fill
+    (:func:`~profiler.identity.reachable_cache_bytes`) and the memory available now."""
+    if device.type == "cuda":
+        return check_add_buffer_bytes("cuda", 0, 0, quick)
+    return check_add_buffer_bytes("cpu", reachable_cache_bytes(), available_memory_bytes(device), quick)
+
+
 def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,
-                 memory_bytes: int, quick: bool = False) -> DeviceCheck:
-    """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`,
-    :func:`check_add_buffer_bytes`)."""
+                 memory_bytes: int, add_buffer_bytes: int | None = None) -> DeviceCheck:
+    """This rank's device at the fixed check GEMM and memory-bound add (:data:`CHECK_GEMM`; the add's
+    three buffers ``add_buffer_bytes`` each, by default a full profile's :func:`check_buffer_for`)."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     (m, n, k), precision = CHECK_GEMM[kind]
     if kind == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         precision = Precision.fp16  # before Ampere bf16 is emulated: time the 16-bit format the GPU runs
-    buffer, _ = check_add_buffer_bytes(kind, last_level_cache_bytes() if kind == "cpu" else 0,
-                                       available_memory_bytes(device) if kind == "cpu" else 0, quick)
+    buffer = add_buffer_bytes if add_buffer_bytes is not None else check_buffer_for(device)[0]
     grid = ComputeGrid(gemm=[], attention=[], elementwise_bytes=[], precisions=[precision], warmup=2, trials=5,
                        min_time_s=0.01 if kind == "cuda" else 0.02)
     with torch.no_grad():
@@ -839,6 +846,7 @@ def device_check_notes(checks: list[DeviceCheck], device_type: str) -> list[str]
 __all__ = [
     "ComputeGrid",
     "check_add_buffer_bytes",
+    "check_buffer_for",
     "device_check",
     "device_check_notes",
     "default_grid",

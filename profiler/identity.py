@@ -41,12 +41,13 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """Size of this host's largest CPU cache (the last level, as the kernel reports it under
-    ``base``/index*/size, e.g. ``480M``); 0 where it cannot be read (not Linux, no sysfs)."""
+def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache", only: str | None = None) -> int:
+    """Size of one CPU's largest cache (the last level, as the kernel reports it under
+    ``base``/index*/size, e.g. ``480M``; ``only``: that index entry alone); 0 where it cannot be read
+    (not Linux, no sysfs). What a rank's threads can fill together: :func:`reachable_cache_bytes`."""
     best = 0
     try:
-        entries = os.listdir(base)
+        entries = [only] if only is not None else os.listdir(base)
     except OSError:
         return 0
     for entry in entries:
@@ -62,6 +63,42 @@ def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> 
         if digits.isdigit():
             best = max(best, int(digits) * scale)
     return best
+
+
+def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int] | None = None) -> int:
+    """Last-level cache this process's threads can fill: the summed sizes of the distinct highest-level
+    cache instances (by ``shared_cpu_list``) over the CPUs it may run on (``os.sched_getaffinity``).
+    One CPU's view undercounts where the L3 is split: on an AMD EPYC each CCX has its own (32 MiB),
+    and a rank whose threads span 12 of them can hold 384 MiB. A VM's kernel may report the whole
+    socket's (480 MiB on a 2-vCPU Intel VM), which is what it says. 0 where sysfs cannot be read; one
+    CPU's :func:`last_level_cache_bytes` where the cache entries say no level or sharing."""
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+    instances: dict[tuple[int, str], int] = {}
+    for cpu in cpus:
+        base = os.path.join(root, f"cpu{cpu}", "cache")
+        try:
+            entries = [e for e in os.listdir(base) if e.startswith("index")]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                with open(os.path.join(base, entry, "level")) as f:
+                    level = int(f.read().strip())
+                with open(os.path.join(base, entry, "shared_cpu_list")) as f:
+                    shared = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            size = last_level_cache_bytes(base, only=entry)
+            if size:
+                instances[(level, shared)] = size
+    if not instances:
+        return last_level_cache_bytes(os.path.join(root, f"cpu{cpus[0] if cpus else 0}", "cache"))
+    top = max(level for level, _ in instances)
+    return sum(size for (level, _), size in instances.items() if level == top)
 
 
 def cpu_name() -> str:

@@ -893,7 +893,7 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     (:class:`ColdCopies`), said in the source."""
     import torch
 
-    from profiler.identity import available_memory_bytes, last_level_cache_bytes
+    from profiler.identity import available_memory_bytes, reachable_cache_bytes
     from profiler.timing import time_fn
 
     notes: list[str] = []
@@ -904,7 +904,7 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     cold: ColdCopies | None = None
     cold_text = ""
     if not is_cuda:
-        cache = last_level_cache_bytes()
+        cache = reachable_cache_bytes()
         arena = cold_arena_bytes(max(sizes), cache, available_memory_bytes(device))
         cold = ColdCopies(arena)
         covers = cache and arena >= COLD_CACHE_MULTIPLE * cache

@@ -280,16 +280,11 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             tick = report("check")
             if tick is not None:
                 tick(f"every rank's device: one GEMM, one add ({d.world} ranks)", 0, 1)
-            checks = _device_checks(dist, wait_group, d, device, hostnames, quick=opts.quick)
+            checks, check_note = _device_checks(dist, wait_group, d, device, hostnames, quick=opts.quick)
             if tick is not None:
                 tick("devices checked", 1, 1)
-            if c.device_type != "cuda":  # what rank 0's check streamed (the others', on like hosts, the same)
-                from profiler.compute import check_add_buffer_bytes
-
-                _, check_note = check_add_buffer_bytes(c.device_type, identity.last_level_cache_bytes(),
-                                                       identity.available_memory_bytes(device), opts.quick)
-                if check_note:
-                    c.notes.append(check_note)
+            if check_note:  # what this rank's check streamed: rank 0's goes in the profile
+                c.notes.append(check_note)
             phase = "compute (rank 0 measures, the others wait)"
             compute = None
             host_links, host_notes = [], []
@@ -355,19 +350,21 @@ def check_turns(hostnames: list[str], rank: int) -> tuple[int, int]:
     return max(hostnames.count(h) for h in hostnames), hostnames[:rank].count(hostnames[rank])
 
 
-def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = False) -> list:  # noqa: ANN001
+def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = False) -> tuple[list, str | None]:  # noqa: ANN001
     """Every rank's :func:`~profiler.compute.device_check`, gathered on every rank (over the gloo
     ``group``). GPUs check side by side, each its own; CPU ranks of one host (by the gathered host
     names, whatever the launcher says of local ranks: two torchrun agents may share a machine) one
     at a time, since they would time each other on shared cores; hosts side by side. A rank whose
-    check fails does not leave the others waiting: every rank raises, naming it and why."""
+    check fails does not leave the others waiting: every rank raises, naming it and why. Returns the
+    checks and what this rank's add buffers leave to say (:func:`~profiler.compute.check_buffer_for`)."""
     import torch
 
-    from profiler.compute import device_check
+    from profiler.compute import check_buffer_for, device_check
 
     host = hostnames[d.rank]
     turns, my_turn = check_turns(hostnames, d.rank) if device.type != "cuda" else (1, 0)
     mine: object = None
+    buffer, note = check_buffer_for(device, quick)
     for turn in range(turns):
         if turn == my_turn:
             try:
@@ -376,7 +373,7 @@ def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = F
                     name, memory = props.name, int(props.total_memory)
                 else:
                     name, memory = f"CPU: {identity.cpu_name()}", max(identity.host_memory_bytes(), 1)
-                mine = device_check(device, d.rank, host, d.local_rank, name, memory, quick=quick)
+                mine = device_check(device, d.rank, host, d.local_rank, name, memory, add_buffer_bytes=buffer)
             except Exception as exc:  # noqa: BLE001 - reported by every rank below
                 mine = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if turns > 1:
@@ -387,7 +384,7 @@ def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = F
     if failed:
         raise RuntimeError("the device check failed on " + "; ".join(
             f"rank {r} ({hostnames[r]}): {why}" for r, why in failed[:8]) + ("; ..." if len(failed) > 8 else ""))
-    return sorted(gathered, key=lambda c: c.rank)
+    return sorted(gathered, key=lambda c: c.rank), note
 
 
 def _wait_for_rank0(dist, group, timeout_s: float) -> None:  # noqa: ANN001

@@ -309,8 +309,21 @@ def test_device_checks_take_turns_by_host_and_a_failure_names_the_rank(monkeypat
             out[0] = obj
 
     d = Dist(0, 1, 0, 1, False)
-    (ok,) = _device_checks(OneRank(), None, d, CPU, ["here"])
+    (ok,), _ = _device_checks(OneRank(), None, d, CPU, ["here"], quick=True)
     assert ok.rank == 0 and ok.host == "here" and ok.gemm_tflops > 0 and OneRank.barriers == 0
+    # the quick check's buffers, and what they leave to say, come from one sizing
+    seen: list[int | None] = []
+    real_check = profiler.compute.device_check
+
+    def spy(*args, add_buffer_bytes=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        seen.append(add_buffer_bytes)
+        return real_check(*args, add_buffer_bytes=add_buffer_bytes, **kwargs)
+
+    monkeypatch.setattr(profiler.compute, "reachable_cache_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(profiler.compute, "device_check", spy)
+    _, note = _device_checks(OneRank(), None, d, CPU, ["here"], quick=True)
+    assert seen == [64 << 20] and note.startswith("QUICK CHECK: each rank's memory check adds 64 MiB buffers, "
+                                                  "below the 480 MiB last-level cache")
 
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003
         raise RuntimeError("CUDA error: out of memory\nmore")

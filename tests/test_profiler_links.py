@@ -9,7 +9,7 @@ import pytest
 from planner.contracts import ClusterProfile, Collective, LinkLevel
 from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
-from profiler.identity import last_level_cache_bytes
+from profiler.identity import last_level_cache_bytes, reachable_cache_bytes
 from profiler.links import (
     MIB,
     ColdCopies, busbw_from_slope, cold_arena_bytes, fit_alpha_beta, fit_link, fit_link_segments, fit_segments,
@@ -415,13 +415,38 @@ def test_last_level_cache_read_from_sysfs(tmp_path):
     assert last_level_cache_bytes(str(tmp_path / "missing")) == 0
 
 
+def test_the_cache_a_rank_can_fill_sums_the_l3_instances_of_its_cpus(tmp_path):
+    """An EPYC-like host: each pair of CPUs shares a 32 MiB L3 (one CCX), each CPU has its own 1 MiB
+    L2. A process on all four CPUs can fill 64 MiB; one on CPUs 0-1 32 MiB; cpu0's view alone says 32."""
+    for cpu in range(4):
+        for index, level, size, shared in (("index2", 2, "1024K", str(cpu)),
+                                           ("index3", 3, "32768K", "0-1" if cpu < 2 else "2-3")):
+            d = tmp_path / f"cpu{cpu}" / "cache" / index
+            d.mkdir(parents=True)
+            (d / "level").write_text(f"{level}\n")
+            (d / "size").write_text(size + "\n")
+            (d / "shared_cpu_list").write_text(shared + "\n")
+    MiB = 1 << 20
+    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3]) == 64 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [0, 1]) == 32 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [1, 3]) == 64 * MiB
+    assert last_level_cache_bytes(str(tmp_path / "cpu0" / "cache")) == 32 * MiB
+    # entries without level / sharing: one CPU's largest cache, as before
+    for cpu in range(4):
+        for index in ("index2", "index3"):
+            (tmp_path / f"cpu{cpu}" / "cache" / index / "level").unlink()
+    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3]) == 32 * MiB
+    assert reachable_cache_bytes(str(tmp_path / "nothing"), [0]) == 0
+    assert reachable_cache_bytes() > 0  # this machine's sysfs
+
+
 def test_cpu_host_copies_stream_arenas_sized_by_the_cache(monkeypatch):
     import torch
 
     import profiler.identity
 
     # a 1 MiB cache: 4 MiB arenas (4 copies of the largest size), not 2x a server's L3 in a unit test
-    monkeypatch.setattr(profiler.identity, "last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(profiler.identity, "reachable_cache_bytes", lambda: 1 << 20)
     links, notes = measure_host_device(torch.device("cpu"), [4096, 65536, 1 << 20], trials=1)
     assert {link.collective for link in links} == {Collective.host_to_device, Collective.device_to_host}
     for link in links:
