@@ -13,6 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from planner.contracts import ModelSpec
+from planner.cost.compute import sdpa_takes_grouped_kv
 
 ROPE_THETA = 10_000.0
 NORM_EPS = 1e-5
@@ -90,18 +91,31 @@ class Attention(nn.Module):
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v, kv heads shared by groups of query heads.
 
-    Grouped K/V go to SDPA as they are (``enable_gqa``), as ``autopar profile`` times attention
-    (``profiler.compute.kv_heads_to_run``), so the planner's attention times are this kernel's; no
-    expanded copy of K and V is kept for the backward either (the planner's activation memory counts
-    K/V at the kv heads). On a CPU the grouped flash kernel also ran 7-18% faster than on K/V expanded
-    beforehand (fwd + bwd, 8/2 to 32/8 heads, fp32 and bf16, one thread). The exception is the
-    profiler's too: fp32 on CUDA, whose one fused kernel (memory-efficient) takes no grouped K/V and
-    whose math fallback would hold the whole score matrix; there K/V are expanded."""
+    Grouped K/V go to SDPA as they are (``enable_gqa``) wherever it has a fused kernel for them, and are
+    expanded to the query heads elsewhere (fp32 on CUDA, before Ampere, head dims over 256), by the rule
+    ``autopar profile`` times attention by (:func:`planner.cost.compute.sdpa_takes_grouped_kv`), so the
+    planner's attention times are this kernel's. Grouped, no expanded copy of K and V is kept for the
+    backward (the planner's activation memory counts K/V at the kv heads), and on a CPU the grouped
+    flash kernel ran 7-18% faster than on K/V expanded beforehand (fwd + bwd, 8/2 to 32/8 heads, fp32
+    and bf16, one thread). Under autocast the rule reads the dtype SDPA runs in (autocast's), not the
+    inputs' (RoPE's fp32 tables turn q and k to fp32 before it). Context-parallel attention
+    (:mod:`executor.cp`) expands after its gather: SDPA's masked kernels take no grouped K/V."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1 and q.is_cuda and q.dtype == torch.float32:
+    if rep > 1 and not sdpa_takes_grouped_kv(q.device.type, _runs_sixteen_bit(q), _sm_major(q), q.shape[-1]):
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         rep = 1
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+
+
+def _runs_sixteen_bit(q: torch.Tensor) -> bool:
+    """Whether SDPA on ``q`` runs in a 16-bit format: autocast's dtype where autocast is on, else q's."""
+    kind = q.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def _sm_major(q: torch.Tensor) -> int:
+    return torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 0
 
 
 class FeedForward(nn.Module):

@@ -38,6 +38,7 @@ from planner.contracts.cluster import (
     slow_checks,
     slow_device_limit,
 )
+from planner.cost.compute import sdpa_takes_grouped_kv
 from planner.errors import AutoparError
 from profiler.identity import available_memory_bytes, reachable_cache_bytes
 from profiler.timing import HOLD_STATS, Budget, TimingResult, sync, time_fn, time_rounds
@@ -450,24 +451,27 @@ def _attention_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision is Precision.fp8 else DTYPES[precision]
 
 
-def kv_heads_to_run(heads: int, kv_heads: int, dtype: torch.dtype, device_type: str) -> tuple[int, bool]:
-    """(K/V heads to allocate, ``enable_gqa``) for SDPA with ``kv_heads`` K/V heads.
-
-    On CUDA the only fused kernel for fp32 is the memory-efficient one (flash and cuDNN take 16-bit
-    only), and it does not take grouped K/V: with ``enable_gqa`` SDPA would fall back to the math
-    kernel, which holds the whole score matrix (32 GiB for 32 heads at 16k tokens, and the graph keeps
-    its softmax). So fp32 GQA on CUDA runs on K/V expanded to the query heads, as a model without a
-    grouped kernel does (repeat_kv): the same FLOPs, on the kernel such a model gets."""
-    if kv_heads != heads and device_type == "cuda" and dtype == torch.float32:
+def kv_heads_to_run(heads: int, kv_heads: int, dtype: torch.dtype, device_type: str, head_dim: int = 128,
+                    sm_major: int = 9) -> tuple[int, bool]:
+    """(K/V heads to allocate, ``enable_gqa``) for SDPA with ``kv_heads`` K/V heads: grouped where SDPA
+    has a fused kernel for them, else expanded to the query heads
+    (:func:`planner.cost.compute.sdpa_takes_grouped_kv`, the executor's rule too): the same FLOPs, on
+    the kernel such a model gets. ``sm_major``: the CUDA device's compute capability (ignored on CPU)."""
+    sixteen = dtype in (torch.float16, torch.bfloat16)
+    if kv_heads != heads and not sdpa_takes_grouped_kv(device_type, sixteen, sm_major, head_dim):
         return heads, False
     return kv_heads, kv_heads != heads
+
+
+def _sm_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
 
 
 def _attention_fns(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, precision: Precision,
                    device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
     """(causal SDPA forward without autograd, its backward alone: autograd.grad on a retained graph)."""
     dtype = _attention_dtype(precision)
-    kv_run, gqa = kv_heads_to_run(heads, kv_heads, dtype, device.type)
+    kv_run, gqa = kv_heads_to_run(heads, kv_heads, dtype, device.type, head_dim, _sm_major(device))
     q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, kv_run, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(batch, kv_run, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -505,13 +509,15 @@ def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precisio
         (b, s, h, kv, d), p = jobs[i]
         return list(_attention_fns(b, s, h, kv, d, p, device))
 
-    expanded = sorted({(h, kv) for (_, _, h, kv, _), p in jobs
-                       if kv_heads_to_run(h, kv, _attention_dtype(p), device.type)[0] != kv})
+    sm = _sm_major(device) if jobs else 0
+    expanded = sorted({(p.value, h, kv, d) for (_, _, h, kv, d), p in jobs
+                       if kv_heads_to_run(h, kv, _attention_dtype(p), device.type, d, sm)[0] != kv})
     if expanded:
-        layouts = ", ".join(f"{h}/{kv} heads" for h, kv in expanded)
-        grid.notes.append(f"attention fp32 with grouped K/V on CUDA ({layouts}): timed with K/V expanded to the "
-                          "query heads on the memory-efficient kernel, which takes no grouped K/V (SDPA's math "
-                          "fallback would hold the whole score matrix)")
+        layouts = ", ".join(f"{p} {h}/{kv} heads of {d}" for p, h, kv, d in expanded)
+        grid.notes.append(f"attention with grouped K/V where CUDA's flash kernel cannot run ({layouts}; it takes "
+                          "16-bit formats from Ampere, head dims to 256): timed with K/V expanded to the query heads, "
+                          "on a fused kernel that takes no grouped K/V (SDPA's math fallback would hold the whole "
+                          "score matrix), as the executor runs them")
 
     sizes = [8 * b * s * max(h, kv) * d * _attention_dtype(p).itemsize for (b, s, h, kv, d), p in jobs]
     timed = _timed_in_rounds(sizes, make, device, grid, on_progress, budget)

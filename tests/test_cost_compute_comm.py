@@ -549,3 +549,13 @@ class TestHostAndOverlap:
         assert hidden_time_s(0.2, 1.0, 0.85) == pytest.approx(0.17)  # 0.85 * min(0.2, 1.0)
         assert hidden_time_s(1.0, -3.0, 0.85) == 0.0  # no window
         assert hidden_time_s(1.0, 5.0, 0.0) == 0.0  # overlap off
+
+
+def test_sdpa_takes_grouped_kv_on_cpus_and_on_cuda_flash_only():
+    from planner.cost.compute import sdpa_takes_grouped_kv
+
+    assert sdpa_takes_grouped_kv("cpu", False, 0, 512)  # a CPU's flash kernel takes any dtype and head dim
+    assert sdpa_takes_grouped_kv("cuda", True, 9, 128) and sdpa_takes_grouped_kv("cuda", True, 8, 256)
+    assert not sdpa_takes_grouped_kv("cuda", False, 9, 128)  # fp32: memory-efficient only
+    assert not sdpa_takes_grouped_kv("cuda", True, 7, 128)  # before Ampere: no flash
+    assert not sdpa_takes_grouped_kv("cuda", True, 9, 512)  # past flash's head dims

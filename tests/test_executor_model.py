@@ -262,3 +262,17 @@ def test_grouped_attention_is_causal_softmax_and_keeps_no_expanded_kv():
     want.sum().backward()
     for g, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(g, t.grad)
+
+
+def test_attention_reads_the_dtype_autocast_runs_sdpa_in():
+    """bf16 plans train under autocast, where RoPE's fp32 tables turn q and k to fp32 before SDPA: the
+    grouped-kernel rule must read autocast's dtype (bf16, which CUDA's flash kernel takes), not q's."""
+    from executor.layers import _runs_sixteen_bit, attention_core
+
+    q = torch.randn(1, 4, 8, 16)
+    assert not _runs_sixteen_bit(q) and _runs_sixteen_bit(q.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _runs_sixteen_bit(q)
+        k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).bfloat16()
+        out = attention_core(q, k, v)
+    assert out.shape == (1, 4, 8, 16) and out.dtype == torch.bfloat16

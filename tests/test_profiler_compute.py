@@ -390,6 +390,11 @@ def test_fp32_grouped_attention_on_cuda_runs_on_expanded_kv():
     assert kv_heads_to_run(32, 8, torch.bfloat16, "cuda") == (8, True)
     assert kv_heads_to_run(32, 8, torch.float32, "cpu") == (8, True)
     assert kv_heads_to_run(8, 8, torch.float32, "cuda") == (8, False)
+    # flash is the one grouped kernel on CUDA: not before Ampere, nor past head_dim 256
+    assert kv_heads_to_run(32, 8, torch.float16, "cuda", head_dim=128, sm_major=7) == (32, False)
+    assert kv_heads_to_run(32, 8, torch.bfloat16, "cuda", head_dim=512, sm_major=9) == (32, False)
+    assert kv_heads_to_run(32, 8, torch.bfloat16, "cuda", head_dim=256, sm_major=8) == (8, True)
+    assert kv_heads_to_run(32, 8, torch.bfloat16, "cpu", head_dim=512, sm_major=0) == (8, True)
 
 
 def test_grouped_attention_on_cpu_keeps_grouped_kv_and_adds_no_note():

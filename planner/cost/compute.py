@@ -255,6 +255,22 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+FLASH_MAX_HEAD_DIM = 256  # torch's CUDA flash kernel: head dims up to 256
+
+
+def sdpa_takes_grouped_kv(device_type: str, sixteen_bit: bool, sm_major: int, head_dim: int) -> bool:
+    """Whether torch's SDPA runs grouped K/V (``enable_gqa``) on a fused kernel: on a CPU always (its
+    flash kernel takes any dtype); on CUDA only the flash kernel does, which runs 16-bit formats, from
+    Ampere (sm80), head dims up to 256 (memory-efficient and cuDNN take no grouped K/V). Anywhere else
+    SDPA would fall back to its math kernel, which holds the whole score matrix (32 GiB for 32 heads at
+    16k tokens), so ``autopar profile`` times and ``autopar run`` runs K/V expanded to the query heads
+    there, as a model without a grouped kernel does: one rule for both, so the table prices the kernel
+    the executor gets."""
+    if device_type != "cuda":
+        return True
+    return sixteen_bit and sm_major >= 8 and head_dim <= FLASH_MAX_HEAD_DIM
+
+
 def causal_work_fraction(seq_length: int, block: int = 128) -> float:
     """Share of the s×s score matrix a causal flash kernel computes: ``(s + block) / 2s`` (≤ 1)."""
     return min(1.0, (seq_length + block) / (2.0 * seq_length))
