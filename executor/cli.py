@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -224,7 +225,8 @@ def run(
         err.print(f"report written to {out}")
     if server:
         try:
-            stored = upload(report, server, token, plan_id, report_path.parent / f"run-of-plan-{plan_id}.json")
+            stored = upload(report, server, token, plan_id,
+                            report_path.parent / f"run-of-plan-{plan_id}-{time.strftime('%Y%m%d-%H%M%S')}.json")
         except AutoparError as exc:
             err.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(2) from None

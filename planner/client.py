@@ -20,7 +20,30 @@ TIMEOUT_S = 60.0
 
 
 def _headers(token: str | None) -> dict[str, str]:
+    if token and not all("!" <= ch <= "~" for ch in token):  # an HTTP header takes printable ASCII only
+        raise AutoparError("--token", "***", "give the token alone, in printable ASCII (a copied token often "
+                           "brings a trailing newline or space)", problem="holds whitespace or non-ASCII characters")
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+
+
+def unused_path(path: Path) -> Path:
+    """``path``, or ``name-2.json``, ``name-3.json``... if it is taken: a kept body never overwrites a file."""
+    n = 2
+    candidate = path
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+def _check_answer(server: str, r, asked: str) -> None:  # noqa: ANN001 - an httpx.Response
+    """Stop on a redirect or a server error, each with what to do about it."""
+    if 300 <= r.status_code < 400:
+        raise AutoparError("--server", server, f"give the URL it redirects to ({r.headers.get('location', '?')}) as "
+                           "--server", problem=f"redirects {asked} ({r.status_code})")
+    if r.status_code >= 500:
+        raise AutoparError("--server", server, "check that the service is up (GET /readyz) and read its log",
+                           problem=f"failed {asked} with {r.status_code} ({r.text[:200].strip() or 'no body'})")
 
 
 def _unreachable(server: str, exc: Exception) -> AutoparError:
@@ -34,10 +57,12 @@ def check_writable(server: str, token: str | None, timeout_s: float = 10.0) -> s
     import httpx
 
     url = f"{server.rstrip('/')}/v1/auth"
+    headers = _headers(token)
     try:
-        r = httpx.get(url, headers=_headers(token), timeout=timeout_s)
+        r = httpx.get(url, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise _unreachable(server, exc) from None
+    _check_answer(server, r, "GET /v1/auth")
     if r.status_code == 401:
         raise AutoparError("--token", None, "pass --token (or set AUTOPAR_TOKEN) to one of the server's AUTOPAR_TOKENS",
                            problem=f"is missing: {server} needs a bearer token for uploads")
@@ -45,9 +70,10 @@ def check_writable(server: str, token: str | None, timeout_s: float = 10.0) -> s
         raise AutoparError("--token", "***", "pass one of the server's AUTOPAR_TOKENS",
                            problem=f"is not accepted by {server}")
     try:
-        writes = r.json().get("writes") if r.status_code == 200 else None
+        answer = r.json() if r.status_code == 200 else None
     except ValueError:
-        writes = None
+        answer = None
+    writes = answer.get("writes") if isinstance(answer, dict) else None
     if writes is None:
         raise AutoparError("--server", server, "give the base URL of an `autopar serve` (e.g. http://host:8000) "
                            "of this version or later (GET /v1/auth came with it)",
@@ -82,14 +108,23 @@ def post_json(server: str, path: str, body: bytes, token: str | None, what: str)
     if r.status_code not in (200, 201):
         raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}"
                            + ("; pass --token" if r.status_code in (401, 403) else ""), problem=f"refused the {what}")
-    return r.json()
+    try:
+        answer = r.json()
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise AutoparError("--server", server, "give the base URL of an `autopar serve`; check whether the service "
+                           f"stored it (GET {server.rstrip('/')}{path})",
+                           problem=f"answered the {what} with {r.status_code} but not with autopar's JSON ({r.text[:120]!r})")
+    return answer
 
 
 def curl_command(server: str, path: str, file: Path, token: str | None) -> str:
-    """The shell command that sends ``file`` as ``post_json`` would (the token as $AUTOPAR_TOKEN, not its value)."""
+    """The shell command that sends ``file`` as ``post_json`` would: the token as ``$AUTOPAR_TOKEN``
+    (never its value in a message), exit status non-zero when the service refuses it."""
     auth = " -H \"Authorization: Bearer $AUTOPAR_TOKEN\"" if token else ""
-    return (f"curl -sS -X POST {shlex.quote(server.rstrip('/') + path)} -H 'Content-Type: application/json'{auth} "
-            f"--data-binary @{shlex.quote(str(file))}")
+    return (f"curl -sS --fail-with-body -X POST {shlex.quote(server.rstrip('/') + path)} "
+            f"-H 'Content-Type: application/json'{auth} --data-binary @{shlex.quote(str(file))}")
 
 
 def post_or_keep(server: str, path: str, body: bytes, token: str | None, what: str, keep: Path,
@@ -99,16 +134,17 @@ def post_or_keep(server: str, path: str, body: bytes, token: str | None, what: s
     try:
         return post_json(server, path, body, token, what)
     except AutoparError as exc:
-        kept = keep
+        kept = keep if already_kept else unused_path(keep)
         if not already_kept:
             try:
-                keep.parent.mkdir(parents=True, exist_ok=True)
-                keep.write_bytes(body)
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_bytes(body)
             except OSError as io:
-                raise AutoparError(exc.field, exc.value, f"{exc.fix}; and the {what} could not be kept in {keep} "
+                raise AutoparError(exc.field, exc.value, f"{exc.fix}; and the {what} could not be kept in {kept} "
                                    f"({io.strerror}): it is lost", problem=exc.problem) from None
+        with_token = ", with AUTOPAR_TOKEN set to the token" if token else ""
         raise AutoparError(exc.field, exc.value, f"{exc.fix}. Nothing is lost: the {what} is kept in {kept}; send it "
-                           f"once the service takes it: {curl_command(server, path, kept, token)}",
+                           f"once the service takes it{with_token}: {curl_command(server, path, kept, token)}",
                            problem=exc.problem) from None
 
 

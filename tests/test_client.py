@@ -76,7 +76,7 @@ def test_a_refused_upload_keeps_the_body_and_says_how_to_send_it(server, tmp_pat
     assert keep.read_bytes() == body
     assert httpx.get(f"{server.url}/v1/profiles").json()["total"] == 0
     # the command in the message sends it, with the token from the environment
-    command = text.split("send it once the service takes it: ", 1)[1]
+    command = text.split("with AUTOPAR_TOKEN set to the token: ", 1)[1]
     sent = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "AUTOPAR_TOKEN": "s3cret"})
     assert sent.returncode == 0 and json.loads(sent.stdout)["created"] is True, sent.stdout + sent.stderr
@@ -97,6 +97,7 @@ def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Pat
     """`autopar profile --server` without --out, the service gone by the end: the profile stays in the
     working directory, byte for byte what would have been sent."""
     from conftest import free_port
+
     from profiler.cli import publish
 
     monkeypatch.chdir(tmp_path)
@@ -111,3 +112,78 @@ def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Pat
         publish(text, out, f"http://127.0.0.1:{free_port()}", None)
     assert out.read_text() == text and f"kept in {out}" in str(again.value)
     assert len(list(tmp_path.glob("autopar-profile-*.json"))) == 1
+
+
+
+class _Canned:
+    """A real HTTP server on loopback answering every request with one canned status, body and headers
+    (what a proxy, an old server or another program might say)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        canned = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(canned.status)
+                for k, v in canned.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(canned.body)))
+                self.end_headers()
+                self.wfile.write(canned.body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:  # noqa: ANN002
+                pass
+
+        self.status, self.body, self.headers = 200, b"", {}
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def says(self, status: int, body: bytes = b"", **headers: str) -> _Canned:
+        self.status, self.body, self.headers = status, body, headers
+        return self
+
+
+@pytest.fixture()
+def canned():  # noqa: ANN201
+    c = _Canned()
+    yield c
+    c.httpd.shutdown()
+
+
+def test_odd_answers_and_tokens_get_clear_errors_and_keep_the_body(canned, tmp_path: Path) -> None:  # noqa: ANN001
+    def error(fn, *args) -> AutoparError:  # noqa: ANN001, ANN002
+        with pytest.raises(AutoparError) as caught:
+            fn(*args)
+        return caught.value
+
+    e = error(check_writable, canned.says(502, b"Bad Gateway").url, "tok")
+    assert e.field == "--server" and "failed GET /v1/auth with 502 (Bad Gateway)" in str(e) and "/readyz" in str(e)
+    e = error(check_writable, canned.says(308, location="https://svc.example/").url, "tok")
+    assert e.field == "--server" and "redirects GET /v1/auth (308)" in str(e) and "https://svc.example/" in str(e)
+    for body in (b"[1, 2]", b'"ok"', b"<html>hello</html>", b"{}"):
+        e = error(check_writable, canned.says(200, body).url, None)
+        assert e.field == "--server" and "not as an autopar service does" in str(e), body
+    # a token with a line break or outside ASCII: named as the token's fault, its value never shown
+    for token in ("secret\n", "s3cr\u00e9t", "two words"):
+        e = error(check_writable, canned.says(200, b'{"writes": "open"}').url, token)
+        assert e.field == "--token" and "printable ASCII" in str(e) and token.strip() not in str(e), token
+    # an upload answered 201 without JSON (a proxy's page, say) is not taken as stored: the body is kept
+    body = _profile_bytes("odd-lab")
+    keep = tmp_path / "kept.json"
+    e = error(post_or_keep, canned.says(201, b"<html>ok</html>").url, "/v1/profiles", body, None, "profile", keep)
+    assert "not with autopar's JSON" in str(e) and f"kept in {keep}" in str(e) and keep.read_bytes() == body
+    # a second failure never overwrites the first kept body, nor any other file
+    e = error(post_or_keep, canned.says(503).url, "/v1/profiles", b"{}", None, "profile", keep)
+    second = tmp_path / "kept-2.json"
+    assert f"kept in {second}" in str(e) and second.read_bytes() == b"{}" and keep.read_bytes() == body
+    assert "refused the profile" in str(e) and "--fail-with-body" in str(e) and "AUTOPAR_TOKEN" not in str(e)
+    # the token's own fault after the work: still kept
+    e = error(post_or_keep, canned.url, "/v1/profiles", body, "bad\ttoken", "profile", tmp_path / "t.json")
+    assert e.field == "--token" and (tmp_path / "t.json").read_bytes() == body
