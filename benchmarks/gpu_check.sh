@@ -8,6 +8,7 @@
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
 #             executor, predicted against measured step time, MFU and peak memory
 #   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
+#   attention benchmarks/attention_kernels.py: SDPA on grouped vs expanded K/V (time, kernels, memory)
 #   full      the full (not quick) profile -> gpu-full.json, in whatever time is left, in the training
 #             precisions (FULL_PRECISIONS, default bf16,fp8: fp32's large GEMMs alone take about a minute)
 # SKIP="accuracy ..." leaves steps out (a rerun of what failed). Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 450) and the next step
@@ -84,6 +85,9 @@ else
 fi
 TAIL=45 step accuracy 170 $PY benchmarks/profile_accuracy.py --quick --skip-links --precisions bf16,fp32
 [ ! -e "$OUT/accuracy.log" ] || grep -q "^summary" "$OUT/accuracy.log" || ok=0
+# grouped K/V (enable_gqa) against expanded, the kernels that take each, time and peak memory: the
+# executor's attention follows planner.cost.compute.sdpa_takes_grouped_kv, not yet held against a GPU
+TAIL=12 step attention 60 $PY benchmarks/attention_kernels.py --reps 5
 # the full profile only where everything before it ran: else the machine's time is better left for a rerun
 if [ "$ok" = 1 ]; then
   step full 400 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler \

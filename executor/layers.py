@@ -96,8 +96,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     ``autopar profile`` times attention by (:func:`planner.cost.compute.sdpa_takes_grouped_kv`), so the
     planner's attention times are this kernel's. Grouped, no expanded copy of K and V is kept for the
     backward (the planner's activation memory counts K/V at the kv heads), and on a CPU the grouped
-    flash kernel ran 7-18% faster than on K/V expanded beforehand (fwd + bwd, 8/2 to 32/8 heads, fp32
-    and bf16, one thread). Under autocast the rule reads the dtype SDPA runs in (autocast's), not the
+    flash kernel ran 8-22% faster than on K/V expanded beforehand (fwd + bwd, 8/2 to 32/8 heads, fp32
+    and bf16, one thread: ``benchmarks/attention_kernels.py``, which on a GPU also says which kernels
+    take each). Under autocast the rule reads the dtype SDPA runs in (autocast's), not the
     inputs' (RoPE's fp32 tables turn q and k to fp32 before it). Context-parallel attention
     (:mod:`executor.cp`) expands after its gather: SDPA's masked kernels take no grouped K/V."""
     rep = q.shape[1] // k.shape[1]

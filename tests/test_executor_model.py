@@ -276,3 +276,16 @@ def test_attention_reads_the_dtype_autocast_runs_sdpa_in():
         k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).bfloat16()
         out = attention_core(q, k, v)
     assert out.shape == (1, 4, 8, 16) and out.dtype == torch.bfloat16
+
+
+def test_the_attention_kernels_benchmark_prints_both_ways():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_kernels.py"), "--reps", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("bfloat16", "float32"))]
+    assert len(rows) == 6 and all(row[7] == "grouped" and float(row[4]) > 0 and float(row[5]) > 0 for row in rows)
