@@ -112,7 +112,6 @@ def main() -> None:
             mem = f"   {peaks[0]:.2f}/{peaks[1]:.2f}" if peaks else ""
             print(f"{str(dtype).split('.')[1]:<9}{f'{h}/{kv}':>8}{s:>6}{d:>5}{results[0]:>12.2f}{results[1]:>13.2f}"
                   f"{results[1] / results[0]:>9.2f}{rule:>10}   {kernels or '-'}{mem}")
-            del q, k, v
 
 
 if __name__ == "__main__":
