@@ -106,6 +106,9 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     d = d or dist_env()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     notes: list[str] = []
+    if opts.name is not None and not opts.name.strip():
+        raise AutoparError("--name", opts.name, "give the cluster a name, or leave --name out for one made from the "
+                           "device and shape", problem="is empty")
     if device_type == "cuda" and d.local_world > torch.cuda.device_count():
         raise AutoparError("--nproc-per-node", d.local_world,
                            f"start at most {torch.cuda.device_count()} ranks per node (one per GPU)",
@@ -169,7 +172,7 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
                      "re-measured); "
                      "a full profile goes to 256 MiB every 2x with 7 trials; quick compute grid")
     cores = os.cpu_count() or 1
-    threads = opts.threads if opts.threads else max(1, cores // max(1, d.local_world))
+    threads = opts.threads if opts.threads is not None else max(1, cores // max(1, d.local_world))
     if threads < 1:
         raise AutoparError("--threads", threads, "give a positive thread count", problem="is not positive")
     return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)

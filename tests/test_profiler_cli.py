@@ -208,6 +208,14 @@ def test_message_sizes_take_units_and_refuse_what_is_not_a_size(tmp_path):
     assert proc.returncode == 2 and "--max-bytes=1099511627776 does not fit in memory" in proc.stderr, proc.stderr
 
 
+def test_zero_threads_and_an_empty_name_are_refused(tmp_path):
+    for args, said in ((("--threads", "0"), "--threads=0 is not positive"), (("--name", " "), "--name=' ' is empty")):
+        proc = _single("--quick", *args, "--out", str(tmp_path / "p.json"))
+        _no_measuring(proc)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_missing_output_stops(tmp_path):
     proc = _single("--quick")
     assert proc.returncode == 2 and "--out" in proc.stderr
