@@ -6,6 +6,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 
 from planner.contracts import Precision
 from planner.contracts.cluster import ComputeProfile, DeviceSpec, Environment
@@ -65,13 +66,16 @@ def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache", onl
     return best
 
 
-def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int] | None = None) -> int:
+def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int] | None = None,
+                          threads: int | None = None) -> int:
     """Last-level cache this process's threads can fill: the summed sizes of the distinct highest-level
-    cache instances (by ``shared_cpu_list``) over the CPUs it may run on (``os.sched_getaffinity``).
-    One CPU's view undercounts where the L3 is split: on an AMD EPYC each CCX has its own (32 MiB),
-    and a rank whose threads span 12 of them can hold 384 MiB. A VM's kernel may report the whole
-    socket's (480 MiB on a 2-vCPU Intel VM), which is what it says. 0 where sysfs cannot be read; one
-    CPU's :func:`last_level_cache_bytes` where the cache entries say no level or sharing."""
+    cache instances (by ``shared_cpu_list``) over the CPUs it may run on (``os.sched_getaffinity``),
+    at most one instance per thread (``threads``, default torch's intra-op threads when torch is
+    loaded, else all): a thread fills the cache of the core it runs on. One CPU's view undercounts
+    where the L3 is split: on an AMD EPYC each CCX has its own (32 MiB), and a rank whose 12 threads
+    span 12 of them can hold 384 MiB. A VM's kernel may report the whole socket's (480 MiB on a 2-vCPU
+    Intel VM), which is what it says. 0 where sysfs cannot be read; one CPU's
+    :func:`last_level_cache_bytes` where the cache entries say no level or sharing."""
     if cpus is None:
         try:
             cpus = sorted(os.sched_getaffinity(0))
@@ -98,7 +102,10 @@ def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int]
     if not instances:
         return last_level_cache_bytes(os.path.join(root, f"cpu{cpus[0] if cpus else 0}", "cache"))
     top = max(level for level, _ in instances)
-    return sum(size for (level, _), size in instances.items() if level == top)
+    if threads is None and "torch" in sys.modules:
+        threads = sys.modules["torch"].get_num_threads()
+    sizes = sorted((size for (level, _), size in instances.items() if level == top), reverse=True)
+    return sum(sizes[:threads] if threads else sizes)
 
 
 def cpu_name() -> str:

@@ -427,15 +427,16 @@ def test_the_cache_a_rank_can_fill_sums_the_l3_instances_of_its_cpus(tmp_path):
             (d / "size").write_text(size + "\n")
             (d / "shared_cpu_list").write_text(shared + "\n")
     MiB = 1 << 20
-    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3]) == 64 * MiB
-    assert reachable_cache_bytes(str(tmp_path), [0, 1]) == 32 * MiB
-    assert reachable_cache_bytes(str(tmp_path), [1, 3]) == 64 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3], threads=4) == 64 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [0, 1], threads=4) == 32 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [1, 3], threads=2) == 64 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3], threads=1) == 32 * MiB  # one thread, one CCX
     assert last_level_cache_bytes(str(tmp_path / "cpu0" / "cache")) == 32 * MiB
     # entries without level / sharing: one CPU's largest cache, as before
     for cpu in range(4):
         for index in ("index2", "index3"):
             (tmp_path / f"cpu{cpu}" / "cache" / index / "level").unlink()
-    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3]) == 32 * MiB
+    assert reachable_cache_bytes(str(tmp_path), [0, 1, 2, 3], threads=4) == 32 * MiB
     assert reachable_cache_bytes(str(tmp_path / "nothing"), [0]) == 0
     assert reachable_cache_bytes() > 0  # this machine's sysfs
 
