@@ -106,11 +106,11 @@ def render_report(report: RunReport, plan: Plan) -> None:
 def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep: Path) -> dict:
     """POST the report to ``{server}/v1/runs`` for the stored plan ``plan_id``; if that fails, the
     request body is kept in ``keep`` and the error says how to send it."""
-    from planner.client import json_bytes, post_or_keep
+    from planner.client import post_or_keep
 
     body = {"plan_id": plan_id, "report": json.loads(report.model_dump_json())}
     body["report"]["plan_id"] = str(plan_id)
-    return post_or_keep(server, "/v1/runs", json_bytes(body), token, "run", keep)
+    return post_or_keep(server, "/v1/runs", json.dumps(body).encode(), token, "run", keep)
 
 
 def run(

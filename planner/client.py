@@ -10,7 +10,6 @@ Plain HTTP (httpx), no torch: the planner's CLI and the service's own tests can 
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
@@ -146,7 +145,3 @@ def post_or_keep(server: str, path: str, body: bytes, token: str | None, what: s
         raise AutoparError(exc.field, exc.value, f"{exc.fix}. Nothing is lost: the {what} is kept in {kept}; send it "
                            f"once the service takes it{with_token}: {curl_command(server, path, kept, token)}",
                            problem=exc.problem) from None
-
-
-def json_bytes(obj: object) -> bytes:
-    return json.dumps(obj).encode()

@@ -773,20 +773,14 @@ def check_add_buffer_bytes(kind: str, cache_bytes: int, available_bytes: int, qu
     floor = CHECK_ADD_BUFFER_BYTES["cuda" if kind == "cuda" else "cpu"]
     if kind == "cuda":
         return floor, None
-    cap = max(available_bytes // 12, 1 << 20)
-    if quick:
-        size = min(floor, cap)
-        if cache_bytes > size:
-            return size, (f"QUICK CHECK: each rank's memory check adds {size >> 20} MiB buffers, below the "
-                          f"{cache_bytes >> 20} MiB last-level cache the kernel reports, so its bandwidth may be "
-                          "partly the cache's; the ranks are still compared at the same buffers (a full profile "
-                          "streams buffers of the cache's size)")
+    size = min(floor if quick else max(floor, cache_bytes), max(available_bytes // 12, 1 << 20))
+    if cache_bytes <= size:
         return size, None
-    size = min(max(floor, cache_bytes), cap)
-    if cache_bytes > size:
-        return size, (f"the memory check's add buffers ({size >> 20} MiB each) are below the {cache_bytes >> 20} "
-                      "MiB last-level cache (1/12 of the available memory at most): its bandwidth may be partly the cache's")
-    return size, None
+    why = ("a quick profile keeps them small; the ranks are still compared at the same buffers, and a full "
+           "profile streams buffers of the cache's size" if quick else "held to 1/12 of the available memory")
+    return size, (f"{'QUICK CHECK: ' if quick else ''}each rank's memory check adds {size >> 20} MiB buffers, below "
+                  f"the {cache_bytes >> 20} MiB last-level cache the kernel reports ({why}), so its bandwidth may be "
+                  "partly the cache's")
 
 
 def check_buffer_for(device: torch.device, quick: bool = False) -> tuple[int, str | None]:
@@ -794,7 +788,8 @@ def check_buffer_for(device: torch.device, quick: bool = False) -> tuple[int, st
     (:func:`~profiler.identity.reachable_cache_bytes`) and the memory available now."""
     if device.type == "cuda":
         return check_add_buffer_bytes("cuda", 0, 0, quick)
-    return check_add_buffer_bytes("cpu", reachable_cache_bytes(), available_memory_bytes(device), quick)
+    cache = reachable_cache_bytes(threads=torch.get_num_threads())
+    return check_add_buffer_bytes("cpu", cache, available_memory_bytes(device), quick)
 
 
 def device_check(device: torch.device, rank: int, host: str, local_rank: int, name: str,

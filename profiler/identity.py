@@ -6,7 +6,6 @@ import os
 import platform
 import socket
 import subprocess
-import sys
 
 from planner.contracts import Precision
 from planner.contracts.cluster import ComputeProfile, DeviceSpec, Environment
@@ -42,40 +41,42 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache", only: str | None = None) -> int:
-    """Size of one CPU's largest cache (the last level, as the kernel reports it under
-    ``base``/index*/size, e.g. ``480M``; ``only``: that index entry alone); 0 where it cannot be read
-    (not Linux, no sysfs). What a rank's threads can fill together: :func:`reachable_cache_bytes`."""
-    best = 0
+def _cache_size(entry: str) -> int:
+    """Bytes of one sysfs cache entry (``entry``/size, e.g. ``480M``); 0 where it cannot be read."""
     try:
-        entries = [only] if only is not None else os.listdir(base)
+        with open(os.path.join(entry, "size")) as f:
+            text = f.read().strip().upper()
     except OSError:
         return 0
-    for entry in entries:
-        if not entry.startswith("index"):
-            continue
-        try:
-            with open(os.path.join(base, entry, "size")) as f:
-                text = f.read().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
-        digits = text[:-1] if text[-1:] in "KMG" else text
-        if digits.isdigit():
-            best = max(best, int(digits) * scale)
-    return best
+    scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in "KMG" else text
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+def _index_entries(base: str) -> list[str]:
+    try:
+        return [os.path.join(base, e) for e in os.listdir(base) if e.startswith("index")]
+    except OSError:
+        return []
+
+
+def last_level_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size of one CPU's largest cache (the last level, as the kernel reports it under
+    ``base``/index*/size, e.g. ``480M``); 0 where it cannot be read (not Linux, no sysfs). What a
+    rank's threads can fill together: :func:`reachable_cache_bytes`."""
+    return max((_cache_size(e) for e in _index_entries(base)), default=0)
 
 
 def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int] | None = None,
                           threads: int | None = None) -> int:
     """Last-level cache this process's threads can fill: the summed sizes of the distinct highest-level
     cache instances (by ``shared_cpu_list``) over the CPUs it may run on (``os.sched_getaffinity``),
-    at most one instance per thread (``threads``, default torch's intra-op threads when torch is
-    loaded, else all): a thread fills the cache of the core it runs on. One CPU's view undercounts
-    where the L3 is split: on an AMD EPYC each CCX has its own (32 MiB), and a rank whose 12 threads
-    span 12 of them can hold 384 MiB. A VM's kernel may report the whole socket's (480 MiB on a 2-vCPU
-    Intel VM), which is what it says. 0 where sysfs cannot be read; one CPU's
-    :func:`last_level_cache_bytes` where the cache entries say no level or sharing."""
+    at most one instance per thread (``threads``; None: no bound), since a thread fills the cache of
+    the core it runs on. One CPU's view undercounts where the L3 is split: on an AMD EPYC each CCX
+    has its own (32 MiB), and a rank whose 12 threads span 12 of them can hold 12 x 32 MiB. A VM's
+    kernel may report the whole socket's (480 MiB on a 2-vCPU Intel VM), which is what it says. 0
+    where sysfs cannot be read; one CPU's :func:`last_level_cache_bytes` where the cache entries say
+    no level or sharing."""
     if cpus is None:
         try:
             cpus = sorted(os.sched_getaffinity(0))
@@ -83,27 +84,20 @@ def reachable_cache_bytes(root: str = "/sys/devices/system/cpu", cpus: list[int]
             cpus = list(range(os.cpu_count() or 1))
     instances: dict[tuple[int, str], int] = {}
     for cpu in cpus:
-        base = os.path.join(root, f"cpu{cpu}", "cache")
-        try:
-            entries = [e for e in os.listdir(base) if e.startswith("index")]
-        except OSError:
-            continue
-        for entry in entries:
+        for entry in _index_entries(os.path.join(root, f"cpu{cpu}", "cache")):
             try:
-                with open(os.path.join(base, entry, "level")) as f:
+                with open(os.path.join(entry, "level")) as f:
                     level = int(f.read().strip())
-                with open(os.path.join(base, entry, "shared_cpu_list")) as f:
+                with open(os.path.join(entry, "shared_cpu_list")) as f:
                     shared = f.read().strip()
             except (OSError, ValueError):
                 continue
-            size = last_level_cache_bytes(base, only=entry)
+            size = _cache_size(entry)
             if size:
                 instances[(level, shared)] = size
     if not instances:
         return last_level_cache_bytes(os.path.join(root, f"cpu{cpus[0] if cpus else 0}", "cache"))
     top = max(level for level, _ in instances)
-    if threads is None and "torch" in sys.modules:
-        threads = sys.modules["torch"].get_num_threads()
     sizes = sorted((size for (level, _), size in instances.items() if level == top), reverse=True)
     return sum(sizes[:threads] if threads else sizes)
 

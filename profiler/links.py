@@ -904,7 +904,7 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
     cold: ColdCopies | None = None
     cold_text = ""
     if not is_cuda:
-        cache = reachable_cache_bytes()
+        cache = reachable_cache_bytes(threads=torch.get_num_threads())
         arena = cold_arena_bytes(max(sizes), cache, available_memory_bytes(device))
         cold = ColdCopies(arena)
         covers = cache and arena >= COLD_CACHE_MULTIPLE * cache

@@ -319,7 +319,7 @@ def test_device_checks_take_turns_by_host_and_a_failure_names_the_rank(monkeypat
         seen.append(add_buffer_bytes)
         return real_check(*args, add_buffer_bytes=add_buffer_bytes, **kwargs)
 
-    monkeypatch.setattr(profiler.compute, "reachable_cache_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(profiler.compute, "reachable_cache_bytes", lambda threads=None: 480 << 20)
     monkeypatch.setattr(profiler.compute, "device_check", spy)
     _, note = _device_checks(OneRank(), None, d, CPU, ["here"], quick=True)
     assert seen == [64 << 20] and note.startswith("QUICK CHECK: each rank's memory check adds 64 MiB buffers, "

@@ -447,7 +447,7 @@ def test_cpu_host_copies_stream_arenas_sized_by_the_cache(monkeypatch):
     import profiler.identity
 
     # a 1 MiB cache: 4 MiB arenas (4 copies of the largest size), not 2x a server's L3 in a unit test
-    monkeypatch.setattr(profiler.identity, "reachable_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(profiler.identity, "reachable_cache_bytes", lambda threads=None: 1 << 20)
     links, notes = measure_host_device(torch.device("cpu"), [4096, 65536, 1 << 20], trials=1)
     assert {link.collective for link in links} == {Collective.host_to_device, Collective.device_to_host}
     for link in links:

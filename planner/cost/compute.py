@@ -261,7 +261,8 @@ FLASH_MAX_HEAD_DIM = 256  # torch's CUDA flash kernel: head dims up to 256
 def sdpa_takes_grouped_kv(device_type: str, sixteen_bit: bool, sm_major: int, head_dim: int) -> bool:
     """Whether torch's SDPA runs grouped K/V (``enable_gqa``) on a fused kernel: on a CPU always (its
     flash kernel takes any dtype); on CUDA only the flash kernel does, which runs 16-bit formats, from
-    Ampere (sm80), head dims up to 256 (memory-efficient and cuDNN take no grouped K/V). Anywhere else
+    Ampere (sm80), head dims up to 256 (the memory-efficient kernel takes no grouped K/V; which CUDA
+    kernels take them on a given card, ``benchmarks/attention_kernels.py`` lists). Anywhere else
     SDPA would fall back to its math kernel, which holds the whole score matrix (32 GiB for 32 heads at
     16k tokens), so ``autopar profile`` times and ``autopar run`` runs K/V expanded to the query heads
     there, as a model without a grouped kernel does: one rule for both, so the table prices the kernel
