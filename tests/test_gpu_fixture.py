@@ -52,16 +52,16 @@ def test_the_fixtures_are_measured_h200_profiles(quick, full):
     reached = {name: (round(p.compute.achieved_matmul_tflops[Precision.bf16]),
                       round(p.compute.achieved_memory_bandwidth_bytes_per_s / 1e10) / 100)
                for name, p in (("quick", quick), ("full", full))}
-    assert reached == {"quick": (736, 4.34), "full": (726, 4.40)}
-    assert round(quick.compute.achieved_matmul_tflops[Precision.fp8]) == 1384
+    assert reached == {"quick": (747, 4.30), "full": (708, 4.38)}
+    assert round(quick.compute.achieved_matmul_tflops[Precision.fp8]) == 1381
     for p in (quick, full):
         assert p.kind == "measured" and p.device.name == "NVIDIA H200" and p.num_gpus == 1
         assert p.environment.backend == "nccl" and p.environment.torch_version.startswith("2.11")
         assert p.device.peak_tflops[Precision.bf16] == sheet.peak_tflops[Precision.bf16]  # the datasheet's, for MFU
         bf16 = p.compute.achieved_matmul_tflops[Precision.bf16]
-        assert 0.6 < bf16 / sheet.peak_tflops[Precision.bf16] < 0.9, bf16  # reached 73-74% of 989
+        assert 0.6 < bf16 / sheet.peak_tflops[Precision.bf16] < 0.9, bf16  # reached 72-76% of 989
         bw = p.compute.achieved_memory_bandwidth_bytes_per_s
-        assert 0.8 < bw / sheet.hbm_bandwidth_bytes_per_s < 1.0, bw  # reached 90-92% of 4.8 TB/s
+        assert 0.8 < bw / sheet.hbm_bandwidth_bytes_per_s < 1.0, bw  # reached 90-91% of 4.8 TB/s
         assert any("datasheet" in s and "% of 989" in s for s in p.sources)
         assert [c.rank for c in p.device_checks] == [0]
         assert {link.collective.value for link in p.links} == {"host_to_device", "device_to_host"}
@@ -88,10 +88,13 @@ def _gemm_s(profile: ClusterProfile, model: ModelSpec, training: TrainingConfig,
 @pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
 def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
     """The GEMM tables, interpolated to the model's shapes in their layouts, against the GEMM kernels
-    of the executor's step (torch.profiler) on the same H200: +12.0% and +17.9% (quick profile,
-    micro-batches 2 and 8), +15.3% and +16.4% (full). These profiles were measured before CUDA
-    trials of small operations were held behind a spin kernel (profiler.timing.hold_seconds): their
-    small shapes carry launch time the executor's queued kernels do not, so the planner is high here."""
+    of the executor's step (torch.profiler) on the same H200: +16.3% and +19.7% (quick profile,
+    micro-batches 2 and 8), +18.9% and +17.4% (full). The profiles' CUDA trials of small operations
+    are held behind a spin kernel, so launch time is not the cause. By FLOP count the step's GEMM
+    kernels averaged 776 TFLOP/s, above what the step's largest shape (4096 x 5632 x 2048) reached
+    alone on the same kind of GPU: 741 TFLOP/s in the profiler's held 5 ms trials, 713 with the clock
+    at its 1980 MHz top, 646 back to back at the 700 W cap (1620 MHz). Why the step's GEMMs run
+    faster than any isolated timing is not yet known (README "On a GPU"); the planner is high here."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
@@ -101,16 +104,27 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
         assert 1.0 < gemm_s / run["gemm_kernels_s"] < 1.2, (path.name, run["micro_batch_size"], gemm_s)
 
 
-def test_plan_on_the_measured_gpu_predicts_its_peak_memory(quick, measured):
+@pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
+def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
+    """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
+    micro-batch 2, 21.15 against 22.66 at 8). The step time within 20% at micro-batch 8 (97.2 ms from
+    the full profile against 114.0 measured); at micro-batch 2 the executor's eager elementwise
+    kernels and the host time between them (3,741 launches) leave the prediction 35% low (99.6 ms
+    against 153.9), README "On a GPU"'s subject: work the cost model, priced for fused kernels, does
+    not charge."""
+    profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
-    run = measured["runs"][0]
-    pred = predict(model, training, quick, ParallelLayout(micro_batch_size=run["micro_batch_size"],
-                                                          zero_stage=measured["zero_stage"]))
-    assert pred.memory.total_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
-    # (its step time, 96 ms against 207.5 ms measured, is README "On a GPU"'s subject: eager
-    # elementwise work and host time the cost model does not charge)
-    assert 0.4 < pred.mfu < 0.7
+    for run in measured["runs"]:
+        pred = predict(model, training, profile, ParallelLayout(micro_batch_size=run["micro_batch_size"],
+                                                                zero_stage=measured["zero_stage"]))
+        assert pred.memory.total_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
+        assert 0.4 < pred.mfu < 0.7
+        error = pred.step_time_s / run["executor_median_step_s"] - 1
+        if run["micro_batch_size"] == 8:
+            assert abs(error) < 0.20, error
+        else:
+            assert -0.45 < error < -0.25, error  # the known gap, pinned so a change in it is seen
 
 
 def test_search_plans_from_the_measured_gpu_profile(quick):
