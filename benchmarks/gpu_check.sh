@@ -8,6 +8,7 @@
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
 #             executor, predicted against measured step time, MFU and peak memory
 #   breakdown benchmarks/step_breakdown.py: that step's kernel time by kind (torch.profiler) and host time
+#   clock     benchmarks/gemm_clock.py: one of its GEMMs in different surroundings, with SM clock and power
 #   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
 #   attention benchmarks/attention_kernels.py: SDPA on grouped vs expanded K/V (time, kernels, memory)
 #   full      the full (not quick) profile -> gpu-full.json, in whatever time is left, in the training
@@ -50,6 +51,10 @@ import shutil, subprocess, torch
 if shutil.which("nvidia-smi"):
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,"
                           "power.limit", "--format=csv"], capture_output=True, text=True).stdout.strip())
+import os, platform
+model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
+    if os.path.exists("/proc/cpuinfo") else platform.processor()
+print(f"host: {model}, {os.cpu_count()} CPUs, {platform.release()}")  # a step with host gaps runs at the host's pace
 print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)
 import pydantic; print("pydantic", pydantic.VERSION)
 if torch.cuda.is_available():
@@ -83,7 +88,10 @@ if [ -s "$QUICK" ]; then
   [ ! -e "$OUT/executor.log" ] || grep -q "step time   predicted" "$OUT/executor.log" || ok=0
   # where the executor's step goes (torch.profiler kernel times by kind, and host time), micro-batch 2
   TAIL=30 step breakdown 90 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/step_breakdown.py \
-    --profile "$QUICK" --micro 2
+    --profile "$QUICK" --micro 2 --loop-rounds 5
+  # one GEMM shape of that step back to back, between memory-bound kernels and between idle gaps, with
+  # SM clock and power: the profile prices the step's GEMMs 16-20% above their kernel time
+  step clock 45 $PY benchmarks/gemm_clock.py
 else
   ok=0
 fi

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--loop-rounds", type=int, default=0,
+                    help="after the profile, this many rounds of one bare step and one timed as executor.train "
+                         "times it (device sync and barrier on both sides), interleaved: does its loop add time?")
     a = ap.parse_args(argv)
     if a.warmup < 2:
         ap.error(f"--warmup {a.warmup}: give at least 2 (the first step compiles and allocates; the rest are timed)")
@@ -122,6 +125,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"top {a.top} operators by host time:")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:a.top]:
         print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms  x{e.count:<6} {e.key[:100]}")
+    if a.loop_rounds > 0:
+        loops: dict[str, list[float]] = {"bare": [], "executor.train's": []}
+        step = a.warmup + 1
+        for _ in range(a.loop_rounds):
+            for kind, fenced in (("bare", False), ("executor.train's", True)):
+                rt.prefetch(step)
+                sync()
+                if fenced:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                rt.step(step)
+                rt.optimizer.step()
+                sync()
+                if fenced:
+                    dist.barrier()
+                loops[kind].append(time.perf_counter() - t0)
+                step += 1
+        print(f"step loops, {a.loop_rounds} interleaved rounds (torch threads {torch.get_num_threads()}): "
+              + "; ".join(f"{k} median {statistics.median(v) * 1e3:.1f} ms ({min(v) * 1e3:.0f}-{max(v) * 1e3:.0f})"
+                          for k, v in loops.items()))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
