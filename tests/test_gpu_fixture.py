@@ -89,12 +89,11 @@ def _gemm_s(profile: ClusterProfile, model: ModelSpec, training: TrainingConfig,
 def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
     """The GEMM tables, interpolated to the model's shapes in their layouts, against the GEMM kernels
     of the executor's step (torch.profiler) on the same H200: +16.3% and +19.7% (quick profile,
-    micro-batches 2 and 8), +18.9% and +17.4% (full). The profiles' CUDA trials of small operations
-    are held behind a spin kernel, so launch time is not the cause. By FLOP count the step's GEMM
-    kernels averaged 776 TFLOP/s, above what the step's largest shape (4096 x 5632 x 2048) reached
-    alone on the same kind of GPU: 741 TFLOP/s in the profiler's held 5 ms trials, 713 with the clock
-    at its 1980 MHz top, 646 back to back at the 700 W cap (1620 MHz). Why the step's GEMMs run
-    faster than any isolated timing is not yet known (README "On a GPU"); the planner is high here."""
+    micro-batches 2 and 8), +18.9% and +17.4% (full). Mostly the clock: the profile times GEMMs back
+    to back at the board's power cap (the quick profile prices 4096 x 5632 x 2048 at 646 TFLOP/s,
+    that shape's back-to-back rate at 1620 MHz in benchmarks/gemm_clock.py), while between
+    memory-bound kernels, as in the eager step, it ran at 700-722 (1845-1935 MHz; README "On a
+    GPU"); the planner is high here."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
