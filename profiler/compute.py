@@ -17,6 +17,7 @@ bytes are least ambiguous: read two tensors, write one), so caches do not inflat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from planner.contracts.cluster import (
 )
 from planner.cost.compute import sdpa_takes_grouped_kv
 from planner.errors import AutoparError
+from profiler.gpustate import GpuStateSampler
 from profiler.identity import available_memory_bytes, reachable_cache_bytes
 from profiler.timing import HOLD_STATS, Budget, TimingResult, sync, time_fn, time_rounds
 
@@ -668,7 +670,8 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 
     if gemm_jobs:
         tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
-        with torch.no_grad():
+        state = GpuStateSampler(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), state:
             for p in grid.precisions:
                 # each layout its own walk with an equal share of the precision's budget: one layout's
                 # slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others
@@ -680,6 +683,8 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
                                   lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s",
                                   share=1.0 / len(layouts))
                     profile.gemm += [point for point in points if point is not None]
+        if isinstance(state, GpuStateSampler):
+            grid.notes.append(state.note("the GEMM tables"))
     if attn_jobs:
         # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
         attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]
