@@ -128,7 +128,7 @@ for link in p.links:  # a piecewise fit's flat first segment: latency alone (its
     print(f"link {link.level.value} {link.collective.value}{span}: alpha {link.alpha_s * 1e6:.1f} us, {bw}, "
           f"R2 {'-' if link.fit_r2 is None else f'{link.fit_r2:.3f}'}")
 for s in p.sources:
-    if any(w in s for w in ("datasheet", "pageable", "measured in", "QUICK")):
+    if any(w in s for w in ("datasheet", "pageable", "measured in", "QUICK", "GPU clock", "CUDA timing")):
         print("note:", s[:400])
 EOF
 done
