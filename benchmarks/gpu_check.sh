@@ -8,12 +8,12 @@
 #   executor  benchmarks/executor.py (c): a single-GPU plan priced from gpu-quick.json, run by the
 #             executor, predicted against measured step time, MFU and peak memory
 #   breakdown benchmarks/step_breakdown.py: that step's kernel time by kind (torch.profiler) and host time
-#   clock     benchmarks/gemm_clock.py: one of its GEMMs in different surroundings, with SM clock and power
 #   accuracy  benchmarks/profile_accuracy.py --quick on this GPU: held-out GEMM / attention shapes
-#   attention benchmarks/attention_kernels.py: SDPA on grouped vs expanded K/V (time, kernels, memory)
 #   full      the full (not quick) profile -> gpu-full.json, in whatever time is left, in the training
 #             precisions (FULL_PRECISIONS, default bf16,fp8: fp32's large GEMMs alone take about a minute)
-# SKIP="accuracy ..." leaves steps out (a rerun of what failed). Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 450) and the next step
+#   clock     benchmarks/gemm_clock.py: one of the step's GEMMs in different surroundings, with SM clock and power
+#   attention benchmarks/attention_kernels.py: SDPA on grouped vs expanded K/V (time, kernels, memory)
+# SKIP="accuracy ..." leaves steps out (a rerun of what failed). Every step has a time cap inside one deadline (GPU_CHECK_SECONDS, default 500) and the next step
 # runs whatever the last one did; logs and profiles go to $OUT (a temporary folder if unset).
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
@@ -21,7 +21,7 @@
 set -u
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-450} ))
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-500} ))
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if ! $PY -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -89,17 +89,11 @@ if [ -s "$QUICK" ]; then
   # where the executor's step goes (torch.profiler kernel times by kind, and host time), micro-batch 2
   TAIL=30 step breakdown 90 $PY -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/step_breakdown.py \
     --profile "$QUICK" --micro 2 --loop-rounds 5
-  # one GEMM shape of that step back to back, between memory-bound kernels and between idle gaps, with
-  # SM clock and power: the profile prices the step's GEMMs 16-20% above their kernel time
-  step clock 45 $PY benchmarks/gemm_clock.py
 else
   ok=0
 fi
 TAIL=45 step accuracy 170 $PY benchmarks/profile_accuracy.py --quick --skip-links --precisions bf16,fp32
 [ ! -e "$OUT/accuracy.log" ] || grep -q "^summary" "$OUT/accuracy.log" || ok=0
-# grouped K/V (enable_gqa) against expanded, the kernels that take each, time and peak memory: the
-# executor's attention follows planner.cost.compute.sdpa_takes_grouped_kv, not yet held against a GPU
-TAIL=12 step attention 60 $PY benchmarks/attention_kernels.py --reps 5
 # the full profile only where everything before it ran: else the machine's time is better left for a rerun
 if [ "$ok" = 1 ]; then
   step full 400 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m profiler \
@@ -107,6 +101,12 @@ if [ "$ok" = 1 ]; then
 else
   echo "=== full: not run (a step before it failed)"
 fi
+# after the full profile (the diagnostics): one GEMM shape of the executor's step back to back, between
+# memory-bound kernels and between idle gaps, with SM clock and power (the profile prices the step's
+# GEMMs 16-20% above their kernel time); grouped K/V (enable_gqa) against expanded, the kernels that
+# take each, time and peak memory (planner.cost.compute.sdpa_takes_grouped_kv, measured 2026-11-26)
+step clock 45 $PY benchmarks/gemm_clock.py
+TAIL=12 step attention 60 $PY benchmarks/attention_kernels.py --reps 5
 
 for f in "$QUICK" "$OUT/gpu-full.json"; do
   [ -s "$f" ] || continue

@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.loop_rounds > 0:
         loops: dict[str, list[float]] = {"bare": [], "executor.train's": []}
         step = a.warmup + 1
-        for _ in range(a.loop_rounds):
-            for kind, fenced in (("bare", False), ("executor.train's", True)):
+        for r in range(a.loop_rounds):  # the order alternates: neither loop always runs first
+            for kind, fenced in (("bare", False), ("executor.train's", True))[:: 1 if r % 2 == 0 else -1]:
                 rt.prefetch(step)
                 sync()
                 if fenced:

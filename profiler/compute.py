@@ -620,6 +620,12 @@ def _note_budget_stop(grid: ComputeGrid, table: str, unit: str, names: list[str]
                       f"{len(names) - at - 1} larger ones at the rate of the nearest measured ones{largest}")
 
 
+def gemm_state_sampler(device: torch.device) -> GpuStateSampler | contextlib.nullcontext:
+    """What watches the GEMM tables: the GPU's clock and power on CUDA (:mod:`profiler.gpustate`),
+    nothing elsewhere (a CPU's clock is not the story of its tables)."""
+    return GpuStateSampler(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress | None = None) -> ComputeProfile:
     """Measure ``grid`` on ``device`` (this process only) and return the tables and achieved peaks.
 
@@ -670,9 +676,11 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
 
     if gemm_jobs:
         tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
-        state = GpuStateSampler(device) if device.type == "cuda" else contextlib.nullcontext()
+        state = gemm_state_sampler(device)
         with torch.no_grad(), state:
             for p in grid.precisions:
+                if isinstance(state, GpuStateSampler):
+                    state.section(f"{p.value} GEMMs")
                 # each layout its own walk with an equal share of the precision's budget: one layout's
                 # slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others
                 layouts = list(dict.fromkeys(j[0][3] for j in gemm_jobs if j[1] is p))
@@ -684,7 +692,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
                                   share=1.0 / len(layouts))
                     profile.gemm += [point for point in points if point is not None]
         if isinstance(state, GpuStateSampler):
-            grid.notes.append(state.note("the GEMM tables"))
+            grid.notes.append(state.note("GEMM tables"))
     if attn_jobs:
         # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
         attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]

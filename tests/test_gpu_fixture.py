@@ -89,8 +89,8 @@ def _gemm_s(profile: ClusterProfile, model: ModelSpec, training: TrainingConfig,
 def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
     """The GEMM tables, interpolated to the model's shapes in their layouts, against the GEMM kernels
     of the executor's step (torch.profiler) on the same H200: +16.3% and +19.7% (quick profile,
-    micro-batches 2 and 8), +18.9% and +17.4% (full). Mostly the clock: the profile times GEMMs back
-    to back at the board's power cap (the quick profile prices 4096 x 5632 x 2048 at 646 TFLOP/s,
+    micro-batches 2 and 8), +18.9% and +17.4% (full). Largely the clock: the profile times GEMMs back
+    to back, likely at the board's power cap (the quick profile prices 4096 x 5632 x 2048 at 646 TFLOP/s,
     that shape's back-to-back rate at 1620 MHz in benchmarks/gemm_clock.py), while between
     memory-bound kernels, as in the eager step, it ran at 700-722 (1845-1935 MHz; README "On a
     GPU"); the planner is high here."""
@@ -100,7 +100,9 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
     for run in measured["runs"]:
         layout = ParallelLayout(micro_batch_size=run["micro_batch_size"], zero_stage=measured["zero_stage"])
         gemm_s = _gemm_s(profile, model, training, layout)
-        assert 1.0 < gemm_s / run["gemm_kernels_s"] < 1.2, (path.name, run["micro_batch_size"], gemm_s)
+        # 16-20% high as measured; the bounds leave 5 points either side, so a change of the
+        # tables or of the GEMM pricing that moves this by more is seen
+        assert 1.11 < gemm_s / run["gemm_kernels_s"] < 1.25, (path.name, run["micro_batch_size"], gemm_s)
 
 
 @pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
@@ -108,8 +110,8 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measur
     """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
     micro-batch 2, 21.15 against 22.66 at 8). The step time within 20% at micro-batch 8 (97.2 ms from
     the full profile against 114.0 measured); at micro-batch 2 the executor's eager elementwise
-    kernels and the host time between them (3,741 launches) leave the prediction 35% low (99.6 ms
-    against 153.9), README "On a GPU"'s subject: work the cost model, priced for fused kernels, does
+    kernels and the host time between them (3,741 launches) leave the prediction 35-37% low (99.6
+    ms from the full profile, 96.9 from the quick, against 153.9), README "On a GPU"'s subject: work the cost model, priced for fused kernels, does
     not charge."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
