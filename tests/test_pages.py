@@ -4,7 +4,9 @@ unknown ids with an HTML 404 page."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -122,6 +124,22 @@ def test_measured_profile_page_draws_points(site: dict) -> None:
     assert "node-a" in page and "12.4" in page
     assert ("every device checked</th><td>2 ranks, bf16 GEMM 8192×8192×8192: 652.5–741 TFLOP/s · add 2910–2950 GB/s"
             in page)
+
+
+def test_a_flat_link_segment_reads_as_latency_only(site: dict) -> None:
+    """The shipped H200 profile's host copies are piecewise, their first segment flat (α alone):
+    the link table says so instead of a 10⁹ GB/s bandwidth and a negative R²."""
+    shipped = Path(__file__).resolve().parents[1] / "planner" / "data" / "measured" / "nvidia-h200-1x1.json"
+    body = json.loads(shipped.read_text())
+    body["name"] = "h200-flat-check"
+    flat = [link for link in body["links"] if link["busbw_bytes_per_s"] >= 1e15]
+    assert flat and all(link["fit_r2"] < 0.5 for link in flat)  # what the table must not show as a fit quality
+    r = site["client"].post("/v1/profiles", json=body)
+    assert r.status_code == 201, r.text
+    page = html(site, f"/profiles/{r.json()['id']}")
+    table = page[page.index("<summary>Link table</summary>"):]
+    assert table.count("flat (α only)") == len(flat) and table.count("— (flat)") == len(flat)
+    assert "1000000000.0 GB/s" not in table and "GB/s" in table  # the other segments keep their bandwidth
 
 
 def test_a_cpu_profile_page_shows_the_attention_kernels_tiles(site: dict) -> None:
