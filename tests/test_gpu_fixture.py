@@ -108,11 +108,13 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
 @pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
     """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
-    micro-batch 2, 21.15 against 22.66 at 8). The step time within 20% at micro-batch 8 (97.2 ms from
-    the full profile against 114.0 measured); at micro-batch 2 the executor's eager elementwise
-    kernels and the host time between them (3,741 launches) leave the prediction 35-37% low (99.6
-    ms from the full profile, 96.9 from the quick, against 153.9), README "On a GPU"'s subject: work the cost model, priced for fused kernels, does
-    not charge."""
+    micro-batch 2, 21.15 against 22.66 at 8). The step time is low, and the gap is pinned so a
+    change is seen: at micro-batch 8 by 19-21% (92.0 ms from the quick profile, 90.4 from the full,
+    against 114.0), at micro-batch 2 by 37% (96.8 and 97.2 against 153.9): the executor's eager
+    elementwise kernels and the host time between them (3,741 launches at micro-batch 2), work the
+    cost model, priced for fused kernels, does not charge (README "On a GPU"). Before attention was
+    fitted on thread blocks the micro-batch-8 step read 15% low: an attention price 67-108% high
+    covered part of that work."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
@@ -123,9 +125,9 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measur
         assert 0.4 < pred.mfu < 0.7
         error = pred.step_time_s / run["executor_median_step_s"] - 1
         if run["micro_batch_size"] == 8:
-            assert abs(error) < 0.20, error
+            assert -0.30 < error < -0.10, error
         else:
-            assert -0.45 < error < -0.25, error  # the known gap, pinned so a change in it is seen
+            assert -0.47 < error < -0.27, error
 
 
 def test_search_plans_from_the_measured_gpu_profile(quick):
@@ -140,9 +142,11 @@ def test_search_plans_from_the_measured_gpu_profile(quick):
 @pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
 def test_the_profile_prices_the_executors_attention_high(path, measured):
     """Attention of the step (micro-batch 2, 16/8 heads of 128, seq 2048, cuDNN on grouped K/V)
-    against the tables, which measure batch 1 only: priced 1.29x (quick) and 1.45x (full) its kernel
-    time (README "On a GPU"). Pinned with 10 points either side, so a change of the attention
-    pricing or of the grid that moves it is seen."""
+    against the tables, which measure batch 1 only: priced 1.29x (quick: its 32/8 points have the
+    step's batch x heads, and it prices their time) and 1.21x (full) its kernel time; 1.45x from the
+    full table before GPU attention was fitted on thread blocks (planner.cost.compute,
+    _interpolated_attention; README "On a GPU"). Pinned with 10 points either side, so a change of
+    the attention pricing or of the grid that moves it is seen."""
     from planner.cost.compute import attention_time_s
 
     profile = _profile(path)
@@ -154,5 +158,5 @@ def test_the_profile_prices_the_executors_attention_high(path, measured):
                                 precision=Precision.bf16, causal=True, flash=True)
     micro_batches = measured["training"]["global_batch_size"] // run["micro_batch_size"]
     ratio = (fwd + bwd) * model.num_layers * micro_batches / run["attention_kernels_s"]
-    low, high = (1.19, 1.39) if path is QUICK else (1.35, 1.55)
+    low, high = (1.19, 1.39) if path is QUICK else (1.11, 1.31)
     assert low < ratio < high, ratio
