@@ -283,7 +283,12 @@ def default_grid(
         else:
             sizes = [512, 1024, 2048, 4096, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
             seqs = [1024, 2048, 4096, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
-            layouts = [(32, 8, 128)] if quick else [(8, 8, 128), (32, 8, 128), (64, 8, 128), (16, 16, 64)]
+            # three head counts even in a quick profile: a flash kernel's rate follows its thread blocks
+            # (batch x heads x length / 128) against the SMs, and a table of one layout prices the others
+            # from its lengths alone (on an H200: the quick table's 32/8 predicted the full table's
+            # other layouts with a median error of 12.6%, the full table's own layouts one another 7.1%)
+            layouts = [(8, 8, 128), (32, 8, 128), (64, 8, 128)] if quick else \
+                [(8, 8, 128), (32, 8, 128), (64, 8, 128), (16, 16, 64)]
             elt_bytes = [16 << 20, 256 << 20] if quick else [1 << 20, 16 << 20, 256 << 20, 1 << 30]
         # every shape in each linear GEMM's layout: a library's speed can depend on it (GemmLayout)
         gemm = [(m, n, k, lay) for m in sizes for n in sizes for k in sizes for lay in LINEAR_LAYOUTS]
