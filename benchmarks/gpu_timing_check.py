@@ -35,24 +35,26 @@ from profiler.timing import HOLD_STATS, time_fn  # noqa: E402
 TARGET = 0.15
 
 
-def gpu_rows_s(events) -> dict[str, float]:  # noqa: ANN001 - torch.profiler's key_averages()
-    """Seconds per GPU row (kernels, memcpy, memset) of a torch.profiler run, by name. Operator rows
-    (aten::mm) and GPU annotations (Optimizer.step#AdamW.step) are left out: they repeat their
-    kernels' time. Also used by step_breakdown.py."""
+def gpu_rows(events) -> list:  # noqa: ANN001 - torch.profiler's key_averages()
+    """The GPU rows (kernels, memcpy, memset) of a torch.profiler run. Operator rows (aten::mm) and
+    GPU annotations (Optimizer.step#AdamW.step) are left out: they repeat their kernels' time."""
     from torch.autograd import DeviceType
 
+    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+            and e.self_device_time_total > 0 and not getattr(e, "is_user_annotation", False)]
+
+
+def gpu_rows_s(events) -> dict[str, float]:  # noqa: ANN001 - torch.profiler's key_averages()
+    """Seconds per GPU row (:func:`gpu_rows`) by name. Also used by step_breakdown.py."""
     rows: dict[str, float] = {}
-    for e in events:
-        if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0 \
-                and not getattr(e, "is_user_annotation", False):
-            rows[e.key] = rows.get(e.key, 0.0) + e.self_device_time_total / 1e6
+    for e in gpu_rows(events):
+        rows[e.key] = rows.get(e.key, 0.0) + e.self_device_time_total / 1e6
     return rows
 
 
 def kernel_seconds(fn, device: torch.device, calls: int = 50) -> tuple[float, float]:  # noqa: ANN001
     """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows_s`), and GPU rows
     (kernels, memcpy, memset) per call."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -62,10 +64,8 @@ def kernel_seconds(fn, device: torch.device, calls: int = 50) -> tuple[float, fl
         for _ in range(calls):
             fn()
         torch.cuda.synchronize(device)
-    events = prof.key_averages()
-    count = sum(e.count for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
-                and e.self_device_time_total > 0 and not getattr(e, "is_user_annotation", False))
-    return sum(gpu_rows_s(events).values()) / calls, count / calls
+    rows = gpu_rows(prof.key_averages())
+    return sum(e.self_device_time_total for e in rows) / 1e6 / calls, sum(e.count for e in rows) / calls
 
 
 def timed(fn, device: torch.device, rounds: int = 3) -> tuple[float, float, float, float]:  # noqa: ANN001

@@ -73,15 +73,22 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    walls = []
-    for step in range(a.warmup):
-        rt.prefetch(step)  # the batch is ready before the timer, as in executor.train
+    def timed_step(step: int, fenced: bool = False) -> float:
+        """Seconds of one step, its batch prepared before the timer as in executor.train; ``fenced``:
+        with executor.train's barrier on both sides too."""
+        rt.prefetch(step)
         sync()
+        if fenced:
+            dist.barrier()
         t0 = time.perf_counter()
         rt.step(step)
         rt.optimizer.step()
         sync()
-        walls.append(time.perf_counter() - t0)
+        if fenced:
+            dist.barrier()
+        return time.perf_counter() - t0
+
+    walls = [timed_step(step) for step in range(a.warmup)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rt.prefetch(a.warmup)
     with profile(activities=activities) as prof:
@@ -130,17 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         step = a.warmup + 1
         for r in range(a.loop_rounds):  # the order alternates: neither loop always runs first
             for kind, fenced in (("bare", False), ("executor.train's", True))[:: 1 if r % 2 == 0 else -1]:
-                rt.prefetch(step)
-                sync()
-                if fenced:
-                    dist.barrier()
-                t0 = time.perf_counter()
-                rt.step(step)
-                rt.optimizer.step()
-                sync()
-                if fenced:
-                    dist.barrier()
-                loops[kind].append(time.perf_counter() - t0)
+                loops[kind].append(timed_step(step, fenced))
                 step += 1
         print(f"step loops, {a.loop_rounds} interleaved rounds (torch threads {torch.get_num_threads()}): "
               + "; ".join(f"{k} median {statistics.median(v) * 1e3:.1f} ms ({min(v) * 1e3:.0f}-{max(v) * 1e3:.0f})"

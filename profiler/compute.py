@@ -284,9 +284,9 @@ def default_grid(
             sizes = [512, 1024, 2048, 4096, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
             seqs = [1024, 2048, 4096, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
             # three head counts even in a quick profile: a flash kernel's rate follows its thread blocks
-            # (batch x heads x length / 128) against the SMs, and a table of one layout prices the others
-            # from its lengths alone (on an H200: the quick table's 32/8 predicted the full table's
-            # other layouts with a median error of 12.6%, the full table's own layouts one another 7.1%)
+            # (batch x heads x length / 128) against the SMs, and one layout's points span few of them
+            # (from the H200 full table's points at the quick lengths, the 24 attention times neither
+            # grid holds: median error 27.6% from 32/8 alone, 16.8% from these three)
             layouts = [(8, 8, 128), (32, 8, 128), (64, 8, 128)] if quick else \
                 [(8, 8, 128), (32, 8, 128), (64, 8, 128), (16, 16, 64)]
             elt_bytes = [16 << 20, 256 << 20] if quick else [1 << 20, 16 << 20, 256 << 20, 1 << 30]
@@ -625,10 +625,10 @@ def _note_budget_stop(grid: ComputeGrid, table: str, unit: str, names: list[str]
                       f"{len(names) - at - 1} larger ones at the rate of the nearest measured ones{largest}")
 
 
-def gemm_state_sampler(device: torch.device) -> GpuStateSampler | contextlib.nullcontext:
+def gemm_state_sampler(device: torch.device) -> GpuStateSampler | None:
     """What watches the GEMM tables: the GPU's clock and power on CUDA (:mod:`profiler.gpustate`),
     nothing elsewhere (a CPU's clock is not the story of its tables)."""
-    return GpuStateSampler(device) if device.type == "cuda" else contextlib.nullcontext()
+    return GpuStateSampler(device) if device.type == "cuda" else None
 
 
 def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress | None = None) -> ComputeProfile:
@@ -682,9 +682,9 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     if gemm_jobs:
         tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
         state = gemm_state_sampler(device)
-        with torch.no_grad(), state:
+        with torch.no_grad(), state or contextlib.nullcontext():
             for p in grid.precisions:
-                if isinstance(state, GpuStateSampler):
+                if state:
                     state.section(f"{p.value} GEMMs")
                 # each layout its own walk with an equal share of the precision's budget: one layout's
                 # slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others
@@ -696,7 +696,7 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
                                   lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s",
                                   share=1.0 / len(layouts))
                     profile.gemm += [point for point in points if point is not None]
-        if isinstance(state, GpuStateSampler):
+        if state:
             grid.notes.append(state.note("GEMM tables"))
     if attn_jobs:
         # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
