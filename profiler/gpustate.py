@@ -82,14 +82,17 @@ class GpuStateSampler:
         with self._lock:
             self._section = name
 
-    def _sample(self) -> bool:
+    def _sample(self, keep: bool = True) -> bool:
+        """Read the clock and power, and keep them in the current section (``keep``); False, the
+        error noted, where they cannot be read."""
         try:
             reading = (self._read_clock(), self._read_power())
         except Exception as exc:  # noqa: BLE001 - NVML missing or refusing: a note says why
             self.error = f"{type(exc).__name__}: {exc}".strip()[:160]
             return False
-        with self._lock:
-            self.samples.setdefault(self._section, []).append(reading)
+        if keep:
+            with self._lock:
+                self.samples.setdefault(self._section, []).append(reading)
         return True
 
     def _run(self) -> None:
@@ -98,7 +101,9 @@ class GpuStateSampler:
                 return
 
     def __enter__(self) -> GpuStateSampler:
-        if self._sample():  # the first reading at once: an unreadable NVML starts no thread
+        # a first reading at once, not kept (the caller names its first section after entering): an
+        # unreadable NVML starts no thread
+        if self._sample(keep=False):
             self._thread = threading.Thread(target=self._run, name="gpu-state", daemon=True)
             self._thread.start()
         return self

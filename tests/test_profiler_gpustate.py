@@ -21,8 +21,9 @@ def test_percentile_is_the_nearest_rank():
 
 
 def _fed(readings: list[tuple[float, float]], limits=(700.0, 1980.0)) -> GpuStateSampler:  # noqa: ANN001
-    """A sampler whose readings come from a list, one per sample, and whose thread never ticks
-    (every_s is long): enter takes the first, exit the second, so tests drive the rest by hand."""
+    """A sampler whose readings come from a list, one per reading, and whose thread never ticks
+    (every_s is long): enter takes the first (a probe, not kept), exit the last, so tests drive the
+    rest by hand."""
     feed = iter(readings)
     current: list[tuple[float, float]] = []
 
@@ -37,20 +38,21 @@ def _fed(readings: list[tuple[float, float]], limits=(700.0, 1980.0)) -> GpuStat
 def test_each_section_is_summarised_against_the_boards_limits():
     sampler = _fed([(1600.0, 690.0)] * 9 + [(1980.0, 280.0)] * 6)
     with sampler:
+        sampler._sample()  # before any section is named: "all"
         sampler.section("bf16 GEMMs")
-        for _ in range(8):
+        for _ in range(7):
             sampler._sample()
         sampler.section("fp32 GEMMs")
         for _ in range(5):
             sampler._sample()
     note = sampler.note("GEMM tables")
     assert note.startswith("GPU clock and power while the GEMM tables ran (NVML every 3600 s): ")
-    # the first reading (on enter) belongs to the section then current: "all"
+    # the probe on enter is not kept; a reading before the first section belongs to "all"
     assert "all: SM clock median 1600 MHz (10th-90th percentile 1600-1600 of 1980), power median 690 W of 700 " \
            "(1 samples): held down by the power limit" in note
     bf16 = re.search(r"bf16 GEMMs: SM clock median (\d+) MHz .*?power median (\d+) W of 700 \((\d+) samples\)"
                      r"(: held down)?", note)
-    assert bf16 is not None and bf16.groups() == ("1600", "690", "8", ": held down")
+    assert bf16 is not None and bf16.groups() == ("1600", "690", "7", ": held down")
     fp32 = note[note.index("fp32 GEMMs:"):]
     assert fp32.startswith("fp32 GEMMs: SM clock median 1980 MHz (10th-90th percentile 1980-1980 of 1980), "
                            "power median 280 W of 700 (6 samples)")
@@ -62,7 +64,7 @@ def test_without_the_boards_limits_a_low_clock_is_not_called_capped():
     with sampler:
         sampler._sample()
     note = sampler.note("GEMM tables")
-    assert "all: SM clock median 1600 MHz (10th-90th percentile 1600-1600), power median 690 W (3 samples)" in note
+    assert "all: SM clock median 1600 MHz (10th-90th percentile 1600-1600), power median 690 W (2 samples)" in note
     assert "held down" not in note
 
 
@@ -73,8 +75,8 @@ def test_nvml_readings_are_converted_from_milliwatts(monkeypatch):
     sampler = GpuStateSampler(torch.device("cuda", 0), every_s=3600, limits=(700.0, 1980.0))
     with sampler:
         pass
-    assert sampler.samples == {"all": [(1620.0, 690.5), (1620.0, 690.5)]}
-    assert "power median 690 W of 700 (2 samples): held down" in sampler.note("GEMM tables")
+    assert sampler.samples == {"all": [(1620.0, 690.5)]}  # the exit's reading; the probe on enter is not kept
+    assert "power median 690 W of 700 (1 samples): held down" in sampler.note("GEMM tables")
 
 
 def test_an_unreadable_nvml_starts_no_thread_and_says_why():
@@ -101,9 +103,9 @@ def test_a_reading_that_fails_later_keeps_the_samples_before_it_and_says_so():
 
     sampler = GpuStateSampler(torch.device("cuda", 0), every_s=3600, read_clock_mhz=flaky, read_power_w=lambda: 500.0,
                               limits=(None, None))
-    with sampler:
+    with sampler:  # the probe on enter is the first call
         assert sampler._sample() and sampler._sample() and not sampler._sample()
-    assert sampler.samples == {"all": [(1700.0, 500.0)] * 3}
+    assert sampler.samples == {"all": [(1700.0, 500.0)] * 2}
     note = sampler.note("GEMM tables")
     assert "sampling stopped early (RuntimeError: NVML: GPU is lost)" in note and "SM clock median 1700 MHz" in note
     assert "nvidia-ml-py" not in note  # only a missing module is blamed on the package
@@ -119,7 +121,7 @@ def test_the_thread_samples_while_the_block_runs():
             if len(sampler.samples.get("all", [])) >= 4:
                 break
             deadline.wait(0.005)
-    assert len(sampler.samples["all"]) >= 5  # enter, >= 3 from the thread, exit
+    assert len(sampler.samples["all"]) >= 5  # >= 4 from the thread, and the exit's
     assert sampler._thread is not None and not sampler._thread.is_alive()
 
 
@@ -138,3 +140,15 @@ def test_a_cpu_profile_has_no_gpu_state_note():
     compute = measure_compute(torch.device("cpu"), grid)
     assert len(compute.gemm) == 1
     assert not any(n.startswith("GPU clock") for n in grid.notes)
+
+
+def test_sections_named_after_entering_leave_no_stray_part():
+    """As measure_compute uses it: enter, then one section per precision's GEMM table; the probe on
+    enter is not kept, so the note has no one-sample "all" part."""
+    sampler = _fed([(1700.0, 600.0)] * 4, limits=(None, None))
+    with sampler:
+        sampler.section("bf16 GEMMs")
+        sampler._sample()
+        sampler._sample()
+    note = sampler.note("GEMM tables")
+    assert "all:" not in note and "bf16 GEMMs: SM clock median 1700 MHz" in note and "(3 samples)" in note
