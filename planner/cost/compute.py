@@ -402,8 +402,10 @@ def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_d
     H200's full table (24 bf16 points) that took the leave-one-out error from a median of 8.9% to
     6.3%, and with each whole head layout left out (as a model's heads the grid never measured) from
     12.5% to 7.1%; the executor's step (batch 2 and 8, 16/8 heads) was priced 21% and 20% high
-    instead of 45% and 108%. On a CPU's tables (1 thread, fp32 and bf16) the old coordinates did as
-    well or better (medians 2.3-4.3% against 3.6-7.2%), so they stay there."""
+    instead of 45% and 108%. On a CPU's table (one thread, fp32 and bf16, 70 points of the full
+    grid) the old coordinates had the lower medians (2.3-4.3% against 3.6-7.2%), though the
+    thread-block ones had more fp32 times within 15% (61-63 against 56-59 of 70), so they stay
+    there. ``benchmarks/attention_fit.py`` prints these figures for a profile, both fits side by side."""
 
     if blocking:
         def coords(b, s, h, kv, d):  # noqa: ANN001, ANN202
