@@ -39,7 +39,7 @@ from planner.contracts.cluster import (
     slow_checks,
     slow_device_limit,
 )
-from planner.cost.compute import sdpa_takes_grouped_kv
+from planner.cost.compute import cross_entropy_bytes, sdpa_takes_grouped_kv
 from planner.errors import AutoparError
 from profiler.gpustate import GpuStateSampler
 from profiler.identity import available_memory_bytes, reachable_cache_bytes
@@ -540,7 +540,9 @@ def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.
     Bytes follow the planner's accounting of the same op: rmsnorm reads x and writes y (2E),
     silu_mul reads gate and up and writes the product (3E), add reads two and writes one (3E);
     softmax_cross_entropy over (tokens × vocab) logits upcasts to fp32 if needed (read E, write 4
-    bytes per logit) then log-softmax reads and writes fp32 (8 bytes per logit); the loss is negligible.
+    bytes per logit) then log-softmax reads and writes fp32 (8 bytes per logit); the loss is negligible
+    (:func:`planner.cost.compute.cross_entropy_bytes`). The planner prices each op at its table's
+    rate (:func:`planner.cost.compute.elementwise_time_s`).
     """
     dtype = DTYPES[precision]
     elt = torch.finfo(dtype).bits // 8
@@ -567,9 +569,7 @@ def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.
         tokens = max(numel // vocab, 1)
         logits = torch.randn(tokens, vocab, device=device, dtype=dtype)
         target = torch.randint(0, vocab, (tokens,), device=device)
-        count = tokens * vocab
-        upcast = 0 if dtype == torch.float32 else count * (elt + 4)
-        return (lambda: F.cross_entropy(logits.float(), target)), upcast + 8 * count
+        return (lambda: F.cross_entropy(logits.float(), target)), int(cross_entropy_bytes(tokens * vocab, elt))
     raise ValueError(f"op={op!r} is not one of {ELEMENTWISE_OPS}")
 
 

@@ -16,6 +16,7 @@ from planner.contracts import (
     Collective,
     ComputeProfile,
     DeviceSpec,
+    ElementwisePoint,
     GemmLayout,
     GemmPoint,
     LinkLevel,
@@ -36,6 +37,8 @@ from planner.cost.comm import (
 from planner.cost.compute import (
     attention_time_s,
     causal_work_fraction,
+    cross_entropy_bytes,
+    elementwise_time_s,
     gemm_fwd_bwd_s,
     gemm_time_s,
     linear_gemms_s,
@@ -103,6 +106,62 @@ class TestPeakAndMemory:
         p = toy_profile(memory_bandwidth_efficiency=0.5,
                         compute=ComputeProfile(achieved_memory_bandwidth_bytes_per_s=4e11))
         assert memory_time_s(p, 1e9) == pytest.approx(1e9 / 4e11)
+
+
+class TestElementwiseTable:
+    """Bandwidth-bound ops at their own measured rates (ComputeProfile.elementwise)."""
+
+    @staticmethod
+    def table(*points: tuple[str, Precision, int, float]) -> ClusterProfile:
+        return toy_profile(compute=ComputeProfile(
+            achieved_memory_bandwidth_bytes_per_s=4e11,
+            elementwise=[ElementwisePoint(op=op, precision=p, bytes=b, time_s=t) for op, p, b, t in points]))
+
+    def test_a_measured_size_is_its_time_and_between_sizes_the_rate_is_log_interpolated(self):
+        # rmsnorm: 1e11 B/s at 1 MB, 4e11 at 100 MB; at 10 MB (halfway in log size) 2e11 B/s
+        p = self.table(("rmsnorm", Precision.bf16, 10**6, 1e-5), ("rmsnorm", Precision.bf16, 10**8, 2.5e-4))
+        assert elementwise_time_s(p, "rmsnorm", 10**6, Precision.bf16) == pytest.approx(1e-5)
+        assert elementwise_time_s(p, "rmsnorm", 10**7, Precision.bf16) == pytest.approx(1e7 / 2e11)
+        # beyond the table: its end points' rates, not the memory bandwidth
+        assert elementwise_time_s(p, "rmsnorm", 10**9, Precision.bf16) == pytest.approx(1e9 / 4e11)
+        assert elementwise_time_s(p, "rmsnorm", 10**5, Precision.bf16) == pytest.approx(1e5 / 1e11)
+
+    def test_another_precision_of_the_op_before_the_bandwidth(self):
+        p = self.table(("silu_mul", Precision.fp32, 10**8, 1e-3), ("silu_mul", Precision.fp16, 10**8, 5e-4))
+        # bf16: the other 2-byte precision's rate (2e11), not fp32's (1e11) or the add's 4e11
+        assert elementwise_time_s(p, "silu_mul", 10**8, Precision.bf16) == pytest.approx(5e-4)
+        assert elementwise_time_s(p, "silu_mul", 10**8, Precision.fp32) == pytest.approx(1e-3)
+        # an op with no points: the achieved memory bandwidth
+        assert elementwise_time_s(p, "rmsnorm", 10**8, Precision.bf16) == pytest.approx(1e8 / 4e11)
+        assert elementwise_time_s(p, "rmsnorm", 0, Precision.bf16) == 0.0
+
+    def test_a_block_prices_its_norms_and_activation_from_the_table(self):
+        from planner.contracts import ModelSpec
+        from planner.cost.layer import MicroBatch, block_cost, lm_head_cost
+
+        model = ModelSpec(name="m", num_layers=2, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096,
+                          vocab_size=32000)
+        mb = MicroBatch(1, 1024, 1, 1, False, Precision.bf16, True)
+        layout = ParallelLayout()
+        groups = mesh_groups(layout, 8)
+        plain = toy_profile(compute=ComputeProfile(achieved_memory_bandwidth_bytes_per_s=4e11))
+        # every op measured at the add's 4e11 B/s: the same price as from the bandwidth alone
+        same = self.table(*[(op, Precision.bf16, 10**7, 1e7 / 4e11)
+                            for op in ("rmsnorm", "silu_mul", "add", "softmax_cross_entropy")])
+        base = block_cost(plain, model, 0, mb, layout, groups).forward.memory_s
+        assert block_cost(same, model, 0, mb, layout, groups).forward.memory_s == pytest.approx(base)
+        # norms (2 x 2E of bf16) and the SwiGLU product (3 x tokens x ffn x 2 bytes) at half the rate
+        slow = self.table(("rmsnorm", Precision.bf16, 10**7, 1e7 / 2e11), ("silu_mul", Precision.bf16, 10**7, 1e7 / 2e11),
+                          ("add", Precision.bf16, 10**7, 1e7 / 4e11))
+        E = 1024 * 1024
+        extra = (2 * 2 * 2 * E + 3 * 2 * 1024 * 4096) / 4e11  # their bytes once more at 4e11 B/s
+        assert block_cost(slow, model, 0, mb, layout, groups).forward.memory_s == pytest.approx(base + extra)
+        # the loss: logits at the softmax_cross_entropy rate (14 bytes per bf16 logit forward)
+        ce = self.table(("softmax_cross_entropy", Precision.bf16, 10**8, 10**8 / 1e11))
+        head = lm_head_cost(ce, model, mb, groups)[0].memory_s
+        norm = 2 * 2 * E / 4e11
+        assert head == pytest.approx(norm + cross_entropy_bytes(1024 * 32000, 2) / 1e11)
+        assert cross_entropy_bytes(1, 2) == 14 and cross_entropy_bytes(1, 4) == 8
 
 
 class TestWaveAndK:

@@ -109,12 +109,14 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
     """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
     micro-batch 2, 21.15 against 22.66 at 8). The step time is low, and the gap is pinned so a
-    change is seen: at micro-batch 8 by 19-21% (92.0 ms from the quick profile, 90.4 from the full,
-    against 114.0), at micro-batch 2 by 37% (96.8 and 97.2 against 153.9): the executor's eager
-    elementwise kernels and the host time between them (3,741 launches at micro-batch 2), work the
-    cost model, priced for fused kernels, does not charge (README "On a GPU"). Before attention was
-    fitted on thread blocks the micro-batch-8 step read 15% low: an attention price 67-108% high
-    covered part of that work."""
+    change is seen: at micro-batch 8 by 15-17% (96.4 ms from the quick profile, 94.7 from the full,
+    against 114.0), at micro-batch 2 by 34% (101.9 and 102.3 against 153.9): the executor's eager
+    elementwise kernels beyond the ones the profile times (its 'other' kernels took 33.0 ms at
+    micro-batch 2; the planner prices 14.1 ms of norms, SwiGLU products, adds and the loss at the
+    profile's rates for them) and the host time between kernels (3,741 launches at micro-batch 2)
+    (README "On a GPU"). Before the elementwise table priced those ops (all at the add's 4.3 TB/s:
+    9.1 ms) the step read 19-21% / 37% low; before attention was fitted on thread blocks, 15% low
+    at micro-batch 8: an attention price 67-108% high covered part of that work."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
@@ -125,9 +127,9 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measur
         assert 0.4 < pred.mfu < 0.7
         error = pred.step_time_s / run["executor_median_step_s"] - 1
         if run["micro_batch_size"] == 8:
-            assert -0.30 < error < -0.10, error
+            assert -0.25 < error < -0.07, error
         else:
-            assert -0.47 < error < -0.27, error
+            assert -0.43 < error < -0.24, error
 
 
 def test_search_plans_from_the_measured_gpu_profile(quick):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planner.contracts import ClusterProfile, ComputeProfile, GemmLayout, Precision
-from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, gemm_time_s
+from planner.cost.compute import attention_time_s, elementwise_time_s, gemm_fwd_bwd_s, gemm_time_s
 from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.reference import reference_profile
@@ -127,6 +127,8 @@ def test_planner_returns_measured_time_at_measured_shape(measured):
         )
         assert fwd == pytest.approx(a.forward_time_s, rel=1e-9)
         assert bwd == pytest.approx(a.backward_time_s, rel=1e-9)
+    for e in measured.elementwise:
+        assert elementwise_time_s(cluster, e.op, e.bytes, e.precision) == pytest.approx(e.time_s, rel=1e-9)
 
 
 def test_supported_and_parsed_precisions():

@@ -102,6 +102,68 @@ def memory_time_s(profile: ClusterProfile, nbytes: float) -> float:
     return nbytes / _bandwidth(profile)
 
 
+def cross_entropy_bytes(logits: float, elt: int) -> float:
+    """Bytes the softmax cross-entropy forward moves over ``logits`` logits of ``elt`` bytes, as
+    the profiler counts its ``softmax_cross_entropy`` op: an upcast to fp32 (read ``elt``, write 4
+    per logit) unless already fp32, then the fp32 log-softmax (read and write: 8 per logit)."""
+    return logits * ((elt + 4 if elt < 4 else 0) + 8)
+
+
+def elementwise_time_s(profile: ClusterProfile, op: str, nbytes: float, precision: Precision) -> float:
+    """Time of one bandwidth-bound operator moving ``nbytes`` (read + written, counted as the
+    profiler counts ``op``: ``rmsnorm`` 2E, ``add`` and ``silu_mul`` 3E, ``softmax_cross_entropy``
+    :func:`cross_entropy_bytes`).
+
+    From the profile's measured table of ``op`` (``ComputeProfile.elementwise``): its achieved rate
+    (bytes / time) interpolated linearly in log size between the neighbouring measured sizes, held
+    at the end points' rates beyond them, in ``precision``'s points, else another precision's (a
+    bandwidth-bound op moves bytes at about the same rate whatever they hold). An op runs as the
+    profiled torch ran it: a norm kernel reads and writes at 70-75% of an add's rate on an H200 and
+    the unfused ``silu(g) * u`` at 55-60% (it writes and reads its intermediate). Where the table has
+    no points of ``op`` (reference profiles): :func:`memory_time_s`. At the slowest checked device's
+    pace (:func:`device_pace`)."""
+    if nbytes <= 0:
+        return 0.0
+    rates = _elementwise_rates(profile, op, precision)
+    if not rates:
+        return memory_time_s(profile, nbytes)
+    sizes = [b for b, _ in rates]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i == 0:
+        rate = rates[0][1]
+    elif i == len(rates):
+        rate = rates[-1][1]
+    else:
+        (b0, r0), (b1, r1) = rates[i - 1], rates[i]
+        w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+        rate = math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+    pace = device_pace(profile).memory if profile.device_checks else 1.0
+    return nbytes / rate * pace
+
+
+def _elementwise_rates(profile: ClusterProfile, op: str, precision: Precision) -> list[tuple[float, float]]:
+    """(bytes, bytes/s) of ``op``'s measured points in ``precision``, else in the precision nearest it
+    in element size, sorted by size (one rate per size: the median of repeats); [] when none."""
+    memo = memo_for(profile)
+    key = ("elementwise", op, precision)
+    if memo is not None and key in memo:
+        return memo[key]
+    points = [p for p in profile.compute.elementwise if p.op == op]
+    if points:
+        have = {p.precision for p in points}
+        use = precision if precision in have else min(have, key=lambda q: (abs(q.bytes - precision.bytes), q.value))
+        by_size: dict[int, list[float]] = {}
+        for p in points:
+            if p.precision is use:
+                by_size.setdefault(p.bytes, []).append(p.bytes / p.time_s)
+        rates = [(float(b), sorted(r)[len(r) // 2]) for b, r in sorted(by_size.items())]
+    else:
+        rates = []
+    if memo is not None:
+        memo[key] = rates
+    return rates
+
+
 def _bandwidth(profile: ClusterProfile) -> float:
     """Rank 0's memory-bound bytes/s: achieved, else datasheet HBM bandwidth × efficiency."""
     measured = profile.compute.achieved_memory_bandwidth_bytes_per_s

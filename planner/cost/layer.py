@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 
 from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, Precision, Recompute
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
-from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, linear_gemms_s, memory_time_s
-
+from planner.cost.compute import (
+    attention_time_s,
+    cross_entropy_bytes,
+    elementwise_time_s,
+    gemm_fwd_bwd_s,
+    linear_gemms_s,
+    memory_time_s,
+)
 
 ELEMENTWISE_BACKWARD_RATIO = 1.25
 """Backward / forward HBM traffic of the bandwidth-bound ops: LayerNorm backward reads x and dy
@@ -172,16 +178,20 @@ def block_cost(
     fwd.attention_s, bwd.attention_s = core_f, core_b
 
     # bandwidth-bound ops: 2 norms (2E each), 2 residual adds with dropout (3E + mask each) in the
-    # replicated region (split by t only with SP); activation function and RoPE in the TP region
+    # replicated region (split by t only with SP); activation function and RoPE in the TP region.
+    # Each at its own measured rate where the profile has an elementwise table (norms as rmsnorm,
+    # the SwiGLU product as silu_mul, the rest as adds), else at the memory bandwidth
     rep = t if mb.sp else 1
     E = tokens * h
     dropout = E if model.dropout > 0 else 0
-    replicated = (4 * elt * E + 2 * (3 * elt * E + dropout)) / rep
+    norms = 2 * 2 * elt * E / rep
+    adds = 2 * (3 * elt * E + dropout) / rep
     if moe is not None:
         ffn = moe.expert_ffn_hidden_size * routed_token_count(moe, 1, mb.moe_imbalance) + moe.shared_ffn * moe.num_shared_experts
     else:
         ffn = model.ffn_hidden_size
-    act = (3 if model.ffn_kind == "swiglu" else 2) * elt * tokens * ffn / t
+    swiglu = model.ffn_kind == "swiglu"
+    act = (3 if swiglu else 2) * elt * tokens * ffn / t
     # RoPE rotates the local query and key heads (read + write)
     rope = 2 * elt * tokens * (heads + kv_heads) * model.head_size if model.position_embedding == "rope" else 0
     # MoE token dispatcher: permute the T·k routed copies into expert order and back (read + write
@@ -189,7 +199,10 @@ def block_cost(
     permute = 0.0
     if moe is not None:
         permute = (2 * 2 + 1) * elt * routed_token_count(moe, tokens, mb.moe_imbalance) * h / rep
-    fwd.memory_s = memory_time_s(profile, replicated + act + rope + permute)
+    p = mb.precision
+    fwd.memory_s = (elementwise_time_s(profile, "rmsnorm", norms, p)
+                    + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
+                    + elementwise_time_s(profile, "add", adds + rope + permute, p))
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
@@ -291,16 +304,20 @@ def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, gr
 
 
 def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
-    """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy (~16 bytes per
-    logit forward, 8 backward). With TP the head's input is replicated: with SP it is all-gathered
+    """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy (an upcast and
+    the log-softmax forward, :func:`cross_entropy_bytes`: 14 bytes per 16-bit logit; 8 backward). With TP the head's input is replicated: with SP it is all-gathered
     forward and its gradient reduce-scattered backward; without SP the gradient is all-reduced."""
     fwd, bwd = PassCost(), PassCost()
     t, h, tokens = mb.tp, model.hidden_size, mb.tokens
     fwd.gemm_s, bwd.gemm_s = gemm_fwd_bwd_s(profile, tokens, model.vocab_size // t, h, mb.precision)
     logits = tokens * model.vocab_size / t
     norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
-    fwd.memory_s = memory_time_s(profile, norm + 16 * logits)
-    bwd.memory_s = memory_time_s(profile, 2 * norm + 8 * logits)
+    p = mb.precision
+    # the loss's backward (softmax minus one-hot) reads and writes the fp32 logits once
+    fwd.memory_s = (elementwise_time_s(profile, "rmsnorm", norm, p)
+                    + elementwise_time_s(profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p))
+    bwd.memory_s = (elementwise_time_s(profile, "rmsnorm", 2 * norm, p)
+                    + elementwise_time_s(profile, "softmax_cross_entropy", 8 * logits, p))
     fwd.overhead_s = 5 * profile.assumptions.kernel_overhead_s  # norm, GEMM, max, exp-sum, loss
     bwd.overhead_s = 2 * fwd.overhead_s
     if t > 1:
