@@ -503,18 +503,23 @@ def oversubscribed(local_ranks: int, cores: int) -> bool:
 
 
 def plan_groups(world: int, ranks_per_node: int, emulated: bool = False) -> list[GroupSpec]:
-    """Intra-node groups of every power of two up to the node size; across nodes one rank per node
-    (and all ranks, if nodes hold more than one). Consecutive blocks of ``ranks_per_node`` ranks are nodes."""
+    """Intra-node groups of every power of two up to the node size, and the whole node where its size
+    is not one (a 6-GPU node's TP or expert group of 6 is priced from its own measurement, not a
+    group of 4's); across nodes one rank per node (and all ranks, if nodes hold more than one).
+    Consecutive blocks of ``ranks_per_node`` ranks are nodes; an intra-node group never crosses one
+    (a node of 6 holds one group of 4, ranks 0-3, not 4-7 reaching into the next node)."""
     nodes = world // ranks_per_node
     tag = " (emulated nodes)" if emulated else ""
     no_p2p = tuple(c for c in COLLECTIVES if c is not Collective.p2p)
     specs: list[GroupSpec] = []
-    size = 2
-    while size <= ranks_per_node:
-        groups = [list(range(start, start + size)) for start in range(0, world, size)]
+    sizes = [1 << i for i in range(1, ranks_per_node.bit_length()) if 1 << i <= ranks_per_node]
+    if ranks_per_node > 1 and ranks_per_node not in sizes:
+        sizes.append(ranks_per_node)
+    for size in sizes:
+        groups = [list(range(node * ranks_per_node + start, node * ranks_per_node + start + size))
+                  for node in range(nodes) for start in range(0, ranks_per_node - size + 1, size)]
         specs.append(GroupSpec(LinkLevel.intra_node, size, size, groups, f"intra-node x{size}{tag}",
                                collectives=COLLECTIVES if size == 2 else no_p2p))
-        size *= 2
     if nodes > 1:
         per_node_groups = [[node * ranks_per_node + local for node in range(nodes)] for local in range(ranks_per_node)]
         specs.append(GroupSpec(LinkLevel.inter_node, nodes, 1, per_node_groups,

@@ -11,6 +11,7 @@ rank that failed first ("Root Cause") and stops the rest.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ from datetime import timedelta
 
 from planner.contracts import ClusterProfile, Collective, ModelSpec
 from planner.contracts.cluster import Assumptions
-from planner.errors import AutoparError
+from planner.errors import AutoparError, UnknownNameError
 from profiler import identity
 from profiler.links import (
     DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, HOST_MIN_MAX_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank,
@@ -74,6 +75,7 @@ class Checked:
 # launch (5.8 s on the AVX2 VM) and the command's start-up and assembly (3.5 s) take most of the rest
 # of the minute; the compute tables get what the links left (profiler.compute.fit_table_budget)
 QUICK_MEASURE_S = 45.0
+MAX_TIMEOUT_S = 86400.0  # --timeout: longer than this no collective should wait (and timedelta stays finite)
 LINK_MIN_TRIAL_S = 0.008  # a link trial's calls: no more than last 8 ms (profiler.links.reps_within)
 
 
@@ -126,14 +128,25 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     if emulated:
         notes.append(f"EMULATED NODES: --ranks-per-node {rpn} treats consecutive blocks of {rpn} ranks as nodes "
                      f"(torchrun started {d.local_world} per host); inter_node links are not a real network")
-    if opts.timeout_s <= 0:
-        raise AutoparError("--timeout", opts.timeout_s, "give seconds > 0, e.g. --timeout 300", problem="is not positive")
+    if not math.isfinite(opts.timeout_s) or opts.timeout_s <= 0:
+        raise AutoparError("--timeout", opts.timeout_s, "give seconds > 0, e.g. --timeout 300",
+                           problem="is not a positive number of seconds")
+    if opts.timeout_s > MAX_TIMEOUT_S:
+        raise AutoparError("--timeout", opts.timeout_s, f"give at most {MAX_TIMEOUT_S:.0f} s (a day), e.g. --timeout 300",
+                           problem="is longer than a collective should ever wait")
     model = None
     if opts.model:
         from planner.presets import get_preset
 
-        model = get_preset(opts.model)
+        try:
+            model = get_preset(opts.model)
+        except UnknownNameError as err:  # the preset lookup names its own field: this command's flag is --model
+            raise UnknownNameError("--model", opts.model, err.known) from None
     tps = _parse_tp(opts.tp_degrees)
+    if tps and model is None:
+        raise AutoparError("--tp-degrees", opts.tp_degrees,
+                           "give --model too (the degrees split that model's layers), or leave --tp-degrees out "
+                           "for the model-free grid", problem="has no --model to split")
     if tps and model is not None:
         bad = [t for t in tps if model.num_attention_heads % t]
         if bad:

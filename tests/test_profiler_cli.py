@@ -96,6 +96,12 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
                for c in p.device_checks)
     assert len({(c.device, c.memory_bytes, c.host) for c in p.device_checks}) == 1
     assert not any("MIXED DEVICES" in s for s in p.sources)
+    # rank 0's rich progress bar named each stage as it measured, and each reached its total
+    bars = quick_run["proc"].stderr
+    for stage in ("links:", "compute:"):
+        assert stage in bars, bars[-2000:]
+    done = re.findall(r"(\d+)/(\d+)", bars)
+    assert done and any(a == b for a, b in done), bars[-2000:]
 
 
 @pytest.mark.slow
@@ -214,6 +220,29 @@ def test_zero_threads_and_an_empty_name_are_refused(tmp_path):
         _no_measuring(proc)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_impossible_requests_are_refused_before_anything_runs(monkeypatch):
+    """check() is the gate every rank passes before the process group: each of these names its flag."""
+    import torch
+
+    from profiler.run import Dist, ProfileOptions, check
+
+    one = Dist(0, 1, 0, 1, False)
+    for value in (float("nan"), float("inf"), -1.0, 1e12):
+        with pytest.raises(AutoparError) as err:
+            check(ProfileOptions(quick=True, timeout_s=value), one)
+        assert err.value.field == "--timeout" and "e.g. --timeout 300" in err.value.fix, value
+    with pytest.raises(AutoparError, match=r"--tp-degrees='1,2' has no --model to split; give --model too"):
+        check(ProfileOptions(quick=True, tp_degrees="1,2"), one)
+    with pytest.raises(AutoparError, match=r"--model='llama-9z' is not known; known: .*llama3-8b"):
+        check(ProfileOptions(quick=True, model="llama-9z"), one)
+    # more ranks on a node than it has GPUs (a CUDA machine stood in: the check runs before any CUDA call)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(AutoparError, match=r"--nproc-per-node=4 is more ranks than the 2 GPUs on this node; "
+                                           r"start at most 2 ranks per node"):
+        check(ProfileOptions(quick=True), Dist(0, 4, 0, 4, True))
 
 
 def test_missing_output_stops(tmp_path):

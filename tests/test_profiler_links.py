@@ -263,6 +263,16 @@ def test_group_plan_4_ranks_2_per_node():
     assert {(s.level, s.size) for s in p2p} == {(LinkLevel.intra_node, 2), (LinkLevel.inter_node, 2)}
 
 
+def test_a_node_of_six_measures_its_whole_node_and_no_group_crosses_nodes():
+    intra = {s.size: s.ranks for s in plan_groups(12, 6) if s.level is LinkLevel.intra_node}
+    assert sorted(intra) == [2, 4, 6]
+    assert intra[4] == [[0, 1, 2, 3], [6, 7, 8, 9]]  # not [4, 5, 6, 7]: ranks 6-7 are on the next node
+    assert intra[6] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    assert intra[2] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert [s.size for s in plan_groups(3, 3) if s.level is LinkLevel.intra_node] == [2, 3]
+    assert [s.size for s in plan_groups(2, 1) if s.level is LinkLevel.intra_node] == []
+
+
 # ------------------------------------------------------------------------------ piecewise α-β
 
 
