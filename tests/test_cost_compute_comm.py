@@ -164,6 +164,38 @@ class TestElementwiseTable:
         assert cross_entropy_bytes(1, 2) == 14 and cross_entropy_bytes(1, 4) == 8
 
 
+class TestSiblingPrecision:
+    """A 16-bit precision with no table of its own is priced from the other 16-bit one's points."""
+
+    @staticmethod
+    def measured(peaks: dict) -> ClusterProfile:
+        gemm = [GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, layout=GemmLayout.nn, time_s=2 * s**3 / 50e12)
+                for s in (1024, 2048)]
+        attention = [AttentionPoint(precision=Precision.bf16, batch=1, seq_length=s, num_heads=8, num_kv_heads=8,
+                                    head_dim=64, forward_time_s=1e-3 * s / 1024, backward_time_s=2.5e-3 * s / 1024)
+                     for s in (1024, 2048)]
+        return toy_profile(peaks=peaks, compute=ComputeProfile(gemm=gemm, attention=attention))
+
+    def test_fp16_from_bf16_points_at_the_datasheet_ratio(self):
+        same = self.measured({Precision.bf16: 100.0, Precision.fp16: 100.0})
+        bf16 = gemm_time_s(same, 1024, 1024, 1024, Precision.bf16)
+        assert bf16 == pytest.approx(2 * 1024**3 / 50e12)
+        assert gemm_time_s(same, 1024, 1024, 1024, Precision.fp16) == pytest.approx(bf16)
+        # not the roofline (100 TFLOP/s at efficiency 1 would be twice as fast as measured)
+        half = self.measured({Precision.bf16: 100.0, Precision.fp16: 50.0})
+        assert gemm_time_s(half, 1024, 1024, 1024, Precision.fp16) == pytest.approx(2 * bf16)
+        # fp32 has no 16-bit sibling: the roofline, at half the bf16 peak (TF32) and efficiency 1
+        assert gemm_time_s(same, 1024, 1024, 1024, Precision.fp32) == pytest.approx(2 * 1024**3 / 50e12)
+
+    def test_attention_of_fp16_and_fp8_from_bf16_points(self):
+        p = self.measured({Precision.bf16: 100.0, Precision.fp16: 100.0})
+        kw = dict(batch=1, q_len=1024, kv_len=1024, heads=8, kv_heads=8, qk_dim=64, v_dim=64, causal=True, flash=True)
+        bf16 = attention_time_s(p, precision=Precision.bf16, **kw)
+        assert bf16 == pytest.approx((1e-3, 2.5e-3))
+        assert attention_time_s(p, precision=Precision.fp16, **kw) == pytest.approx(bf16)
+        assert attention_time_s(p, precision=Precision.fp8, **kw) == pytest.approx(bf16)  # FP8 recipes: 16-bit attention
+
+
 class TestWaveAndK:
     def test_no_sm_count_means_no_waves(self):
         assert wave_efficiency(100, 100, None, ((128, 128),)) == 1.0

@@ -201,9 +201,27 @@ def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Prec
 _FALLBACK_LAYOUTS = (GemmLayout.nn, GemmLayout.nt, GemmLayout.tn)
 
 
+# a 16-bit precision without a table of its own is priced from the other's: bf16 and fp16 run on the
+# same tensor cores (or the same CPU kernels' widths), at the same datasheet rate on every GPU listed
+_SIBLING = {Precision.fp16: Precision.bf16, Precision.bf16: Precision.fp16}
+
+
+def _sibling_table(points, precision: Precision, profile: ClusterProfile):  # noqa: ANN001, ANN202
+    """(points of ``precision``, 1.0), else (its 16-bit sibling's points, datasheet peak of the sibling
+    / of ``precision`` where the device lists both, else 1.0), else ([], 1.0)."""
+    table = [p for p in points if p.precision is precision]
+    sibling = _SIBLING.get(precision)
+    if table or sibling is None:
+        return table, 1.0
+    table = [p for p in points if p.precision is sibling]
+    peaks = profile.device.peak_tflops
+    scale = peaks[sibling] / peaks[precision] if sibling in peaks and precision in peaks else 1.0
+    return table, scale
+
+
 def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, layout: GemmLayout) -> float:
     pace = device_pace(profile) if profile.device_checks else _NO_PACE
-    table = [p for p in profile.compute.gemm if p.precision is precision]
+    table, scale = _sibling_table(profile.compute.gemm, precision, profile)
     if not table:
         return _roofline_gemm_time(profile, m, n, k, precision, pace)
     have = {p.layout for p in table}
@@ -212,7 +230,7 @@ def _one_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: P
         # the weight gradient from nn points: as its transposed product Cᵀ = Bᵀ·Aᵀ, the same work, which
         # is how profiles before layouts timed it ((in, out, tokens) nn, not (out, in, tokens) tn)
         m, n = n, m
-    return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k) * pace.compute
+    return _interpolated_gemm_time([p for p in table if p.layout is use], m, n, k) * scale * pace.compute
 
 
 def gemm_fwd_bwd_s(
@@ -361,20 +379,24 @@ def attention_time_s(
     instead of 2 (it recomputes the scores), i.e. 2.5× forward.
     A measured table (fused kernels) gives the rate instead: that of the nearest measurements in the
     same regime of the kernel's tiling, on the score elements it computes (:func:`same_regime`,
-    :func:`attention_work`).
+    :func:`attention_work`); FP8 recipes' attention from the bf16 points, a 16-bit precision without
+    points from the other 16-bit one's (:func:`_sibling_table`).
     Unfused (Megatron 2021): two batched GEMMs plus the scale-mask-softmax and dropout streaming
     the ``b·a·q·kv`` scores through HBM: 9 bytes per score forward, 11 backward.
     """
-    table = [p for p in profile.compute.attention if p.precision is precision and p.causal == causal]
     flops = 2.0 * batch * q_len * kv_len * heads * (qk_dim + v_dim)
     if flash:
         pace = device_pace(profile).compute if profile.device_checks else 1.0
+        # FP8 recipes run attention in 16 bits: an fp8 table (the profiler's copies of bf16 points), else bf16's
+        asked = Precision.bf16 if precision is Precision.fp8 and not any(
+            p.precision is Precision.fp8 for p in profile.compute.attention) else precision
+        table, scale = _sibling_table([p for p in profile.compute.attention if p.causal == causal], asked, profile)
         if table:
             blocking = profile.compute.attention_blocking
             work = 2.0 * batch * heads * (qk_dim + v_dim) * attention_work(q_len, kv_len, causal, blocking)
             fwd, bwd = _interpolated_attention(same_regime(table, q_len, blocking), blocking, batch, q_len, heads,
                                                kv_heads, qk_dim, work)
-            return fwd * pace, bwd * pace
+            return fwd * scale * pace, bwd * scale * pace
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
         rate = peak_flops(profile, Precision.bf16) * profile.assumptions.attention_efficiency
         fwd = flops * frac / rate * pace
