@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 import subprocess
 
@@ -130,7 +131,18 @@ def device_count(device_type: str) -> int:
     return os.cpu_count() or 1
 
 
-def environment(hostnames: list[str], backend: str, emulated_nodes: bool) -> Environment:
+def gloo_version() -> str | None:
+    """The torch build that vendors gloo (gloo has no version of its own; the build commit pins it)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return None
+    sha = re.search(r"COMMIT_SHA=([0-9a-f]{7,40})", torch.__config__.show())
+    return f"bundled with torch {torch.__version__}" + (f" (build {sha.group(1)[:12]})" if sha else "")
+
+
+def environment(hostnames: list[str], backend: str, emulated_nodes: bool, device_type: str = "cpu") -> Environment:
     import torch
 
     nccl = None
@@ -141,9 +153,18 @@ def environment(hostnames: list[str], backend: str, emulated_nodes: bool) -> Env
             nccl = None
     if emulated_nodes:
         hostnames = [f"{h} [emulated node {i}]" for i, h in enumerate(hostnames)]
-    return Environment(hostnames=hostnames, driver_version=driver_version() if backend == "nccl" else None,
+    devices = torch.cuda.device_count() if device_type == "cuda" else len(usable_cpus())
+    return Environment(hostnames=hostnames, driver_version=driver_version() if device_type == "cuda" else None,
                        cuda_version=torch.version.cuda, torch_version=torch.__version__,
-                       nccl_version=nccl, backend=backend)  # type: ignore[arg-type]
+                       nccl_version=nccl, gloo_version=gloo_version(), backend=backend,  # type: ignore[arg-type]
+                       devices_per_node=max(1, devices))
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (all of the host's when it is not pinned)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def hostname() -> str:

@@ -191,13 +191,6 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)
 
 
-def _cores() -> list[int]:
-    """The CPUs this process may run on (all of the host's when it is not pinned)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def crowded_hosts(ranks: list[tuple[str, list[int]]]) -> set[str]:
     """The hosts that run more ranks than the CPUs their ranks may use together (the union of
     their affinities: ranks pinned to cores of their own do not count as sharing). ``ranks``: each
@@ -261,7 +254,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         wait_group = dist.new_group(backend="gloo", timeout=timeout)
         phase = "identity (gather hostnames)"
         gathered: list = [None] * d.world
-        dist.all_gather_object(gathered, (identity.hostname(), _cores()))
+        dist.all_gather_object(gathered, (identity.hostname(), identity.usable_cpus()))
         hostnames = [h for h, _ in gathered]
         # one name per node, the host of its first rank (torchrun numbers a node's ranks consecutively)
         node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
@@ -327,7 +320,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         from profiler.compute import device_check_notes
 
         spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
-        env = identity.environment(node_hosts, backend, c.emulated)
+        env = identity.environment(node_hosts, backend, c.emulated, c.device_type)
         assumptions = Assumptions()
         sources = [
             f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",

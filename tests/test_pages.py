@@ -30,7 +30,8 @@ def measured_profile(client: TestClient, name: str = "lab-h100") -> dict:
     ref_id = next(c["latest_profile_id"] for c in client.get("/v1/clusters").json()["items"] if c["name"] == "dgx-h100")
     body = client.get(f"/v1/profiles/{ref_id}").json()["profile"]
     body.update(kind="measured", name=name)
-    body["environment"] = {"hostnames": ["node-a"], "backend": "nccl", "cuda_version": "12.4", "torch_version": "2.5"}
+    body["environment"] = {"hostnames": ["node-a"], "backend": "nccl", "cuda_version": "12.4", "torch_version": "2.5",
+                           "driver_version": "550.54", "devices_per_node": 8}
     for link in body["links"]:
         factor = {"all_reduce": 2 * 7 / 8, "all_gather": 7 / 8, "reduce_scatter": 7 / 8, "all_to_all": 7 / 8}.get(
             link["collective"], 1.0)
@@ -121,7 +122,7 @@ def test_measured_profile_page_draws_points(site: dict) -> None:
     assert len(re.findall(r"<circle\b", page)) > 40  # measured points of links and compute
     assert "bf16 measured" in page and "rmsnorm measured" in page and "forward measured" in page
     assert "model (no measurements)" not in page
-    assert "node-a" in page and "12.4" in page
+    assert "node-a" in page and "12.4" in page and "driver 550.54" in page and "8 GPUs per node" in page
     assert ("every device checked</th><td>2 ranks, bf16 GEMM 8192×8192×8192: 652.5–741 TFLOP/s · add 2910–2950 GB/s"
             in page)
 

@@ -63,6 +63,8 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
     p: ClusterProfile = quick_run["profile"]
     assert p.kind == "measured" and p.num_nodes == 2 and p.gpus_per_node == 2
     assert p.environment.backend == "gloo" and len(p.environment.hostnames) == 2
+    assert p.environment.gloo_version.startswith("bundled with torch ") and p.environment.driver_version is None
+    assert p.environment.devices_per_node == len(os.sched_getaffinity(0))  # the CPUs a rank may use
     assert any("emulated" in h for h in p.environment.hostnames)
     assert any("EMULATED NODES" in s for s in p.sources) and any("QUICK MODE" in s for s in p.sources)
     for level in (LinkLevel.intra_node, LinkLevel.inter_node):

@@ -62,7 +62,13 @@ class Environment(Contract):
     cuda_version: str | None = None
     torch_version: str | None = None
     nccl_version: str | None = None
+    gloo_version: str | None = Field(
+        None, description="gloo has no releases of its own: torch vendors it at a commit, so this names the torch "
+        "build that carries it (version and build commit)")
     backend: Literal["nccl", "gloo", "none"] = "none"
+    devices_per_node: int | None = Field(
+        None, ge=1, description="GPUs on rank 0's node (torch.cuda.device_count()), on a CPU the CPUs its process "
+        "may use; may exceed the ranks per node profiled")
 
 
 class TimedPoint(Contract):
