@@ -448,7 +448,7 @@ def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device,
         return None if fn is None else [fn]
 
     sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k, _), p in jobs]
-    return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].median_s, 1e-12),
+    return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].estimate_s, 1e-12),
                                              layout=timed_layout(layout, p))
             for t, ((m, n, k, layout), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
 
@@ -530,7 +530,7 @@ def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precisio
     timed = _timed_in_rounds(sizes, make, device, grid, on_progress, budget)
     return [None if t is None else
             AttentionPoint(precision=p, batch=b, seq_length=s, num_heads=h, num_kv_heads=kv, head_dim=d, causal=True,
-                           forward_time_s=max(t[0].median_s, 1e-12), backward_time_s=max(t[1].median_s, 1e-12))
+                           forward_time_s=max(t[0].estimate_s, 1e-12), backward_time_s=max(t[1].estimate_s, 1e-12))
             for t, ((b, s, h, kv, d), p) in zip(timed, jobs)]
 
 
@@ -576,7 +576,7 @@ def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.
 def measure_elementwise(op: str, nbytes: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> ElementwisePoint:
     fn, moved = _elementwise_case(op, nbytes, precision, device)
     result = _time(fn, device, grid)
-    return ElementwisePoint(op=op, precision=precision, bytes=moved, time_s=max(result.median_s, 1e-12))
+    return ElementwisePoint(op=op, precision=precision, bytes=moved, time_s=max(result.estimate_s, 1e-12))
 
 
 def _check_precisions(grid: ComputeGrid, device: torch.device) -> None:

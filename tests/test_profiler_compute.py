@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -22,6 +23,7 @@ from profiler.compute import (
     linear_shapes,
     measure_attentions,
     measure_compute,
+    measure_gemms,
     parse_precisions,
     supported_precisions,
 )
@@ -83,6 +85,22 @@ def test_time_fn_repeats_tiny_ops_to_min_time():
 def test_time_fn_measures_a_sleep():
     result = time_fn(lambda: time.sleep(0.01), device=CPU, warmup=1, trials=3)
     assert 0.009 < result.median_s < 0.05
+
+
+def test_a_cpu_profile_records_the_fastest_trial_and_a_gpu_one_the_median(monkeypatch):
+    """Wall clocks on a shared host only ever run slow: a CPU point is its fastest trial."""
+    from profiler.timing import estimate
+
+    assert estimate([3.0, 1.0, 2.0, 9.0], "cpu") == 1.0
+    assert estimate([3.0, 1.0, 2.0, 9.0], "cuda") == 2.5
+    calls = itertools.count()  # one call in four undisturbed (1 ms), the rest slowed (20 ms)
+    result = time_fn(lambda: time.sleep(0.001 if next(calls) % 4 == 0 else 0.02), device=CPU, warmup=1, trials=5)
+    assert result.estimate_s == min(result.trials) < 0.01 < result.median_s
+    # and that is what the tables record
+    import profiler.timing
+
+    monkeypatch.setattr(profiler.timing, "estimate", lambda trials, device_type: 0.125)
+    assert measure_gemms([((8, 8, 8, GemmLayout.nn), Precision.fp32)], CPU, TINY)[0].time_s == 0.125
 
 
 def test_points_positive_finite_and_bigger_gemms_take_longer(measured):
