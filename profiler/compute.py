@@ -12,7 +12,10 @@ residual add / softmax-cross-entropy ops, in each precision the device runs.
 
 ``achieved_matmul_tflops[p]`` is the best GEMM rate seen in precision ``p``;
 ``achieved_memory_bandwidth_bytes_per_s`` is the best rate of the largest residual add (the op whose
-bytes are least ambiguous: read two tensors, write one), so caches do not inflate it on CPU.
+bytes are least ambiguous: read two tensors, write one), so caches do not inflate it on CPU. The
+planner prices each bandwidth-bound op from its own points (rmsnorm, silu_mul, add,
+softmax_cross_entropy), never above the rate of its largest size, for the same reason
+(:func:`planner.cost.compute.elementwise_time_s`).
 """
 
 from __future__ import annotations

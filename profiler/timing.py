@@ -289,7 +289,8 @@ def time_fn(
 
     Each trial repeats ``fn`` ``calls`` times, with ``calls`` chosen (from the warm-up timings) so a
     trial lasts at least ``min_time_s``; the per-call time of a trial is its time / ``calls``.
-    Returns the median per-call time over trials and their inter-quartile range. ``hold=False``:
+    Returns the median per-call time over trials, their inter-quartile range and the statistic a
+    profile records (``estimate_s``: the fastest trial on a CPU, :func:`estimate`). ``hold=False``:
     never hold the GPU (a link's latency is part of what is measured).
     """
     result = time_rounds([fn], device=device, warmup=warmup, trials=trials, min_time_s=min_time_s,
@@ -315,8 +316,9 @@ def time_rounds(
     sized first, then round ``r`` times one trial of every operation in turn, ``trials`` rounds.
 
     A machine whose speed moves over seconds (a shared VM: its neighbours' load, frequency) then
-    spreads each operation's trials over the whole measurement instead of one moment of it, so the
-    median of each sees the same mix of fast and slow moments, and shapes measured minutes apart
+    spreads each operation's trials over the whole measurement instead of one moment of it, so each
+    operation's trials see the same mix of fast and slow moments (and its fastest, on a CPU, the
+    same quiet ones), and shapes measured minutes apart
     (a profile, then a check of it) compare like with like. ``on_round(r)`` is called after round ``r``.
 
     With a ``budget`` the operations are taken to come in order of cost, and the walk stops where the

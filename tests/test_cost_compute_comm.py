@@ -126,6 +126,12 @@ class TestElementwiseTable:
         assert elementwise_time_s(p, "rmsnorm", 10**9, Precision.bf16) == pytest.approx(1e9 / 4e11)
         assert elementwise_time_s(p, "rmsnorm", 10**5, Precision.bf16) == pytest.approx(1e5 / 1e11)
 
+    def test_a_small_point_faster_than_the_largest_is_held_at_the_largest_rate(self):
+        # in cache on a CPU: 8e11 B/s at 1 MB, 4e11 at 100 MB; a step's activations are not cache-hot
+        p = self.table(("add", Precision.fp32, 10**6, 1.25e-6), ("add", Precision.fp32, 10**8, 2.5e-4))
+        assert elementwise_time_s(p, "add", 10**6, Precision.fp32) == pytest.approx(1e6 / 4e11)
+        assert elementwise_time_s(p, "add", 10**7, Precision.fp32) == pytest.approx(1e7 / 4e11)
+
     def test_another_precision_of_the_op_before_the_bandwidth(self):
         p = self.table(("silu_mul", Precision.fp32, 10**8, 1e-3), ("silu_mul", Precision.fp16, 10**8, 5e-4))
         # bf16: the other 2-byte precision's rate (2e11), not fp32's (1e11) or the add's 4e11
@@ -156,6 +162,13 @@ class TestElementwiseTable:
         E = 1024 * 1024
         extra = (2 * 2 * 2 * E + 3 * 2 * 1024 * 4096) / 4e11  # their bytes once more at 4e11 B/s
         assert block_cost(slow, model, 0, mb, layout, groups).forward.memory_s == pytest.approx(base + extra)
+        # each norm is its own kernel, priced at its own size's rate (not the two norms' bytes as one
+        # bigger, faster kernel): 1e11 B/s at 1 MB, 4e11 at 100 MB, log-interpolated between
+        sized = self.table(("rmsnorm", Precision.bf16, 10**6, 1e-5), ("rmsnorm", Precision.bf16, 10**8, 2.5e-4))
+        one = elementwise_time_s(sized, "rmsnorm", 2 * 2 * E, Precision.bf16)
+        assert one > elementwise_time_s(sized, "rmsnorm", 2 * 2 * 2 * E, Precision.bf16) / 2
+        assert block_cost(sized, model, 0, mb, layout, groups).forward.memory_s == pytest.approx(
+            base - 2 * 2 * 2 * E / 4e11 + 2 * one)
         # the loss: logits at the softmax_cross_entropy rate (14 bytes per bf16 logit forward)
         ce = self.table(("softmax_cross_entropy", Precision.bf16, 10**8, 10**8 / 1e11))
         head = lm_head_cost(ce, model, mb, groups)[0].memory_s
@@ -184,8 +197,14 @@ class TestSiblingPrecision:
         # not the roofline (100 TFLOP/s at efficiency 1 would be twice as fast as measured)
         half = self.measured({Precision.bf16: 100.0, Precision.fp16: 50.0})
         assert gemm_time_s(half, 1024, 1024, 1024, Precision.fp16) == pytest.approx(2 * bf16)
-        # fp32 has no 16-bit sibling: the roofline, at half the bf16 peak (TF32) and efficiency 1
-        assert gemm_time_s(same, 1024, 1024, 1024, Precision.fp32) == pytest.approx(2 * 1024**3 / 50e12)
+        # fp32 has no 16-bit sibling: the roofline, at half the bf16 peak (TF32) and efficiency 0.5 (the
+        # bf16 points' own 50 TFLOP/s would give half this)
+        roof = self.measured({Precision.bf16: 100.0, Precision.fp16: 100.0}).model_copy(
+            update={"assumptions": same.assumptions.model_copy(update={"matmul_efficiency": 0.5})})
+        assert gemm_time_s(roof, 1024, 1024, 1024, Precision.fp32) == pytest.approx(2 * 1024**3 / 25e12)
+        # a CPU profile keeps the roofline for fp16: its fp16 matmul shares no kernel with bf16
+        cpu = same.model_copy(update={"device": same.device.model_copy(update={"name": "CPU: toy"})})
+        assert gemm_time_s(cpu, 1024, 1024, 1024, Precision.fp16) == pytest.approx(2 * 1024**3 / 100e12)
 
     def test_attention_of_fp16_and_fp8_from_bf16_points(self):
         p = self.measured({Precision.bf16: 100.0, Precision.fp16: 100.0})

@@ -109,10 +109,10 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
     """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
     micro-batch 2, 21.15 against 22.66 at 8). The step time is low, and the gap is pinned so a
-    change is seen: at micro-batch 8 by 15-17% (96.4 ms from the quick profile, 94.7 from the full,
-    against 114.0), at micro-batch 2 by 34% (101.9 and 102.3 against 153.9): the executor's eager
+    change is seen: at micro-batch 8 by 15-17% (96.6 ms from the quick profile, 94.8 from the full,
+    against 114.0), at micro-batch 2 by 34% (102.1 and 102.5 against 153.9): the executor's eager
     elementwise kernels beyond the ones the profile times (its 'other' kernels took 33.0 ms at
-    micro-batch 2; the planner prices 14.1 ms of norms, SwiGLU products, adds and the loss at the
+    micro-batch 2; the planner prices 14.3 ms of norms, SwiGLU products, adds and the loss at the
     profile's rates for them) and the host time between kernels (3,741 launches at micro-batch 2)
     (README "On a GPU"). Before the elementwise table priced those ops (all at the add's 4.3 TB/s:
     9.1 ms) the step read 19-21% / 37% low; before attention was fitted on thread blocks, 15% low

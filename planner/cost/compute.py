@@ -5,7 +5,10 @@ Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_ef
 K/(K+K0)), bytes / (hbm · memory_efficiency))``. These are times of the work itself; the fixed cost of
 launching each kernel is added per kernel by the caller (:mod:`planner.cost.layer`). Measured profiles interpolate the achieved
 rate of the nearest measured shapes with a local linear fit in log space (:func:`local_log_fit`),
-so the datasheet never enters.
+so the datasheet enters only to scale a GPU's table of one 16-bit precision to the other where that
+one has none (:func:`_sibling_table`); bandwidth-bound ops at their own table's rates
+(:func:`elementwise_time_s`). A precision without a table or a sibling (an fp32 or fp8 GEMM with
+only bf16 points) is priced by the roofline.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import statistics
 from typing import NamedTuple
 
 from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
@@ -116,8 +120,12 @@ def elementwise_time_s(profile: ClusterProfile, op: str, nbytes: float, precisio
 
     From the profile's measured table of ``op`` (``ComputeProfile.elementwise``): its achieved rate
     (bytes / time) interpolated linearly in log size between the neighbouring measured sizes, held
-    at the end points' rates beyond them, in ``precision``'s points, else another precision's (a
-    bandwidth-bound op moves bytes at about the same rate whatever they hold). An op runs as the
+    at the end points' rates beyond them and never above the largest size's (a point small enough
+    to stay in a CPU's caches, timed over and over on the same buffers, reads faster than a step's
+    activations, which other kernels have evicted: so caches do not inflate it, as for the
+    achieved bandwidth; a GPU's small points run slower, launch-bound, and keep their rate), in
+    ``precision``'s points, else another precision's (a bandwidth-bound op moves bytes at about the
+    same rate whatever they hold). ``nbytes`` is one kernel's: a size's rate is that of one call. An op runs as the
     profiled torch ran it: a norm kernel reads and writes at 70-75% of an add's rate on an H200 and
     the unfused ``silu(g) * u`` at 55-60% (it writes and reads its intermediate). Where the table has
     no points of ``op`` (reference profiles): :func:`memory_time_s`. At the slowest checked device's
@@ -156,7 +164,9 @@ def _elementwise_rates(profile: ClusterProfile, op: str, precision: Precision) -
         for p in points:
             if p.precision is use:
                 by_size.setdefault(p.bytes, []).append(p.bytes / p.time_s)
-        rates = [(float(b), sorted(r)[len(r) // 2]) for b, r in sorted(by_size.items())]
+        rates = [(float(b), statistics.median(r)) for b, r in sorted(by_size.items())]
+        top = rates[-1][1]
+        rates = [(b, min(r, top)) for b, r in rates]
     else:
         rates = []
     if memo is not None:
@@ -201,17 +211,18 @@ def gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Prec
 _FALLBACK_LAYOUTS = (GemmLayout.nn, GemmLayout.nt, GemmLayout.tn)
 
 
-# a 16-bit precision without a table of its own is priced from the other's: bf16 and fp16 run on the
-# same tensor cores (or the same CPU kernels' widths), at the same datasheet rate on every GPU listed
+# on a GPU a 16-bit precision without a table of its own is priced from the other's: bf16 and fp16
+# run on the same tensor cores, at the same datasheet rate on every GPU listed. Not on a CPU, where
+# fp16 matmul has no AMX/AVX-512 bf16 path to share (torch runs it far slower than bf16 without AMX-FP16)
 _SIBLING = {Precision.fp16: Precision.bf16, Precision.bf16: Precision.fp16}
 
 
 def _sibling_table(points, precision: Precision, profile: ClusterProfile):  # noqa: ANN001, ANN202
-    """(points of ``precision``, 1.0), else (its 16-bit sibling's points, datasheet peak of the sibling
-    / of ``precision`` where the device lists both, else 1.0), else ([], 1.0)."""
+    """(points of ``precision``, 1.0), else on a GPU (its 16-bit sibling's points, datasheet peak of the
+    sibling / of ``precision`` where the device lists both, else 1.0), else ([], 1.0)."""
     table = [p for p in points if p.precision is precision]
     sibling = _SIBLING.get(precision)
-    if table or sibling is None:
+    if table or sibling is None or profile.is_cpu:
         return table, 1.0
     table = [p for p in points if p.precision is sibling]
     peaks = profile.device.peak_tflops

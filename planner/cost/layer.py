@@ -179,13 +179,14 @@ def block_cost(
 
     # bandwidth-bound ops: 2 norms (2E each), 2 residual adds with dropout (3E + mask each) in the
     # replicated region (split by t only with SP); activation function and RoPE in the TP region.
-    # Each at its own measured rate where the profile has an elementwise table (norms as rmsnorm,
-    # the SwiGLU product as silu_mul, the rest as adds), else at the memory bandwidth
+    # Each kernel at its own measured rate for its own size where the profile has an elementwise
+    # table (norms as rmsnorm, the SwiGLU product as silu_mul, the rest as adds), else at the memory
+    # bandwidth
     rep = t if mb.sp else 1
     E = tokens * h
     dropout = E if model.dropout > 0 else 0
-    norms = 2 * 2 * elt * E / rep
-    adds = 2 * (3 * elt * E + dropout) / rep
+    norm = 2 * elt * E / rep
+    add = (3 * elt * E + dropout) / rep
     if moe is not None:
         ffn = moe.expert_ffn_hidden_size * routed_token_count(moe, 1, mb.moe_imbalance) + moe.shared_ffn * moe.num_shared_experts
     else:
@@ -200,9 +201,10 @@ def block_cost(
     if moe is not None:
         permute = (2 * 2 + 1) * elt * routed_token_count(moe, tokens, mb.moe_imbalance) * h / rep
     p = mb.precision
-    fwd.memory_s = (elementwise_time_s(profile, "rmsnorm", norms, p)
+    fwd.memory_s = (2 * elementwise_time_s(profile, "rmsnorm", norm, p)
                     + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
-                    + elementwise_time_s(profile, "add", adds + rope + permute, p))
+                    + 2 * elementwise_time_s(profile, "add", add, p)
+                    + elementwise_time_s(profile, "add", rope, p) + elementwise_time_s(profile, "add", permute, p))
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
