@@ -311,8 +311,8 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                 host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
                 host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
                 grid_notes = list(grid.notes)
-            # the others wait here for rank 0's compute, on wait_group (see above), at least an hour
-            _wait_for_rank0(dist, wait_group, max(opts.timeout_s, 3600.0))
+            # the others wait here for rank 0's compute, on wait_group (see above)
+            _wait_for_rank0(dist, wait_group, rank0_wait_s(opts.quick, opts.timeout_s))
         if d.rank != 0:
             dist.destroy_process_group()
             return None
@@ -394,6 +394,17 @@ def _device_checks(dist, group, d, device, hostnames: list[str], quick: bool = F
         raise RuntimeError("the device check failed on " + "; ".join(
             f"rank {r} ({hostnames[r]}): {why}" for r, why in failed[:8]) + ("; ..." if len(failed) > 8 else ""))
     return sorted(gathered, key=lambda c: c.rank), note
+
+
+QUICK_RANK0_WAIT_S = 900.0  # a quick profile's compute: 45 s on CPUs (QUICK_MEASURE_S), 41 s on an H200
+FULL_RANK0_WAIT_S = 3600.0  # a full one's: 96 s on an H200, 6 min on a 2-vCPU VM; slower GPUs and larger grids more
+
+
+def rank0_wait_s(quick: bool, timeout_s: float) -> float:
+    """How long the other ranks wait for rank 0's compute tables before the run stops naming rank 0
+    as hung: ``--timeout`` where that is longer, else 15 minutes for a quick profile (twenty times
+    what its compute takes) and an hour for a full one."""
+    return max(timeout_s, QUICK_RANK0_WAIT_S if quick else FULL_RANK0_WAIT_S)
 
 
 def _wait_for_rank0(dist, group, timeout_s: float) -> None:  # noqa: ANN001

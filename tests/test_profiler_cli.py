@@ -247,6 +247,13 @@ def test_impossible_requests_are_refused_before_anything_runs(monkeypatch):
         check(ProfileOptions(quick=True), Dist(0, 4, 0, 4, True))
 
 
+def test_the_wait_for_rank_0s_compute_is_bounded_by_the_profile_it_makes():
+    from profiler.run import rank0_wait_s
+
+    assert rank0_wait_s(True, 300.0) == 900.0 and rank0_wait_s(False, 300.0) == 3600.0
+    assert rank0_wait_s(True, 2000.0) == 2000.0  # a longer --timeout wins
+
+
 def test_missing_output_stops(tmp_path):
     proc = _single("--quick")
     assert proc.returncode == 2 and "--out" in proc.stderr
