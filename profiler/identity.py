@@ -124,11 +124,12 @@ def driver_version() -> str | None:
 
 
 def device_count(device_type: str) -> int:
+    """Devices on this node: its GPUs, or on a CPU the CPUs this process may use."""
     import torch
 
     if device_type == "cuda":
         return torch.cuda.device_count()
-    return os.cpu_count() or 1
+    return len(usable_cpus())
 
 
 def gloo_version() -> str | None:
@@ -153,11 +154,10 @@ def environment(hostnames: list[str], backend: str, emulated_nodes: bool, device
             nccl = None
     if emulated_nodes:
         hostnames = [f"{h} [emulated node {i}]" for i, h in enumerate(hostnames)]
-    devices = torch.cuda.device_count() if device_type == "cuda" else len(usable_cpus())
     return Environment(hostnames=hostnames, driver_version=driver_version() if device_type == "cuda" else None,
                        cuda_version=torch.version.cuda, torch_version=torch.__version__,
                        nccl_version=nccl, gloo_version=gloo_version(), backend=backend,  # type: ignore[arg-type]
-                       devices_per_node=max(1, devices))
+                       devices_per_node=max(1, device_count(device_type)))
 
 
 def usable_cpus() -> list[int]:

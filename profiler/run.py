@@ -147,7 +147,7 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
         raise AutoparError("--tp-degrees", opts.tp_degrees,
                            "give --model too (the degrees split that model's layers), or leave --tp-degrees out "
                            "for the model-free grid", problem="has no --model to split")
-    if tps and model is not None:
+    if tps:
         bad = [t for t in tps if model.num_attention_heads % t]
         if bad:
             raise AutoparError("--tp-degrees", opts.tp_degrees,

@@ -31,15 +31,15 @@ class TimingResult:
     iqr_s: float
     trials: list[float] = field(default_factory=list)
     calls_per_trial: int = 1
-    estimate_s: float | None = None  # None: the median (results made by hand)
-
-    def __post_init__(self) -> None:
-        if self.estimate_s is None:
-            self.estimate_s = self.median_s
+    device_type: str = "cpu"  # what timed the trials: a wall clock ("cpu") or CUDA events
 
     @property
     def min_s(self) -> float:
         return min(self.trials) if self.trials else self.median_s
+
+    @property
+    def estimate_s(self) -> float:
+        return estimate(self.trials, self.device_type) if self.trials else self.median_s
 
 
 def estimate(trials: list[float], device_type: str) -> float:
@@ -47,11 +47,10 @@ def estimate(trials: list[float], device_type: str) -> float:
 
     A CPU trial is a wall clock, and on a shared host other work only ever adds to it (a preempted
     thread, caches refilled after a neighbour): the fastest trial is what the machine does when
-    left alone, and it repeats; the median follows the host's load at the moment. On a 2-vCPU VM
-    whose speed moved by up to 20% between 5-second windows, the quick grid's fp32 GEMMs priced 30
-    held-out shapes measured a minute later 30 of 30 within 15% (twice; worst 14.7% and 9.0%) from
-    their fastest trials, 21 and 27 of 30 from medians (worst 37.1% and 33.1%); bf16 25 against 12 of
-    30 (benchmarks/profile_accuracy.py judges the profiler this way). CUDA events time the GPU, which
+    left alone, and it repeats; the median follows the host's load at the moment. On a busy 2-vCPU
+    VM (``benchmarks/cpu_statistic.py``, both statistics from the same trials) the quick grid's fp32
+    GEMMs priced 30 held-out shapes measured right after 29 of 30 within 15% from fastest trials
+    against 19 of 30 from medians, bf16 23 against 12 (README, "Profile a cluster"). CUDA events time the GPU, which
     a host's load does not slow, and whose fastest trial would catch the clock at its highest: the
     median there."""
     return min(trials) if device_type == "cpu" else statistics.median(trials)
@@ -360,5 +359,5 @@ def time_rounds(
         if on_round is not None:
             on_round(r)
     return [None if c is None else TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t,
-                                                calls_per_trial=c, estimate_s=estimate(t, device.type))
+                                                calls_per_trial=c, device_type=device.type)
             for t, c in zip(times, calls)]
