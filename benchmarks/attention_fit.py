@@ -1,9 +1,9 @@
 """How well does the planner price attention it did not measure, from a GPU profile's table?
 
 Offline (no GPU needed): reads measured profiles and prints, for the planner's attention fit
-(:func:`planner.cost.compute.attention_time_s`) and, side by side, the fit on each of the two
-coordinate sets (the heads fit GPU tables had before and CPU tables keep; the thread-block fit GPU
-tables have now):
+(:func:`planner.cost.compute.attention_time_s`) on each of its two coordinate sets side by side (the
+heads fit GPU tables had before and CPU tables keep; the thread-block fit GPU tables have now), and
+which one the planner takes for the profile:
   - leave-one-out over a table's bf16 points: each point priced from the others;
   - leave-one-layout-out: each head layout's points priced from the other layouts' (a model's heads
     the grid never measured);
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,47 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import planner.cost.compute as cc  # noqa: E402
 from planner.contracts import AttentionPoint, ClusterProfile, ModelSpec, Precision  # noqa: E402
+from profiler.compute import default_grid  # noqa: E402
 
-QUICK_GPU_LAYOUTS = [(8, 8, 128), (32, 8, 128), (64, 8, 128)]  # profiler.compute.default_grid, quick, CUDA
-QUICK_GPU_SEQS = (1024, 8192)
-
-
-def _fit_on(coords: Callable) -> Callable:
-    """The planner's local log fit of attention rates (as :func:`planner.cost.compute._interpolated_attention`)
-    on the coordinates ``coords(batch, seq, heads, kv_heads, head_dim)``."""
-    def interpolate(table, blocking, batch, seq, heads, kv_heads, head_dim, work):  # noqa: ANN001, ANN202
-        target = coords(batch, seq, heads, kv_heads, head_dim)
-        fwd, bwd = [], []
-        for p in table:
-            x = coords(p.batch, p.seq_length, p.num_heads, p.num_kv_heads, p.head_dim)
-            work_of = cc.attention_work(p.seq_length, p.seq_length, p.causal, blocking)
-            ref = 4.0 * p.batch * p.num_heads * p.head_dim * work_of
-            fwd.append((x, math.log(ref / p.forward_time_s)))
-            bwd.append((x, math.log(ref / p.backward_time_s)))
-        return work / math.exp(cc.local_log_fit(fwd, target)), work / math.exp(cc.local_log_fit(bwd, target))
-    return interpolate
-
-
-# the planner's fit; the coordinates GPU tables had before (CPU tables keep them); the thread-block
-# coordinates GPU tables have now, applied to any table (on a CPU profile: the alternative not taken)
-FITS: dict[str, Callable | None] = {
-    "planner's fit": None,
-    "heads fit (log seq, log b*h, log b*kv, log d)": _fit_on(
-        lambda b, s, h, kv, d: (math.log(s), math.log(b * h), math.log(b * kv), math.log(d))),
-    "thread-block fit (log seq, log b*h*seq/128, log d)": _fit_on(
-        lambda b, s, h, kv, d: (math.log(s), math.log(b * h * s / cc.GPU_ATTENTION_QUERY_TILE), math.log(d))),
+# the coordinates CPU tables are fitted on (and GPU tables were); the thread-block coordinates GPU
+# tables are fitted on now, each applied to any table (the planner takes one: attention_coords)
+FITS = {
+    "heads fit (log seq, log b*h, log b*kv, log d)": cc.heads_coords,
+    "thread-block fit (log seq, log b*h*seq/128, log d)": cc.thread_block_coords,
 }
 
 
 @contextmanager
 def fit(name: str) -> Iterator[None]:
-    original = cc._interpolated_attention
-    if FITS[name] is not None:
-        cc._interpolated_attention = FITS[name]
+    """The planner's attention fit on ``FITS[name]``'s coordinates, whatever table it prices."""
+    original = cc.attention_coords
+    cc.attention_coords = lambda blocking: FITS[name]
     try:
         yield
     finally:
-        cc._interpolated_attention = original
+        cc.attention_coords = original
 
 
 def _with(profile: ClusterProfile, table: list[AttentionPoint]) -> ClusterProfile:
@@ -110,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     full = ClusterProfile.model_validate_json(Path(a.full).read_text())
     quick = ClusterProfile.model_validate_json(Path(a.quick).read_text()) if a.quick else None
     bf16 = [p for p in full.compute.attention if p.precision is precision]
-    in_quick_grid = [p for p in bf16 if _layout(p) in QUICK_GPU_LAYOUTS
-                     and QUICK_GPU_SEQS[0] <= p.seq_length <= QUICK_GPU_SEQS[1]]
+    quick_grid = default_grid(quick=True, device_type="cuda").attention  # (batch, seq, heads, kv, dim)
+    quick_layouts = {(h, kv, d) for _, _, h, kv, d in quick_grid}
+    quick_seqs = [s for _, s, _, _, _ in quick_grid]
+    in_quick_grid = [p for p in bf16 if _layout(p) in quick_layouts
+                     and min(quick_seqs) <= p.seq_length <= max(quick_seqs)]
     rest = [p for p in bf16 if p not in in_quick_grid]
-    tiled = " (CPU tiling recorded: the planner takes the heads fit)" if full.compute.attention_blocking else ""
+    taken = next(name for name, c in FITS.items() if c is cc.attention_coords(full.compute.attention_blocking))
     print(f"{full.name}: {len(bf16)} {precision.value} attention points in {len({_layout(p) for p in bf16})} head "
-          f"layouts{tiled}")
+          f"layouts; the planner takes the {taken.split(' (')[0]}")
+    measured = json.loads(Path(a.step).read_text()) if a.step else None
     for name in FITS:
         print(f"\n{name}")
         with fit(name):
@@ -137,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 others = [p for p in bf16 if (_layout(p), p.seq_length) not in held]
                 print(f"  the quick profile ({len({_layout(p) for p in one})} layout) pricing the full table's "
                       f"other {len(others)} points: {_summary(_errors(quick, others))}")
-            if a.step:
-                measured = json.loads(Path(a.step).read_text())
+            if measured:
                 model = ModelSpec(**measured["model"])
                 seq = measured["training"]["seq_length"]
                 for run in measured["runs"]:

@@ -124,7 +124,7 @@ for d in p.device_checks:
           f"add {d.memory_bandwidth_bytes_per_s / 1e12:.2f} TB/s")
 for link in p.links:  # a piecewise fit's flat first segment: latency alone (its bandwidth term is nil)
     span = f" [{link.min_bytes or 0} B, {link.max_bytes or 'max'} B)" if link.min_bytes or link.max_bytes else ""
-    bw = "flat (latency-bound)" if link.busbw_bytes_per_s >= 1e15 else f"{link.busbw_bytes_per_s / 1e9:.1f} GB/s"
+    bw = "flat (latency-bound)" if link.is_flat else f"{link.busbw_bytes_per_s / 1e9:.1f} GB/s"
     print(f"link {link.level.value} {link.collective.value}{span}: alpha {link.alpha_s * 1e6:.1f} us, {bw}, "
           f"R2 {'-' if link.fit_r2 is None else f'{link.fit_r2:.3f}'}")
 for s in p.sources:

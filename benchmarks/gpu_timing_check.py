@@ -53,7 +53,7 @@ def gpu_rows_s(events) -> dict[str, float]:  # noqa: ANN001 - torch.profiler's k
 
 
 def kernel_seconds(fn, device: torch.device, calls: int = 50) -> tuple[float, float]:  # noqa: ANN001
-    """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows_s`), and GPU rows
+    """Per-call GPU kernel time of ``fn`` from torch.profiler (:func:`gpu_rows`), and GPU rows
     (kernels, memcpy, memset) per call."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -240,7 +240,7 @@ def _minimax_lp(bs: list[float], ts: list[float], tie_break: bool) -> tuple[floa
     return alpha, slope, worst
 
 
-MIN_SLOPE = 1e-18  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s, i.e. "free")
+MIN_SLOPE = 1e-18  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s, i.e. "free": LinkProfile.is_flat)
 
 
 def busbw_from_slope(collective: Collective, slope: float, group_size: int, per_node: int, level: LinkLevel) -> float:

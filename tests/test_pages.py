@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
+from planner.contracts import LinkProfile
 
 EVIL = "<script>alert(1)</script>"
 SMALL_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
@@ -133,7 +134,7 @@ def test_a_flat_link_segment_reads_as_latency_only(site: dict) -> None:
     shipped = Path(__file__).resolve().parents[1] / "planner" / "data" / "measured" / "nvidia-h200-1x1.json"
     body = json.loads(shipped.read_text())
     body["name"] = "h200-flat-check"
-    flat = [link for link in body["links"] if link["busbw_bytes_per_s"] >= 1e15]
+    flat = [link for link in body["links"] if LinkProfile.model_validate(link).is_flat]
     assert flat and all(link["fit_r2"] < 0.5 for link in flat)  # what the table must not show as a fit quality
     r = site["client"].post("/v1/profiles", json=body)
     assert r.status_code == 201, r.text

@@ -71,6 +71,9 @@ class Environment(Contract):
         "may use; may exceed the ranks per node profiled")
 
 
+FLAT_BUSBW_BYTES_PER_S = 1e15  # LinkProfile.is_flat: at or above this a fit's bandwidth term is nil
+
+
 class TimedPoint(Contract):
     bytes: int = Field(ge=0)
     time_s: float = Field(gt=0)
@@ -124,6 +127,12 @@ class LinkProfile(Contract):
     @property
     def segmented(self) -> bool:
         return self.min_bytes is not None or self.max_bytes is not None
+
+    @property
+    def is_flat(self) -> bool:
+        """A fit with no bandwidth term (latency alone, as a piecewise link's first segment can be):
+        the profiler stores its nil slope as a bus bandwidth of ~1e18 B/s, far above any link's."""
+        return self.busbw_bytes_per_s >= FLAT_BUSBW_BYTES_PER_S
 
     def covers(self, nbytes: float) -> bool:
         return ((self.min_bytes is None or nbytes >= self.min_bytes)

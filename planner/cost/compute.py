@@ -484,6 +484,23 @@ def same_regime(table: list[AttentionPoint], q_len: int, blocking: list[Attentio
 GPU_ATTENTION_QUERY_TILE = 128  # query rows per thread block of a GPU flash kernel (FA2/FA3, cuDNN)
 
 
+def heads_coords(b: int, s: int, h: int, kv: int, d: int) -> tuple[float, ...]:
+    """Attention fit coordinates of a CPU table (a known tiling): (log seq, log batch·heads,
+    log batch·kv_heads, log head_dim)."""
+    return (math.log(s), math.log(b * h), math.log(b * kv), math.log(d))
+
+
+def thread_block_coords(b: int, s: int, h: int, kv: int, d: int) -> tuple[float, ...]:
+    """Attention fit coordinates of a GPU table: (log seq, log batch·heads·seq/128, log head_dim)."""
+    return (math.log(s), math.log(b * h * s / GPU_ATTENTION_QUERY_TILE), math.log(d))
+
+
+def attention_coords(blocking: list[AttentionBlocking]):  # noqa: ANN201
+    """The coordinates :func:`_interpolated_attention` fits a table on: :func:`heads_coords` where a
+    CPU tiling is recorded, else :func:`thread_block_coords`."""
+    return heads_coords if blocking else thread_block_coords
+
+
 def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_dim, work):  # noqa: ANN001
     """Measured attention: forward and backward rates (FLOPs of the computed score elements,
     :func:`attention_work`, per second) fitted locally in log space (:func:`local_log_fit`);
@@ -497,18 +514,11 @@ def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_d
     H200's full table (24 bf16 points) that took the leave-one-out error from a median of 8.9% to
     6.3%, and with each whole head layout left out (as a model's heads the grid never measured) from
     12.5% to 7.1%; the executor's step (batch 2 and 8, 16/8 heads) was priced 21% and 20% high
-    instead of 45% and 108%. On a CPU's table (one thread, fp32 and bf16, 70 points of the full
-    grid) the old coordinates had the lower medians (2.3-4.3% against 3.6-7.2%), though the
-    thread-block ones had more fp32 times within 15% (61-63 against 56-59 of 70), so they stay
-    there. ``benchmarks/attention_fit.py`` prints these figures for a profile, both fits side by side."""
+    instead of 45% and 108%. On a CPU's table the old coordinates had the lower medians, so they
+    stay there (a one-thread CPU profile measured then, not kept: README, "On a GPU"). ``benchmarks/attention_fit.py`` prints these figures for a profile, both
+    fits side by side."""
 
-    if blocking:
-        def coords(b, s, h, kv, d):  # noqa: ANN001, ANN202
-            return (math.log(s), math.log(b * h), math.log(b * kv), math.log(d))
-    else:
-        def coords(b, s, h, kv, d):  # noqa: ANN001, ANN202
-            return (math.log(s), math.log(b * h * s / GPU_ATTENTION_QUERY_TILE), math.log(d))
-
+    coords = attention_coords(blocking)
     target = coords(batch, seq, heads, kv_heads, head_dim)
     fwd_pts, bwd_pts = [], []
     for p in table:
