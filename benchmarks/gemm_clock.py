@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         med = statistics.median(s.elapsed_time(e) / 1e3 / n for s, e, n in events)
         readings = sampler.samples.get(key, [])
-        clock = statistics.median(c for c, _ in readings) if readings else float("nan")
-        watts = statistics.median(w for _, w in readings) if readings else float("nan")
+        clock = statistics.median(r.clock_mhz for r in readings) if readings else float("nan")
+        watts = statistics.median(r.power_w for r in readings) if readings else float("nan")
         print(f"{name:<48} {med * 1e6:8.1f} us {flop / med / 1e12:6.0f} TFLOP/s   SM {clock:5.0f} MHz "
               f"{watts:5.0f} W   ({len(events)} timings)")
 

@@ -1,16 +1,19 @@
-"""What a GPU's clock and power did while a table was measured (NVML, through torch.cuda).
+"""What a GPU's clock and power did while a table was measured (NVML, or amdsmi through torch.cuda).
 
 A GPU running GEMMs back to back can reach its board power limit, and the SM clock then falls to
 hold it there: on a lent H200 one bf16 GEMM (4096 x 5632 x 2048) ran at 646 TFLOP/s back to back
 (SM clock 1620 MHz, 690 W of 700), at 700-722 between memory-bound kernels (1845-1935 MHz) and 713
 with idle gaps (1980 MHz, 281 W) (README "On a GPU"). The profiler's GEMM tables are timed in rounds
 of back-to-back trials, so they likely hold such sustained rates; :class:`GpuStateSampler` records
-the clock and power each table ran at, against the board's power limit and top SM clock, for the
-profile's notes, so a reader can tell a capped table from a cool one.
+the clock, the power and NVML's clock event reasons (why the clock is below its top: the power cap,
+thermal slowdown, an application clock setting ...) each table ran at, against the board's power
+limit and top SM clock, for the profile's notes, so a reader can tell a capped table from a cool
+one, and a power cap from a thermal one.
 
-``torch.cuda.clock_rate`` and ``torch.cuda.power_draw`` read NVML (the nvidia-ml-py package, in
-autopar's ``torch`` extra) or, on ROCm, amdsmi; where they cannot be read the sampler records
-nothing and its note says why.
+On NVIDIA, one NVML handle per device (torch's lookup, which maps CUDA_VISIBLE_DEVICES to NVML's
+index) is taken once and read directly (the nvidia-ml-py package, in autopar's ``torch`` extra); on
+ROCm ``torch.cuda.clock_rate`` and ``torch.cuda.power_draw`` read amdsmi, with no reasons. Where
+nothing can be read the sampler records nothing and its note says why.
 """
 
 from __future__ import annotations
@@ -19,63 +22,155 @@ import statistics
 import threading
 from collections.abc import Callable
 from types import TracebackType
+from typing import NamedTuple
 
 import torch
 
 SAMPLE_EVERY_S = 0.25  # NVML's own sample period is 1/6 s to 1 s by product
 NEAR_POWER_LIMIT = 0.95  # median power at or above this share of the limit: capped
 BELOW_TOP_CLOCK = 0.92  # median SM clock at or below this share of the top clock: held down
+MOSTLY = 0.5  # a clock event reason active in at least this share of a section's samples names its cause
+
+# NVML's clock event reasons (nvmlClocksEventReason*, the bits of nvmlDeviceGetCurrentClocksEventReasons)
+CLOCK_REASONS = {
+    0x1: "GPU idle",
+    0x2: "application clock setting",
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "hardware power brake",
+    0x100: "display clock setting",
+}
+POWER_REASONS = 0x4 | 0x80
+THERMAL_REASONS = 0x20 | 0x40
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` as the nearest rank (no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+class Reading(NamedTuple):
+    """One sample: SM clock (MHz), board power (W) and NVML's active clock event reasons (a bit
+    mask of :data:`CLOCK_REASONS`; None where they cannot be read)."""
+
+    clock_mhz: float
+    power_w: float
+    reasons: int | None = None
 
 
-def _board_limits(device: torch.device) -> tuple[float | None, float | None]:
-    """(power limit W, top SM clock MHz) from NVML, or None each where it cannot be read (ROCm, no
-    nvidia-ml-py). Uses torch's own NVML handle, which maps CUDA_VISIBLE_DEVICES to NVML's index."""
-    if torch.version.hip:
-        return None, None
-    try:
-        import pynvml
+def spread(values: list[float]) -> tuple[float, float]:
+    """(10th, 90th) percentile of ``values`` (linear between order statistics, as numpy's default)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
 
-        handle = torch.cuda._get_pynvml_handler(device)
-        limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0  # mW
-        top = float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+
+class NvmlReader:
+    """Reads one NVIDIA device through one NVML handle, looked up once: the SM clock, the board power
+    and the clock event reasons, and on request the board's power limit and top SM clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        import pynvml  # ModuleNotFoundError where nvidia-ml-py is missing: the note says so
+
+        self._nvml = pynvml
+        self._handle = torch.cuda._get_pynvml_handler(device)
+        # the older name of the same call (nvidia-ml-py before 12.535)
+        self._reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                         or getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+
+    def __call__(self) -> Reading:
+        nvml, handle = self._nvml, self._handle
+        clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+        power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # mW
+        reasons = None
+        if self._reasons is not None:
+            try:
+                reasons = int(self._reasons(handle))
+            except nvml.NVMLError:  # not supported on this board: clock and power still tell
+                self._reasons = None
+        return Reading(clock, power, reasons)
+
+    def limits(self) -> tuple[float | None, float | None]:
+        """(power limit W, top SM clock MHz), or None each where NVML does not say."""
+        nvml, handle = self._nvml, self._handle
+        try:
+            limit = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0  # mW
+        except nvml.NVMLError:
+            limit = None
+        try:
+            top = float(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM))
+        except nvml.NVMLError:
+            top = None
         return limit, top
-    except Exception:  # noqa: BLE001 - optional context for the note
-        return None, None
+
+
+def _amdsmi_reading(device: torch.device) -> Reading:
+    """ROCm: torch's amdsmi readings (power in W), no clock event reasons."""
+    return Reading(float(torch.cuda.clock_rate(device)), float(torch.cuda.power_draw(device)))
+
+
+def default_reader(device: torch.device) -> Callable[[], Reading]:
+    """What reads ``device``: :class:`NvmlReader` on NVIDIA, torch's amdsmi readings on ROCm."""
+    if torch.version.hip:
+        return lambda: _amdsmi_reading(device)
+    return NvmlReader(device)
+
+
+def reasons_text(readings: list[Reading]) -> str:
+    """Each clock event reason NVML gave in any of ``readings``, with the share of them it was in."""
+    masks = [r.reasons for r in readings if r.reasons is not None]
+    shares = [(name, sum(bool(m & bit) for m in masks) / len(masks)) for bit, name in CLOCK_REASONS.items()] \
+        if masks else []
+    return ", ".join(f"{name} {share:.0%}" for name, share in shares if share > 0) or "none"
+
+
+def held_down(readings: list[Reading], limit: float | None, top: float | None) -> str | None:
+    """Why a section's clock was held down, in words, or None where it was not.
+
+    NVML's reasons name the cause where they were read: a power reason (software power cap, power
+    brake) or a thermal one in at least half the samples. Without them the power alone can: a median
+    at 95% of the limit or above. A clock at 92% of its top or below with neither is said to be low
+    without blaming the power limit."""
+    clock = statistics.median(r.clock_mhz for r in readings)
+    power = statistics.median(r.power_w for r in readings)
+    masks = [r.reasons for r in readings if r.reasons is not None]
+
+    def mostly(bits: int) -> bool:
+        return bool(masks) and sum(bool(m & bits) for m in masks) >= MOSTLY * len(masks)
+
+    by_power = mostly(POWER_REASONS) if masks else bool(limit and power >= NEAR_POWER_LIMIT * limit)
+    if by_power:
+        return ("held down by the power limit, so these are sustained rates; a step that alternates GEMMs with "
+                "memory-bound kernels runs them at a higher clock (README 'On a GPU')")
+    if mostly(THERMAL_REASONS):
+        return "held down by thermal slowdown (the GPU was hot: these rates are below what a cooler board does)"
+    if top and clock <= BELOW_TOP_CLOCK * top:
+        cause = ("NVML named no power or thermal cause" if masks
+                 else "power below the limit, and NVML's clock event reasons were not read")
+        return f"SM clock below {BELOW_TOP_CLOCK:.0%} of its top ({cause}): not the power limit"
+    return None
 
 
 class GpuStateSampler:
-    """Samples the SM clock (MHz) and board power (W) of ``device`` every ``every_s`` in a daemon
-    thread while the ``with`` block runs; :meth:`section` starts a named part (one table), and
-    :meth:`note` words what each part ran at.
+    """Samples the SM clock (MHz), board power (W) and clock event reasons of ``device`` every
+    ``every_s`` in a daemon thread while the ``with`` block runs; :meth:`section` starts a named part
+    (one table), and :meth:`note` words what each part ran at.
 
-    ``read_clock_mhz``, ``read_power_w`` and ``limits`` (power limit W, top clock MHz) stand in for
+    ``read`` (returning a :class:`Reading`) and ``limits`` (power limit W, top clock MHz) stand in for
     NVML in tests."""
 
     def __init__(self, device: torch.device, every_s: float = SAMPLE_EVERY_S,
-                 read_clock_mhz: Callable[[], float] | None = None,
-                 read_power_w: Callable[[], float] | None = None,
+                 read: Callable[[], Reading] | None = None,
                  limits: tuple[float | None, float | None] | None = None) -> None:
         self.device = torch.device(device)
         self.every_s = every_s
-        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.samples: dict[str, list[Reading]] = {}
         self.error: str | None = None
-        self._read_clock = read_clock_mhz or (lambda: float(torch.cuda.clock_rate(self.device)))
-        self._read_power = read_power_w or self._nvml_power_w
+        self._read = read
         self._limits = limits
         self._section = "all"
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _nvml_power_w(self) -> float:
-        milli = torch.cuda.power_draw(self.device)
-        return float(milli) if torch.version.hip else milli / 1000.0  # NVML says mW, amdsmi W
 
     def section(self, name: str) -> None:
         """Samples from now on belong to ``name`` (one table)."""
@@ -83,10 +178,12 @@ class GpuStateSampler:
             self._section = name
 
     def _sample(self, keep: bool = True) -> bool:
-        """Read the clock and power, and keep them in the current section (``keep``); False, the
-        error noted, where they cannot be read."""
+        """Take a reading, and keep it in the current section (``keep``); False, the error noted,
+        where it cannot be read (the first call sets up the reader)."""
         try:
-            reading = (self._read_clock(), self._read_power())
+            if self._read is None:
+                self._read = default_reader(self.device)
+            reading = Reading(*self._read())
         except Exception as exc:  # noqa: BLE001 - NVML missing or refusing: a note says why
             self.error = f"{type(exc).__name__}: {exc}".strip()[:160]
             return False
@@ -116,25 +213,39 @@ class GpuStateSampler:
         if self.error is None:
             self._sample()  # and one at the end
 
+    def board_limits(self) -> tuple[float | None, float | None]:
+        """(power limit W, top SM clock MHz): the ones given, else the reader's, else None each."""
+        if self._limits is not None:
+            return self._limits
+        limits = getattr(self._read, "limits", None)
+        if limits is None:
+            return None, None
+        try:
+            return limits()
+        except Exception:  # noqa: BLE001 - optional context for the note
+            return None, None
+
     def note(self, what: str) -> str:
         """One sentence for the profile's sources on each section of ``what`` (e.g. "GEMM tables")."""
         if not self.samples:
             why = self.error or "no samples"
             if self.error and self.error.startswith("ModuleNotFoundError"):
-                why += "; torch.cuda.clock_rate needs the nvidia-ml-py package (autopar's torch extra)"
+                why += "; reading NVML needs the nvidia-ml-py package (autopar's torch extra)"
             return f"GPU clock and power while the {what} ran: not read ({why})"
-        limit, top = self._limits if self._limits is not None else _board_limits(self.device)
+        limit, top = self.board_limits()
         parts = []
         for name, readings in self.samples.items():
-            clocks, watts = [c for c, _ in readings], [w for _, w in readings]
-            clock, power = statistics.median(clocks), statistics.median(watts)
-            text = (f"{name}: SM clock median {clock:.0f} MHz (10th-90th percentile {percentile(clocks, 0.1):.0f}-"
-                    f"{percentile(clocks, 0.9):.0f}{f' of {top:.0f}' if top else ''}), power median {power:.0f} W"
-                    f"{f' of {limit:.0f}' if limit else ''} ({len(readings)} samples)")
-            capped = (limit and power >= NEAR_POWER_LIMIT * limit) or (top and clock <= BELOW_TOP_CLOCK * top)
-            if capped:
-                text += (": held down by the power limit, so these are sustained rates; a step that alternates "
-                         "GEMMs with memory-bound kernels runs them at a higher clock (README 'On a GPU')")
+            clocks, watts = [r.clock_mhz for r in readings], [r.power_w for r in readings]
+            lo, hi = spread(clocks)
+            text = (f"{name}: SM clock median {statistics.median(clocks):.0f} MHz (10th-90th percentile {lo:.0f}-"
+                    f"{hi:.0f}{f' of {top:.0f}' if top else ''}), power median {statistics.median(watts):.0f} W"
+                    f"{f' of {limit:.0f}' if limit else ''} ({len(readings)} samples")
+            if any(r.reasons is not None for r in readings):
+                text += f"; clock event reasons: {reasons_text(readings)}"
+            text += ")"
+            why = held_down(readings, limit, top)
+            if why:
+                text += ": " + why
             parts.append(text)
         stopped = f"; sampling stopped early ({self.error})" if self.error else ""
         return (f"GPU clock and power while the {what} ran (NVML every {self.every_s:g} s){stopped}: "
