@@ -45,7 +45,7 @@ FITS = {
 def fit(name: str) -> Iterator[None]:
     """The planner's attention fit on ``FITS[name]``'s coordinates, whatever table it prices."""
     original = cc.attention_coords
-    cc.attention_coords = lambda blocking: FITS[name]
+    cc.attention_coords = lambda cpu: FITS[name]
     try:
         yield
     finally:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     in_quick_grid = [p for p in bf16 if _layout(p) in quick_layouts
                      and min(quick_seqs) <= p.seq_length <= max(quick_seqs)]
     rest = [p for p in bf16 if p not in in_quick_grid]
-    taken = next(name for name, c in FITS.items() if c is cc.attention_coords(full.compute.attention_blocking))
+    taken = next(name for name, c in FITS.items() if c is cc.attention_coords(full.is_cpu))
     print(f"{full.name}: {len(bf16)} {precision.value} attention points in {len({_layout(p) for p in bf16})} head "
           f"layouts; the planner takes the {taken.split(' (')[0]}")
     measured = json.loads(Path(a.step).read_text()) if a.step else None

@@ -498,6 +498,28 @@ class TestMeasuredAttentionBlocking:
         fwd = self._time(blind, 640)[0]
         assert fwd != pytest.approx(self._time(timed, 640)[0], rel=0.01)
 
+    def test_a_cpu_profile_is_fitted_on_its_heads_whether_or_not_its_tiling_is_recorded(self):
+        """K/V heads are a coordinate of a CPU fit (heads_coords), not of a GPU one (thread_block_coords):
+        two points that differ only in K/V heads keep their own times on a CPU profile, even one that
+        records no tiling, and are one rate on a GPU profile."""
+        flops = 4.0 * 8 * 64 * 512 * 512
+
+        def point(kv: int, rate: float) -> AttentionPoint:
+            return AttentionPoint(precision=Precision.bf16, batch=1, seq_length=512, num_heads=8, num_kv_heads=kv,
+                                  head_dim=64, forward_time_s=flops / rate, backward_time_s=2.5 * flops / rate)
+
+        table = ComputeProfile(attention=[point(8, 70e9), point(2, 35e9)])  # no attention_blocking
+        gpu = toy_profile(compute=table)
+        cpu = gpu.model_copy(update={"device": gpu.device.model_copy(update={"name": "CPU: toy"})})
+        assert cpu.is_cpu and not gpu.is_cpu
+
+        def fwd(profile: ClusterProfile, kv: int) -> float:
+            return attention_time_s(profile, batch=1, q_len=512, kv_len=512, heads=8, kv_heads=kv, qk_dim=64,
+                                    v_dim=64, precision=Precision.bf16, causal=True, flash=True)[0]
+
+        assert fwd(cpu, 8) == pytest.approx(flops / 70e9) and fwd(cpu, 2) == pytest.approx(flops / 35e9)
+        assert fwd(gpu, 8) == pytest.approx(fwd(gpu, 2))
+
     def test_blocking_must_ascend(self):
         from pydantic import ValidationError
 

@@ -405,8 +405,8 @@ def attention_time_s(
         if table:
             blocking = profile.compute.attention_blocking
             work = 2.0 * batch * heads * (qk_dim + v_dim) * attention_work(q_len, kv_len, causal, blocking)
-            fwd, bwd = _interpolated_attention(same_regime(table, q_len, blocking), blocking, batch, q_len, heads,
-                                               kv_heads, qk_dim, work)
+            fwd, bwd = _interpolated_attention(same_regime(table, q_len, blocking), blocking, profile.is_cpu, batch,
+                                               q_len, heads, kv_heads, qk_dim, work)
             return fwd * scale * pace, bwd * scale * pace
         frac = causal_work_fraction(kv_len) if causal and q_len == kv_len else (0.5 if causal else 1.0)
         rate = peak_flops(profile, Precision.bf16) * profile.assumptions.attention_efficiency
@@ -495,20 +495,20 @@ def thread_block_coords(b: int, s: int, h: int, kv: int, d: int) -> tuple[float,
     return (math.log(s), math.log(b * h * s / GPU_ATTENTION_QUERY_TILE), math.log(d))
 
 
-def attention_coords(blocking: list[AttentionBlocking]):  # noqa: ANN201
-    """The coordinates :func:`_interpolated_attention` fits a table on: :func:`heads_coords` where a
-    CPU tiling is recorded, else :func:`thread_block_coords`."""
-    return heads_coords if blocking else thread_block_coords
+def attention_coords(cpu: bool):  # noqa: ANN201
+    """The coordinates :func:`_interpolated_attention` fits a table on: :func:`heads_coords` for a CPU
+    profile (:attr:`ClusterProfile.is_cpu`, whether or not its kernel's tiling is recorded), else
+    :func:`thread_block_coords`."""
+    return heads_coords if cpu else thread_block_coords
 
 
-def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_dim, work):  # noqa: ANN001
+def _interpolated_attention(table, blocking, cpu, batch, seq, heads, kv_heads, head_dim, work):  # noqa: ANN001
     """Measured attention: forward and backward rates (FLOPs of the computed score elements,
     :func:`attention_work`, per second) fitted locally in log space (:func:`local_log_fit`);
     ``work`` is the target's FLOPs.
 
-    The coordinates follow how the kernel spreads its work. A CPU kernel with a known tiling
-    (``blocking``): (log seq, log batch·heads, log batch·kv_heads, log head_dim). A GPU flash kernel
-    (no tiling recorded) runs one thread block per (sequence, head, query tile), so its rate follows
+    The coordinates follow how the kernel spreads its work (:func:`attention_coords`). A CPU kernel
+    (``cpu``): (log seq, log batch·heads, log batch·kv_heads, log head_dim). A GPU flash kernel runs one thread block per (sequence, head, query tile), so its rate follows
     the number of those blocks against the GPU's SMs (wave fill) and the work of each (its keys, its
     head dim): (log seq, log batch·heads·seq/128, log head_dim), K/V heads left out. On the lent
     H200's full table (24 bf16 points) that took the leave-one-out error from a median of 8.9% to
@@ -518,7 +518,7 @@ def _interpolated_attention(table, blocking, batch, seq, heads, kv_heads, head_d
     stay there (a one-thread CPU profile measured then, not kept: README, "On a GPU"). ``benchmarks/attention_fit.py`` prints these figures for a profile, both
     fits side by side."""
 
-    coords = attention_coords(blocking)
+    coords = attention_coords(cpu)
     target = coords(batch, seq, heads, kv_heads, head_dim)
     fwd_pts, bwd_pts = [], []
     for p in table:
