@@ -346,12 +346,15 @@ def _console():
 
 
 def _environment(device: torch.device, world: int) -> Environment:
+    """The run's machine, described as a profile describes it (:func:`profiler.identity.environment`:
+    hosts, driver, CUDA, torch, NCCL or gloo, devices per node), so a report and the profile it is
+    judged against can be compared field by field."""
+    from profiler.identity import environment
+
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     cuda = device.type == "cuda"
-    return Environment(hostnames=sorted(set(hosts)), torch_version=torch.__version__,
-                       backend="nccl" if cuda else "gloo", cuda_version=torch.version.cuda if cuda else None,
-                       nccl_version=".".join(map(str, torch.cuda.nccl.version())) if cuda else None)
+    return environment(sorted(set(hosts)), "nccl" if cuda else "gloo", emulated_nodes=False, device_type=device.type)
 
 
 def train(plan: Plan, opts: RunOptions) -> RunReport | None:

@@ -4,6 +4,8 @@ and 3-D plans from `autopar plan` (8 ranks) run for the built-in model and a Hug
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -72,7 +74,11 @@ def test_autopar_run_dp4_writes_a_valid_report_matching_the_reference(tmp_path: 
     assert report.median_step_time_s == pytest.approx(sorted(s.time_s for s in report.steps[2:])[1])
     assert report.tokens_per_s == pytest.approx(TRAINING.tokens_per_step / report.median_step_time_s)
     assert report.mfu == pytest.approx(plan.prediction.model_flops_per_step / (report.median_step_time_s * 4 * 0.05e12))
-    assert report.environment.backend == "gloo" and report.environment.torch_version
+    env = report.environment
+    assert env.backend == "gloo" and env.torch_version and env.nccl_version is None and env.cuda_version is None
+    # described as a profile describes its machine (profiler.identity.environment)
+    assert env.gloo_version.startswith("bundled with torch ") and env.hostnames == [socket.gethostname()]
+    assert env.devices_per_node == len(os.sched_getaffinity(0))
     ref, _ = reference_losses(5)
     assert [s.loss for s in report.steps] == pytest.approx(ref, rel=1e-5, abs=1e-6)
     assert "step time" in r.stdout and "tokens/s" in r.stdout
