@@ -23,9 +23,17 @@ from planner.contracts.cluster import Assumptions
 from planner.errors import AutoparError, UnknownNameError
 from profiler import identity
 from profiler.links import (
-    DEFAULT_MAX_BYTES, DEFAULT_MIN_BYTES, HOST_MIN_MAX_BYTES, QUICK_MAX_BYTES, LinkPlan, buffer_bytes_per_rank,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MIN_BYTES,
+    HOST_MIN_MAX_BYTES,
+    QUICK_MAX_BYTES,
+    LinkPlan,
+    buffer_bytes_per_rank,
     measure_host_device,
-    measure_links, message_sizes, oversubscribed, plan_groups,
+    measure_links,
+    message_sizes,
+    oversubscribed,
+    plan_groups,
 )
 
 DIE_ENV = "AUTOPAR_PROFILE_TEST_DIE_RANK"  # test hook: this rank exits abruptly during the link phase
@@ -184,10 +192,13 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
                      f"({len(sizes)} sizes), 5 trials (15 up to 256 KiB; interleaved rounds; spoiled-looking sizes "
                      "re-measured); "
                      "a full profile goes to 256 MiB every 2x with 7 trials; quick compute grid")
-    cores = os.cpu_count() or 1
+    cores = len(identity.usable_cpus())
     threads = opts.threads if opts.threads is not None else max(1, cores // max(1, d.local_world))
     if threads < 1:
         raise AutoparError("--threads", threads, "give a positive thread count", problem="is not positive")
+    if threads > cores:  # more threads than CPUs time the scheduler's slices, not the device
+        raise AutoparError("--threads", threads, f"give at most {cores}, or leave --threads out for the CPUs shared "
+                           "among this host's ranks", problem=f"is more than the {cores} CPUs this rank may use")
     return Checked(d, device_type, rpn, d.world // rpn, emulated, model, tps, precisions, sizes, threads, notes)
 
 

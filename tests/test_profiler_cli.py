@@ -224,6 +224,56 @@ def test_zero_threads_and_an_empty_name_are_refused(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    from profiler.cli import check_out
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(AutoparError, match=r"--out='.*' is a folder; give a file path, e\.g\. .*profile\.json"):
+        check_out(tmp_path)
+    with pytest.raises(AutoparError, match=r"cannot be written \(.*afile is a file\); give a path in a folder"):
+        check_out(afile / "deeper" / "p.json")
+    if Path("/proc/self").exists():  # a folder no file can be created in
+        with pytest.raises(AutoparError, match=r"--out='/proc/p\.json' cannot be written"):
+            check_out(Path("/proc/p.json"))
+    check_out(tmp_path / "new" / "folders" / "p.json")  # folders still to make are fine ...
+    assert not (tmp_path / "new").exists()  # ... and the check makes none
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nor leaves its probe file
+    proc = _single("--quick", "--out", str(tmp_path))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "is a folder" in proc.stderr, proc.stderr
+
+
+def test_a_profile_whose_out_fails_at_the_end_is_kept_and_the_error_says_where(tmp_path, monkeypatch):
+    """The disk filled or the folder went while measuring: the profile goes to autopar-profile-<time>.json
+    in the working folder, byte for byte, and the error names --out and that file."""
+    from profiler.cli import publish
+
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    gone = tmp_path / "afile"
+    gone.write_text("x")  # --out's folder is now a file
+    with pytest.raises(AutoparError) as err:
+        publish('{"profile": 1}', gone / "p.json", None, None)
+    (kept,) = here.iterdir()
+    assert kept.name.startswith("autopar-profile-") and kept.read_text() == '{"profile": 1}'
+    assert err.value.field == "--out" and f"it is kept in {kept}" in str(err.value)
+    assert "could not be written" in str(err.value)
+
+
+def test_more_threads_than_cpus_are_refused(monkeypatch):
+    import profiler.identity
+    from profiler.run import Dist, ProfileOptions, check
+
+    monkeypatch.setattr(profiler.identity, "usable_cpus", lambda: [0, 1])
+    one = Dist(0, 1, 0, 1, False)
+    with pytest.raises(AutoparError, match=r"--threads=3 is more than the 2 CPUs this rank may use; give at most 2"):
+        check(ProfileOptions(quick=True, threads=3), one)
+    assert check(ProfileOptions(quick=True, threads=2), one).threads == 2
+    assert check(ProfileOptions(quick=True), Dist(0, 4, 0, 4, True)).threads == 1  # 2 CPUs among 4 ranks
+
+
 def test_impossible_requests_are_refused_before_anything_runs(monkeypatch):
     """check() is the gate every rank passes before the process group: each of these names its flag."""
     import torch
