@@ -26,6 +26,7 @@ from rich.table import Table
 
 from planner.contracts import Plan, RunReport
 from planner.errors import AutoparError
+from planner.files import check_out
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -178,6 +179,8 @@ def run(
         for flag, path in (("--data", data), ("--profile", profile)):
             if path is not None and not path.is_file():
                 raise AutoparError(flag, str(path), "give an existing file", problem="does not exist")
+        if out is not None and node_rank == 0:  # node 0's rank 0 writes the report: refused before training
+            check_out(out, "report.json")
         if server and node_rank == 0:  # node 0 uploads: asked before the workers start, not after training
             from planner.client import check_plan_stored, check_writable
 
@@ -217,6 +220,9 @@ def run(
         err.print(f"[bold red]error:[/] the workers failed (torchrun exit status {code}); see their output above")
         raise typer.Exit(1)
     if not report_path.is_file():
+        if nnodes == 1:  # rank 0 ran here and wrote none: its error above names where the report was kept
+            err.print(f"[bold red]error:[/] no run report at {report_path}; see the workers' output above")
+            raise typer.Exit(1)
         err.print(f"node {node_rank} done (rank 0 writes the report on node 0)")
         return
     report = RunReport.model_validate_json(report_path.read_text())

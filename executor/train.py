@@ -51,6 +51,7 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.errors import AutoparError
+from planner.files import write_or_keep
 
 DIE_ENV = "AUTOPAR_TEST_DIE"  # "RANK:STEP:MARKER_FILE": that rank exits at that step once (restart tests)
 
@@ -429,8 +430,10 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             median_step_time_s=median, tokens_per_s=plan.training.tokens_per_step / median, mfu=mfu,
             peak_memory_bytes_per_rank=[int(m) for m in mems], memory_kind=kind, environment=env)
         if opts.out:
-            Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(opts.out).write_text(report.model_dump_json(indent=2))
+            try:  # a run is never lost to a path: where --out fails now, the report is kept and named
+                write_or_keep(Path(opts.out), report.model_dump_json(indent=2), "--out", "run report", "autopar-run")
+            except AutoparError as exc:
+                _console().print(f"[bold red]error:[/] {exc}", highlight=False)
     dist.barrier()
     dist.destroy_process_group()
     return report

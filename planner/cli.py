@@ -32,6 +32,7 @@ from planner.contracts import (
     json_schemas,
 )
 from planner.errors import AutoparError
+from planner.files import check_out, check_out_dir, write_or_keep
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
 # piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
@@ -354,6 +355,8 @@ def plan(
     prof = load_profile(cluster, nodes, profile)
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
+    if out is not None:
+        check_out(out, "plan.json")  # before the search, which may take its whole --time-budget
     opts = SearchOptions(top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
                          max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
@@ -367,7 +370,7 @@ def plan(
             task = bar.add_task("searching layouts", total=None)
             result = search(spec, training, prof, opts, progress=lambda i, n: bar.update(task, completed=i, total=n))
     if out is not None:
-        out.write_text(result.model_dump_json(indent=2))
+        write_or_keep(out, result.model_dump_json(indent=2), "--out", "plan", "autopar-plan")
     if as_json:
         print(result.model_dump_json(indent=2))
         return
@@ -427,6 +430,8 @@ def export(
     """Write the launch arguments / config of a plan for Megatron-LM, DeepSpeed or torchtitan."""
     from planner.export import export_plan
 
+    if out_dir is not None:
+        check_out_dir(out_dir, "--out-dir")
     files = export_plan(_load_plan(plan_file), to)
     if out_dir is None:
         for name, text in files.items():
@@ -497,6 +502,8 @@ def schema(
     out: Annotated[Path | None, typer.Option(help="directory to write one <Contract>.schema.json per contract")] = None,
 ) -> None:
     """JSON Schema of every contract (ModelSpec, TrainingConfig, ClusterProfile, Plan, Prediction, RunReport)."""
+    if out is not None:
+        check_out_dir(out, "--out")
     schemas = json_schemas()
     if out is None:
         print(json.dumps(schemas, indent=2))

@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 
 from planner.errors import AutoparError
+from planner.files import unused_path
 
 TIMEOUT_S = 60.0
 
@@ -23,16 +24,6 @@ def _headers(token: str | None) -> dict[str, str]:
         raise AutoparError("--token", "***", "give the token alone, in printable ASCII (a copied token often "
                            "brings a trailing newline or space)", problem="holds whitespace or non-ASCII characters")
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-
-
-def unused_path(path: Path) -> Path:
-    """``path``, or ``name-2.json``, ``name-3.json``... if it is taken: a kept body never overwrites a file."""
-    n = 2
-    candidate = path
-    while candidate.exists():
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-        n += 1
-    return candidate
 
 
 def _check_answer(server: str, r, asked: str) -> None:  # noqa: ANN001 - an httpx.Response

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
-import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -16,6 +14,7 @@ import typer
 from rich.console import Console
 
 from planner.errors import AutoparError
+from planner.files import check_out, write_or_keep
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
@@ -65,70 +64,29 @@ def parse_bytes(field: str, text: str | None) -> int | None:
     return int(value)
 
 
-def check_out(out: Path) -> None:
-    """Refuse an ``--out`` the profile could not be written to, before anything is measured: a folder,
-    or a path under a file or in a folder this process cannot create files in (read-only, /proc).
-    Creates nothing: the nearest folder that exists is tried with a temporary file."""
-    if out.is_dir():
-        raise AutoparError("--out", str(out), f"give a file path, e.g. {out / 'profile.json'}", problem="is a folder")
-    ancestor = out.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    try:
-        if not ancestor.is_dir():
-            raise NotADirectoryError(20, f"{ancestor} is a file")
-        with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".autopar-write-check-"):
-            pass
-        if out.exists() and not os.access(out, os.W_OK):
-            raise PermissionError(13, "the file is read-only")
-    except OSError as exc:
-        raise AutoparError("--out", str(out), "give a path in a folder this user can write to",
-                           problem=f"cannot be written ({exc.strerror or exc})") from None
-
-
-def keep_somewhere(profile_json: str) -> Path | None:
-    """Write a profile that could not go where it was asked to ``autopar-profile-<time>.json`` here,
-    else in the temporary folder; the path, or None where neither could be written."""
-    name = f"autopar-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    from planner.client import unused_path
-
-    for folder in (Path.cwd(), Path(tempfile.gettempdir())):
-        path = unused_path(folder / name)
-        try:
-            path.write_text(profile_json)
-            return path
-        except OSError:
-            continue
-    return None
-
-
 def publish(profile_json: str, out: Path | None, server: str | None, token: str | None) -> dict | None:
     """Write the JSON to ``out`` and POST the very same bytes to ``{server}/v1/profiles``. An upload
     that fails keeps the profile: in ``out``, or without one in ``autopar-profile-<time>.json`` here,
     and the error says how to send it (:func:`planner.client.post_or_keep`). An ``out`` that cannot be
-    written after all (the disk filled, the folder went) keeps it there too (:func:`keep_somewhere`),
-    and the error says where: a profile is never lost to a path."""
-    written: OSError | None = None
+    written after all (the disk filled, the folder went) is tried once more after any upload, and then
+    the profile is kept there too and the error says where (:func:`planner.files.write_or_keep`): a
+    profile is never lost to a path."""
+    in_out = False
     if out is not None:
-        try:
+        with contextlib.suppress(OSError):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(profile_json)
-        except OSError as exc:
-            written = exc
+            in_out = True
     uploaded = None
     if server is not None:
         from planner.client import post_or_keep
 
-        in_out = out is not None and written is None
         keep = out if in_out else Path.cwd() / f"autopar-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
         uploaded = post_or_keep(server, "/v1/profiles", profile_json.encode(), token, "profile", keep,
                                 already_kept=in_out)
-    if written is not None:
-        kept = keep_somewhere(profile_json)
-        where = f"it is kept in {kept}" if kept else "it could not be kept anywhere on this host"
+    if out is not None and not in_out:
         stored = f"; the service stored it as profile #{uploaded.get('id')}" if uploaded else ""
-        raise AutoparError("--out", str(out), f"{where}{stored}; move it where you want it",
-                           problem=f"could not be written ({written.strerror or written})")
+        write_or_keep(out, profile_json, "--out", "profile", "autopar-profile", also=stored)
     return uploaded
 
 
@@ -175,7 +133,7 @@ def profile(
         if out is None and server is None:
             raise AutoparError("--out", None, "give --out PATH and/or --server URL", problem="and --server are both missing")
         if out is not None and d.rank == 0:  # rank 0 writes it: refused before anyone measures
-            check_out(out)
+            check_out(out, "profile.json")
         if server is not None and d.rank == 0:  # rank 0 uploads: it asks before anyone measures
             from planner.client import check_writable
 

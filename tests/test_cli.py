@@ -196,6 +196,22 @@ def assert_usage_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 BASE = ("predict", "--model", "llama3-8b", "--global-batch", "8")
 
 
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    plan = ("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "64")
+    assert_usage_error(autopar(*plan, "--out", str(tmp_path)), f"--out='{tmp_path}' is a folder",
+                       f"e.g. {tmp_path / 'plan.json'}")
+    assert_usage_error(autopar(*plan, "--out", str(afile / "p.json")), "cannot be written", "afile is a file")
+    assert_usage_error(autopar("schema", "--out", str(afile)), f"--out='{afile}' is a file",
+                       "give a folder (it is made if missing)")
+    saved = tmp_path / "p.json"
+    assert autopar(*plan, "--out", str(saved)).returncode == 0
+    assert_usage_error(autopar("export", str(saved), "--to", "megatron", "--out-dir", str(afile / "x")),
+                       "--out-dir=", "cannot be written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "p.json"]  # nothing made, no probe left
+
+
 def test_unknown_preset_lists_known_presets():
     message = assert_usage_error(autopar("predict", "--model", "llama9", "--global-batch", "8"), "llama9",
                                  "is not known")

@@ -115,6 +115,25 @@ def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Pat
 
 
 
+def test_a_profile_whose_out_fails_after_an_upload_is_kept_and_names_the_stored_profile(server, tmp_path: Path,
+                                                                                       monkeypatch) -> None:  # noqa: ANN001
+    """--out went bad while measuring (its folder is now a file), the upload still works: the profile is
+    stored, kept here as well, and the error names --out, the kept file and the stored profile's id."""
+    from profiler.cli import publish
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    text = _profile_bytes("out-gone-lab").decode()
+    with pytest.raises(AutoparError) as err:
+        publish(text, tmp_path / "afile" / "p.json", server.url, "s3cret")
+    (kept,) = tmp_path.glob("autopar-profile-*.json")
+    stored = [p for p in httpx.get(f"{server.url}/v1/profiles").json()["items"] if p["cluster"] == "out-gone-lab"]
+    assert len(stored) == 1 and kept.read_text() == text
+    message = str(err.value)
+    assert message.startswith("--out=") and f"the profile is kept in {kept}" in message
+    assert f"the service stored it as profile #{stored[0]['id']}" in message
+
+
 class _Canned:
     """A real HTTP server on loopback answering every request with one canned status, body and headers
     (what a proxy, an old server or another program might say)."""

@@ -50,6 +50,9 @@ def test_unsupported_plans_are_refused_before_any_process_starts(tmp_path: Path)
     assert r.returncode == 2 and "--resume" in r.stderr and "step 2" in r.stderr, r.stderr
     r = autopar_run(str(tmp_path / "ok.json"), "--server", "http://127.0.0.1:9")
     assert r.returncode == 2 and "--plan-id" in r.stderr, r.stderr
+    # a report path that cannot be written: refused before any worker trains
+    r = autopar_run(str(tmp_path / "ok.json"), "--out", str(tmp_path))
+    assert r.returncode == 2 and f"--out='{tmp_path}' is a folder" in r.stderr and "starting" not in r.stderr, r.stderr
     (tmp_path / "broken.json").write_text('{"model": 3}')
     r = autopar_run(str(tmp_path / "broken.json"))
     assert r.returncode == 2 and "not a valid Plan" in r.stderr, r.stderr

@@ -225,18 +225,18 @@ def test_zero_threads_and_an_empty_name_are_refused(tmp_path):
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_measuring(tmp_path):
-    from profiler.cli import check_out
+    from planner.files import check_out
 
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(AutoparError, match=r"--out='.*' is a folder; give a file path, e\.g\. .*profile\.json"):
-        check_out(tmp_path)
+        check_out(tmp_path, "profile.json")
     with pytest.raises(AutoparError, match=r"cannot be written \(.*afile is a file\); give a path in a folder"):
-        check_out(afile / "deeper" / "p.json")
+        check_out(afile / "deeper" / "p.json", "profile.json")
     if Path("/proc/self").exists():  # a folder no file can be created in
         with pytest.raises(AutoparError, match=r"--out='/proc/p\.json' cannot be written"):
-            check_out(Path("/proc/p.json"))
-    check_out(tmp_path / "new" / "folders" / "p.json")  # folders still to make are fine ...
+            check_out(Path("/proc/p.json"), "profile.json")
+    check_out(tmp_path / "new" / "folders" / "p.json", "profile.json")  # folders still to make are fine ...
     assert not (tmp_path / "new").exists()  # ... and the check makes none
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nor leaves its probe file
     proc = _single("--quick", "--out", str(tmp_path))
@@ -258,7 +258,7 @@ def test_a_profile_whose_out_fails_at_the_end_is_kept_and_the_error_says_where(t
         publish('{"profile": 1}', gone / "p.json", None, None)
     (kept,) = here.iterdir()
     assert kept.name.startswith("autopar-profile-") and kept.read_text() == '{"profile": 1}'
-    assert err.value.field == "--out" and f"it is kept in {kept}" in str(err.value)
+    assert err.value.field == "--out" and f"the profile is kept in {kept}" in str(err.value)
     assert "could not be written" in str(err.value)
 
 

@@ -1,0 +1,95 @@
+"""Where the commands write their results: checked before the work, and never lost after it.
+
+A profile takes a minute to an hour to measure, a training run longer, a search up to its time
+budget: an output path that cannot be written must stop the command before that work, with the
+flag, the path and the fix (:func:`check_out`, :func:`check_out_dir`), and a write that fails anyway
+at the end (the disk filled, the folder went) keeps the result somewhere and says where
+(:func:`write_or_keep`), instead of a traceback and a lost result.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from planner.errors import AutoparError
+
+
+def unused_path(path: Path) -> Path:
+    """``path``, or ``name-2.json``, ``name-3.json``... if it is taken: a kept body never overwrites a file."""
+    n = 2
+    candidate = path
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+def _writable_folder(folder: Path) -> None:
+    """Raise OSError unless a file can be created in ``folder`` or, where it does not exist yet, in
+    the nearest folder above it that does (creating nothing that stays)."""
+    ancestor = folder
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(20, f"{ancestor} is a file")
+    with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".autopar-write-check-"):
+        pass
+
+
+def check_out(out: Path, example: str, flag: str = "--out") -> None:
+    """Refuse a file path a result could not be written to: a folder (the fix suggests ``example``
+    in it), a path under a file, in a folder this process cannot create files in (read-only, /proc),
+    or a read-only file."""
+    if out.is_dir():
+        raise AutoparError(flag, str(out), f"give a file path, e.g. {out / example}", problem="is a folder")
+    try:
+        _writable_folder(out.parent)
+        if out.exists() and not os.access(out, os.W_OK):
+            raise PermissionError(13, "the file is read-only")
+    except OSError as exc:
+        raise AutoparError(flag, str(out), "give a path in a folder this user can write to",
+                           problem=f"cannot be written ({exc.strerror or exc})") from None
+
+
+def check_out_dir(out_dir: Path, flag: str) -> None:
+    """Refuse a folder results could not be written into: a file, under a file, or not writable."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise AutoparError(flag, str(out_dir), "give a folder (it is made if missing)", problem="is a file")
+    try:
+        _writable_folder(out_dir)
+    except OSError as exc:
+        raise AutoparError(flag, str(out_dir), "give a folder this user can write to",
+                           problem=f"cannot be written ({exc.strerror or exc})") from None
+
+
+def keep_somewhere(text: str, stem: str) -> Path | None:
+    """Write a result that could not go where it was asked to ``<stem>-<time>.json`` in the working
+    folder, else in the temporary folder; the path, or None where neither could be written."""
+    name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    for folder in (Path.cwd(), Path(tempfile.gettempdir())):
+        path = unused_path(folder / name)
+        try:
+            path.write_text(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def write_or_keep(out: Path, text: str, flag: str, what: str, stem: str, also: str = "") -> None:
+    """Write ``text`` to ``out`` (its folders made); where that fails, keep it (:func:`keep_somewhere`)
+    and raise an AutoparError naming ``flag``, the path and where the ``what`` is now (``also``: what
+    else became of it, e.g. that the service stored it)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        return
+    except OSError as exc:
+        failed = exc
+    kept = keep_somewhere(text, stem)
+    where = f"the {what} is kept in {kept}" if kept else f"the {what} could not be kept anywhere on this host"
+    raise AutoparError(flag, str(out), f"{where}{also}; move it where you want it",
+                       problem=f"could not be written ({failed.strerror or failed})")

@@ -1,0 +1,61 @@
+"""planner.files: output paths checked before the work, results kept when a write fails after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.errors import AutoparError
+from planner.files import check_out, check_out_dir, keep_somewhere, unused_path, write_or_keep
+
+
+def test_a_kept_file_never_overwrites_one(tmp_path):
+    (tmp_path / "r.json").write_text("1")
+    (tmp_path / "r-2.json").write_text("2")
+    assert unused_path(tmp_path / "r.json") == tmp_path / "r-3.json"
+    assert unused_path(tmp_path / "new.json") == tmp_path / "new.json"
+
+
+def test_check_out_refuses_what_cannot_be_written_and_makes_nothing(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(AutoparError, match=r"is a folder; give a file path, e\.g\. .*plan\.json"):
+        check_out(tmp_path, "plan.json")
+    with pytest.raises(AutoparError, match=r"--report='.*' cannot be written \(.*afile is a file\)"):
+        check_out(afile / "a" / "b.json", "r.json", flag="--report")
+    check_out(afile, "r.json")  # an existing writable file: overwritten at the end
+    check_out(tmp_path / "to" / "make" / "r.json", "r.json")
+    with pytest.raises(AutoparError, match=r"--out-dir='.*afile' is a file; give a folder"):
+        check_out_dir(afile, "--out-dir")
+    with pytest.raises(AutoparError, match=r"cannot be written"):
+        check_out_dir(afile / "sub", "--out-dir")
+    check_out_dir(tmp_path / "to" / "make", "--out-dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_failed_write_keeps_the_result_and_names_it(tmp_path, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(AutoparError) as err:
+        write_or_keep(tmp_path / "afile" / "r.json", '{"a": 1}', "--out", "run report", "autopar-run",
+                      also="; the service stored it as run #7")
+    (kept,) = here.iterdir()
+    assert kept.name.startswith("autopar-run-") and kept.read_text() == '{"a": 1}'
+    message = str(err.value)
+    assert message.startswith(f"--out='{tmp_path / 'afile' / 'r.json'}' could not be written (")
+    assert f"the run report is kept in {kept}; the service stored it as run #7; move it" in message
+    write_or_keep(tmp_path / "made" / "r.json", "ok", "--out", "run report", "autopar-run")
+    assert (tmp_path / "made" / "r.json").read_text() == "ok"
+
+
+def test_keep_somewhere_falls_back_to_the_temporary_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Path, "cwd", classmethod(lambda cls: Path("/proc")))  # no file can be made there
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    kept = keep_somewhere("body", "autopar-plan")
+    assert kept is not None and kept.parent == tmp_path and kept.read_text() == "body"
