@@ -71,7 +71,10 @@ def site(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         run = c.post("/v1/runs", json={"plan_id": small["id"], "report": {
             "layout": lay, "device": "cpu", "num_ranks": small["num_gpus"], "warmup_steps": 1,
             "steps": [{"step": 0, "loss": 10.0, "time_s": 1.0}, {"step": 1, "loss": 9.5, "time_s": 1.1}],
-            "median_step_time_s": 1.0, "tokens_per_s": 1000, "peak_memory_bytes_per_rank": [1]}})
+            "median_step_time_s": 1.0, "tokens_per_s": 1000, "peak_memory_bytes_per_rank": [1],
+            "environment": {"hostnames": ["box-1"], "backend": "gloo", "torch_version": "2.13.0+cpu",
+                            "gloo_version": "bundled with torch 2.13.0+cpu (build 0123456789ab)",
+                            "devices_per_node": 2}}})
         assert run.status_code == 201, run.text
         measured = measured_profile(c)
         evil = measured_profile(c, name=EVIL)
@@ -238,6 +241,9 @@ def test_plans_and_runs_lists(site: dict) -> None:
     assert f'href="/plans/{site["small"]["id"]}"' in runs
     run = html(site, f"/runs/{site['run']['id']}")
     assert "Step time per step" in run and "<circle" in run
+    # the machine it ran on, in the words of a profile's page
+    assert ("backend gloo · torch 2.13.0+cpu · gloo bundled with torch 2.13.0+cpu (build 0123456789ab) · "
+            "2 CPUs per node · 1 host (box-1)") in run
 
 
 def test_user_text_is_escaped(site: dict) -> None:
