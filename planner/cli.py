@@ -15,8 +15,8 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from planner.contracts import (
     ClusterProfile,
@@ -32,17 +32,24 @@ from planner.contracts import (
     json_schemas,
 )
 from planner.errors import AutoparError
-from planner.files import check_out, check_out_dir, write_or_keep
+from planner.files import check_out, check_out_dir, read_input, write_or_keep
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
 # piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
-console = Console(width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# markup off: names, notes and reasons come from users' files ("a[/]b" would crash rich's markup parser, and
+# "[red]x[/]" would silently print as "x"); this module styles its own words with Text (:func:`styled`)
+console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """Text from plain strings and (text, style) pairs: user text is never read as markup."""
+    return Text.assemble(*parts)
 GiB = 2**30
 
 
 def fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(styled(("error:", "bold red"), " ", message))
     raise typer.Exit(2)
 
 
@@ -127,10 +134,7 @@ def load_training(seq: int, global_batch: int | None, global_batch_tokens: int |
 
 
 def _read(path: Path, flag: str) -> str:
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise AutoparError(flag, str(path), "give the path of a readable JSON file", problem=f"cannot be read ({exc.strerror})") from None
+    return read_input(path, flag)
 
 
 def _layout(
@@ -172,7 +176,7 @@ def describe_recompute(lay: ParallelLayout) -> str:
 
 
 def layout_summary(lay: ParallelLayout) -> str:
-    return escape(f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
+    return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
             f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
             f"{f' ep{lay.ep}' if lay.ep > 1 else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
             f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''} mb{lay.micro_batch_size}"
@@ -218,13 +222,14 @@ def render_search(plan: Plan, top_families: int = 12) -> None:
 
 def render_prediction(plan: Plan) -> None:
     p, lay = plan.prediction, plan.layout
-    console.print(f"[bold]{plan.model.name}[/] on [bold]{plan.cluster}[/] ({plan.num_gpus} GPUs), "
-                  f"global batch {plan.training.global_batch_seqs} x {plan.training.seq_length} tokens, {plan.precision.value}")
+    console.print(styled((plan.model.name, "bold"), " on ", (plan.cluster, "bold"), f" ({plan.num_gpus} GPUs), "
+                         f"global batch {plan.training.global_batch_seqs} x {plan.training.seq_length} tokens, "
+                         f"{plan.precision.value}"))
     console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
                   f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
-                  f", recompute {escape(describe_recompute(lay))}{', optimizer offload' if lay.offload_optimizer else ''}"
-                  f"{escape(f', layers per stage {lay.layers_per_stage}') if lay.layers_per_stage else ''}")
+                  f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
     t.add_row("step time", f"{p.step_time_s:.3f} s")
     t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_gpu:,.0f} per GPU)")
@@ -257,7 +262,7 @@ def render_prediction(plan: Plan) -> None:
                        f"{s.microbatches_in_flight:.2f}", f"{s.memory_bytes / GiB:.1f} GiB")
         console.print(st)
     for note in p.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(styled(("note:", "yellow"), " ", note))
 
 
 # ---------------------------------------------------------------- commands
@@ -462,7 +467,8 @@ def validate(
                       "reported": r.case.reported, "predicted": r.predicted, "error": r.error,
                       "defaults": r.case.defaults} for r in results],
             "skipped": [{"run_id": s.run_id, "source": s.source, "reason": s.reason} for s in skipped],
-            "summary": summary.__dict__,
+            # no judged row: the errors are NaN, which is not JSON; null says "none" to every parser
+            "summary": {k: None if isinstance(x, float) and x != x else x for k, x in summary.__dict__.items()},
         }, indent=2))
         return
     t = Table(title=f"Predicted vs published ({file.name})")
@@ -482,12 +488,12 @@ def validate(
         st.add_row(source, str(s.rows), f"{s.mean_abs_err:.1%}", f"{s.median_abs_err:.1%}", f"{s.max_abs_err:.1%}")
     console.print(st)
     if show_defaults:
-        console.print("[bold]Defaults used for fields the source did not state:[/]")
+        console.print("Defaults used for fields the source did not state:", style="bold")
         for r in results:
             if r.case.defaults:
                 console.print(f"  {r.case.run_id}: " + "; ".join(r.case.defaults), highlight=False)
     if skipped:
-        console.print("[bold]Rows not judged:[/]")
+        console.print("Rows not judged:", style="bold")
         for s in skipped:
             console.print(f"  {s.run_id}: {s.reason}", highlight=False)
     if not summary.rows:
@@ -570,7 +576,7 @@ def _register_plugins() -> None:
         try:
             command = ep.load()
         except ImportError as exc:  # e.g. executor without torch installed
-            err_console.print(f"[yellow]note:[/] `autopar {ep.name}` unavailable: {exc}")
+            err_console.print(styled(("note:", "yellow"), f" `autopar {ep.name}` unavailable: {exc}"))
             continue
         if isinstance(command, typer.Typer):
             app.add_typer(command, name=ep.name)
@@ -585,10 +591,10 @@ def main() -> None:
         code = app(standalone_mode=False)  # typer returns (not raises) the code of typer.Exit here
         sys.exit(code if isinstance(code, int) else 0)
     except AutoparError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         sys.exit(2)
     except ValidationError as exc:
-        err_console.print(f"[bold red]error:[/] invalid {exc.title}:\n  {describe_validation_error(exc, exc.title)}",
+        err_console.print(styled(("error:", "bold red"), f" invalid {exc.title}:\n  {describe_validation_error(exc, exc.title)}"),
                           highlight=False)
         sys.exit(2)
     except typer.Exit as exc:

@@ -16,6 +16,31 @@ from pathlib import Path
 
 from planner.errors import AutoparError
 
+MAX_INPUT_BYTES = 256 << 20  # a plan, spec or profile is kilobytes to a few MB; more is not one
+
+
+def read_input(path: Path, flag: str, what: str = "JSON file") -> str:
+    """The text of an input file, or an AutoparError naming ``flag``: missing, a folder, not a regular
+    file (``/dev/zero`` would be read until memory ran out), over :data:`MAX_INPUT_BYTES`, unreadable,
+    or not UTF-8 (a binary file)."""
+    fix = f"give the path of a readable {what}"
+    if not path.exists():
+        raise AutoparError(flag, str(path), fix, problem="does not exist")
+    if path.is_dir():
+        raise AutoparError(flag, str(path), fix, problem="is a folder")
+    try:
+        if not path.is_file():
+            raise AutoparError(flag, str(path), fix, problem="is not a regular file")
+        size = path.stat().st_size
+        if size > MAX_INPUT_BYTES:
+            raise AutoparError(flag, str(path), fix, problem=f"is {size / 2**20:,.0f} MiB, more than any {what} "
+                               f"({MAX_INPUT_BYTES >> 20} MiB at most)")
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise AutoparError(flag, str(path), fix, problem=f"cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise AutoparError(flag, str(path), fix, problem=f"is not UTF-8 text (byte {exc.start}: a binary file?)") from None
+
 
 def unused_path(path: Path) -> Path:
     """``path``, or ``name-2.json``, ``name-3.json``... if it is taken: a kept body never overwrites a file."""

@@ -113,7 +113,7 @@ def _load(config: dict | str | Path) -> tuple[dict[str, Any], str]:
         raise AutoparError("config", str(path), "pass the path of a config.json", problem=problem)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: bad JSON, huge ints
         raise AutoparError(
             "config", str(path), "pass a valid config.json", problem=f"is not readable JSON ({err})"
         ) from err

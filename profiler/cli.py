@@ -13,10 +13,12 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from planner.cli import styled
 from planner.errors import AutoparError
 from planner.files import check_out, write_or_keep
 
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# markup off: --name, paths and server answers are user text (planner.cli.styled styles this module's words)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
 
 
 def _progress_factory():  # noqa: ANN202
@@ -141,10 +143,10 @@ def profile(
         result = run_profile(opts, progress_factory=_progress_factory())
     except AutoparError as exc:
         if d.local_rank == 0:  # every rank finds the same problem: say it once per host
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(2) from None
     except RankFailure as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(1) from None
     if result is None:
         return
@@ -152,7 +154,7 @@ def profile(
     try:
         uploaded = publish(text, out, server, token)
     except AutoparError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(2) from None
     from profiler.links import link_fit_report
 

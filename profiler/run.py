@@ -96,7 +96,7 @@ def dist_env() -> Dist:
 
 
 def _parse_tp(text: str | None) -> list[int] | None:
-    if not text:
+    if text is None:
         return None
     try:
         tps = [int(t) for t in text.split(",") if t.strip()]
@@ -143,7 +143,7 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
         raise AutoparError("--timeout", opts.timeout_s, f"give at most {MAX_TIMEOUT_S:.0f} s (a day), e.g. --timeout 300",
                            problem="is longer than a collective should ever wait")
     model = None
-    if opts.model:
+    if opts.model is not None:  # an empty --model is not a left-out one: the lookup names it
         from planner.presets import get_preset
 
         try:
@@ -162,7 +162,7 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
                                f"use degrees dividing {model.name}'s {model.num_attention_heads} attention heads",
                                problem="does not divide the attention heads")
     here = torch.device("cuda", d.local_rank) if device_type == "cuda" else torch.device("cpu")
-    precisions = parse_precisions(opts.precisions, here) if opts.precisions else None
+    precisions = parse_precisions(opts.precisions, here) if opts.precisions is not None else None
     min_b = opts.min_bytes if opts.min_bytes is not None else DEFAULT_MIN_BYTES
     max_b = opts.max_bytes if opts.max_bytes is not None else (QUICK_MAX_BYTES if opts.quick else DEFAULT_MAX_BYTES)
     if min_b < 4:

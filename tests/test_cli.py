@@ -231,7 +231,7 @@ def test_global_batch_not_divisible():
 def test_unreadable_model_file(tmp_path):
     missing = tmp_path / "nope.json"
     assert_usage_error(autopar("predict", "--model-file", str(missing), "--global-batch", "8"), "--model-file",
-                       str(missing), "cannot be read")
+                       str(missing), "does not exist")
 
 
 def test_model_file_with_heads_not_dividing_hidden(tmp_path):
@@ -291,3 +291,49 @@ def test_console_script_success_exits_zero():
     proc = autopar(*BASE, "--json")
     assert proc.returncode == 0, proc.stderr
     assert Plan.model_validate_json(proc.stdout).num_gpus == 8
+
+
+@pytest.mark.parametrize("path, value, said", [
+    (("compute", "achieved_memory_bandwidth_bytes_per_s"), -1, "achieved_memory_bandwidth_bytes_per_s=-1: Input should be greater than 0"),
+    (("compute", "achieved_matmul_tflops"), {"bf16": -5}, "achieved_matmul_tflops.bf16=-5: Input should be greater than 0"),
+    (("device", "peak_tflops"), {"bf16": 1e400}, "peak_tflops.bf16=inf: Input should be a finite number"),
+    (("assumptions", "kernel_overhead_s"), 1e400, "kernel_overhead_s=inf: Input should be a finite number"),
+])
+def test_a_profile_with_infinite_or_negative_figures_is_refused(tmp_path, path, value, said):
+    """An edited profile whose rates are negative or infinite gave negative or infinite step times and
+    MFU above 100%; every contract now refuses inf and NaN (allow_inf_nan=False), rates must be > 0."""
+    from planner.reference import reference_profile
+
+    body = json.loads(reference_profile("dgx-h100", 1).model_dump_json())
+    body[path[0]][path[1]] = value
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(body))  # 1e400 is written as Infinity
+    assert_usage_error(autopar("predict", "--model", "llama3-8b", "--global-batch", "64", "--profile", str(bad)),
+                       "invalid ClusterProfile", said)
+
+
+def test_binary_deep_and_endless_inputs_get_one_line_errors(tmp_path):
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\x80\x81\xff\xfe")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert_usage_error(autopar("predict", "--model-file", str(binary), "--global-batch", "8"), "--model-file=",
+                       "is not UTF-8 text")
+    assert_usage_error(autopar("explain", str(binary)), "PLAN.json=", "is not UTF-8 text")
+    assert_usage_error(autopar("predict", "--hf-config", str(deep), "--global-batch", "8"), "is not readable JSON",
+                       "maximum recursion depth")
+    if Path("/dev/zero").exists():
+        assert_usage_error(autopar("explain", "/dev/zero"), "PLAN.json='/dev/zero' is not a regular file")
+
+
+def test_names_from_files_print_as_written_not_as_markup(tmp_path):
+    """rich read "[/]" in a model name as a closing tag and crashed (and "[red]x[/]" printed as "x")."""
+    spec = tmp_path / "m.json"
+    spec.write_text(json.dumps({"name": "a[/]b [red]x[/]", "num_layers": 2, "hidden_size": 64,
+                                "num_attention_heads": 4, "ffn_hidden_size": 256, "vocab_size": 1000}))
+    out = invoke("predict", "--model-file", str(spec), "--global-batch", "8", "--seq", "128").output
+    assert out.startswith("a[/]b [red]x[/] on dgx-h100 (8 GPUs)")
+    plan = tmp_path / "p.json"
+    invoke("plan", "--model-file", str(spec), "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "8",
+           "--seq", "128", "--out", str(plan))
+    assert "a[/]b [red]x[/] on dgx-h100" in invoke("explain", str(plan)).output

@@ -59,3 +59,22 @@ def test_keep_somewhere_falls_back_to_the_temporary_folder(tmp_path, monkeypatch
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     kept = keep_somewhere("body", "autopar-plan")
     assert kept is not None and kept.parent == tmp_path and kept.read_text() == "body"
+
+
+def test_read_input_refuses_what_is_not_a_readable_text_file(tmp_path, monkeypatch):
+    import planner.files
+    from planner.files import read_input
+
+    (tmp_path / "ok.json").write_text('{"a": 1}')
+    assert read_input(tmp_path / "ok.json", "--x") == '{"a": 1}'
+    (tmp_path / "bin.json").write_bytes(b"\x80\x81\xff\xfe")
+    cases = [(tmp_path / "bin.json", r"--x='.*bin\.json' is not UTF-8 text \(byte 0: a binary file\?\)"),
+             (tmp_path / "missing.json", r"does not exist"), (tmp_path, r"is a folder")]
+    if Path("/dev/zero").exists():  # read whole, it would fill memory
+        cases.append((Path("/dev/zero"), r"--x='/dev/zero' is not a regular file"))
+    for path, said in cases:
+        with pytest.raises(AutoparError, match=said):
+            read_input(path, "--x")
+    monkeypatch.setattr(planner.files, "MAX_INPUT_BYTES", 4)
+    with pytest.raises(AutoparError, match=r"is 0 MiB, more than any JSON file \(0 MiB at most\)"):
+        read_input(tmp_path / "ok.json", "--x")

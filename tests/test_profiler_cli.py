@@ -285,6 +285,12 @@ def test_impossible_requests_are_refused_before_anything_runs(monkeypatch):
         with pytest.raises(AutoparError) as err:
             check(ProfileOptions(quick=True, timeout_s=value), one)
         assert err.value.field == "--timeout" and "e.g. --timeout 300" in err.value.fix, value
+    with pytest.raises(AutoparError, match=r"--precisions='' is empty; give a comma-separated list"):
+        check(ProfileOptions(quick=True, precisions=""), one)  # given empty is not left out
+    with pytest.raises(AutoparError, match=r"--model='' is not known"):
+        check(ProfileOptions(quick=True, model=""), one)
+    with pytest.raises(AutoparError, match=r"--tp-degrees='' is not valid; give positive integers"):
+        check(ProfileOptions(quick=True, model="llama3-8b", tp_degrees=""), one)
     with pytest.raises(AutoparError, match=r"--tp-degrees='1,2' has no --model to split; give --model too"):
         check(ProfileOptions(quick=True, tp_degrees="1,2"), one)
     with pytest.raises(AutoparError, match=r"--model='llama-9z' is not known; known: .*llama3-8b"):

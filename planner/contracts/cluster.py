@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
 
@@ -38,7 +38,7 @@ class Collective(str, Enum):
 class DeviceSpec(Contract):
     name: str
     memory_bytes: int = Field(gt=0)
-    peak_tflops: dict[Precision, float] = Field(description="dense datasheet peak per precision, TFLOP/s")
+    peak_tflops: dict[Precision, PositiveFloat] = Field(description="dense datasheet peak per precision, TFLOP/s")
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
     sm_count: int | None = Field(None, gt=0, description="streaming multiprocessors (wave quantisation)")
     tdp_w: float | None = Field(None, gt=0)
@@ -242,8 +242,8 @@ class ComputeProfile(Contract):
     gemm: list[GemmPoint] = Field(default_factory=list)
     attention: list[AttentionPoint] = Field(default_factory=list)
     elementwise: list[ElementwisePoint] = Field(default_factory=list)
-    achieved_matmul_tflops: dict[Precision, float] = Field(default_factory=dict)
-    achieved_memory_bandwidth_bytes_per_s: float | None = None
+    achieved_matmul_tflops: dict[Precision, PositiveFloat] = Field(default_factory=dict)
+    achieved_memory_bandwidth_bytes_per_s: float | None = Field(None, gt=0)
     attention_blocking: list[AttentionBlocking] = Field(
         default_factory=list,
         description="how the measured attention kernel tiles a causal score matrix, by query length (torch's CPU "

@@ -12,7 +12,7 @@ SCHEMA_VERSION = "1"
 class Contract(BaseModel):
     """Base of every contract: unknown fields are an error, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class Precision(str, Enum):
