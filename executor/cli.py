@@ -2,8 +2,11 @@
 
 Everything the executor would refuse is refused here, before a process starts (the plan's mesh,
 the layout dimensions the executor implements, the model, the micro-batch split, the pipeline
-schedule, an HF config that does not match the plan's model). Then ``torch.distributed.run``
-starts ``plan.num_gpus`` workers (``python -m executor.train``) on this node — or
+schedule, an HF config that does not match the plan's model), and so is bad input the workers would
+find only after starting or after training (a --profile that is no ClusterProfile, a --data file that
+is no flat token file of the plan's vocabulary, a --checkpoint-dir or --out that cannot be written, a
+learning rate that is not finite or absurd, options that would be silently ignored). Then
+``torch.distributed.run`` starts ``plan.num_gpus`` workers (``python -m executor.train``) on this node — or
 ``--nproc-per-node`` on each of ``--nnodes`` nodes — and rank 0 writes the RunReport, which is
 printed, written to ``--out`` and, with ``--server``, stored by the service beside the plan.
 """
@@ -11,6 +14,7 @@ printed, written to ``--out`` and, with ``--server``, stored by the service besi
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,41 +28,76 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from planner.contracts import Plan, RunReport
+from planner.cli import styled
+from planner.contracts import ClusterProfile, Plan, RunReport
 from planner.errors import AutoparError
-from planner.files import check_out
+from planner.files import check_out, check_out_dir, read_input
 
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-console = Console(width=None if sys.stdout.isatty() else 200)
+# markup off (names and paths are user text; planner.cli.styled styles this module's words); errors one line
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
+console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
 GiB = 2**30
+MAX_LR = 10.0  # AdamW steps each weight by about lr: above this a run only diverges (1e300 overflows)
+DEFAULT_WARMUP = 3
+
+
+def _invalid(exc: ValidationError, flag: str, path: Path, prefix: str, what: str, fix: str) -> AutoparError:
+    """One line for a document that does not validate: its first problem, named by its field
+    (``prefix.loc``), or by ``flag`` and the path where the whole document is wrong (not JSON,
+    empty, nested too deeply), and how many problems there are."""
+    problems = exc.errors()
+    first = problems[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return AutoparError(flag, str(path), fix, problem=f"is not a valid {what} ({msg})")
+    where = f"{len(problems)} problem(s) in {flag} {path}"
+    if first["type"] == "missing":
+        return AutoparError(f"{prefix}.{loc}", None, fix, problem=f"is missing: not a valid {what} ({where})")
+    value = first.get("input")
+    return AutoparError(f"{prefix}.{loc}", "..." if isinstance(value, (dict, list)) else value, fix,
+                        problem=f"is not a valid {what} ({msg}; {where})")
 
 
 def load_plan(path: Path) -> Plan:
     """The Plan in ``path``; a missing file or an invalid plan is an AutoparError naming the field."""
+    data = read_input(path, "PLAN.json", "Plan written by `autopar plan --out`")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise AutoparError("PLAN.json", str(path), "give the path of a Plan written by `autopar plan --out`",
-                           problem=f"cannot be read ({exc.strerror})") from None
-    try:
-        return Plan.model_validate_json(text)
+        return Plan.model_validate_json(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "plan"
-        raise AutoparError(f"plan.{loc}", first.get("input") if not isinstance(first.get("input"), dict) else "...",
-                           "write the plan with `autopar plan --out PLAN.json`",
-                           problem=f"is not a valid Plan ({first['msg']}; {len(exc.errors())} problem(s))") from None
+        raise _invalid(exc, "PLAN.json", path, "plan", "Plan",
+                       "write the plan with `autopar plan --out PLAN.json`") from None
+
+
+def load_profile(path: Path | None) -> ClusterProfile | None:
+    """The ClusterProfile of ``--profile`` (the peak the worker measures MFU against), read and checked
+    before the workers start: they read it only after training."""
+    if path is None:
+        return None
+    fix = "give a ClusterProfile JSON, e.g. one written by `autopar profile --out`"
+    data = read_input(path, "--profile", "ClusterProfile JSON")
+    try:  # its validators hold the positive bf16/fp16 peak the MFU needs
+        return ClusterProfile.model_validate_json(data)
+    except ValidationError as exc:
+        raise _invalid(exc, "--profile", path, "profile", "ClusterProfile", fix) from None
 
 
 def load_hf_config(path: Path | None, plan: Plan) -> dict | None:
     """The HF config.json, checked against the plan's model (same shape, or the run is not the plan)."""
     if path is None:
         return None
+    fix = "give a readable Hugging Face config.json"
+    data = read_input(path, "--hf-config", "Hugging Face config.json")
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AutoparError("--hf-config", str(path), "give a readable Hugging Face config.json",
-                           problem=f"cannot be read as JSON ({exc})") from None
+        config = json.loads(data)
+    except RecursionError:
+        raise AutoparError("--hf-config", str(path), fix,
+                           problem="cannot be read as JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError (not UTF-8 text)
+        raise AutoparError("--hf-config", str(path), fix, problem=f"cannot be read as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise AutoparError("--hf-config", str(path), "a config.json holds one JSON object of model settings",
+                           problem=f"holds a JSON {type(config).__name__}, not an object")
     from planner.hf_config import model_spec_from_hf_config
 
     spec = model_spec_from_hf_config(path)
@@ -117,9 +156,10 @@ def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep
 def run(
     plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out`")],
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps to run (counted from step 0)")] = 20,
-    warmup: Annotated[int, typer.Option(min=0, help="first steps left out of the median step time")] = 3,
+    warmup: Annotated[int | None, typer.Option(min=0, help="first steps left out of the median step time, below "
+                                                     "--steps (default 3, or --steps - 1 if that is fewer)")] = None,
     seed: Annotated[int, typer.Option(help="weights and synthetic data seed")] = 0,
-    lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (0 to 10)")] = 1e-3,
     checkpoint_dir: Annotated[Path | None, typer.Option(help="save DCP checkpoints here (step_<N>/)")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=0, help="save every K steps (0: never)")] = 0,
     async_checkpoint: Annotated[bool, typer.Option(help="save with dcp.async_save (overlaps the next steps)")] = False,
@@ -155,6 +195,14 @@ def run(
         plan = load_plan(plan_file)
         config = load_hf_config(hf_config, plan)
         check_plan(plan, hf_config=config)
+        if not math.isfinite(lr) or not 0 <= lr <= MAX_LR:
+            raise AutoparError("--lr", lr, f"give a finite learning rate in [0, {MAX_LR:g}], e.g. 1e-3",
+                               problem="is not a learning rate AdamW can train with")
+        if warmup is None:
+            warmup = min(DEFAULT_WARMUP, steps - 1)
+        elif warmup >= steps:
+            raise AutoparError("--warmup", warmup, f"use --warmup {steps - 1} or less, or more --steps (at least "
+                               f"{warmup + 1})", problem=f"is not below --steps {steps}: no step would be timed")
         nproc = nproc_per_node or plan.num_gpus // nnodes
         if nproc * nnodes != plan.num_gpus:
             raise AutoparError("--nproc-per-node", nproc, f"use nnodes x nproc-per-node = plan.num_gpus = {plan.num_gpus}",
@@ -169,6 +217,15 @@ def run(
                                problem="has nowhere to save")
         if resume and checkpoint_dir is None:
             raise AutoparError("--resume", True, "give --checkpoint-dir DIR", problem="has no checkpoint to resume from")
+        if async_checkpoint and not checkpoint_every:
+            need = "--checkpoint-every K" if checkpoint_dir is not None else "--checkpoint-dir DIR --checkpoint-every K"
+            raise AutoparError("--async-checkpoint", True, f"also give {need}, or drop --async-checkpoint",
+                               problem="has no checkpoints to save")
+        if plan_id is not None and not server:
+            raise AutoparError("--plan-id", plan_id, "also give --server URL to store the run there, or drop --plan-id",
+                               problem="is only used with --server")
+        if checkpoint_dir is not None:
+            check_out_dir(checkpoint_dir, "--checkpoint-dir")
         if checkpoint_dir is not None and not resume:
             from executor.checkpoint import latest_step
 
@@ -176,9 +233,11 @@ def run(
             if found is not None:
                 raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "pass --resume to continue from it, or use "
                                    "an empty directory", problem=f"already holds a checkpoint of step {found}")
-        for flag, path in (("--data", data), ("--profile", profile)):
-            if path is not None and not path.is_file():
-                raise AutoparError(flag, str(path), "give an existing file", problem="does not exist")
+        load_profile(profile)
+        if data is not None:  # the checks each worker makes, made here: a bad file is no torchrun traceback
+            from executor.data import check_token_file
+
+            check_token_file(data, plan.training.seq_length, plan.model.vocab_size)
         if out is not None and node_rank == 0:  # node 0's rank 0 writes the report: refused before training
             check_out(out, "report.json")
         if server and node_rank == 0:  # node 0 uploads: asked before the workers start, not after training
@@ -187,7 +246,7 @@ def run(
             check_writable(server, token)
             check_plan_stored(server, plan_id)
     except AutoparError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(2) from None
 
     report_path = out or Path(tempfile.mkdtemp(prefix="autopar-run-")) / "report.json"
@@ -217,11 +276,12 @@ def run(
                                                                    os.environ.get("PYTHONPATH")]))}
     code = subprocess.call(cmd, env=env)
     if code != 0:
-        err.print(f"[bold red]error:[/] the workers failed (torchrun exit status {code}); see their output above")
+        err.print(styled(("error:", "bold red"), f" the workers failed (torchrun exit status {code}); see their output "
+                         "above"))
         raise typer.Exit(1)
     if not report_path.is_file():
         if nnodes == 1:  # rank 0 ran here and wrote none: its error above names where the report was kept
-            err.print(f"[bold red]error:[/] no run report at {report_path}; see the workers' output above")
+            err.print(styled(("error:", "bold red"), f" no run report at {report_path}; see the workers' output above"))
             raise typer.Exit(1)
         err.print(f"node {node_rank} done (rank 0 writes the report on node 0)")
         return
@@ -234,6 +294,6 @@ def run(
             stored = upload(report, server, token, plan_id,
                             report_path.parent / f"run-of-plan-{plan_id}-{time.strftime('%Y%m%d-%H%M%S')}.json")
         except AutoparError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
             raise typer.Exit(2) from None
         err.print(f"stored as run #{stored.get('id')} of plan #{plan_id} at {server}")

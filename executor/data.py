@@ -41,33 +41,61 @@ class SyntheticTokens:
         return out
 
 
+def token_dtype(vocab_size: int) -> str:
+    """The dtype of a flat token file for a vocabulary: uint16 when its ids fit, else uint32."""
+    return "uint16" if vocab_size <= 65_536 else "uint32"
+
+
+def check_token_file(path: str | Path, seq_length: int, vocab_size: int, dtype: str | None = None) -> np.memmap:
+    """The tokens of a flat token file, read by memmap, after the checks a run needs: a readable file
+    (not a folder), a whole number of ``dtype`` ids, at least one sequence of ``seq_length + 1`` tokens,
+    every id below ``vocab_size`` (a scan of the whole file). Raises AutoparError naming ``--data``.
+
+    ``autopar run`` calls this before any worker starts, and each worker again through
+    :class:`TokenFile`: a bad file is refused with the fix, not found by torchrun's workers."""
+    path = Path(path)
+    if path.is_dir():
+        raise AutoparError("--data", str(path), "give a flat token file (uint16/uint32 ids), not a folder",
+                           problem="is a folder")
+    if not path.is_file():
+        raise AutoparError("--data", str(path), "give an existing flat token file (uint16/uint32 ids)",
+                           problem="is not a regular file" if path.exists() else "does not exist")
+    dtype = dtype or token_dtype(vocab_size)
+    if dtype not in ("uint16", "uint32"):
+        raise AutoparError("--data-dtype", dtype, "use uint16 or uint32", problem="is not a token dtype")
+    size = np.dtype(dtype).itemsize
+    nbytes = path.stat().st_size
+    if nbytes % size:
+        raise AutoparError("--data", str(path), f"write the token ids as a flat {dtype} array (the dtype for "
+                           f"vocab_size={vocab_size}: uint16 up to 65,536 ids, else uint32)",
+                           problem=f"is not a flat array of {dtype} ({nbytes} bytes is not a multiple of {size})")
+    if nbytes // size < seq_length + 1:
+        raise AutoparError("--data", str(path), f"give a file of at least {seq_length + 1} {dtype} tokens "
+                           f"({(seq_length + 1) * size} bytes)",
+                           problem=f"holds {nbytes // size} tokens, fewer than one sequence")
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        top = int(tokens.max())
+    except OSError as exc:
+        raise AutoparError("--data", str(path), "give a token file this user can read",
+                           problem=f"cannot be read ({exc.strerror or exc})") from None
+    if top >= vocab_size:
+        raise AutoparError("--data", str(path), f"use a model with vocab_size > {top} or the right file (token ids "
+                           f"as {dtype}, each below vocab_size)",
+                           problem=f"has token id {top} >= vocab_size={vocab_size}")
+    return tokens
+
+
 class TokenFile:
-    """A flat binary file of token ids (uint16 when the vocabulary fits, else uint32), read by memmap.
+    """A flat binary file of token ids (uint16 when the vocabulary fits, else uint32), read by memmap
+    and checked by :func:`check_token_file`.
 
     Step s reads the global batch's rows from consecutive windows of ``seq_length + 1`` tokens,
     wrapping around at the end of the file."""
 
     def __init__(self, path: str | Path, seq_length: int, vocab_size: int, dtype: str | None = None) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise AutoparError("--data", str(path), "give an existing flat token file (uint16/uint32 ids)",
-                               problem="does not exist")
-        dtype = dtype or ("uint16" if vocab_size <= 65_536 else "uint32")
-        if dtype not in ("uint16", "uint32"):
-            raise AutoparError("--data-dtype", dtype, "use uint16 or uint32", problem="is not a token dtype")
-        size = np.dtype(dtype).itemsize
-        if path.stat().st_size % size:
-            raise AutoparError("--data", str(path), f"the file length is not a multiple of {size} bytes: "
-                               f"check --data-dtype ({dtype})", problem="is not a flat array of " + dtype)
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.tokens = check_token_file(path, seq_length, vocab_size, dtype)
         self.seq_length = seq_length
-        if len(self.tokens) < seq_length + 1:
-            raise AutoparError("--data", str(path), f"give a file of at least {seq_length + 1} tokens",
-                               problem=f"holds {len(self.tokens)} tokens, fewer than one sequence")
-        top = int(self.tokens.max())
-        if top >= vocab_size:
-            raise AutoparError("--data", str(path), f"use a model with vocab_size > {top} or the right file",
-                               problem=f"has token id {top} >= vocab_size={vocab_size}")
 
     def batch(self, step: int, global_batch: int) -> torch.Tensor:
         n = self.seq_length + 1

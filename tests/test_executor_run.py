@@ -58,6 +58,88 @@ def test_unsupported_plans_are_refused_before_any_process_starts(tmp_path: Path)
     assert r.returncode == 2 and "not a valid Plan" in r.stderr, r.stderr
 
 
+def _run_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, list]:
+    """`autopar run ARGS` in this process (no torch import per case): exit code, stderr and the
+    torchrun command lines it would have started (none, for a refusal)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from executor import cli as run_cli
+
+    started: list = []
+    monkeypatch.setattr(run_cli.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 1)
+    app = typer.Typer()
+    app.command()(run_cli.run)
+    result = CliRunner().invoke(app, list(args))
+    assert isinstance(result.exception, SystemExit) or result.exception is None, repr(result.exception)
+    return result.exit_code, result.stderr, started
+
+
+def test_bad_files_and_options_are_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
+    """Each refused with a one-line error naming the field and the value, exit 2, before torchrun; before,
+    these were tracebacks (a binary or deeply nested JSON), a run lost after training (a bad --profile),
+    a worker's traceback (a checkpoint folder that is a file, a bad token file) or silently accepted."""
+    import numpy as np
+
+    plan = str(tmp_path / "ok.json")
+    write_plan(tmp_path / "ok.json", dp_shard=4)
+    files = {"bin.json": b"\x80\x81\xff\xfe", "deep.json": b"[" * 100_000 + b"]" * 100_000, "empty.json": b"",
+             "spec.json": SPEC.model_dump_json().encode(), "afile": b"hi\n", "odd.bin": b"abc", "empty.bin": b"",
+             "text.bin": b"hello world, a text file and no tokens " * 4}
+    for name, body in files.items():
+        (tmp_path / name).write_bytes(body)
+    (tmp_path / "adir").mkdir()
+    t = {name: str(tmp_path / name) for name in [*files, "adir"]}
+    cases = [
+        ((t["bin.json"],), f"PLAN.json='{t['bin.json']}' is not UTF-8 text"),
+        ((t["deep.json"],), f"PLAN.json='{t['deep.json']}' is not a valid Plan"),
+        ((t["empty.json"],), f"PLAN.json='{t['empty.json']}' is not a valid Plan"),
+        ((t["adir"],), f"PLAN.json='{t['adir']}' is a folder"),
+        ((plan, "--hf-config", t["bin.json"]), f"--hf-config='{t['bin.json']}' is not UTF-8 text"),
+        ((plan, "--hf-config", t["deep.json"]), f"--hf-config='{t['deep.json']}' cannot be read as JSON"),
+        ((plan, "--profile", t["bin.json"]), f"--profile='{t['bin.json']}' is not UTF-8 text"),
+        ((plan, "--profile", t["empty.json"]), f"--profile='{t['empty.json']}' is not a valid ClusterProfile"),
+        ((plan, "--profile", t["spec.json"]), f"problem(s) in --profile {t['spec.json']})"),
+        ((plan, "--profile", t["adir"]), f"--profile='{t['adir']}' is a folder"),
+        ((plan, "--data", t["adir"]), f"--data='{t['adir']}' is a folder"),
+        ((plan, "--checkpoint-dir", t["afile"]), f"--checkpoint-dir='{t['afile']}' is a file"),
+        ((plan, "--checkpoint-dir", t["afile"], "--checkpoint-every", "1"),
+         f"--checkpoint-dir='{t['afile']}' is a file"),
+        ((plan, "--checkpoint-dir", t["afile"] + "/ck", "--checkpoint-every", "1"), "cannot be written"),
+        ((plan, "--data", t["odd.bin"]), f"--data='{t['odd.bin']}' is not a flat array of uint16"),
+        ((plan, "--data", t["empty.bin"]), "holds 0 tokens, fewer than one sequence"),
+        ((plan, "--data", t["text.bin"]), "vocab_size=64"),
+        ((plan, "--lr", "inf"), "--lr=inf"),
+        ((plan, "--lr", "nan"), "--lr=nan"),
+        ((plan, "--lr", "1e300"), "--lr=1e+300"),
+        ((plan, "--steps", "2", "--warmup", "5"), "--warmup=5 is not below --steps 2"),
+        ((plan, "--steps", "2", "--warmup", "2"), "--warmup=2 is not below --steps 2"),
+        ((plan, "--async-checkpoint"), "--async-checkpoint=True has no checkpoints to save"),
+        ((plan, "--plan-id", "3"), "--plan-id=3 is only used with --server"),
+    ]
+    if Path("/dev/null").exists():  # no regular file (/dev/zero would be read until memory ran out)
+        cases += [((path, *args), f"{flag}='/dev/null' is not a regular file") for flag, path, args in
+                  (("PLAN.json", "/dev/null", ()), ("--profile", plan, ("--profile", "/dev/null")),
+                   ("--hf-config", plan, ("--hf-config", "/dev/null")), ("--data", plan, ("--data", "/dev/null")))]
+    if Path("/proc/self").is_dir():  # a folder no file can be created in
+        cases.append(((plan, "--checkpoint-dir", "/proc/autopar-ck", "--checkpoint-every", "1"),
+                      "--checkpoint-dir='/proc/autopar-ck' cannot be written"))
+    for args, expected in cases:
+        code, stderr, started = _run_in_process(monkeypatch, *args)
+        assert code == 2 and not started, (args, code, stderr)
+        assert stderr.startswith("error: ") and stderr.count("\n") == 1, (args, stderr)  # one line
+        assert expected in stderr and "--data-dtype" not in stderr, (args, stderr)
+    # the defaults and a good token file still start the workers; --warmup defaults below a short --steps
+    (np.arange(100) % 64).astype(np.uint16).tofile(tmp_path / "tokens.bin")  # ids below the plan's vocab_size 64
+    code, stderr, started = _run_in_process(monkeypatch, plan, "--steps", "1", "--data", str(tmp_path / "tokens.bin"),
+                                            "--lr", "0.01")
+    assert code == 1 and len(started) == 1, stderr  # the fake torchrun "failed"
+    assert started[0][started[0].index("--warmup") + 1] == "0" and "torchrun exit status 1" in stderr
+    # through the real entry point: no traceback
+    r = autopar_run(t["bin.json"])
+    assert r.returncode == 2 and "PLAN.json=" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_autopar_run_dp4_writes_a_valid_report_matching_the_reference(tmp_path: Path) -> None:
     plan = write_plan(tmp_path / "plan.json", dp_shard=4)
