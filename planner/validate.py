@@ -10,11 +10,14 @@ count the recompute forward); MFU last. Rows that cannot be judged are returned 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from planner.contracts import (
     ClusterProfile,
@@ -30,6 +33,7 @@ from planner.contracts import (
 )
 from planner.cost.predict import predict
 from planner.errors import AutoparError
+from planner.files import read_input
 from planner.presets import PRESETS
 from planner.reference import reference_profile, system_family
 
@@ -103,21 +107,140 @@ def source_key(run_id: str) -> str:
     return run_id.split("_", 1)[0]
 
 
+# A cell's number: optional "~" (approximately), sign, digits with optional thousands separators
+# ("1,920") and decimals, optional exponent ("1e3"), optional multiplier ("128K", "4.2M", "2 million"), then
+# nothing or a note after a space, "(", ";" or ", " ("15360 (ramped ...)", "64 (spanning 8 nodes)").
+_NUMBER = re.compile(
+    r"[~\u2248]?\s*(?P<sign>[+-]?)"
+    r"(?P<digits>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]*)?|[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+    r"(?:[eE](?P<exp>[+-]?[0-9]+))?"
+    r"(?:\s*(?P<suffix>[KkMm]|(?i:thousand|million|billion))(?![A-Za-z0-9]))?"
+    r"(?P<rest>.*)",
+    re.S,
+)
+_NOTE_START = re.compile(r"(?:\s|[(\[;%*]|,\s)")
+_MULTIPLIERS = {"k": 1000, "m": 1_000_000, "thousand": 1000, "million": 1_000_000, "billion": 10**9}
+MAX_COUNT = 10**12
+"""Largest count a cell may give (GPUs, tokens, sizes): more is a unit mix-up, not a training run."""
+
+
 def _num(text: str | None) -> float | None:
-    """Leading number of a cell ('128K (...)' -> 128000, '15360 (ramped ...)' -> 15360)."""
-    if not text:
+    """The number a cell states ('128K (...)' -> 128000, '15360 (ramped ...)' -> 15360, '1,920' -> 1920,
+    '1e3' -> 1000, '-2' -> -2); None when the cell is blank or says the source gives none.
+
+    Raises ValueError (its text: what is wrong, e.g. "is not a number") when the cell does not start
+    with a number, or the number runs on into text ('1.42s', '8/16', '12,34').
+    """
+    t = unstated(text)
+    if not t:
         return None
-    match = re.search(r"(\d[\d,]*\.?\d*)\s*([KkMm])?\b", text)
-    if not match:
-        return None
-    value = float(match.group(1).replace(",", ""))
-    suffix = (match.group(2) or "").lower()
-    return value * (1000 if suffix == "k" else 1_000_000 if suffix == "m" else 1)
+    match = _NUMBER.fullmatch(t)
+    if not match or (match.group("rest") and not _NOTE_START.match(match.group("rest"))):
+        raise ValueError("is not a number")
+    digits = match.group("digits").replace(",", "")
+    value = float(match.group("sign") + digits + (f"e{match.group('exp')}" if match.group("exp") else ""))
+    suffix = (match.group("suffix") or "").lower()
+    value = value * _MULTIPLIERS.get(suffix, 1)
+    if not math.isfinite(value):
+        raise ValueError("is not a finite number")
+    return value
 
 
 def _int(text: str | None) -> int | None:
+    """The whole number a cell states (see :func:`_num`); ValueError when it has a fraction."""
     value = _num(text)
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    if not value.is_integer():
+        raise ValueError("is not a whole number")
+    return int(value)
+
+
+class CellError(AutoparError):
+    """A cell of a row that cannot be used: ``str()`` names the column, the value and the fix."""
+
+
+def _count(row: dict[str, str | None], column: str, *, required: bool = False,
+           allow_zero: bool = False) -> int | None:
+    """A whole-number cell: > 0 (>= 0 with ``allow_zero``), None when blank or unstated."""
+    text = row.get(column)
+    fix = f"give a whole number {'0 or more' if allow_zero else 'above 0'}"
+    if not required:
+        fix += ", or leave the cell blank if the source does not state it"
+    try:
+        value = _int(text)
+    except ValueError as exc:
+        raise CellError(column, text, fix, problem=str(exc)) from None
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise CellError(column, text, fix, problem="is negative" if allow_zero else "is not a positive number")
+    if value is not None and value > MAX_COUNT:
+        raise CellError(column, text, "check the units (a count, not thousands or millions of it)",
+                        problem=f"is more than {MAX_COUNT:,}, which no training run has")
+    return value
+
+
+def _figure(row: dict[str, str | None], column: str, *, at_most: float | None = None) -> float | None:
+    """A published measurement (TFLOP/s, MFU %, tokens/s, seconds): > 0, None when blank or unstated."""
+    text = row.get(column)
+    fix = "give the published figure as a number above 0, or leave the cell blank if the source does not state it"
+    try:
+        value = _num(text)
+    except ValueError as exc:
+        raise CellError(column, text, fix, problem=str(exc)) from None
+    if value is not None and value <= 0:
+        raise CellError(column, text, fix, problem="is not a positive number")
+    if value is not None and at_most is not None and value > at_most:
+        raise CellError(column, text, f"give a percentage from 0 to {at_most:g}", problem=f"is more than {at_most:g}")
+    return value
+
+
+COUNT_COLUMNS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "seq_length",
+    "moe_num_experts", "moe_top_k", "moe_expert_ffn_hidden_size", "num_gpus", "gpus_per_node",
+    "global_batch_size_seqs", "global_batch_size_seqs_derived", "global_batch_tokens", "micro_batch_size",
+    "tp", "pp", "dp", "dp_derived", "cp", "ep",
+)
+"""Columns read as whole numbers above 0 (blank: not stated). ``moe_shared_experts`` may also be 0."""
+FIGURE_COLUMNS = (
+    "tflops_per_gpu_reported", "mfu_pct_reported", "tokens_per_sec_per_gpu_reported", "iteration_time_s_reported",
+    "tokens_per_sec_per_gpu_derived",
+)
+"""Published measurements the comparison reads: numbers above 0 (MFU at most 100 %), blank: not stated."""
+
+
+def _numbers(row: dict[str, str | None]) -> dict[str, float | int | None]:
+    """Every number the row's judgement reads, checked; raises :class:`CellError` on the first bad cell."""
+    numbers: dict[str, float | int | None] = {
+        c: _count(row, c, required=c in REQUIRED) for c in COUNT_COLUMNS
+    }
+    numbers["moe_shared_experts"] = _count(row, "moe_shared_experts", allow_zero=True)
+    for c in FIGURE_COLUMNS:
+        numbers[c] = _figure(row, c, at_most=100 if c == "mfu_pct_reported" else None)
+    vp = unstated(row.get("virtual_pipeline_stages"))
+    # a number of stages, or words ("DualPipe ...", "interleaved schedule used (... not stated)")
+    numbers["virtual_pipeline_stages"] = (
+        _count(row, "virtual_pipeline_stages") if re.match(r"[~\u2248]?\s*[+-]?\.?[0-9]", vp) else None
+    )
+    return numbers
+
+
+def _text(row: dict[str, str | None], column: str) -> str:
+    """A text cell; ``""`` when blank or absent (a CSV with fewer columns, or a short row)."""
+    return row.get(column) or ""
+
+
+def _one_line(exc: Exception) -> str:
+    """An exception as one line: pydantic errors as 'field=value: problem; ...' without their help URL."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in e["loc"])
+            msg = e["msg"].removeprefix("Value error, ")
+            value = e.get("input")
+            shown = "" if isinstance(value, dict) else f"={value!r}"
+            parts.append(f"{loc}{shown}: {msg}" if loc else msg)
+        return f"{exc.title}: " + "; ".join(parts)
+    return " ".join(str(exc).split())
 
 
 def _system(gpu_type: str) -> str | None:
@@ -172,12 +295,13 @@ def _matching_preset(row_model: str, layers: int, hidden: int, heads: int, swigl
     return same[0] if same else None
 
 
-def _model(row: dict[str, str], defaults: list[str]) -> ModelSpec:
-    layers, hidden, heads = _int(row["num_layers"]), _int(row["hidden_size"]), _int(row["num_attention_heads"])
-    assert layers and hidden and heads
-    name_text = (row.get("model", "") + " " + row.get("arch_type", "")).lower()
-    llama_like = bool(row.get("num_kv_heads")) or any(w in name_text for w in ("llama", "qwen", "mixtral", "deepseek", "mistral"))
-    preset = _matching_preset(row.get("model", ""), layers, hidden, heads, swiglu=llama_like)
+def _model(row: dict[str, str], defaults: list[str], n: dict[str, float | int | None]) -> ModelSpec:
+    """The row's ModelSpec from its checked numbers ``n`` (:func:`_numbers`) and its text cells."""
+    layers, hidden, heads = n["num_layers"], n["hidden_size"], n["num_attention_heads"]
+    name_text = (_text(row, "model") + " " + _text(row, "arch_type")).lower()
+    llama_like = n["num_kv_heads"] is not None or any(
+        w in name_text for w in ("llama", "qwen", "mixtral", "deepseek", "mistral"))
+    preset = _matching_preset(_text(row, "model"), layers, hidden, heads, swiglu=llama_like)
     base = preset[1] if preset else None
     if preset is not None:
         defaults.append(f"unstated architecture details from preset {preset[0]}")
@@ -187,40 +311,46 @@ def _model(row: dict[str, str], defaults: list[str]) -> ModelSpec:
         defaults.append("architecture: GPT-style (learned positions, LayerNorm, biases, tied embeddings, dropout 0.1)"
                         if "alibi" not in name_text else
                         "architecture: MPT-style (ALiBi, LayerNorm without biases, tied embeddings, no dropout)")
-    kv = _int(row.get("num_kv_heads"))
+    kv = n["num_kv_heads"]
     if kv is None:
         kv = base.kv_heads if base else heads
         if not base:
             defaults.append(f"num_kv_heads={kv} (MHA)")
-    ffn = _int(row.get("ffn_hidden_size"))
+    ffn = n["ffn_hidden_size"]
     if ffn is None:
         ffn = base.ffn_hidden_size if base else 4 * hidden
         if not base:
             defaults.append(f"ffn_hidden_size={ffn} (4h GeLU MLP)")
-    vocab = _int(row.get("vocab_size"))
+    vocab = n["vocab_size"]
     if vocab is None:
         vocab = base.vocab_size if base else 51200
         defaults.append(f"vocab_size={vocab}" + (" (preset)" if base else " (GPT-2 BPE padded, Megatron default)"))
     gpt_style = not llama_like
     moe = None
-    if row.get("moe_num_experts"):
-        dense_first = re.search(r"first (\d+) dense", row.get("ffn_hidden_size", ""))
+    if n["moe_num_experts"] is not None:
+        unset = " and ".join(c for c in ("moe_top_k", "moe_expert_ffn_hidden_size") if n[c] is None)
+        if unset:
+            raise CellError("moe_num_experts", row.get("moe_num_experts"),
+                            f"fill in {unset} (or leave moe_num_experts blank for a dense model)",
+                            problem=f"makes the model MoE but {unset} {'are' if ' and ' in unset else 'is'} blank")
+        dense_first = re.search(r"first (\d+) dense", _text(row, "ffn_hidden_size"))
         moe = MoESpec(
-            num_experts=_int(row["moe_num_experts"]), top_k=_int(row["moe_top_k"]),
-            expert_ffn_hidden_size=_int(row["moe_expert_ffn_hidden_size"]),
-            num_shared_experts=_int(row.get("moe_shared_experts")) or 0,
+            num_experts=n["moe_num_experts"], top_k=n["moe_top_k"],
+            expert_ffn_hidden_size=n["moe_expert_ffn_hidden_size"],
+            num_shared_experts=n["moe_shared_experts"] or 0,
             first_dense_layers=int(dense_first.group(1)) if dense_first else 0,
         )
-        if not row.get("ffn_hidden_size") and base is None:
+        if n["ffn_hidden_size"] is None and base is None:
             ffn = moe.expert_ffn_hidden_size
     alibi = "alibi" in name_text
     return ModelSpec(
-        name=row.get("model") or row["run_id"], num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        name=row.get("model") or row.get("run_id") or "?", num_layers=layers, hidden_size=hidden,
+        num_attention_heads=heads,
         num_kv_heads=kv, head_dim=base.head_dim if base else None, ffn_hidden_size=ffn,
         ffn_kind="gelu" if gpt_style else "swiglu", vocab_size=vocab,
         tied_embeddings=base.tied_embeddings if base else gpt_style,
         position_embedding="alibi" if alibi else ("learned" if gpt_style else "rope"),
-        max_position_embeddings=_int(row["seq_length"]) if gpt_style and not alibi else None,
+        max_position_embeddings=n["seq_length"] if gpt_style and not alibi else None,
         norm="layernorm" if gpt_style else "rmsnorm", linear_bias=gpt_style and not alibi,
         dropout=0.1 if gpt_style and not alibi else 0.0, moe=moe, mla=base.mla if base else None,
     )
@@ -240,14 +370,28 @@ def zero_stage_from_text(text: str) -> int | None:
     return None
 
 
-def _precision(text: str) -> Precision:
-    """'FP8 (hybrid)', 'BF16 + Float8 linears' -> fp8; fp16 only when bf16 is not named; else bf16."""
+def _precision(text: str) -> Precision | None:
+    """'FP8 (hybrid)', 'BF16 + Float8 linears' -> fp8; fp16 ('half') only when bf16 is not named;
+    'mixed precision', '16-bit', 'amp' -> bf16; fp32 when only fp32 is named. None when the cell names
+    no format the planner models ('fp64', 'int4', 'fast')."""
     t = (text or "").lower()
     if "fp8" in t or "float8" in t:
         return Precision.fp8
-    if "fp16" in t and "bf16" not in t:
+    if "bf16" in t or "bfloat16" in t:
+        return Precision.bf16
+    if "fp16" in t or "float16" in t or re.search(r"\bhalf\b", t):
         return Precision.fp16
-    return Precision.bf16
+    if "fp32" in t or "float32" in t:
+        return Precision.fp32
+    if _OTHER_FORMAT.search(t):
+        return None
+    if re.search(r"\b(?:mixed|amp|16-bit)\b", t):
+        return Precision.bf16
+    return None
+
+
+# numeric formats the planner does not model ('fp64', 'int8', 'nvfp4', 'double')
+_OTHER_FORMAT = re.compile(r"(?:fp|float|int)\d+|\bdouble\b")
 
 
 def build_case(row: dict[str, str], fitted: dict | None = None) -> RowCase | Skipped:
@@ -255,37 +399,66 @@ def build_case(row: dict[str, str], fitted: dict | None = None) -> RowCase | Ski
 
     ``fitted``: the calibration document to build reference profiles with (default: the packaged one).
     """
+    run_id = row.get("run_id") or "?"
+    ragged = _ragged(row)
+    if ragged:
+        return Skipped(run_id, source_key(run_id), ragged)
     try:
         return _build_case(row, fitted)
-    except (AutoparError, ValueError, TypeError, ZeroDivisionError) as exc:
-        run_id = row.get("run_id", "?")
-        return Skipped(run_id, source_key(run_id), f"row not usable: {exc}")
+    except CellError as exc:
+        return Skipped(run_id, source_key(run_id), str(exc))
+    except (AutoparError, ValueError, TypeError, ZeroDivisionError) as exc:  # ValidationError is a ValueError
+        return Skipped(run_id, source_key(run_id), f"row not usable: {_one_line(exc)}")
+
+
+def _ragged(row: dict) -> str | None:
+    """Why a row whose cells do not line up with the header cannot be read, or None.
+
+    ``csv.DictReader`` files cells past the header under the key None and fills a short row with None.
+    """
+    extra = row.get(None) or []
+    short = sum(1 for k, value in row.items() if k is not None and value is None)
+    if not extra and not short:
+        return None
+    header = sum(1 for k in row if k is not None)
+    cells = header - short + len(extra)
+    return (f"row has {cells} cells but the header has {header} columns; put every cell in its column "
+            "(quote a cell that contains a comma)")
 
 
 def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
-    run_id, source = row.get("run_id", "?"), source_key(row.get("run_id", "?"))
-    missing = [c for c in REQUIRED if not (row.get(c) or "").strip()]
+    run_id = row.get("run_id") or "?"
+    source = source_key(run_id)
+    missing = [c for c in REQUIRED if not unstated(row.get(c))]
     if missing:
         return Skipped(run_id, source, "missing " + ", ".join(missing))
-    for c in REQUIRED:
-        if c != "gpu_type" and not (_int(row[c]) or 0) > 0:
-            return Skipped(run_id, source, f"{c}={row[c]!r} is not a positive number")
+    n = _numbers(row)  # CellError (the row's reason) on a cell that is not a usable number
     defaults: list[str] = []
-    era2021 = bool(_ERA_2021.search(row.get("source", "") + row.get("framework", "")))
-    mcore = bool(_MCORE.search(row.get("framework", "") + row.get("source", "")))
+    era2021 = bool(_ERA_2021.search(_text(row, "source") + _text(row, "framework")))
+    mcore = bool(_MCORE.search(_text(row, "framework") + _text(row, "source")))
     try:
-        model = _model(row, defaults)
+        model = _model(row, defaults, n)
+    except CellError:
+        raise
     except (AutoparError, ValueError) as exc:
-        return Skipped(run_id, source, f"model not buildable: {exc}")
+        return Skipped(run_id, source, f"model not buildable: {_one_line(exc)}")
 
-    seq = _int(row["seq_length"])
-    gbs = _int(row.get("global_batch_size_seqs")) or _int(row.get("global_batch_size_seqs_derived"))
-    if gbs is None and row.get("global_batch_tokens"):
-        gbs = int(_num(row["global_batch_tokens"]) // seq)
+    seq = n["seq_length"]
+    gbs = n["global_batch_size_seqs"] or n["global_batch_size_seqs_derived"]
+    if gbs is None and n["global_batch_tokens"] is not None:
+        gbs = n["global_batch_tokens"] // seq
+        if gbs == 0:
+            raise CellError("global_batch_tokens", row.get("global_batch_tokens"),
+                            f"give the tokens per optimizer step (at least seq_length={seq})",
+                            problem=f"is less than one sequence of seq_length={seq}")
     if gbs is None:
         return Skipped(run_id, source, "global batch not stated (global_batch_size_seqs and derived columns empty)")
-    precision = _precision(row.get("precision", ""))
-    if not row.get("precision"):
+    precision_text = unstated(row.get("precision"))
+    precision = _precision(precision_text) if precision_text else Precision.bf16
+    if precision is None:
+        raise CellError("precision", row.get("precision"), "name bf16, fp16, fp8 or fp32 (or 'mixed precision')",
+                        problem="names no numeric format the planner models")
+    if not precision_text:
         defaults.append("precision=bf16")
     training = TrainingConfig(seq_length=seq, global_batch_size=gbs, precision=precision, flash_attention=not era2021)
     defaults.append("attention=" + ("unfused (Megatron 2021-22)" if era2021 else "flash"))
@@ -293,19 +466,19 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     system = _system(row["gpu_type"])
     if system is None:
         return Skipped(run_id, source, f"no reference profile for gpu_type '{row['gpu_type']}'")
-    gpus = _int(row["num_gpus"])
-    gpn = _int(row.get("gpus_per_node")) or 8
-    nic = _nic_gbit_per_gpu(row.get("inter_node_interconnect", ""), gpn)
+    gpus = n["num_gpus"]
+    gpn = n["gpus_per_node"] or 8
+    nic = _nic_gbit_per_gpu(_text(row, "inter_node_interconnect"), gpn)
     if gpus % gpn:
         return Skipped(run_id, source, f"num_gpus={gpus} is not a whole number of {gpn}-GPU nodes")
     profile = reference_profile(system, gpus // gpn, nic_gbit_per_gpu=nic, fitted=fitted)
 
-    tp, pp = _int(row["tp"]), _int(row["pp"])
-    cp, ep = _int(row.get("cp")) or 1, _int(row.get("ep")) or 1
-    dp = _int(row.get("dp")) or _int(row.get("dp_derived")) or gpus // (tp * pp * cp)
+    tp, pp = n["tp"], n["pp"]
+    cp, ep = n["cp"] or 1, n["ep"] or 1
+    dp = n["dp"] or n["dp_derived"] or gpus // (tp * pp * cp)
     if dp * tp * pp * cp != gpus:
         return Skipped(run_id, source, f"tp x pp x cp x dp = {dp * tp * pp * cp} does not equal num_gpus={gpus}")
-    mbs = _int(row.get("micro_batch_size"))
+    mbs = n["micro_batch_size"]
     mbs_options = [mbs] if mbs else [b for b in (1, 2, 4, 8) if gbs % (dp * b) == 0]
     if not mbs_options or gbs % (dp * mbs_options[0]):
         return Skipped(run_id, source, f"global batch {gbs} is not divisible by dp x micro_batch = {dp * (mbs or 1)}")
@@ -317,8 +490,8 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
             schedule = Schedule.zero_bubble
             defaults.append("schedule=zero_bubble (stands in for DualPipe)")
             defaults.append("ep_comm_overlap=on (DualPipe overlaps the expert all-to-all with computation)")
-        elif _int(vp_text) and _int(vp_text) > 1:
-            schedule, v = Schedule.interleaved_1f1b, _int(vp_text)
+        elif n["virtual_pipeline_stages"] and n["virtual_pipeline_stages"] > 1:
+            schedule, v = Schedule.interleaved_1f1b, n["virtual_pipeline_stages"]
         elif "interleav" in vp_text.lower():
             schedule, v = Schedule.interleaved_1f1b, 0  # depth chosen below
         elif not vp_text and "deepspeed" in (row.get("framework") or "").lower():
@@ -336,12 +509,12 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         zero = 1 if mcore else 0
         defaults.append(f"zero_stage={zero} ({'distributed optimizer' if zero else 'DDP'})")
 
-    fw = (row.get("framework", "") + " " + row.get("other_throughput_reported", "")).lower()
+    fw = (_text(row, "framework") + " " + _text(row, "other_throughput_reported")).lower()
     tp_overlap = "tp-comm-overlap" in fw or "async tp" in fw
     if tp_overlap:
         defaults.append("tp_comm_overlap=on (the row's framework/throughput notes name TP-comm-overlap or async TP)")
     # Megatron-LM of 2021-22 all-reduced gradients after the backward pass (no overlap)
-    dp_overlap = not era2021 and "no overlap of gradient" not in (row.get("notes", "").lower())
+    dp_overlap = not era2021 and "no overlap of gradient" not in _text(row, "notes").lower()
     if era2021 and dp > 1:
         defaults.append("dp_comm_overlap=off (Megatron-LM 2021-22 reduced gradients after backward)")
 
@@ -383,7 +556,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if recompute is None:
         defaults.append(f"recompute={chosen_recompute.value} (cheapest that fits in memory)")
 
-    comparison = _comparison(row, precision)
+    comparison = _comparison(row, precision, n)
     if comparison is None:
         return Skipped(run_id, source, "no throughput figure comparable in this row's convention")
     metric, reported, flop_convention = comparison
@@ -426,23 +599,29 @@ def _fill_unstated(
     return last_error
 
 
-def _comparison(row: dict[str, str], precision: Precision) -> tuple[str, float, str] | None:
+def _comparison(row: dict[str, str], precision: Precision, n: dict[str, float | int | None] | None = None,
+                ) -> tuple[str, float, str] | None:
     """(metric, reported value, FLOP convention) in the row's own convention: iteration time where
     given; tokens/s for FP8 rows and where it is the published figure; TFLOP/s with the source's
-    FLOP count; MFU; derived tokens/s last. None when the row has no comparable figure."""
-    conv = (row.get("flop_convention") or "").lower()
+    FLOP count; MFU; derived tokens/s last. None when the row has no comparable figure.
+
+    ``n``: the row's checked numbers (:func:`_numbers`); read here when not given (CellError on a bad figure).
+    """
+    if n is None:
+        n = {c: _figure(row, c, at_most=100 if c == "mfu_pct_reported" else None) for c in FIGURE_COLUMNS}
+    conv = _text(row, "flop_convention").lower()
     flop_convention = "hardware" if ("includes the recompute" in conv or "hardware flops" in conv) else "model"
-    tokens_reported = _num(row.get("tokens_per_sec_per_gpu_reported"))
-    if row.get("iteration_time_s_reported"):
-        return "iteration_time_s", _num(row["iteration_time_s_reported"]), flop_convention
-    if tokens_reported and (precision is Precision.fp8 or not row.get("tflops_per_gpu_reported")):
+    tokens_reported, tflops = n["tokens_per_sec_per_gpu_reported"], n["tflops_per_gpu_reported"]
+    if n["iteration_time_s_reported"] is not None:
+        return "iteration_time_s", n["iteration_time_s_reported"], flop_convention
+    if tokens_reported is not None and (precision is Precision.fp8 or tflops is None):
         return "tokens_per_s_per_gpu", tokens_reported, flop_convention
-    if row.get("tflops_per_gpu_reported") and precision is not Precision.fp8:
-        return "tflops_per_gpu", _num(row["tflops_per_gpu_reported"]), flop_convention
-    if row.get("mfu_pct_reported") and precision is not Precision.fp8:
-        return "mfu", _num(row["mfu_pct_reported"]) / 100, flop_convention
-    if row.get("tokens_per_sec_per_gpu_derived"):
-        return "tokens_per_s_per_gpu", _num(row["tokens_per_sec_per_gpu_derived"]), flop_convention
+    if tflops is not None and precision is not Precision.fp8:
+        return "tflops_per_gpu", tflops, flop_convention
+    if n["mfu_pct_reported"] is not None and precision is not Precision.fp8:
+        return "mfu", n["mfu_pct_reported"] / 100, flop_convention
+    if n["tokens_per_sec_per_gpu_derived"] is not None:
+        return "tokens_per_s_per_gpu", n["tokens_per_sec_per_gpu_derived"], flop_convention
     return None
 
 
@@ -466,24 +645,44 @@ def evaluate(case: RowCase, profile: ClusterProfile | None = None) -> RowResult:
     return RowResult(case, value, value / case.reported - 1.0, pred)
 
 
+
 def load_rows(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a published-runs CSV (UTF-8, with or without a byte-order mark), as ``csv.DictReader``
+    gives them. AutoparError naming FILE for a file that cannot be read as such a CSV."""
     p = Path(path)
-    if not p.is_file():
-        raise AutoparError("FILE", str(p), "give the path of a CSV with the columns of published_runs.csv",
-                           problem="does not exist")
-    with p.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        if not reader.fieldnames or "run_id" not in reader.fieldnames:
-            raise AutoparError("FILE", str(p), "the CSV needs a header with run_id and the published_runs.csv columns",
-                               problem="has no run_id column")
-        return list(reader)
+    # Excel's "CSV UTF-8" starts with a byte-order mark
+    text = read_input(p, "FILE", "CSV with the columns of published_runs.csv").removeprefix("\ufeff")
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    rows: list[dict[str, str]] = []
+    line = 0  # last line of the last record read
+    try:
+        header = reader.fieldnames
+        line = reader.line_num
+        if not header or "run_id" not in header:
+            raise AutoparError("FILE", str(p), "the CSV needs a header with run_id and the published_runs.csv "
+                               "columns", problem="has no run_id column")
+        for row in reader:
+            rows.append(row)
+            line = reader.line_num
+    except csv.Error as exc:
+        where = f"in the {'header' if not line else 'row'} starting on line {line + 1}"
+        if "field larger than field limit" in str(exc):
+            raise AutoparError("FILE", str(p), "a cell is a number or a short note; look for an unclosed quote "
+                               "(it runs a cell on to the end of the file)",
+                               problem=f"has a cell longer than {csv.field_size_limit():,} characters {where}"
+                               ) from None
+        raise AutoparError("FILE", str(p), "quote a cell as a whole (\"like, this\") and double a quote inside "
+                           "it (\"\"); an unclosed quote runs a cell on to the end of the file",
+                           problem=f"is not valid CSV {where} ({exc})") from None
+    return rows
 
 
 def build_cases(rows: list[dict[str, str]], fitted: dict | None = None) -> tuple[list[RowCase], list[Skipped]]:
     cases, skipped = [], []
     for row in rows:
-        if (row.get("config_completeness") or "complete") != "complete":
-            skipped.append(Skipped(row.get("run_id", "?"), source_key(row.get("run_id", "?")),
+        if not _ragged(row) and (row.get("config_completeness") or "complete") != "complete":
+            run_id = row.get("run_id") or "?"
+            skipped.append(Skipped(run_id, source_key(run_id),
                                    f"config_completeness={row.get('config_completeness')}: missing {row.get('missing_fields')}"))
             continue
         result = build_case(row, fitted)

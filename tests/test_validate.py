@@ -8,6 +8,7 @@ tests do not need /work/shared; one integration test reads the real file and is 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -397,9 +398,184 @@ def test_published_runs_csv():
     assert not bad, f"Korthikanti iteration times off by more than 15%: {bad}"
 
 
+@needs_real_csv
+def test_every_number_of_the_real_data_reads_as_a_number():
+    """The stricter reader refuses no cell of published_runs.csv: its rows are skipped only for the
+    reasons they always were (a partial configuration, degrees that do not multiply to the GPUs)."""
+    cases, skipped = v.build_cases(v.load_rows(REAL_CSV))
+    for s in skipped:
+        assert s.reason.startswith(("config_completeness=", "tp x pp x cp x dp = ")), s
+    for row in v.load_rows(REAL_CSV):
+        v._numbers(row)  # raises CellError on a cell it cannot read
+
+
 def test_row_network_description_sets_the_profile_nic():
     case = v.build_case(megatron_row(num_gpus="16", dp="2", global_batch_size_seqs="16", inter_node_interconnect=OPA))
     assert isinstance(case, v.RowCase), case
     assert case.profile.num_nodes == 2
     inter = [link for link in case.profile.links if link.level.value == "inter_node"]
     assert inter and all(link.busbw_bytes_per_s == pytest.approx(50 / 8 * 0.95 * 1e9) for link in inter)
+
+
+# ---------------------------------------------------------------- bad cells: skipped with a one-line reason
+@pytest.mark.parametrize(
+    ("changes", "named", "problem"),
+    [
+        # a figure of 0 divided the predicted value (ZeroDivisionError); a word read as None (TypeError)
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="0"), "tflops_per_gpu_reported='0'",
+         "is not a positive number"),
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="", mfu_pct_reported="0"), "mfu_pct_reported='0'",
+         "is not a positive number"),
+        (dict(iteration_time_s_reported="0"), "iteration_time_s_reported='0'", "is not a positive number"),
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="abc"), "tflops_per_gpu_reported='abc'",
+         "is not a number"),
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="nan"), "tflops_per_gpu_reported='nan'",
+         "is not a number"),
+        (dict(iteration_time_s_reported="fast"), "iteration_time_s_reported='fast'", "is not a number"),
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="", mfu_pct_reported="150"),
+         "mfu_pct_reported='150'", "is more than 100"),
+        # signs were dropped and fractions truncated
+        (dict(iteration_time_s_reported="", tflops_per_gpu_reported="-408.8"), "tflops_per_gpu_reported='-408.8'",
+         "is not a positive number"),
+        (dict(num_layers="-24"), "num_layers='-24'", "is not a positive number"),
+        (dict(global_batch_size_seqs="-192"), "global_batch_size_seqs='-192'", "is not a positive number"),
+        (dict(tp="1.5"), "tp='1.5'", "is not a whole number"),
+        (dict(num_gpus="8.9"), "num_gpus='8.9'", "is not a whole number"),
+        (dict(pp="2", num_gpus="16", virtual_pipeline_stages="-2"), "virtual_pipeline_stages='-2'",
+         "is not a positive number"),
+        (dict(num_gpus="1e300"), "num_gpus='1e300'", "is more than"),
+        # a 0 was taken for "not stated"
+        (dict(micro_batch_size="0"), "micro_batch_size='0'", "is not a positive number"),
+        (dict(dp="0"), "dp='0'", "is not a positive number"),
+        (dict(global_batch_size_seqs="0"), "global_batch_size_seqs='0'", "is not a positive number"),
+        (dict(global_batch_size_seqs="", global_batch_tokens="100"), "global_batch_tokens='100'",
+         "is less than one sequence"),
+        # an unknown format was read as bf16
+        (dict(precision="fp64"), "precision='fp64'", "names no numeric format"),
+        (dict(moe_num_experts="8"), "moe_num_experts='8'",
+         "makes the model MoE but moe_top_k and moe_expert_ffn_hidden_size are blank"),
+    ],
+)
+def test_a_bad_cell_skips_the_row_naming_the_column_and_the_value(changes, named, problem):
+    result = v.build_case(megatron_row(**changes))
+    assert isinstance(result, v.Skipped), result
+    assert result.run_id == "handmade_22B_tp8"
+    assert result.reason.startswith(f"{named} {problem}"), result.reason
+    assert "\n" not in result.reason and "; " in result.reason  # one line, with the fix after the problem
+
+
+def test_numbers_are_read_with_their_sign_exponent_and_unit():
+    case = v.build_case(megatron_row(num_layers="4.8e1", hidden_size="6,144", iteration_time_s_reported="",
+                                     tflops_per_gpu_reported="1.4e2", global_batch_size_seqs="~8"))
+    assert isinstance(case, v.RowCase), case
+    assert case.model.num_layers == 48 and case.model.hidden_size == 6144
+    assert case.training.global_batch_size == 8
+    assert case.metric == "tflops_per_gpu" and case.reported == pytest.approx(140)  # the old reader gave 2.0
+
+
+def test_a_cell_that_says_not_stated_is_blank():
+    case = v.build_case(megatron_row(precision="not stated", micro_batch_size="n/a", dp="unknown"))
+    assert isinstance(case, v.RowCase), case
+    assert "precision=bf16" in case.defaults
+    assert any(d.startswith("micro_batch_size=") for d in case.defaults)
+    result = v.build_case(megatron_row(num_layers="not stated"))
+    assert isinstance(result, v.Skipped) and result.reason == "missing num_layers"
+
+
+def test_a_model_the_contract_refuses_is_skipped_with_a_one_line_reason():
+    """pydantic's multi-line message with its help URL was the reason."""
+    result = v.build_case(megatron_row(num_layers="5000"))
+    assert isinstance(result, v.Skipped)
+    assert result.reason.startswith("model not buildable: ModelSpec: num_layers=5000: ")
+    assert "\n" not in result.reason and "errors.pydantic.dev" not in result.reason
+    result = v.build_case(megatron_row(moe_num_experts="8", moe_top_k="16", moe_expert_ffn_hidden_size="1024"))
+    assert isinstance(result, v.Skipped)
+    assert "top_k=16 exceeds moe.num_experts=8" in result.reason
+    assert "\n" not in result.reason and "errors.pydantic.dev" not in result.reason
+
+
+def test_a_row_whose_cells_do_not_line_up_with_the_header_is_skipped(tmp_path):
+    path = tmp_path / "ragged.csv"
+    good = ",".join(megatron_row()[c] if "," not in megatron_row()[c] else f'"{megatron_row()[c]}"' for c in COLUMNS)
+    path.write_text(f"{HEADER}\n{good}\nshort_row,x,y\n{good.replace('handmade_22B_tp8', 'long_row', 1)},extra\n")
+    cases, skipped = v.build_cases(v.load_rows(path))
+    assert [c.run_id for c in cases] == ["handmade_22B_tp8"]
+    reasons = {s.run_id: s.reason for s in skipped}
+    assert reasons["short_row"].startswith(f"row has 3 cells but the header has {len(COLUMNS)} columns")
+    assert reasons["long_row"].startswith(f"row has {len(COLUMNS) + 1} cells but the header has {len(COLUMNS)} columns")
+
+
+# ---------------------------------------------------------------- bad files: AutoparError naming FILE
+def test_load_rows_binary_file(tmp_path):
+    path = tmp_path / "bin.csv"
+    path.write_bytes(b"\x80\x81\xff\xfe")
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(path)
+    assert err.value.field == "FILE"
+    assert str(err.value).startswith(f"FILE={str(path)!r} is not UTF-8 text")
+
+
+def test_load_rows_reads_a_csv_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbfrun_id,x\n1,2\n")
+    assert v.load_rows(path) == [{"run_id": "1", "x": "2"}]
+
+
+def test_load_rows_cell_longer_than_the_csv_field_limit(tmp_path):
+    path = write_csv(tmp_path / "big.csv", [megatron_row(notes="x" * 200_000)])
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(path)
+    assert err.value.field == "FILE" and "has a cell longer than" in str(err.value) and "line 2" in str(err.value)
+
+
+def test_load_rows_unclosed_quote(tmp_path):
+    path = tmp_path / "quote.csv"
+    path.write_text('run_id,x\nok,1\n"broken,2\nlost,3\n')
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(path)
+    assert err.value.field == "FILE" and "is not valid CSV in the row starting on line 3" in str(err.value)
+
+
+def test_load_rows_folder_and_device(tmp_path):
+    with pytest.raises(AutoparError) as err:
+        v.load_rows(tmp_path)
+    assert "is a folder" in str(err.value)
+    if Path("/dev/null").exists():
+        with pytest.raises(AutoparError) as err:
+            v.load_rows("/dev/null")
+        assert "FILE='/dev/null' is not a regular file" in str(err.value)
+
+
+# ---------------------------------------------------------------- the command (real entry point)
+def _autopar(*args: str, cwd: Path) -> tuple[int, str, str]:
+    import os
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).with_name("autopar")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "planner.cli"]
+    proc = subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_cli_bad_files_are_errors_not_tracebacks(tmp_path):
+    (tmp_path / "bin.csv").write_bytes(b"\x80\x81\xff\xfe")
+    write_csv(tmp_path / "big.csv", [megatron_row(notes="x" * 200_000)])
+    (tmp_path / "adir").mkdir()
+    for name, problem in [("bin.csv", "FILE='bin.csv' is not UTF-8 text"), ("big.csv", "has a cell longer than"),
+                          ("adir", "FILE='adir' is a folder")]:
+        rc, out, err = _autopar("validate", name, cwd=tmp_path)
+        assert rc == 2 and "Traceback" not in out + err, (name, rc, out, err)
+        assert err.startswith("error: ") and problem in " ".join(err.split()), err
+
+
+def test_cli_bad_cells_skip_the_row_and_json_stays_json(tmp_path):
+    path = write_csv(tmp_path / "runs.csv", [megatron_row(iteration_time_s_reported="", tflops_per_gpu_reported="0")])
+    rc, out, err = _autopar("validate", str(path), "--json", cwd=tmp_path)
+    assert rc == 0, err
+    data = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert data["rows"] == []
+    assert data["skipped"][0]["reason"].startswith("tflops_per_gpu_reported='0' is not a positive number")
+    assert data["summary"] == {"rows": 0, "median_abs_err": None, "p90_abs_err": None, "max_abs_err": None,
+                               "mean_abs_err": None}

@@ -95,3 +95,93 @@ def test_an_unstated_interleaving_depth_is_chosen_like_a_blank_cell_and_said_so(
     assert chosen in silent.defaults
     assert one.layout.schedule is Schedule.one_f_one_b and one.layout.virtual_stages == 1
     assert not any(d.startswith("virtual_stages=") for d in one.defaults)
+
+
+# ---------------------------------------------------------------- numbers in cells
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the formats of shared/data/published_runs.csv
+        ("128K (report: 'extended vocabulary of 128K tokens')", 128_000),
+        ("250880 (padded; 250,680 real tokens)", 250880),
+        ("15360 (ramped from 3072 over first 469B tokens)", 15360),
+        ("18432 (first 3 dense layers)", 18432),
+        ("64 (spanning 8 nodes)", 64),
+        ("3 (interleaving stages, 175B and 530B only)", 3),
+        ("4.2M (slurm comment)", 4_200_000),
+        ("16M", 16_000_000),
+        ("408.8", 408.8),
+        ("1,920", 1920),
+        ("1,234,567.5", 1_234_567.5),
+        # signs and exponents are part of the number
+        ("-408.8", -408.8),
+        ("+8", 8),
+        ("1e3", 1000),
+        ("1E-3", 0.001),
+        ("1.4e2", 140),
+        ("-24", -24),
+        # approximate, bare decimals, multiplier words
+        ("~100", 100),
+        (".5", 0.5),
+        ("2 million tokens", 2_000_000),
+        ("41%", 41),
+    ],
+)
+def test_num_reads_the_whole_number_of_a_cell(text, expected):
+    from planner.validate import _num
+
+    assert _num(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("abc", "is not a number"), ("nan", "is not a number"), ("inf", "is not a number"),
+        ("fast", "is not a number"), ("about 100", "is not a number"),
+        ("1.42s", "is not a number"),  # the old reader gave 1.0
+        ("8/16", "is not a number"), ("12,34", "is not a number"), ("1e", "is not a number"),
+        ("1e999", "is not a finite number"),
+    ],
+)
+def test_num_refuses_a_cell_that_is_not_a_number(text, problem):
+    from planner.validate import _num
+
+    with pytest.raises(ValueError, match=problem):
+        _num(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1e2", 100), ("24", 24), ("-24", -24), ("4.8e1", 48), ("", None)])
+def test_int_reads_whole_numbers(text, expected):
+    from planner.validate import _int
+
+    assert _int(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "48.9", "1e-1"])
+def test_int_refuses_a_fraction(text):
+    from planner.validate import _int
+
+    with pytest.raises(ValueError, match="is not a whole number"):
+        _int(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "precision"),
+    [
+        # every phrasing of shared/data/published_runs.csv
+        ("BF16", "bf16"), ("BF16 (FSDP2 mixed precision)", "bf16"), ("BF16 mixed precision", "bf16"),
+        ("BF16 + Float8 linears (FSDP float8 all-gather)", "fp8"), ("FP8", "fp8"), ("FP8 (hybrid)", "fp8"),
+        ("FP8 mixed precision (fine-grained block quantization), BF16/FP32 for sensitive ops", "fp8"),
+        ("FP8-CS", "fp8"), ("amp_bf16", "bf16"), ("mixed precision", "bf16"),
+        ("mixed precision (16-bit; peak quoted as 312 TFLOP/s 16-bit)", "bf16"),
+        # others the planner models
+        ("FP16", "fp16"), ("fp16 and bf16", "bf16"), ("half precision", "fp16"), ("FP32", "fp32"),
+        # formats it does not model, and words that name no format
+        ("fp64", None), ("FP64 mixed", None), ("int8", None), ("nvfp4", None), ("double", None), ("fast", None),
+    ],
+)
+def test_precision_of_a_cell(text, precision):
+    from planner.validate import _precision
+
+    got = _precision(text)
+    assert (got.value if got else None) == precision
