@@ -32,14 +32,14 @@ from planner.contracts import (
     json_schemas,
 )
 from planner.errors import AutoparError
-from planner.files import check_out, check_out_dir, read_input, write_or_keep
+from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
 # piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
 # markup off: names, notes and reasons come from users' files ("a[/]b" would crash rich's markup parser, and
 # "[red]x[/]" would silently print as "x"); this module styles its own words with Text (:func:`styled`)
 console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
@@ -104,6 +104,9 @@ def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -
     from planner.errors import UnknownNameError
     from planner.reference import SYSTEMS, measured_profiles, reference_profile
 
+    if cluster is not None and not cluster.strip():  # given empty is not left out (dgx-h100)
+        raise AutoparError("--cluster", cluster, "give a cluster name (`autopar clusters` lists them), or leave "
+                           "--cluster out for dgx-h100", problem="is empty")
     if profile is None:
         try:
             return reference_profile(cluster or "dgx-h100", nodes or 1)
@@ -443,10 +446,8 @@ def export(
             print(f"# ===== {name} =====")
             print(text)
         return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out_dir / name).write_text(text)
-        console.print(f"wrote {out_dir / name}")
+    for path in write_files(out_dir, files, "--out-dir"):
+        console.print(f"wrote {path}")
 
 
 @app.command()
@@ -514,9 +515,7 @@ def schema(
     if out is None:
         print(json.dumps(schemas, indent=2))
         return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, sch in schemas.items():
-        (out / f"{name}.schema.json").write_text(json.dumps(sch, indent=2))
+    write_files(out, {f"{name}.schema.json": json.dumps(sch, indent=2) for name, sch in schemas.items()}, "--out")
     console.print(f"wrote {len(schemas)} schemas to {out}")
 
 

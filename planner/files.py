@@ -90,6 +90,25 @@ def check_out_dir(out_dir: Path, flag: str) -> None:
                            problem=f"cannot be written ({exc.strerror or exc})") from None
 
 
+def write_files(out_dir: Path, files: dict[str, str], flag: str) -> list[Path]:
+    """Write ``files`` (name -> text) into ``out_dir`` (made if missing), all or none: every target is
+    checked first (a folder in the way of one is an AutoparError naming ``flag``, before any is written),
+    and a write that fails after that is an AutoparError naming the file."""
+    targets = [out_dir / name for name in files]
+    for path in targets:
+        if path.is_dir():
+            raise AutoparError(flag, str(out_dir), f"move {path} away, or give another folder",
+                               problem=f"holds a folder where {path.name} is to be written")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path, text in zip(targets, files.values()):
+            path.write_text(text)
+    except OSError as exc:
+        raise AutoparError(flag, str(out_dir), "give a folder this user can write to, with room",
+                           problem=f"could not be written ({exc.strerror or exc}: {exc.filename or ''})") from None
+    return targets
+
+
 def keep_somewhere(text: str, stem: str) -> Path | None:
     """Write a result that could not go where it was asked to ``<stem>-<time>.json`` in the working
     folder, else in the temporary folder; the path, or None where neither could be written."""

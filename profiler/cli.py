@@ -18,7 +18,7 @@ from planner.errors import AutoparError
 from planner.files import check_out, write_or_keep
 
 # markup off: --name, paths and server answers are user text (planner.cli.styled styles this module's words)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
 
 
 def _progress_factory():  # noqa: ANN202

@@ -337,3 +337,17 @@ def test_names_from_files_print_as_written_not_as_markup(tmp_path):
     invoke("plan", "--model-file", str(spec), "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "8",
            "--seq", "128", "--out", str(plan))
     assert "a[/]b [red]x[/] on dgx-h100" in invoke("explain", str(plan)).output
+
+
+def test_export_and_schema_write_all_or_none_and_an_empty_cluster_is_refused(tmp_path):
+    plan = tmp_path / "p.json"
+    assert autopar("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "64",
+                   "--out", str(plan)).returncode == 0
+    (tmp_path / "ex" / "megatron_args.sh").mkdir(parents=True)  # a folder where a file is to go
+    assert_usage_error(autopar("export", str(plan), "--to", "megatron", "--out-dir", str(tmp_path / "ex")),
+                       "--out-dir=", "holds a folder where megatron_args.sh is to be written")
+    (tmp_path / "sch" / "Plan.schema.json").mkdir(parents=True)
+    assert_usage_error(autopar("schema", "--out", str(tmp_path / "sch")), "holds a folder where Plan.schema.json")
+    assert [p.name for p in (tmp_path / "sch").iterdir()] == ["Plan.schema.json"]  # none written before it
+    assert_usage_error(autopar("predict", "--model", "llama3-8b", "--global-batch", "64", "--cluster", ""),
+                       "--cluster='' is empty")

@@ -29,16 +29,19 @@ def _fed(readings: list[tuple], limits=(700.0, 1980.0)) -> GpuStateSampler:  # n
     return GpuStateSampler(torch.device("cuda", 0), every_s=3600, read=lambda: Reading(*next(feed)), limits=limits)
 
 
+def _sections(sampler: GpuStateSampler, samples: dict[str, int]) -> None:
+    """Name each section in turn and take its number of readings by hand."""
+    for name, count in samples.items():
+        sampler.section(name)
+        for _ in range(count):
+            sampler._sample()
+
+
 def test_each_section_is_summarised_against_the_boards_limits():
     sampler = _fed([(1600.0, 690.0)] * 9 + [(1980.0, 280.0)] * 6)
     with sampler:
         sampler._sample()  # before any section is named: "all"
-        sampler.section("bf16 GEMMs")
-        for _ in range(7):
-            sampler._sample()
-        sampler.section("fp32 GEMMs")
-        for _ in range(5):
-            sampler._sample()
+        _sections(sampler, {"bf16 GEMMs": 7, "fp32 GEMMs": 5})
     note = sampler.note("GEMM tables")
     assert note.startswith("GPU clock and power while the GEMM tables ran (NVML every 3600 s): ")
     # the probe on enter is not kept; a reading before the first section belongs to "all"
@@ -78,16 +81,8 @@ def test_nvmls_reasons_name_the_cause():
     sampler = _fed([(1600.0, 600.0, power)] * 5 + [(1500.0, 450.0, thermal)] * 4 + [(1400.0, 300.0, 0)] * 4
                    + [(1980.0, 100.0, idle)] * 2)
     with sampler:
-        sampler.section("power")
-        for _ in range(4):  # power well below 95% of the limit, but NVML says its cap holds the clock
-            sampler._sample()
-        sampler.section("thermal")
-        for _ in range(4):
-            sampler._sample()
-        sampler.section("clock setting")
-        for _ in range(4):
-            sampler._sample()
-        sampler.section("idle")
+        # "power": well below 95% of the limit, but NVML says its cap holds the clock
+        _sections(sampler, {"power": 4, "thermal": 4, "clock setting": 4, "idle": 0})
     note = sampler.note("GEMM tables")
     names = ["power", "thermal", "clock setting", "idle"]
     starts = [note.index(f"{n}: SM clock") for n in names] + [len(note)]
