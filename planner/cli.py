@@ -409,11 +409,19 @@ def _schedules(text: str) -> tuple[Schedule, ...]:
 
 
 def _load_plan(path: Path) -> Plan:
+    """A saved plan, checked as the planner's own (:func:`planner.cost.predict.check_plan`)."""
+    from planner.cost.predict import check_plan
+
     try:
-        return Plan.model_validate_json(_read(path, "PLAN.json"))
+        plan = Plan.model_validate_json(_read(path, "PLAN.json"))
     except ValidationError as exc:
         fail(f"{path} is not a valid Plan:\n  " + describe_validation_error(exc, "plan"))
         raise  # unreachable
+    try:
+        check_plan(plan)
+    except AutoparError as exc:
+        raise AutoparError(f"{path}: {exc.field}", exc.value, exc.fix, problem=exc.problem) from None
+    return plan
 
 
 @app.command()

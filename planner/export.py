@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 
 from planner.contracts import Plan, Precision, Recompute, Schedule
-from planner.cost.predict import default_layer_split
+from planner.cost.predict import check_plan, default_layer_split
 from planner.errors import AutoparError, UnknownNameError
 
 TARGETS = ("megatron", "deepspeed", "torchtitan")
@@ -50,14 +50,7 @@ def export_plan(plan: Plan, target: str) -> dict[str, str]:
     }
     if key not in aliases:
         raise UnknownNameError("target", target, list(TARGETS))
-    if plan.layout.num_gpus != plan.num_gpus:
-        lay = plan.layout
-        raise AutoparError(
-            "layout",
-            f"dp{lay.dp} x cp{lay.cp} x tp{lay.tp} x pp{lay.pp}",
-            f"re-plan so that dp x cp x tp x pp equals num_gpus={plan.num_gpus}",
-            problem=f"uses {lay.num_gpus} GPUs but the plan has {plan.num_gpus}",
-        )
+    check_plan(plan)  # a hand-edited plan would give launch arguments that cannot run
     return _EXPORTERS[aliases[key]](plan)
 
 

@@ -351,3 +351,38 @@ def test_export_and_schema_write_all_or_none_and_an_empty_cluster_is_refused(tmp
     assert [p.name for p in (tmp_path / "sch").iterdir()] == ["Plan.schema.json"]  # none written before it
     assert_usage_error(autopar("predict", "--model", "llama3-8b", "--global-batch", "64", "--cluster", ""),
                        "--cluster='' is empty")
+
+
+def test_hand_edited_plans_that_cannot_run_are_refused_by_explain_and_export(tmp_path):
+    """explain showed, and export wrote launch configs for, plans no planner makes: tp=3 on 8 GPUs, a
+    global batch the micro-batches do not split (DeepSpeed got gradient_accumulation_steps 0), ep on a
+    dense model, a precision other than the training's."""
+    good = tmp_path / "p.json"
+    assert autopar("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "64",
+                   "--out", str(good)).returncode == 0
+    plan = json.loads(good.read_text())
+    edits = {
+        "tp3": (lambda p: p["layout"].update(tp=3), "uses 24 GPUs"),
+        "gbs7": (lambda p: p["training"].update(global_batch_size=7), "does not divide global_batch_size=7"),
+        "ep8": (lambda p: p["layout"].update(ep=8), "needs a Mixture-of-Experts model"),
+        "fp32": (lambda p: p.update(precision="fp32"), "differs from training.precision=bf16"),
+    }
+    for name, (edit, said) in edits.items():
+        bad = json.loads(json.dumps(plan))
+        edit(bad)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(bad))
+        assert_usage_error(autopar("explain", str(path)), f"{path}: ", said)
+        assert_usage_error(autopar("export", str(path), "--to", "deepspeed", "--out-dir", str(tmp_path / name)), said)
+        assert not (tmp_path / name).exists()
+
+
+def test_a_sequence_longer_than_a_learned_position_table_is_refused(tmp_path):
+    spec = tmp_path / "m.json"
+    spec.write_text(json.dumps({"name": "gpt-ish", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                "ffn_hidden_size": 256, "vocab_size": 1000, "position_embedding": "learned",
+                                "max_position_embeddings": 16}))
+    for command in ("predict", "plan"):
+        assert_usage_error(autopar(command, "--model-file", str(spec), "--global-batch", "8", "--seq", "128"),
+                           "seq_length=128 is longer than the model's learned position table",
+                           "max_position_embeddings=16")

@@ -16,6 +16,7 @@ from planner.contracts import (
     MemoryBreakdown,
     ModelSpec,
     ParallelLayout,
+    Plan,
     Precision,
     Prediction,
     Recompute,
@@ -41,6 +42,7 @@ from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.errors import AutoparError
 
+
 def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
     """Layers per (virtual) stage: as even as possible, extra layers to the interior stages first
     (the first and last stages also carry the embedding and the LM head)."""
@@ -57,8 +59,18 @@ def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
+def check_sequence(model: ModelSpec, training: TrainingConfig) -> None:
+    """Raise :class:`AutoparError` where no layout can run the training's sequences: longer than a
+    learned position table (the search calls this before trying layouts, so it says why)."""
+    if model.position_embedding == "learned" and training.seq_length > (model.max_position_embeddings or 0):
+        raise AutoparError("seq_length", training.seq_length,
+                           f"use seq_length <= max_position_embeddings={model.max_position_embeddings}",
+                           problem="is longer than the model's learned position table")
+
+
 def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, num_gpus: int) -> int:
     """Raise :class:`AutoparError` for a layout that cannot run; return the number of micro-batches."""
+    check_sequence(model, training)
     if layout.num_gpus != num_gpus:
         raise AutoparError(
             "layout", f"dp{layout.dp} x cp{layout.cp} x tp{layout.tp} x pp{layout.pp}",
@@ -109,6 +121,18 @@ def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLay
                            f"use a number of micro-batches divisible by pp={layout.pp} or schedule='1f1b'",
                            problem=f"needs micro-batches ({m}) divisible by pp={layout.pp}")
     return m
+
+
+def check_plan(plan: Plan) -> None:
+    """A saved plan (``explain``, ``export``) is one the planner could have made: its layout runs its
+    model and training on its GPUs (:func:`check_layout`: a hand-edited file can say tp=3 on 8 GPUs, a
+    global batch the micro-batches do not split, ep on a dense model) and its precision is its
+    training's. Raises :class:`AutoparError` naming the field."""
+    check_layout(plan.model, plan.training, plan.layout, plan.num_gpus)
+    if plan.precision != plan.training.precision:
+        raise AutoparError("precision", plan.precision.value,
+                           f"use training.precision={plan.training.precision.value} (the planner writes both alike), "
+                           "or re-plan", problem=f"differs from training.precision={plan.training.precision.value}")
 
 
 @dataclass

@@ -52,7 +52,7 @@ from planner.cost.comm import placement
 from planner.cost.memo import memoised
 from planner.cost.memory import microbatches_in_flight, model_state_bytes, state_bytes_per_param
 from planner.cost.params import embedding_params, layer_params, lm_head_params
-from planner.cost.predict import default_layer_split, predict
+from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
 from planner.search.stages import (
@@ -650,6 +650,7 @@ def gc_relaxed() -> Iterator[None]:
 def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
            options: SearchOptions | None = None, progress=None) -> Plan:  # noqa: ANN001 - rich progress callback
     """The fastest layout that fits, with the top-k alternatives and why the rest lost."""
+    check_sequence(model, training)  # no layout could run it: say why, not "no layout could be evaluated"
     # thousands of layouts share a few thousand GEMM shapes and link lookups
     with gc_relaxed(), memoised(profile):
         return _search(model, training, profile, options, progress)
