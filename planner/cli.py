@@ -150,6 +150,16 @@ def _layout(
             raise AutoparError("tp x pp x cp", tp * pp * cp, f"use degrees whose product divides the {num_gpus} GPUs",
                                problem=f"does not divide the {num_gpus} GPUs")
         dp = num_gpus // (tp * pp * cp)
+    # options the layout would carry and nothing would use: refused, not silently ignored
+    if pp == 1 and schedule not in (Schedule.one_f_one_b, Schedule.interleaved_1f1b):  # interleaved: the contract's
+        raise AutoparError("--schedule", schedule.value, "use --pp 2 or more to pipeline, or leave --schedule out",
+                           problem="has no pipeline to schedule with pp=1")
+    if not reshard and zero != 3:
+        raise AutoparError("--no-reshard", True, "use --zero 3 (it keeps ZeRO-3's gathered weights after the forward), "
+                           "or leave --no-reshard out", problem=f"has no gathered weights to keep with ZeRO-{zero}")
+    if tp_overlap and tp == 1:
+        raise AutoparError("--tp-overlap", True, "use --tp 2 or more, or leave --tp-overlap out",
+                           problem="has no tensor-parallel collectives to overlap with tp=1")
     replicate = dp_replicate if dp_replicate is not None else (dp if zero == 0 else 1)
     if dp % replicate:
         raise AutoparError("--dp-replicate", replicate, f"use a divisor of dp={dp}", problem=f"does not divide dp={dp}")

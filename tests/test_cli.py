@@ -386,3 +386,19 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(tmp_path):
         assert_usage_error(autopar(command, "--model-file", str(spec), "--global-batch", "8", "--seq", "128"),
                            "seq_length=128 is longer than the model's learned position table",
                            "max_position_embeddings=16")
+
+
+@pytest.mark.parametrize("extra, said", [
+    (("--schedule", "zero_bubble"), "--schedule='zero_bubble' has no pipeline to schedule with pp=1"),
+    (("--schedule", "gpipe"), "--schedule='gpipe' has no pipeline to schedule with pp=1"),
+    (("--no-reshard",), "--no-reshard=True has no gathered weights to keep with ZeRO-0"),
+    (("--tp-overlap",), "--tp-overlap=True has no tensor-parallel collectives to overlap with tp=1"),
+])
+def test_layout_options_that_nothing_would_use_are_refused(extra, said):
+    assert_usage_error(autopar(*BASE, *extra), said)
+
+
+def test_the_same_options_are_taken_where_they_apply():
+    invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--pp", "2", "--schedule", "zero_bubble")
+    invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--zero", "3", "--no-reshard")
+    invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--tp", "2", "--tp-overlap")

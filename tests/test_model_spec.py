@@ -156,3 +156,15 @@ def test_moe_layer_placement() -> None:
     m = spec(num_layers=6, moe=moe)
     assert [m.is_moe_layer(i) for i in range(6)] == [False, True, False, True, False, True]
     assert m.num_moe_layers == 3
+
+
+@pytest.mark.parametrize("name", ["", "   ", "\t"])
+def test_a_blank_name_is_refused(name: str) -> None:
+    """An empty model name printed as ' on dgx-h100 (8 GPUs)'; a profile's or device's likewise."""
+    assert "is blank; give a name" in rejected(name=name)
+    from planner.reference import reference_profile
+
+    profile = reference_profile("dgx-h100", 1)
+    for change in ({"name": name}, {"device": profile.device.model_dump() | {"name": name}}):  # cluster, device
+        with pytest.raises(ValidationError, match="is blank; give a name"):
+            type(profile).model_validate(profile.model_dump() | change)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
+from planner.contracts.common import SCHEMA_VERSION, Contract, Name, Precision
 
 
 class LinkLevel(str, Enum):
@@ -36,7 +36,7 @@ class Collective(str, Enum):
 
 
 class DeviceSpec(Contract):
-    name: str
+    name: Name
     memory_bytes: int = Field(gt=0)
     peak_tflops: dict[Precision, PositiveFloat] = Field(description="dense datasheet peak per precision, TFLOP/s")
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
@@ -342,7 +342,7 @@ class DeviceCheck(Contract):
 class ClusterProfile(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["measured", "reference"]
-    name: str
+    name: Name
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     device: DeviceSpec
     gpus_per_node: int = Field(gt=0, le=1024, description="devices (or CPU ranks) per node")

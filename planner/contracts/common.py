@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 SCHEMA_VERSION = "1"
 
@@ -13,6 +14,16 @@ class Contract(BaseModel):
     """Base of every contract: unknown fields are an error, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("is blank; give a name (pages, tables and the service's lists show it)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_not_blank)]
+"""A model's, cluster's or device's name: any text but an empty or blank one."""
 
 
 class Precision(str, Enum):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from planner.contracts.common import SCHEMA_VERSION, Contract
+from planner.contracts.common import SCHEMA_VERSION, Contract, Name
 
 # Far beyond any model trained so far; a value above these is a typo, not a plan.
 MAX_LAYERS = 4096
@@ -89,7 +89,7 @@ class ModelSpec(Contract):
     """A decoder transformer: embedding, ``num_layers`` identical blocks (some MoE), final norm, LM head."""
 
     schema_version: Literal["1"] = SCHEMA_VERSION
-    name: str = "custom"
+    name: Name = "custom"
     num_layers: int
     hidden_size: int
     num_attention_heads: int
