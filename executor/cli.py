@@ -221,11 +221,11 @@ def run(
             need = "--checkpoint-every K" if checkpoint_dir is not None else "--checkpoint-dir DIR --checkpoint-every K"
             raise AutoparError("--async-checkpoint", True, f"also give {need}, or drop --async-checkpoint",
                                problem="has no checkpoints to save")
-        if plan_id is not None and not server:
-            raise AutoparError("--plan-id", plan_id, "also give --server URL to store the run there, or drop --plan-id",
-                               problem="is only used with --server")
-        if checkpoint_dir is not None:
+        if checkpoint_dir is not None and checkpoint_every:  # saved into
             check_out_dir(checkpoint_dir, "--checkpoint-dir")
+        elif checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+            raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "give the folder the checkpoints are in",
+                               problem="is a file")  # a resume that saves nothing only reads: no write check
         if checkpoint_dir is not None and not resume:
             from executor.checkpoint import latest_step
 

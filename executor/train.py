@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -343,7 +344,8 @@ def _maybe_die(step: int, rank: int) -> None:
 def _console():
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    # markup off: paths in messages are user text ("[/]" in a folder name would crash rich's parser)
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False, markup=False, soft_wrap=True)
 
 
 def _environment(device: torch.device, world: int) -> Environment:
@@ -397,6 +399,9 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             torch.cuda.synchronize()
         dist.barrier()
         dt = max(time.perf_counter() - t0, 1e-9)
+        if not math.isfinite(loss):  # the same global loss on every rank: all stop here, alike
+            raise AutoparError("--lr", opts.lr, "lower --lr (or check --data's token ids); the steps before it ran",
+                               problem=f"made the loss {loss} at step {step}: the run diverged")
         records.append(StepRecord(step=step, loss=loss, time_s=dt))
         if console:
             console.print(f"step {step:>5}  loss {loss:.6f}  {dt * 1e3:9.1f} ms")
@@ -433,7 +438,7 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             try:  # a run is never lost to a path: where --out fails now, the report is kept and named
                 write_or_keep(Path(opts.out), report.model_dump_json(indent=2), "--out", "run report", "autopar-run")
             except AutoparError as exc:
-                _console().print(f"[bold red]error:[/] {exc}", highlight=False)
+                _console().print(f"error: {exc}")
     dist.barrier()
     dist.destroy_process_group()
     return report

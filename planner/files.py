@@ -20,22 +20,23 @@ MAX_INPUT_BYTES = 256 << 20  # a plan, spec or profile is kilobytes to a few MB;
 
 
 def read_input(path: Path, flag: str, what: str = "JSON file") -> str:
-    """The text of an input file, or an AutoparError naming ``flag``: missing, a folder, not a regular
-    file (``/dev/zero`` would be read until memory ran out), over :data:`MAX_INPUT_BYTES`, unreadable,
-    or not UTF-8 (a binary file)."""
+    """The text of an input file or pipe, or an AutoparError naming ``flag``: missing, a folder, over
+    :data:`MAX_INPUT_BYTES` (``/dev/zero`` is read no further), unreadable, or not UTF-8 (a binary file)."""
     fix = f"give the path of a readable {what}"
     if not path.exists():
         raise AutoparError(flag, str(path), fix, problem="does not exist")
     if path.is_dir():
         raise AutoparError(flag, str(path), fix, problem="is a folder")
+    too_big = AutoparError(flag, str(path), fix, problem=f"holds more than {MAX_INPUT_BYTES:,} bytes, more than any "
+                           f"{what} ({MAX_INPUT_BYTES >> 20} MiB at most)")
     try:
-        if not path.is_file():
-            raise AutoparError(flag, str(path), fix, problem="is not a regular file")
-        size = path.stat().st_size
-        if size > MAX_INPUT_BYTES:
-            raise AutoparError(flag, str(path), fix, problem=f"is {size / 2**20:,.0f} MiB, more than any {what} "
-                               f"({MAX_INPUT_BYTES >> 20} MiB at most)")
-        return path.read_text(encoding="utf-8")
+        if path.is_file() and path.stat().st_size > MAX_INPUT_BYTES:
+            raise too_big
+        with path.open("rb") as f:  # a pipe (<(...), /dev/stdin) is read too, but never past the limit
+            data = f.read(MAX_INPUT_BYTES + 1)
+        if len(data) > MAX_INPUT_BYTES:  # /dev/zero
+            raise too_big
+        return data.decode("utf-8")
     except OSError as exc:
         raise AutoparError(flag, str(path), fix, problem=f"cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
@@ -90,10 +91,34 @@ def check_out_dir(out_dir: Path, flag: str) -> None:
                            problem=f"cannot be written ({exc.strerror or exc})") from None
 
 
+def _replace_all(pairs: list[tuple[Path, str]]) -> None:
+    """Write each (path, text) to a temporary file beside its path, then move them all into place
+    (``os.replace``, atomic per file on one file system): a failure while writing (a full disk, a
+    dangling link, a read-only file) leaves every path as it was, and removes the temporary files."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        for path, text in pairs:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            # the mode a plain write gives (mkstemp's is 0600): the old file's, else 0666 less the umask
+            os.chmod(tmp, path.stat().st_mode & 0o7777 if path.is_file() else 0o666 & ~umask)
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
 def write_files(out_dir: Path, files: dict[str, str], flag: str) -> list[Path]:
-    """Write ``files`` (name -> text) into ``out_dir`` (made if missing), all or none: every target is
-    checked first (a folder in the way of one is an AutoparError naming ``flag``, before any is written),
-    and a write that fails after that is an AutoparError naming the file."""
+    """Write ``files`` (name -> text) into ``out_dir`` (made if missing), all or none: a folder in the
+    way of one is refused before anything is written, and the files are written beside their targets
+    and only then moved into place (:func:`_replace_all`), so a write that fails leaves none of them
+    changed. Either is an AutoparError naming ``flag``."""
     targets = [out_dir / name for name in files]
     for path in targets:
         if path.is_dir():
@@ -101,24 +126,25 @@ def write_files(out_dir: Path, files: dict[str, str], flag: str) -> list[Path]:
                                problem=f"holds a folder where {path.name} is to be written")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for path, text in zip(targets, files.values()):
-            path.write_text(text)
+        _replace_all(list(zip(targets, files.values())))
     except OSError as exc:
-        raise AutoparError(flag, str(out_dir), "give a folder this user can write to, with room",
-                           problem=f"could not be written ({exc.strerror or exc}: {exc.filename or ''})") from None
+        raise AutoparError(flag, str(out_dir), "give a folder this user can write to, with room; none of its files "
+                           "was changed", problem=f"could not be written ({exc.strerror or exc}: "
+                           f"{exc.filename or ''})") from None
     return targets
 
 
 def keep_somewhere(text: str, stem: str) -> Path | None:
     """Write a result that could not go where it was asked to ``<stem>-<time>.json`` in the working
-    folder, else in the temporary folder; the path, or None where neither could be written."""
+    folder (where it still exists), else in the temporary folder; the path, or None where neither
+    could be written."""
     name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    for folder in (Path.cwd(), Path(tempfile.gettempdir())):
-        path = unused_path(folder / name)
+    for folder in (Path.cwd, lambda: Path(tempfile.gettempdir())):
         try:
+            path = unused_path(folder() / name)
             path.write_text(text)
             return path
-        except OSError:
+        except OSError:  # the working folder itself may be gone (FileNotFoundError from cwd)
             continue
     return None
 
@@ -129,7 +155,7 @@ def write_or_keep(out: Path, text: str, flag: str, what: str, stem: str, also: s
     else became of it, e.g. that the service stored it)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        _replace_all([(out, text)])  # a full disk leaves the old file whole, not a truncated new one
         return
     except OSError as exc:
         failed = exc

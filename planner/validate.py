@@ -372,8 +372,8 @@ def zero_stage_from_text(text: str) -> int | None:
 
 def _precision(text: str) -> Precision | None:
     """'FP8 (hybrid)', 'BF16 + Float8 linears' -> fp8; fp16 ('half') only when bf16 is not named;
-    'mixed precision', '16-bit', 'amp' -> bf16; fp32 when only fp32 is named. None when the cell names
-    no format the planner models ('fp64', 'int4', 'fast')."""
+    'mixed precision', '16-bit', 'amp' -> bf16 (even beside 'fp32 master weights'); fp32 (or TF32) when
+    only that is named. None when the cell names no format the planner models ('fp64', 'int4', 'fast')."""
     t = (text or "").lower()
     if "fp8" in t or "float8" in t:
         return Precision.fp8
@@ -381,12 +381,12 @@ def _precision(text: str) -> Precision | None:
         return Precision.bf16
     if "fp16" in t or "float16" in t or re.search(r"\bhalf\b", t):
         return Precision.fp16
-    if "fp32" in t or "float32" in t:
-        return Precision.fp32
-    if _OTHER_FORMAT.search(t):
+    if any(f not in ("fp32", "float32") for f in _OTHER_FORMAT.findall(t)):  # 'FP64 mixed': not a format we model
         return None
-    if re.search(r"\b(?:mixed|amp|16-bit)\b", t):
+    if re.search(r"\b(?:mixed|amp|16-bit)\b", t):  # 'mixed precision (fp32 master weights)' trains in 16 bits
         return Precision.bf16
+    if "fp32" in t or "float32" in t or "tf32" in t:
+        return Precision.fp32
     return None
 
 
@@ -416,7 +416,7 @@ def _ragged(row: dict) -> str | None:
 
     ``csv.DictReader`` files cells past the header under the key None and fills a short row with None.
     """
-    extra = row.get(None) or []
+    extra = [c for c in row.get(None) or [] if c and c.strip()]  # a trailing comma adds blank cells: harmless
     short = sum(1 for k, value in row.items() if k is not None and value is None)
     if not extra and not short:
         return None

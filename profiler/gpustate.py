@@ -45,6 +45,7 @@ CLOCK_REASONS = {
 }
 POWER_REASONS = 0x4 | 0x80
 THERMAL_REASONS = 0x20 | 0x40
+HW_SLOWDOWN = 0x8  # power or heat: NVML does not say which
 
 
 class Reading(NamedTuple):
@@ -143,6 +144,9 @@ def held_down(readings: list[Reading], limit: float | None, top: float | None) -
                 "memory-bound kernels runs them at a higher clock (README 'On a GPU')")
     if mostly(THERMAL_REASONS):
         return "held down by thermal slowdown (the GPU was hot: these rates are below what a cooler board does)"
+    if mostly(HW_SLOWDOWN):
+        return ("held down by hardware slowdown (NVML: the power brake or overheating, it does not say which: "
+                "these rates are below what the board does unhindered)")
     if top and clock <= BELOW_TOP_CLOCK * top:
         cause = ("NVML named no power or thermal cause" if masks
                  else "power below the limit, and NVML's clock event reasons were not read")

@@ -155,7 +155,8 @@ def environment(hostnames: list[str], backend: str, emulated_nodes: bool, device
     if emulated_nodes:
         hostnames = [f"{h} [emulated node {i}]" for i, h in enumerate(hostnames)]
     return Environment(hostnames=hostnames, driver_version=driver_version() if device_type == "cuda" else None,
-                       cuda_version=torch.version.cuda, torch_version=torch.__version__,
+                       cuda_version=torch.version.cuda if device_type == "cuda" else None,
+                       torch_version=torch.__version__,
                        nccl_version=nccl, gloo_version=gloo_version(), backend=backend,  # type: ignore[arg-type]
                        devices_per_node=max(1, device_count(device_type)))
 

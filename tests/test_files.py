@@ -70,11 +70,47 @@ def test_read_input_refuses_what_is_not_a_readable_text_file(tmp_path, monkeypat
     (tmp_path / "bin.json").write_bytes(b"\x80\x81\xff\xfe")
     cases = [(tmp_path / "bin.json", r"--x='.*bin\.json' is not UTF-8 text \(byte 0: a binary file\?\)"),
              (tmp_path / "missing.json", r"does not exist"), (tmp_path, r"is a folder")]
-    if Path("/dev/zero").exists():  # read whole, it would fill memory
-        cases.append((Path("/dev/zero"), r"--x='/dev/zero' is not a regular file"))
+    if Path("/dev/zero").exists():  # read whole, it would fill memory: read no further than the limit
+        cases.append((Path("/dev/zero"), r"--x='/dev/zero' holds more than 268,435,456 bytes"))
     for path, said in cases:
         with pytest.raises(AutoparError, match=said):
             read_input(path, "--x")
     monkeypatch.setattr(planner.files, "MAX_INPUT_BYTES", 4)
-    with pytest.raises(AutoparError, match=r"is 0 MiB, more than any JSON file \(0 MiB at most\)"):
+    with pytest.raises(AutoparError, match=r"holds more than 4 bytes, more than any JSON file"):
         read_input(tmp_path / "ok.json", "--x")
+    # a pipe is read (process substitution, /dev/stdin), never past the limit
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("[1]"))
+    writer.start()
+    assert read_input(fifo, "--x") == "[1]"
+    writer.join()
+
+
+def test_write_files_changes_none_when_one_write_fails(tmp_path, monkeypatch):
+    import tempfile as tf
+
+    from planner.files import write_files
+
+    (tmp_path / "a.txt").write_text("old a")
+    (tmp_path / "b.txt").write_text("old b")
+    real, calls = tf.mkstemp, []
+
+    def second_fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a full disk at the second file
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(tmp_path / "b.txt"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tf, "mkstemp", second_fails)
+    with pytest.raises(AutoparError, match=r"could not be written \(No space left on device.*none of its files was "
+                                           r"changed"):
+        write_files(tmp_path, {"a.txt": "new a", "b.txt": "new b"}, "--out-dir")
+    assert (tmp_path / "a.txt").read_text() == "old a" and (tmp_path / "b.txt").read_text() == "old b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]  # no partial file left
+    monkeypatch.setattr(tf, "mkstemp", real)
+    write_files(tmp_path, {"a.txt": "new a", "b.txt": "new b"}, "--out-dir")
+    assert (tmp_path / "a.txt").read_text() == "new a" and oct((tmp_path / "b.txt").stat().st_mode & 0o777) != "0o600"

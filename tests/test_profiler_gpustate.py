@@ -78,21 +78,23 @@ def test_a_low_clock_far_below_the_power_limit_is_not_blamed_on_it():
 
 def test_nvmls_reasons_name_the_cause():
     power, thermal, idle = 0x4, 0x40, 0x1
-    sampler = _fed([(1600.0, 600.0, power)] * 5 + [(1500.0, 450.0, thermal)] * 4 + [(1400.0, 300.0, 0)] * 4
-                   + [(1980.0, 100.0, idle)] * 2)
+    sampler = _fed([(1600.0, 600.0, power)] * 5 + [(1500.0, 450.0, thermal)] * 4 + [(1400.0, 300.0, 0x2)] * 4
+                   + [(1500.0, 400.0, 0x8)] * 4 + [(1980.0, 100.0, idle)] * 2)
     with sampler:
         # "power": well below 95% of the limit, but NVML says its cap holds the clock
-        _sections(sampler, {"power": 4, "thermal": 4, "clock setting": 4, "idle": 0})
+        _sections(sampler, {"power": 4, "thermal": 4, "clock setting": 4, "hardware": 4, "idle": 0})
     note = sampler.note("GEMM tables")
-    names = ["power", "thermal", "clock setting", "idle"]
+    names = ["power", "thermal", "clock setting", "hardware", "idle"]
     starts = [note.index(f"{n}: SM clock") for n in names] + [len(note)]
     parts = {n: note[a:b] for n, a, b in zip(names, starts, starts[1:])}
     assert "clock event reasons: software power cap 100%)" in parts["power"]
     assert "held down by the power limit" in parts["power"]
     assert "clock event reasons: hardware thermal slowdown 100%): held down by thermal slowdown" in parts["thermal"]
     assert "power limit" not in parts["thermal"]
-    assert ("clock event reasons: none): SM clock below 92% of its top (NVML named no power or thermal cause): "
-            "not the power limit") in parts["clock setting"]
+    assert ("clock event reasons: application clock setting 100%): SM clock below 92% of its top (NVML named no "
+            "power or thermal cause): not the power limit") in parts["clock setting"]
+    assert "clock event reasons: hardware slowdown 100%): held down by hardware slowdown" in parts["hardware"]
+    assert "power limit, so" not in parts["hardware"]
     assert parts["idle"].endswith("clock event reasons: GPU idle 100%)")  # at its top clock: no verdict
 
 

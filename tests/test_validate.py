@@ -543,7 +543,7 @@ def test_load_rows_folder_and_device(tmp_path):
     if Path("/dev/null").exists():
         with pytest.raises(AutoparError) as err:
             v.load_rows("/dev/null")
-        assert "FILE='/dev/null' is not a regular file" in str(err.value)
+        assert "FILE='/dev/null' has no run_id column" in str(err.value)  # read (empty), as a pipe would be
 
 
 # ---------------------------------------------------------------- the command (real entry point)

@@ -185,3 +185,20 @@ def test_precision_of_a_cell(text, precision):
 
     got = _precision(text)
     assert (got.value if got else None) == precision
+
+
+def test_mixed_precision_beside_fp32_is_16_bit_and_tf32_is_fp32():
+    from planner.contracts import Precision
+    from planner.validate import _precision
+
+    assert _precision("mixed precision (fp32 master weights)") is Precision.bf16
+    assert _precision("mixed precision, fp32 accumulation") is Precision.bf16
+    assert _precision("TF32") is Precision.fp32 and _precision("fp32") is Precision.fp32
+
+
+def test_a_trailing_comma_is_not_a_ragged_row():
+    from planner.validate import _ragged
+
+    assert _ragged({"run_id": "x", "tp": "8", None: [""]}) is None  # 'x,8,' : one blank cell past the header
+    assert _ragged({"run_id": "x", "tp": "8", None: ["  ", ""]}) is None
+    assert "row has 3 cells but the header has 2 columns" in _ragged({"run_id": "x", "tp": "8", None: ["9"]})

@@ -64,7 +64,9 @@ def check_sequence(model: ModelSpec, training: TrainingConfig) -> None:
     learned position table (the search calls this before trying layouts, so it says why)."""
     if model.position_embedding == "learned" and training.seq_length > (model.max_position_embeddings or 0):
         raise AutoparError("seq_length", training.seq_length,
-                           f"use seq_length <= max_position_embeddings={model.max_position_embeddings}",
+                           f"use seq_length <= max_position_embeddings={model.max_position_embeddings} (--seq "
+                           f"{model.max_position_embeddings}), or a model spec (--model-file) whose "
+                           f"max_position_embeddings is at least {training.seq_length}",
                            problem="is longer than the model's learned position table")
 
 
