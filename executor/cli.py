@@ -19,23 +19,20 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
-from planner.cli import styled
+from planner.console import make_console, styled
 from planner.contracts import ClusterProfile, Plan, RunReport
 from planner.errors import AutoparError
-from planner.files import check_out, check_out_dir, read_input
+from planner.files import check_out, check_out_dir, kept_name, read_input
 
-# markup off (names and paths are user text; planner.cli.styled styles this module's words); errors one line
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
-console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
+err = make_console(stderr=True)  # markup off: names and paths are user text
+console = make_console()
 GiB = 2**30
 MAX_LR = 10.0  # AdamW steps each weight by about lr: above this a run only diverges (1e300 overflows)
 DEFAULT_WARMUP = 3
@@ -292,7 +289,7 @@ def run(
     if server:
         try:
             stored = upload(report, server, token, plan_id,
-                            report_path.parent / f"run-of-plan-{plan_id}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+                            report_path.parent / kept_name(f"run-of-plan-{plan_id}"))
         except AutoparError as exc:
             err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
             raise typer.Exit(2) from None

@@ -342,10 +342,10 @@ def _maybe_die(step: int, rank: int) -> None:
 
 
 def _console():
-    from rich.console import Console
+    from planner.console import make_console
 
     # markup off: paths in messages are user text ("[/]" in a folder name would crash rich's parser)
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False, markup=False, soft_wrap=True)
+    return make_console(highlight=False, soft_wrap=True)
 
 
 def _environment(device: torch.device, world: int) -> Environment:

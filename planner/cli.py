@@ -14,9 +14,7 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from planner.contracts import (
     ClusterProfile,
@@ -31,20 +29,14 @@ from planner.contracts import (
     TrainingConfig,
     json_schemas,
 )
-from planner.errors import AutoparError
+from planner.console import make_console, styled
+from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
 # piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
-# markup off: names, notes and reasons come from users' files ("a[/]b" would crash rich's markup parser, and
-# "[red]x[/]" would silently print as "x"); this module styles its own words with Text (:func:`styled`)
-console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
-
-
-def styled(*parts: str | tuple[str, str]) -> Text:
-    """Text from plain strings and (text, style) pairs: user text is never read as markup."""
-    return Text.assemble(*parts)
+console = make_console()
+err_console = make_console(stderr=True)
 GiB = 2**30
 
 
@@ -55,14 +47,7 @@ def fail(message: str) -> None:
 
 def describe_validation_error(exc: ValidationError, what: str) -> str:
     """One line per problem: the field path, the value and pydantic's explanation."""
-    lines = []
-    for e in exc.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        value = e.get("input")
-        shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{what}.{loc}{shown}: {msg}" if loc else f"{what}: {msg}")
-    return "\n  ".join(lines)
+    return "\n  ".join(validation_problems(exc, what))
 
 
 # ---------------------------------------------------------------- inputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class AutoparError(ValueError):
     """Bad input to autopar. ``str(err)`` is a complete message a user can act on."""
@@ -12,6 +14,21 @@ class AutoparError(ValueError):
         self.fix = fix
         self.problem = problem or "is not valid"
         super().__init__(f"{field}={value!r} {self.problem}; {fix}")
+
+
+def validation_problems(exc: ValidationError, what: str | None) -> list[str]:
+    """Each problem of a pydantic error as ``what.field=value: explanation`` (``field=value: ...`` with
+    no ``what``; no help URL; a whole object's value left out): one wording for every command and
+    skip reason."""
+    out = []
+    for e in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        field = f"{what}.{loc}" if what and loc else (loc or what)
+        out.append(f"{field}{shown}: {msg}" if loc else (f"{what}: {msg}" if what else msg))
+    return out
 
 
 class UnknownNameError(AutoparError):

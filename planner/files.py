@@ -134,11 +134,16 @@ def write_files(out_dir: Path, files: dict[str, str], flag: str) -> list[Path]:
     return targets
 
 
+def kept_name(stem: str) -> str:
+    """The file name a result kept away from where it was asked to go gets: ``<stem>-<time>.json``."""
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
 def keep_somewhere(text: str, stem: str) -> Path | None:
     """Write a result that could not go where it was asked to ``<stem>-<time>.json`` in the working
     folder (where it still exists), else in the temporary folder; the path, or None where neither
     could be written."""
-    name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    name = kept_name(stem)
     for folder in (Path.cwd, lambda: Path(tempfile.gettempdir())):
         try:
             path = unused_path(folder() / name)

@@ -32,7 +32,7 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.cost.predict import predict
-from planner.errors import AutoparError
+from planner.errors import AutoparError, validation_problems
 from planner.files import read_input
 from planner.presets import PRESETS
 from planner.reference import reference_profile, system_family
@@ -232,14 +232,7 @@ def _text(row: dict[str, str | None], column: str) -> str:
 def _one_line(exc: Exception) -> str:
     """An exception as one line: pydantic errors as 'field=value: problem; ...' without their help URL."""
     if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors(include_url=False):
-            loc = ".".join(str(p) for p in e["loc"])
-            msg = e["msg"].removeprefix("Value error, ")
-            value = e.get("input")
-            shown = "" if isinstance(value, dict) else f"={value!r}"
-            parts.append(f"{loc}{shown}: {msg}" if loc else msg)
-        return f"{exc.title}: " + "; ".join(parts)
+        return f"{exc.title}: " + "; ".join(validation_problems(exc, None))
     return " ".join(str(exc).split())
 
 

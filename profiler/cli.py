@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
-from planner.cli import styled
+from planner.console import make_console, styled
 from planner.errors import AutoparError
-from planner.files import check_out, write_or_keep
+from planner.files import check_out, kept_name, write_or_keep
 
-# markup off: --name, paths and server answers are user text (planner.cli.styled styles this module's words)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False, soft_wrap=True)
+err = make_console(stderr=True)  # markup off: --name, paths and server answers are user text
 
 
 def _progress_factory():  # noqa: ANN202
@@ -83,7 +80,7 @@ def publish(profile_json: str, out: Path | None, server: str | None, token: str 
     if server is not None:
         from planner.client import post_or_keep
 
-        keep = out if in_out else Path.cwd() / f"autopar-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        keep = out if in_out else Path.cwd() / kept_name("autopar-profile")
         uploaded = post_or_keep(server, "/v1/profiles", profile_json.encode(), token, "profile", keep,
                                 already_kept=in_out)
     if out is not None and not in_out:
