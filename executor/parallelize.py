@@ -3,7 +3,10 @@
 Order (:func:`parallelize`; each step sees the result of the previous one):
 
 1. tensor parallel (+ sequence parallel, loss-parallel head) — ``parallelize_module`` with Colwise
-   (wq/wk/wv/w1/w3, head) / Rowwise (wo/w2, embedding) and, with ``sp``, SequenceParallel norms;
+   (wq/wk/wv/w1/w3, head) / Rowwise (wo/w2, embedding); every other module with weights by where it
+   sits (:func:`_unsharded_styles`): SequenceParallel on the residual stream with ``sp`` (the norms),
+   its TP rank's share inside attention/MLP (Qwen3's q/k norms), so each of their gradients is summed
+   over exactly the TP ranks that hold a share of it;
 2. context parallel — every attention all-gathers K/V over the ``cp`` group (:mod:`executor.cp`);
 3. expert parallel — routed experts ``Shard(0)`` over the ``ep`` mesh (:mod:`executor.moe`);
 4. activation recompute — the plan's kind on the first N blocks of the stage (:func:`apply_recompute`);
@@ -262,16 +265,12 @@ def _adapter(model: nn.Module) -> ModelAdapter:
 
 
 def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
-    """Megatron TP plan of one decoder layer (module path -> style). Without SP the layer's input and
-    output are replicated; with SP they are sequence-sharded (Shard(1)): norms run on the shard, the
-    attention/MLP inputs are all-gathered and o_proj/down_proj reduce-scatter their outputs."""
+    """Megatron TP plan of one decoder layer's projections (module path -> style). Without SP the layer's
+    input and output are replicated; with SP they are sequence-sharded (Shard(1)): the attention/MLP
+    inputs are all-gathered and o_proj/down_proj reduce-scatter their outputs. The norms and any other
+    module with weights get their style from :func:`_unsharded_styles`."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     out = Shard(1) if layout.sp else Replicate()
     local = not (hf and layout.sp)  # HF with SP: the residual stream stays a DTensor (see apply_tp)
@@ -284,8 +283,6 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
     if a.up_proj is not None:  # SwiGLU's second input projection
         plan[f"{mlp}.{a.up_proj}"] = ColwiseParallel()
     if layout.sp:
-        plan[a.attention_norm] = SequenceParallel()
-        plan[a.ffn_norm] = SequenceParallel()
         if hf:  # self_attn(hidden_states=..., ...)
             plan[attn] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()})
@@ -296,10 +293,48 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
     return plan
 
 
+def _rank_share_style():
+    """The style of a module with weights inside an attention or MLP block that no projection shards
+    (Qwen3's per-head q/k norms). Between the column- and the row-parallel projections every activation
+    is this rank's share (its heads, its FFN columns), so such a module's weights, whole on every TP
+    rank, see only this rank's share of the data their gradient sums over: summed over the TP group it is
+    the single-process gradient. The weights become ``Replicate()`` DTensors and the local input is taken
+    as this rank's block of batch rows (``Shard(0)``) of a tensor spread over the TP group; the module
+    treats rows alike, so its local output is unchanged (returned as a plain tensor), and the weight
+    gradient, a sum over rows, comes out ``Partial`` and is summed over TP wherever it is brought to the
+    parameter's placement (:meth:`GradAllReduce.sync`, FSDP2's reduction)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return SequenceParallel(sequence_dim=0, use_local_output=True)
+
+
+def _unsharded_styles(root: nn.Module, plan: dict, regions: tuple[str, ...], sp: bool,
+                      skip: tuple[str, ...] = ()) -> dict:
+    """A style for every module of ``root`` that owns parameters and that ``plan`` does not name (paths
+    under ``skip`` excepted), so that no weight left whole on the TP ranks gets a wrong gradient:
+
+    * inside one of ``regions`` (a layer's attention and MLP): :func:`_rank_share_style`;
+    * elsewhere, on the residual stream: with SP the stream is sequence-sharded, so ``SequenceParallel``
+      (weights ``Replicate()``, gradient ``Partial`` and summed over TP); without SP every TP rank runs
+      the module on the same whole input and already holds the whole gradient: no style."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    styles: dict = {}
+    for path, module in root.named_modules():
+        if not path or path in plan or path.startswith(skip) or next(module.parameters(False), None) is None:
+            continue
+        if path.startswith(tuple(f"{r}." for r in regions)):
+            styles[path] = _rank_share_style()
+        elif sp:
+            styles[path] = SequenceParallel()
+    return styles
+
+
 def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
              hf: bool | None = None) -> None:
     """Megatron-style TP (+SP) on every decoder layer, the embedding (row-wise: vocabulary-sharded
-    table) and the head (column-wise), module paths from the model's adapter. The head's output stays a
+    table) and the head (column-wise), module paths from the model's adapter; every other module with
+    weights (the norms, Qwen3's q/k norms) styled by :func:`_unsharded_styles`. The head's output stays a
     DTensor sharded over the vocabulary, so the cross-entropy must run under :func:`loss_context`
     (loss-parallel: no all-gather of the logits).
 
@@ -309,12 +344,7 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
     local tensors between layers, as torchtitan does. ``hf``: whether ``model`` is a Hugging Face one
     (None: told by the model)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     a = _adapter(model)
     hf = a.family == "hf" if hf is None else hf
@@ -324,15 +354,16 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
         top[a.embedding] = RowwiseParallel(input_layouts=Replicate(),
                                            output_layouts=Shard(1) if sp else Replicate(),
                                            use_local_output=not (hf and sp))
-    if sp and _has(model, a.final_norm):
-        top[a.final_norm] = SequenceParallel()
     if a.lm_head is not None and _has(model, a.lm_head):
         top[a.lm_head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                          output_layouts=Shard(-1), use_local_output=False)
+    top |= _unsharded_styles(model, top, (), sp, skip=(f"{a.layers}.",))
     if top:
         parallelize_module(model, tp_mesh, top)
     for _, block in a.layer_items(model):
-        parallelize_module(block, tp_mesh, _block_plan(layout, a, hf))
+        plan = _block_plan(layout, a, hf)
+        plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp)
+        parallelize_module(block, tp_mesh, plan)
 
 
 def _has(model: nn.Module, path: str) -> bool:
@@ -456,7 +487,7 @@ class GradAllReduce(nn.Module):
 
     def sync(self) -> None:
         """All-reduce (sum) each local gradient over its group and divide by N. A DTensor gradient left
-        Partial over the TP mesh (sequence-parallel norms) is first reduced to the parameter's placement."""
+        Partial over the TP mesh (norms, Qwen3's q/k norms: :func:`_unsharded_styles`) is first reduced to the parameter's placement."""
         from torch.distributed.tensor import DTensor
 
         for name, p in self.module.named_parameters():

@@ -1,32 +1,38 @@
-"""executor.hf / executor.adapters: tiny Hugging Face decoders from config dicts (nothing fetched)."""
+"""executor.hf / executor.adapters: tiny Hugging Face decoders from config dicts (nothing fetched); every
+supported family under FSDP, HSDP, TP+SP and TP x FSDP (4 gloo ranks, tests/dist_scripts/hf_grads_check.py)
+against the single-process gradients, parameter by parameter."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from executor.adapters import builtin_adapter, get_submodule
+from executor.data import SyntheticTokens
 from executor.hf import build_hf_model, check_parallelisable, hf_adapter
 from executor.model import build_model
-from planner.contracts import ModelSpec, MoESpec
+from executor.reference import reference_run
+from planner.contracts import ModelSpec, MoESpec, ParallelLayout
 from planner.cost.params import total_params
 from planner.errors import AutoparError
 from planner.hf_config import model_spec_from_hf_config
 
-BASE = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "tie_word_embeddings": False}
-CONFIGS = {
-    "llama": {"model_type": "llama", **BASE},
-    "mistral": {"model_type": "mistral", **BASE},
-    "qwen2": {"model_type": "qwen2", **BASE},
-    "qwen3": {"model_type": "qwen3", "head_dim": 8, **BASE},
-    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **BASE},
-    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 16, **BASE},
-}
+SCRIPT = Path(__file__).parent / "dist_scripts" / "hf_grads_check.py"
+_spec = importlib.util.spec_from_file_location("hf_grads_check", SCRIPT)
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+CONFIGS = check.CONFIGS  # one tiny config per supported family
+# |dist - ref| <= GRAD_TOLERANCE x max|ref|, every element of every parameter's gradient (fp32: the
+# reduction order moves it by ~1e-7 relative; a gradient reduced over the wrong ranks is off by ~1)
+GRAD_TOLERANCE = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -114,3 +120,48 @@ def test_adapters_point_at_the_same_parts_in_both_families():
     ffn = b.ffn_of(built_layers["0"])
     assert get_submodule(ffn, b.up_proj) is model.layers["0"].feed_forward.w3
     assert get_submodule(b.attention_of(built_layers["1"]), b.o_proj) is model.layers["1"].attention.wo
+
+
+# ---------------------------------------------------------------- torchrun, 4 ranks
+def relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """max|got - ref| / max|ref| per parameter (0 where both are zero)."""
+    errors = {}
+    for name, r in ref.items():
+        scale = r.abs().max().item()
+        diff = (got[name] - r).abs().max().item()
+        errors[name] = diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+    return errors
+
+
+def gradient_mismatches(out: Path, family: str, plan: str) -> list[str]:
+    """One line per (rank, parameter) whose gradient is off by more than GRAD_TOLERANCE."""
+    gbs = check.global_batch(ParallelLayout(**check.PLANS[plan]))
+    ref = reference_run(build_hf_model(CONFIGS[family], seed=check.SEED),
+                        SyntheticTokens(check.BASE["vocab_size"], check.SEQ, check.SEED), steps=1,
+                        global_batch=gbs, micro_batch_size=check.MBS).grads_first_step
+    lines = []
+    for rank in range(4):
+        got = torch.load(check.case_dir(out, family, plan) / f"grads{rank}.pt")
+        if set(got) != set(ref):
+            lines.append(f"{family} {plan} rank {rank}: names differ: {sorted(set(got) ^ set(ref))}")
+            continue
+        lines += [f"{family} {plan} rank {rank} {name}: {e:.3g}"
+                  for name, e in sorted(relative_errors(got, ref).items()) if e > GRAD_TOLERANCE]
+    return lines
+
+
+@pytest.mark.slow
+def test_every_gradient_of_every_family_and_plan_matches_one_process(tmp_path):
+    """One torchrun launch runs every (family, plan) case (start-up paid once, one test so that xdist
+    cannot launch it twice); every rank's gradient of every parameter is compared."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(SCRIPT), str(tmp_path)]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print(f"\nhf_grads_check launch ({len(check.cases())} cases): {seconds:.1f} s")
+    bad = [line for family, plan in check.cases() for line in gradient_mismatches(tmp_path, family, plan)]
+    assert not bad, (f"max |grad - ref| / max |ref| above {GRAD_TOLERANCE:g} for {len(bad)} "
+                     "(case, rank, parameter):\n" + "\n".join(bad))

@@ -18,6 +18,8 @@ import torch
 from executor.data import SyntheticTokens
 from executor.model import build_model, init_weights
 from executor.parallelize import (
+    _block_plan,
+    _unsharded_styles,
     apply_recompute,
     build_mesh,
     check_supported,
@@ -103,6 +105,26 @@ def test_check_supported_reads_a_hugging_face_model() -> None:
         check_supported(ParallelLayout(tp=8), model)
     with pytest.raises(AutoparError, match=r"layout\.recompute='selective'"):
         check_supported(ParallelLayout(recompute="selective"), model)
+
+
+def test_every_unsharded_weight_gets_a_tp_style_by_where_it_sits() -> None:
+    """Inside attention/MLP (Qwen3's q/k norms): this rank's share, gradient summed over TP; on the
+    residual stream: SequenceParallel with SP, nothing without (every TP rank holds the whole gradient)."""
+    from executor.adapters import HF
+    from executor.hf import build_hf_model
+
+    with torch.device("meta"):
+        model = build_hf_model({**check.HF_CONFIG, "model_type": "qwen3", "head_dim": 4})
+    layer, share = model.model.layers[0], "SequenceParallel(sequence_dim=0, use_local_output=True)"
+    for sp in (False, True):
+        plan = _block_plan(ParallelLayout(tp=2, sp=sp), HF, hf=True)
+        styles = {p: repr(s) for p, s in _unsharded_styles(layer, plan, ("self_attn", "mlp"), sp).items()}
+        stream = {n: "SequenceParallel(sequence_dim=1, use_local_output=False)"
+                  for n in ("input_layernorm", "post_attention_layernorm")} if sp else {}
+        assert styles == {"self_attn.q_norm": share, "self_attn.k_norm": share, **stream}
+        planned = {"model.embed_tokens": 0, "lm_head": 0}
+        top = _unsharded_styles(model, planned, (), sp, skip=("model.layers.",))
+        assert list(top) == (["model.norm"] if sp else [])
 
 
 def test_recompute_wraps_the_first_n_blocks_of_the_stage() -> None:

@@ -1,0 +1,119 @@
+"""Every supported Hugging Face family under every data/tensor-parallel plan, one gradient step each,
+all in the same 4 processes.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 hf_grads_check.py OUT_DIR [CASE ...]
+
+A case is ``<family>:<plan>`` (:func:`cases`; all when none are named): the family's tiny model
+(:data:`CONFIGS`, random weights from the seed, nothing downloaded) is built on the meta device,
+parallelised with :func:`executor.parallelize.parallelize`, loaded with the plan-independent weights
+and run forward and backward in fp32 over one global batch of :data:`N_MICRO` micro-batches per
+data-parallel rank (loss and reduction as :mod:`executor.train` does them). Every rank then gathers
+each gradient whole (``DTensor.full_tensor()``) and writes OUT_DIR/<family>_<plan>/grads<rank>.pt by
+plan-independent name; tests/test_executor_hf.py compares every rank's gradients with
+:func:`executor.reference.reference_run` on one process. Mixture-of-Experts families run only the
+plans without TP (:func:`executor.parallelize.check_supported` refuses TP for them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from executor.data import SyntheticTokens, split_batch
+from executor.hf import SUPPORTED_MODEL_TYPES, build_hf_model, hf_full_state
+from executor.parallelize import (
+    GradAllReduce,
+    build_mesh,
+    check_supported,
+    clean_fqn,
+    data_rank,
+    load_full_state,
+    loss_context,
+    loss_scale,
+    no_sync,
+    parallelize,
+)
+from executor.reference import lm_loss
+from planner.contracts import ParallelLayout, Precision, TrainingConfig
+
+SEED, SEQ, MBS, N_MICRO = 0, 16, 1, 2
+BASE = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "tie_word_embeddings": False}
+CONFIGS: dict[str, dict] = {
+    "llama": {"model_type": "llama", **BASE},
+    "mistral": {"model_type": "mistral", **BASE},
+    "qwen2": {"model_type": "qwen2", **BASE},
+    "qwen3": {"model_type": "qwen3", "head_dim": 8, **BASE},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **BASE},
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, **BASE},
+}
+assert set(CONFIGS) == set(SUPPORTED_MODEL_TYPES), "one tiny config per supported family"
+PLANS: dict[str, dict] = {
+    "fsdp4": {"dp_shard": 4, "zero_stage": 3},
+    "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3},
+    "dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sp": True},
+    "fsdp2_tp2": {"dp_shard": 2, "tp": 2, "zero_stage": 3},
+}
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def cases() -> list[tuple[str, str]]:
+    """(family, plan) pairs: every plan for dense families, the plans without TP for MoE ones."""
+    return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items()
+            if family not in MOE_FAMILIES or fields.get("tp", 1) == 1]
+
+
+def case_dir(out: Path, family: str, plan: str) -> Path:
+    return out / f"{family}_{plan}"
+
+
+def global_batch(layout: ParallelLayout) -> int:
+    """Sequences per step: N_MICRO micro-batches of MBS sequences on every data-parallel rank."""
+    return layout.dp * N_MICRO * MBS
+
+
+def run_case(family: str, plan: str, out: Path) -> None:
+    layout = ParallelLayout(**PLANS[plan])
+    gbs = global_batch(layout)
+    training = TrainingConfig(seq_length=SEQ, global_batch_size=gbs, precision=Precision.fp32)
+    meshes = build_mesh(layout, dist.get_world_size(), "cpu")
+    with torch.device("meta"):
+        model = build_hf_model(CONFIGS[family], seed=SEED)
+    check_supported(layout, model, training, hf=True)
+    wrapped = parallelize(model, layout, meshes, training=training)
+    load_full_state(model, hf_full_state(CONFIGS[family], seed=SEED), torch.device("cpu"))
+    dp_rank, dp_size = data_rank(meshes)
+    micro = split_batch(SyntheticTokens(BASE["vocab_size"], SEQ, SEED).batch(0, gbs), dp_rank, dp_size, MBS)
+    for i, rows in enumerate(micro):
+        with no_sync(wrapped, i == len(micro) - 1), loss_context(layout):
+            loss = lm_loss(wrapped(rows[:, :-1]).logits, rows[:, 1:], gbs * SEQ)
+            (loss * loss_scale(meshes)).backward()
+    if isinstance(wrapped, GradAllReduce):
+        wrapped.sync()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[clean_fqn(name)] = g.detach().clone()
+    where = case_dir(out, family, plan)
+    where.mkdir(parents=True, exist_ok=True)
+    torch.save(grads, where / f"grads{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    chosen = [tuple(name.split(":")) for name in sys.argv[2:]] or cases()
+    dist.init_process_group("gloo")
+    for family, plan in chosen:
+        run_case(family, plan, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
