@@ -487,7 +487,8 @@ class GradAllReduce(nn.Module):
 
     def sync(self) -> None:
         """All-reduce (sum) each local gradient over its group and divide by N. A DTensor gradient left
-        Partial over the TP mesh (norms, Qwen3's q/k norms: :func:`_unsharded_styles`) is first reduced to the parameter's placement."""
+        Partial over the TP mesh (norms, Qwen3's q/k norms: :func:`_unsharded_styles`) is first reduced
+        to the parameter's placement."""
         from torch.distributed.tensor import DTensor
 
         for name, p in self.module.named_parameters():
