@@ -216,12 +216,23 @@ def _numbers(row: dict[str, str | None]) -> dict[str, float | int | None]:
     numbers["moe_shared_experts"] = _count(row, "moe_shared_experts", allow_zero=True)
     for c in FIGURE_COLUMNS:
         numbers[c] = _figure(row, c, at_most=100 if c == "mfu_pct_reported" else None)
-    vp = unstated(row.get("virtual_pipeline_stages"))
+    vp = _vp_text(row)
     # a number of stages, or words ("DualPipe ...", "interleaved schedule used (... not stated)")
     numbers["virtual_pipeline_stages"] = (
-        _count(row, "virtual_pipeline_stages") if re.match(r"[~\u2248]?\s*[+-]?\.?[0-9]", vp) else None
+        _count({"virtual_pipeline_stages": vp}, "virtual_pipeline_stages")
+        if re.match(r"[~\u2248]?\s*[+-]?\.?[0-9]", vp) else None
     )
     return numbers
+
+
+_NOT_APPLICABLE = re.compile(r"n/?a|not applicable", re.I)
+
+
+def _vp_text(row: dict[str, str | None]) -> str:
+    """The virtual_pipeline_stages cell; "n/a" (no interleaving applies) reads as "1", a cell that
+    says nothing is stated reads as ``""``."""
+    raw = (row.get("virtual_pipeline_stages") or "").strip()
+    return "1" if _NOT_APPLICABLE.fullmatch(raw) else unstated(raw)
 
 
 def _text(row: dict[str, str | None], column: str) -> str:
@@ -236,26 +247,45 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+_H100_HBM2E = re.compile(r"\b9[4-6]\s*GB|HBM2E|LOWER[-\s]TDP|\b500\s*W")
+
+
 def _system(gpu_type: str) -> str | None:
+    """The reference system (:data:`planner.reference.SYSTEMS`) of a gpu_type cell; None when none fits.
+
+    GPU names match as whole words ("GB200" is not a B200). An H100 with 94-96 GB of HBM2e or a lower
+    TDP (Grand Teton, "H100 94GB") is the 500 W HBM2e part; H100 NVL and PCIe cards have no reference
+    system (their power, clocks and links differ from every SXM node in SYSTEMS).
+    """
     g = gpu_type.upper()
-    if "A100" in g:
+    if re.search(r"\bA100\b", g):
         return "dgx-a100-40gb" if "40GB" in g.replace(" ", "") else "dgx-a100-80gb"
-    if "H100" in g:
-        return "gt-h100-96gb-500w" if "96GB" in g.replace(" ", "") else "dgx-h100"
+    if re.search(r"\bH100\b", g):
+        if re.search(r"\bNVL\b|\bPCIE\b", g):
+            return None
+        return "gt-h100-96gb-500w" if _H100_HBM2E.search(g) else "dgx-h100"
     for name, system in (("H200", "hgx-h200"), ("H800", "hgx-h800"), ("B200", "dgx-b200")):
-        if name in g:
+        if re.search(rf"\b{name}\b", g):
             return system
     return None
 
 
 def _nic_gbit_per_gpu(text: str, gpus_per_node: int) -> float | None:
-    """Network line rate per GPU from the row's inter-node description, if it gives one."""
+    """Network line rate per GPU from the row's inter-node description, if it gives one.
+
+    "N x ... R Gb/s ... per node" -> N*R / gpus_per_node; a single "R Gb/s per node" or "R Gb/s
+    node-node" figure -> R / gpus_per_node; "N OPA links per node" -> N*100 / gpus_per_node;
+    "B GB/s" -> 8*B; any other "R Gb/s" is per GPU.
+    """
     if not text:
         return None
     t = text.replace("Gbps", "Gb/s")
     m = re.search(r"(\d+)x[^,;]*?(\d+)\s*Gb/s[^,;]*per node", t)
     if m:
         return int(m.group(1)) * int(m.group(2)) / gpus_per_node
+    m = re.search(r"(\d+)\s*Gb/s[^,;]*?(?:per node|node-(?:to-)?node)", t)
+    if m:  # one figure for the whole node ("1600 Gbps node-node interconnect")
+        return int(m.group(1)) / gpus_per_node
     m = re.search(r"(\d+)\s*OPA links per node", t)
     if m:  # Omni-Path: 100 Gb/s per link
         return int(m.group(1)) * 100 / gpus_per_node
@@ -350,15 +380,23 @@ def _model(row: dict[str, str], defaults: list[str], n: dict[str, float | int | 
 
 
 def zero_stage_from_text(text: str) -> int | None:
-    """ZeRO stage named by a free-text zero_or_fsdp cell; None when it names none."""
-    z = text.lower()
-    if "not resharded" in z or "zero-2" in z:
+    """ZeRO stage named by a free-text zero_or_fsdp cell; None when it names none.
+
+    In order: a stated stage ("ZeRO-3", "ZeRO stage 3", "stage 2") -> that stage; FSDP SHARD_GRAD_OP,
+    HYBRID_SHARD_ZERO2 or parameters "not resharded" -> 2; FSDP FULL_SHARD / HYBRID_SHARD / FSDP2 /
+    "fully sharded" / plain FSDP (not "FSDP=0") -> 3; "distributed optimizer" -> 1; DDP -> 0.
+    """
+    z = re.sub(r"[\s-]+", "_", text.lower())  # "ZeRO stage 3", "zero-3", "SHARD GRAD OP" -> one spelling
+    stage = re.search(r"(?<![a-z0-9])(?:zero_?(?:stage[_=:]*)?|stage[_=:]*)([0-3])(?![0-9])", z)
+    if stage:
+        return int(stage.group(1))
+    if re.search(r"shard_?grad_?op|hybrid_shard_zero2|not_resharded|reshard_after_forward_?=_?false", z):
         return 2
-    if "zero-1" in z or "distributed optimizer" in z:  # before FSDP: "distributed optimizer (FSDP=0)"
-        return 1
-    if "zero-3" in z or "full_shard" in z or ("fsdp" in z and "fsdp=0" not in z):
+    if re.search(r"full_?shard|hybrid_?shard|fully_sharded|fsdp(?!_?=_?0)", z):
         return 3
-    if "ddp" in z:
+    if re.search(r"distributed_optimizer|dist_optimizer", z):
+        return 1
+    if re.search(r"(?<![a-z0-9])ddp(?![a-z0-9])", z):
         return 0
     return None
 
@@ -476,7 +514,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if not mbs_options or gbs % (dp * mbs_options[0]):
         return Skipped(run_id, source, f"global batch {gbs} is not divisible by dp x micro_batch = {dp * (mbs or 1)}")
 
-    vp_text = unstated(row.get("virtual_pipeline_stages"))
+    vp_text = _vp_text(row)
     schedule, v = Schedule.one_f_one_b, 1
     if pp > 1:
         if "dualpipe" in vp_text.lower():

@@ -202,3 +202,75 @@ def test_a_trailing_comma_is_not_a_ragged_row():
     assert _ragged({"run_id": "x", "tp": "8", None: [""]}) is None  # 'x,8,' : one blank cell past the header
     assert _ragged({"run_id": "x", "tp": "8", None: ["  ", ""]}) is None
     assert "row has 3 cells but the header has 2 columns" in _ragged({"run_id": "x", "tp": "8", None: ["9"]})
+
+
+# ---------------------------------------------------------------- phrasings found building planner/data/published_runs.csv
+@pytest.mark.parametrize(
+    ("text", "stage"),
+    [
+        ("ZeRO stage 3 (DeepSpeed)", 3),
+        ("DeepSpeed ZeRO stage 2", 2),
+        ("stage 3", 3),
+        ("ZeRO-2", 2),
+        ("ZeRO 3", 3),
+        ("zero_stage=1", 1),
+        ("FSDP SHARD_GRAD_OP (ZeRO-2)", 2),
+        ("FSDP SHARD_GRAD_OP", 2),
+        ("FSDP HYBRID_SHARD", 3),
+        ("FSDP2 (FULL_SHARD)", 3),
+        ("distributed optimizer (USE_DIST_OPTIMIZER=True)", 1),
+        ("Megatron distributed optimizer", 1),
+        ("Megatron FSDP, sharding group 8 GPUs (FSDP=8)", 3),
+        ("PyTorch DDP", 0),
+    ],
+)
+def test_zero_stage_of_common_phrasings(text, stage):
+    assert zero_stage_from_text(text) == stage
+
+
+def test_a_per_node_interconnect_figure_is_shared_by_the_node_gpus():
+    """MosaicML's A100 tables: "1600 Gbps node-node interconnect (RoCE)" is 8 x 200 Gb/s per node."""
+    from planner.validate import _nic_gbit_per_gpu
+
+    assert _nic_gbit_per_gpu("1600 Gbps node-node interconnect (RoCE)", 8) == 200
+    assert _nic_gbit_per_gpu("3200 Gb/s per node", 8) == 400
+    assert _nic_gbit_per_gpu("backend RDMA network, 400 Gb/s per GPU", 8) == 400
+
+
+@pytest.mark.parametrize(
+    ("gpu_type", "system"),
+    [
+        ('H100 95GB HBM2e, lower-TDP SXM (doc: "H100 (94GB memory)")', "gt-h100-96gb-500w"),
+        ("H100 94GB", "gt-h100-96gb-500w"),
+        ("H100 NVL 94GB", None),  # a PCIe card: no reference system has its power and links
+        ("H100 PCIe 80GB", None),
+        ("GB200 NVL72", None),  # not a B200
+        ("GH200", None),  # not an H200
+        ("B200 (DGX-B200)", "dgx-b200"),
+        ("NVIDIA H100-SXM5-80GB (64xNVIDIA DGX H100)", "dgx-h100"),
+        ("H100 80GB HBM3, 700W TDP (Grand Teton)", "dgx-h100"),
+    ],
+)
+def test_system_of_gpu_variants(gpu_type, system):
+    from planner.validate import _system
+
+    assert _system(gpu_type) == system
+
+
+def test_a_gpu_without_a_reference_system_skips_the_row_naming_it():
+    from planner.validate import Skipped, build_case
+
+    skipped = build_case({**_pipeline_row("1"), "gpu_type": "GB200 NVL72"})
+    assert isinstance(skipped, Skipped) and "GB200 NVL72" in skipped.reason
+
+
+def test_not_applicable_virtual_stages_is_no_interleaving():
+    """'n/a' in the VP column (Megatron-Bridge tables) means no interleaving: plain 1F1B, as a stated 1."""
+    from planner.contracts import Schedule
+    from planner.validate import RowCase, build_case
+
+    na, one = build_case(_pipeline_row("n/a")), build_case(_pipeline_row("1"))
+    assert isinstance(na, RowCase) and isinstance(one, RowCase)
+    assert na.layout.schedule is Schedule.one_f_one_b and na.layout.virtual_stages == 1
+    assert na.layout == one.layout
+    assert not any(d.startswith("virtual_stages=") for d in na.defaults)
