@@ -53,13 +53,9 @@ def resolve_profile(db: Database, req: PlanRequest) -> tuple[int, ClusterProfile
                                f"omit num_nodes (this measured profile describes {profile.num_nodes} nodes) or upload a "
                                "profile measured on the cluster you plan for", problem="cannot change a measured profile")
         profile = profile.with_nodes(req.num_nodes)
-    if req.options.memory_headroom:
-        reserve = profile.assumptions.reserved_memory_bytes + int(req.options.memory_headroom * profile.device.memory_bytes)
-        if reserve >= profile.device.memory_bytes:
-            raise AutoparError("options.memory_headroom", req.options.memory_headroom,
-                               "leave some memory for training: lower the headroom", problem="reserves the whole GPU")
+    if req.options.memory_headroom is not None:  # the profile's own (assumptions.memory_headroom) otherwise
         profile = profile.model_copy(update={"assumptions": profile.assumptions.model_copy(
-            update={"reserved_memory_bytes": reserve})})
+            update={"memory_headroom": req.options.memory_headroom})})
     return row.id, profile
 
 

@@ -84,8 +84,10 @@ class PlanOptions(Strict):
     offload: bool = True
     max_micro_batch_size: int = Field(16, ge=1, le=1024)
     max_virtual_stages: int = Field(8, ge=1, le=64)
-    memory_headroom: float = Field(
-        0.0, ge=0.0, lt=0.9, description="fraction of each GPU's memory kept free on top of the profile's reserve")
+    memory_headroom: float | None = Field(
+        None, ge=0.0, lt=0.9, strict=True,
+        description="fraction of each GPU's memory a plan keeps free beyond every predicted term; default: the "
+                    "profile's assumptions.memory_headroom (5% in reference profiles)")
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False

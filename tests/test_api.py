@@ -182,15 +182,10 @@ def test_memory_headroom_keeps_memory_free(client: TestClient) -> None:
     plain = client.post("/v1/plans", json={**SMALL_PLAN, "options": {"top_k": 1}}).json()
     tight = client.post("/v1/plans", json={**SMALL_PLAN, "options": {"top_k": 1, "memory_headroom": 0.5}}).json()
     cap = 80 * 2**30
-
-    def used(plan: dict) -> int:  # what training itself holds: all but the reserve and buffers
-        m = plan["plan"]["prediction"]["memory"]
-        return m["total_bytes"] - m["buffers_bytes"]
-
-    m = tight["plan"]["prediction"]["memory"]
-    assert m["buffers_bytes"] >= 0.5 * cap and m["total_bytes"] <= cap
-    assert used(tight) <= 0.5 * cap - 2 * 2**30
-    assert used(plain) > 0.5 * cap - 2 * 2**30  # the headroom changed the answer
+    m, p = tight["plan"]["prediction"]["memory"], plain["plan"]["prediction"]["memory"]
+    assert m["headroom_bytes"] == int(0.5 * cap) and m["total_bytes"] <= 0.5 * cap
+    assert p["headroom_bytes"] == int(0.05 * cap)  # the profile's default: 5% kept free
+    assert p["total_bytes"] > 0.5 * cap  # the headroom changed the answer
 
 
 def test_infeasible_request_is_stored_with_an_explanation(client: TestClient) -> None:

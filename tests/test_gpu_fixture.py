@@ -107,8 +107,9 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
 
 @pytest.mark.parametrize("path", [QUICK, FULL], ids=["quick", "full"])
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
-    """Peak memory within 10% at both micro-batches (13.18 GiB predicted against 12.58 measured at
-    micro-batch 2, 21.15 against 22.66 at 8). The step time is low, and the gap is pinned so a
+    """Peak allocated memory within 10% at both micro-batches (12.58 GiB predicted against 12.58 measured
+    at micro-batch 2, 24.22 against 22.66 at 8; the activation and loss factors were fitted on the H100
+    rows of benchmarks/memory_measure.py, not on these). The step time is low, and the gap is pinned so a
     change is seen: at micro-batch 8 by 15-17% (96.6 ms from the quick profile, 94.8 from the full,
     against 114.0), at micro-batch 2 by 34% (102.1 and 102.5 against 153.9): the executor's eager
     elementwise kernels beyond the ones the profile times (its 'other' kernels took 33.0 ms at
@@ -123,7 +124,8 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measur
     for run in measured["runs"]:
         pred = predict(model, training, profile, ParallelLayout(micro_batch_size=run["micro_batch_size"],
                                                                 zero_stage=measured["zero_stage"]))
-        assert pred.memory.total_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
+        # the measurement is torch.cuda.max_memory_allocated: the prediction's allocated peak
+        assert pred.memory.allocated_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
         assert 0.4 < pred.mfu < 0.7
         error = pred.step_time_s / run["executor_median_step_s"] - 1
         if run["micro_batch_size"] == 8:

@@ -191,16 +191,40 @@ class TestPredictProperties:
         zero0 = run(node, dp_shard=8).memory
         zero1 = run(node, dp_shard=8, zero_stage=1).memory
         zero3 = run(node, dp_shard=8, zero_stage=3).memory
+        zero2 = run(node, dp_shard=8, zero_stage=2).memory
         assert zero3.total_bytes < zero1.total_bytes < zero0.total_bytes
-        assert zero3.activations_bytes == zero0.activations_bytes
+        assert zero3.activations_bytes == zero2.activations_bytes
+        # ZeRO-0/1 train 16-bit on fp32 parameters under autocast: more activation bytes per formula byte
+        a = node.assumptions
+        assert zero0.activations_bytes / zero3.activations_bytes == pytest.approx(
+            a.autocast_activation_factor / a.activation_memory_factor, rel=1e-6)
+
+    def test_keep_gathered_zero3_holds_every_block(self, node):
+        """Without resharding, ZeRO-3 keeps every block's unsharded 16-bit weights from forward to backward:
+        the stage's whole parameter count x 2 bytes, against 2 x the biggest block with resharding."""
+        reshard = run(node, dp_shard=8, zero_stage=3).memory
+        keep = run(node, dp_shard=8, zero_stage=3, reshard_after_forward=False).memory
+        phi = V * Hd + L * (4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd) + Hd + Hd * V
+        block = 4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd
+        assert keep.terms["gathered_weights"] == 2 * phi
+        assert reshard.terms["gathered_weights"] == 2 * 2 * block
+        assert keep.total_bytes > reshard.total_bytes + 2 * phi - 4 * block
 
     def test_buffers_and_total(self, node):
         mem = run(node, dp_shard=8).memory
-        # reserved bytes + the LM head's logits: 6 bytes x 1024 tokens x 32000 / t=1
-        assert mem.buffers_bytes == node.assumptions.reserved_memory_bytes + 6 * 1024 * 32000
+        a = node.assumptions
+        # the LM head's logits and loss: bytes per logit x 1024 tokens x 32000 / t=1
+        loss = a.loss_bytes_per_logit * 1024 * 32000
+        # allocated at the peak: states, activations and the loss; the allocator reserves a share beyond it
+        allocated = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + loss
+        # outside the allocator: the runtime, and two NCCL communicators (the world's and dp_shard's)
+        fixed = a.runtime_bytes + 2 * a.communicator_bytes + a.reserved_memory_bytes
+        assert mem.terms["loss"] == int(loss)
+        assert mem.buffers_bytes == pytest.approx(loss + allocated * a.allocator_fragmentation + fixed, abs=8)
         parts = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + mem.buffers_bytes
         assert abs(mem.total_bytes - parts) <= 5  # parts are truncated to ints separately
         assert mem.capacity_bytes == 80 * 2**30 and mem.fits
+        assert mem.headroom_bytes == int(80 * 2**30 * a.memory_headroom)
 
     def test_activations_by_hand(self, node):
         # 1F1B with pp=1 keeps 1 micro-batch. Per layer (b=1, s=1024, h=1024, no dropout, flash, t=1):
@@ -208,7 +232,8 @@ class TestPredictProperties:
         # FC2 input 16sbh = 32sbh, + log-sum-exp 4*s*a; plus the embedding output 2sbh on the first stage
         sbh = 1024 * 1024
         per_layer = 32 * sbh + 4 * 1024 * 16
-        assert run(node, dp_shard=8).memory.activations_bytes == L * per_layer + 2 * sbh
+        factor = node.assumptions.autocast_activation_factor  # ZeRO-0 bf16: fp32 parameters under autocast
+        assert run(node, dp_shard=8).memory.activations_bytes == int(factor * (L * per_layer + 2 * sbh))
 
     def test_full_recompute(self, node):
         none = run(node, dp_shard=8)
@@ -218,7 +243,8 @@ class TestPredictProperties:
         # is recomputed: flash, no dropout, GeLU 4h, tp=1 -> norms/QKV/MLP inputs 8sbh + Q,K,V,out 8sbh
         # + FFN 2*2*s*b*4h = 16sbh, and the fp32 log-sum-exp 4*s*a
         sbh = 1024 * 1024
-        assert full.memory.activations_bytes == (L + 1) * 2 * sbh + 32 * sbh + 4 * 1024 * 16
+        factor = node.assumptions.autocast_activation_factor
+        assert full.memory.activations_bytes == int(factor * ((L + 1) * 2 * sbh + 32 * sbh + 4 * 1024 * 16))
         assert full.step_time_s > none.step_time_s
         assert full.model_flops_per_step == none.model_flops_per_step
         assert full.hardware_flops_per_step > none.hardware_flops_per_step

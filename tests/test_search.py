@@ -136,7 +136,7 @@ def test_compositions_counts():
 BRUTE_OPTS = dict(max_micro_batch_size=2, max_virtual_stages=2, zero_stages=(0, 1), hsdp=False, offload=False)
 SEARCH_CASES = [
     ("gpt3-175b", 8, "dgx-a100-80gb", 1, 8, 2048, dict(max_tp=1)),  # memory forces a pipeline
-    ("gpt3-175b", 8, "dgx-a100-40gb", 1, 8, 2048, {}),
+    ("gpt3-175b", 6, "dgx-a100-40gb", 1, 8, 2048, {}),
     ("llama3-70b", 8, "dgx-a100-40gb", 1, 16, 4096, dict(max_tp=2)),
     ("mixtral-8x7b", 6, "dgx-a100-40gb", 1, 16, 4096, {}),
     ("llama3-8b", 8, "dgx-h100", 1, 16, 4096, dict(zero_stages=(0, 1, 3), max_tp=2)),
@@ -469,7 +469,7 @@ SPLIT_CASES = [  # (preset, layers, seq, pp) on 8 GPUs: memory binds at the long
 
 def _split_cases():
     for name, layers, seq, pp in SPLIT_CASES:
-        model, prof = small(name, layers), reference_profile("dgx-a100-40gb", 1)
+        model, prof = small(name, layers), reference_profile("dgx-a100-80gb", 1)
         tr = TrainingConfig(global_batch_size=16, seq_length=seq)
         dp = 8 // pp
         ep = min(4, dp) if model.moe is not None else 1

@@ -295,8 +295,48 @@ class Assumptions(Contract):
     tp_overlap_efficiency: float = Field(
         0.6, ge=0, le=1, description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)"
     )
+    # -- memory beside the tensors (planner.cost.memory.overhead_terms adds them up) -------------------
+    runtime_bytes: int = Field(
+        1_397_555_200, ge=0, description="device memory a rank uses outside the caching allocator: CUDA context, "
+        "kernel images, cuBLAS/cuDNN handles (measured on an H100 80GB, torch 2.11 + CUDA 13.0, during training "
+        "steps: benchmarks/memory_measure.py); on a CPU rank, the interpreter's and libraries' resident memory")
+    communicator_bytes: int = Field(
+        688_000_000, ge=0, description="device memory of one NCCL communicator after its first collective, one per "
+        "process group of more than one rank (688 MB on 4x A100 NVLink for groups of 3-4 ranks, 544 MB for 2: "
+        "github.com/NVIDIA/nccl/issues/964); 0 on CPU (gloo keeps host buffers)")
+    all_to_all_communicator_bytes: int = Field(
+        3_280_000_000, ge=0, description="further device memory NCCL connects for all-to-all within a node (one "
+        "channel set per peer pair: 1.06 to 4.34 GB after the first all_to_all_single on 8x H100, "
+        "github.com/NVIDIA/nccl/issues/1685); charged to expert-parallel groups")
+    allocator_fragmentation: float = Field(
+        0.04, ge=0, le=1, description="share of the allocator's peak it reserves beyond what is allocated, one "
+        "stream (DDP, ZeRO-0/1): peak reserved / peak allocated - 1, median of the unsharded rows of "
+        "benchmarks/memory_measure.py on an H100 (2.5-14%)")
+    sharded_fragmentation: float = Field(
+        0.22, ge=0, le=1, description="as allocator_fragmentation with FSDP/ZeRO-2/3, whose gathers and reductions "
+        "run on their own streams and hold blocks the compute stream cannot reuse (19-41% measured, median 22%)")
+    activation_memory_factor: float = Field(
+        1.16, ge=0.5, le=4, description="measured / Korthikanti-formula activation bytes of the executor's blocks "
+        "with 16-bit parameters (FSDP2 mixed precision): RoPE inputs, SiLU's input beside the SwiGLU product and "
+        "fp32 norm statistics the formula leaves out (estimated from the H100 rows of benchmarks/memory_measure.py; "
+        "benchmarks/memory_check.py prints its leave-one-model-out error)")
+    autocast_activation_factor: float = Field(
+        1.54, ge=0.5, le=4, description="as activation_memory_factor for fp32 parameters under torch.autocast "
+        "(the executor's bf16 with ZeRO-0/1): the residual stream and norms stay fp32 and each linear input is "
+        "saved after its bf16 cast (estimated from the same rows)")
+    loss_bytes_per_logit: float = Field(
+        13.5, ge=0, le=64, description="bytes per logit of one micro-batch held by the LM head and cross-entropy "
+        "at its peak: 16-bit logits, their fp32 copy, the fp32 log-softmax and its gradient (estimated from the "
+        "same rows; Megatron's fused vocab-parallel loss holds about 6)")
+    optimizer_temp_bytes_per_param: float = Field(
+        4.0, ge=0, le=64, description="temporaries of one optimizer step per local parameter: torch's foreach "
+        "AdamW materialises sqrt(v) for every parameter at once (4.0 measured on an H100)")
+    memory_headroom: float = Field(
+        0.05, ge=0, lt=1, description="share of device memory a plan keeps free beyond every predicted term: "
+        "the margin for what the model does not count (other processes, allocator growth over a long run)")
     reserved_memory_bytes: int = Field(
-        2 * 1024**3, ge=0, description="CUDA context, library workspaces, NCCL buffers, allocator fragmentation"
+        0, ge=0, description="any further fixed reserve per device beyond the named terms (profiles written "
+        "before the terms were named kept 2 GiB here for all of them)"
     )
     cpu_optimizer_bytes_per_s: float = Field(
         40e9, gt=0, description="host memory bandwidth one GPU's share of CPU Adam gets (offload)"

@@ -107,6 +107,17 @@ class MemoryBreakdown(Contract):
     capacity_bytes: int
     fits: bool
     stage: int = 0
+    terms: dict[str, int] = Field(
+        default_factory=dict, description="what buffers_bytes is made of, by name (planner.cost.memory.MEMORY_TERMS)")
+    headroom_bytes: int = Field(0, ge=0, description="kept free beyond total_bytes (assumptions.memory_headroom): "
+                                "fits means total_bytes + headroom_bytes <= capacity_bytes")
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The caching allocator's peak allocation (what ``torch.cuda.max_memory_allocated`` reads): the
+        total less the allocator's reserve beyond it and what lies outside the allocator."""
+        outside = ("fragmentation", "runtime", "communicators", "reserved")
+        return self.total_bytes - sum(self.terms.get(k, 0) for k in outside)
 
 
 class CommTime(Contract):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.contracts import ModelSpec, Recompute, Schedule, TrainingConfig
+from planner.contracts import Assumptions, ModelSpec, ParallelLayout, Recompute, Schedule, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,88 @@ def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_ba
     return float(min(m, pp - stage))
 
 
-def logits_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
-    """LM-head logits of one micro-batch: bf16 logits plus the fp32 softmax the loss keeps, ``6·T·V/t``."""
-    return 6.0 * tokens * model.vocab_size / tp
+def logits_bytes(model: ModelSpec, tokens: int, tp: int, bytes_per_logit: float = 6.0) -> float:
+    """LM-head logits and loss of one micro-batch at their peak, ``β·T·V/t``: ``β = 6`` for 16-bit logits
+    plus the fp32 softmax a fused loss keeps; an unfused fp32 cross-entropy also holds the fp32 copy and
+    the gradient (``assumptions.loss_bytes_per_logit``)."""
+    return bytes_per_logit * tokens * model.vocab_size / tp
+
+
+# -- memory beside the tensors -------------------------------------------------------------------------
+MEMORY_TERMS: dict[str, str] = {
+    "loss": "LM head logits and cross-entropy of one micro-batch: assumptions.loss_bytes_per_logit x tokens x vocab / tp",
+    "gathered_weights": "ZeRO-3: the unsharded weights of the current and the prefetched block (2x the biggest), or "
+                        "of every block of the stage when they are kept from forward to backward (no resharding)",
+    "gradient_bucket": "ZeRO-2/3: the unsharded gradients of the block being reduce-scattered",
+    "gradients_after_peak": "one micro-batch a step: its gradients are made as its activations are freed, so they "
+                            "are not held at the backward's peak (negative)",
+    "optimizer_step": "what the optimizer step's temporaries add where that step, not the backward, is the peak "
+                      "(assumptions.optimizer_temp_bytes_per_param)",
+    "fragmentation": "the caching allocator's reserve beyond its peak allocation (assumptions.allocator_fragmentation, "
+                     "sharded_fragmentation)",
+    "runtime": "CUDA context, kernel images and library handles, outside the allocator (assumptions.runtime_bytes)",
+    "communicators": "NCCL buffers: one communicator per process group of more than one rank, all-to-all connections "
+                     "for expert parallelism (assumptions.communicator_bytes, all_to_all_communicator_bytes)",
+    "reserved": "assumptions.reserved_memory_bytes",
+}
+"""The named terms of ``MemoryBreakdown.terms``: what a rank holds beside weights, gradients, optimizer
+state and activations."""
+
+
+def activation_factor(a: Assumptions, training: TrainingConfig, zero_stage: int) -> float:
+    """Measured over formula activation bytes: ``autocast_activation_factor`` where 16-bit training runs
+    on fp32 parameters under autocast (ZeRO-0/1), else ``activation_memory_factor``."""
+    autocast = training.precision.bytes == 2 and zero_stage < 2
+    return a.autocast_activation_factor if autocast else a.activation_memory_factor
+
+
+def keep_gathered_bytes_per_param(zero_stage: int, reshard_after_forward: bool, state: StateBytes) -> float:
+    """Bytes per stage parameter of ZeRO-3 weights kept gathered from forward to backward: ``w`` without
+    resharding (every block's unsharded weights live until its backward), else 0."""
+    return state.weights if zero_stage == 3 and not reshard_after_forward else 0.0
+
+
+def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, state: StateBytes) -> float:
+    """Bytes per parameter of the biggest block held in flight: ZeRO-3 with resharding gathers the
+    current and the prefetched block (``2w``); ZeRO-2/3 reduce-scatter a block's unsharded gradients (``g``)."""
+    gathered = 2 * state.weights if zero_stage == 3 and reshard_after_forward else 0.0
+    return gathered + (state.grads if zero_stage >= 2 else 0.0)
+
+
+def communicator_groups(layout: ParallelLayout) -> int:
+    """NCCL communicators a rank creates: the world's (barriers, the loss) and one per mesh dimension of
+    more than one rank; none on a single device."""
+    if layout.num_gpus == 1:
+        return 0
+    dims = (layout.tp, layout.cp, layout.pp, layout.dp_shard, layout.dp_replicate, layout.ep)
+    return 1 + sum(d > 1 for d in dims)
+
+
+def fixed_terms(a: Assumptions, layout: ParallelLayout) -> dict[str, float]:
+    """Bytes a rank holds outside the caching allocator, by term."""
+    comms = communicator_groups(layout) * a.communicator_bytes
+    if layout.ep > 1:
+        comms += a.all_to_all_communicator_bytes
+    return {"runtime": float(a.runtime_bytes), "communicators": float(comms), "reserved": float(a.reserved_memory_bytes)}
+
+
+def fragmentation_share(a: Assumptions, zero_stage: int) -> float:
+    """The allocator's reserve beyond its peak allocation, as a share of that peak."""
+    return a.sharded_fragmentation if zero_stage >= 2 else a.allocator_fragmentation
+
+
+def usable_bytes(capacity_bytes: float, a: Assumptions) -> float:
+    """Device memory a plan may fill: the capacity less ``memory_headroom``."""
+    return capacity_bytes * (1.0 - a.memory_headroom)
+
+
+def allocator_budget_bytes(capacity_bytes: float, a: Assumptions, layout: ParallelLayout) -> float:
+    """Most bytes the allocator may hold at its peak: ``(usable - fixed) / (1 + fragmentation)``. A stage fits
+    iff its allocated peak is at most this (the search compares allocations against it)."""
+    fixed = sum(fixed_terms(a, layout).values())
+    return (usable_bytes(capacity_bytes, a) - fixed) / (1.0 + fragmentation_share(a, layout.zero_stage))
+
+
+def peak_total_bytes(allocated: float, a: Assumptions, layout: ParallelLayout) -> float:
+    """Device memory in use at a peak of ``allocated`` bytes: fixed terms plus the allocator's reserve."""
+    return sum(fixed_terms(a, layout).values()) + allocated * (1.0 + fragmentation_share(a, layout.zero_stage))

@@ -31,12 +31,17 @@ from planner.cost.layer import BlockCost, MicroBatch, PassCost, block_cost, embe
 from planner.cost.memo import memo_for, memoised
 from planner.cost.memory import (
     ActivationShape,
+    activation_factor,
+    fixed_terms,
+    fragmentation_share,
+    keep_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
     model_state_bytes,
     optimizer_step_bytes_per_param,
     state_bytes_per_param,
+    usable_bytes,
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
@@ -209,6 +214,45 @@ def dp_traffic(
     return out
 
 
+def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, stage: int, *,
+                 dense: float, experts: float, activations: float, biggest_block: float, loss: float,
+                 accumulates: bool = True) -> MemoryBreakdown:
+    """Peak device memory of pipeline rank ``stage`` holding ``dense`` and ``experts`` parameters (after TP/EP)
+    and ``activations`` bytes, with named terms beside the tensors (:data:`MEMORY_TERMS`).
+
+    ``allocated = states + max(activations + loss + block buffers + kept-gathered weights, optimizer
+    temporaries)``; ``total = runtime + communicators + reserved + allocated·(1 + fragmentation)``; it fits
+    when ``total <= capacity·(1 - memory_headroom)``. Without accumulation (one micro-batch a step) the
+    gradients are made as the activations are freed: they join the optimizer step's side only."""
+    a, zero, reshard = profile.assumptions, layout.zero_stage, layout.reshard_after_forward
+    state = state_bytes_per_param(training)
+    shard_n = layout.dp_shard * layout.cp
+    w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer)
+    w2, g2, o2 = model_state_bytes(experts, state, zero, max(shard_n // layout.ep, 1), layout.offload_optimizer)
+    states = w1 + w2 + g1 + g2 + o1 + o2
+    gathered = (dense + experts) * keep_gathered_bytes_per_param(zero, reshard, state)
+    gathered += biggest_block * 2 * state.weights if zero == 3 and reshard else 0.0
+    bucket = biggest_block * state.grads if zero >= 2 else 0.0
+    late_grads = 0.0 if accumulates else -(g1 + g2)
+    act_phase = activations + loss + gathered + bucket + late_grads
+    local = dense / (shard_n if zero >= 1 else 1) + experts / (max(shard_n // layout.ep, 1) if zero >= 1 else 1)
+    opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
+    terms = {"loss": loss, "gathered_weights": gathered, "gradient_bucket": bucket, "gradients_after_peak": late_grads,
+             "optimizer_step": max(0.0, opt_temp - act_phase)}
+    allocated = states + act_phase + terms["optimizer_step"]
+    terms["fragmentation"] = allocated * fragmentation_share(a, zero)
+    terms.update(fixed_terms(a, layout))
+    total = states + activations + sum(terms.values())
+    cap = profile.device.memory_bytes
+    usable = usable_bytes(cap, a)
+    return MemoryBreakdown(
+        params_bytes=int(w1 + w2), grads_bytes=int(g1 + g2), optimizer_bytes=int(o1 + o2),
+        activations_bytes=int(activations), buffers_bytes=int(total - states - activations), total_bytes=int(total),
+        capacity_bytes=cap, fits=total <= usable, stage=stage, terms={k: int(v) for k, v in terms.items() if v},
+        headroom_bytes=int(cap - usable),
+    )
+
+
 def _exposed(comm_s: float, window_s: float, eff: float) -> float:
     """Part of ``comm_s`` left on the critical path beside ``window_s`` of independent compute."""
     return comm_s - hidden_time_s(comm_s, window_s, eff)
@@ -362,33 +406,23 @@ def _predict(
                                                     fp8=training.precision is Precision.fp8,
                                                     moe_imbalance=training.moe_load_imbalance)
         return act_cache[key]
+    factor = activation_factor(a, training, layout.zero_stage)
     for i, st in enumerate(stages):
-        w1, g1, o1 = model_state_bytes(stage_params[i], state, layout.zero_stage, shard_n, layout.offload_optimizer)
-        w2, g2, o2 = model_state_bytes(stage_expert_params[i], state, layout.zero_stage, max(shard_n // layout.ep, 1),
-                                       layout.offload_optimizer)
         in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
         per_mb = sum(activations_of(li, r) for li, r in zip(st.layers, st.recompute))
         if st.first:
             per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
-        activations = per_mb * in_flight
+        activations = factor * per_mb * in_flight
         full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
-            activations += max(activations_of(li, Recompute.none) for li in full)
-        buffers = float(a.reserved_memory_bytes)
-        if st.last:
-            buffers += logits_bytes(model, mb.tokens, layout.tp)
-        if layout.zero_stage == 3 and st.layers:
-            biggest = max(sum(params_of(li)) for li in st.layers) / layout.tp
-            buffers += 2 * biggest * state.weights  # current + prefetched layer, unsharded
-        total = w1 + w2 + g1 + g2 + o1 + o2 + activations + buffers
-        mem = MemoryBreakdown(
-            params_bytes=int(w1 + w2), grads_bytes=int(g1 + g2), optimizer_bytes=int(o1 + o2),
-            activations_bytes=int(activations), buffers_bytes=int(buffers), total_bytes=int(total),
-            capacity_bytes=profile.device.memory_bytes, fits=total <= profile.device.memory_bytes, stage=i,
-        )
+            activations += factor * max(activations_of(li, Recompute.none) for li in full)
+        biggest = max((sum(params_of(li)) for li in st.layers), default=0) / layout.tp
+        loss = logits_bytes(model, mb.tokens, layout.tp, a.loss_bytes_per_logit) if st.last else 0.0
+        mem = stage_memory(profile, training, layout, i, dense=stage_params[i], experts=stage_expert_params[i],
+                           activations=activations, biggest_block=biggest, loss=loss, accumulates=m > 1)
         mems.append(mem)
         stage_preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=fwd_s[i], backward_s=bwd_s[i],
-                                           memory_bytes=int(total), microbatches_in_flight=in_flight))
+                                           memory_bytes=mem.total_bytes, microbatches_in_flight=in_flight))
     peak = max(mems, key=lambda mm: mm.total_bytes)
 
     # communication summary (critical stage = slowest one)
@@ -440,7 +474,8 @@ def _predict(
     notes = []
     if not peak.fits:
         notes.append(f"does not fit: stage {peak.stage} needs {peak.total_bytes / 2**30:.1f} GiB of "
-                     f"{peak.capacity_bytes / 2**30:.1f} GiB")
+                     f"{peak.capacity_bytes / 2**30:.1f} GiB, {peak.headroom_bytes / 2**30:.1f} GiB of which are kept "
+                     "free (assumptions.memory_headroom)")
     if training.precision is Precision.fp8:
         notes.append("MFU/HFU are against the dense 16-bit peak")
     if mfu_peak > bf16_peak:

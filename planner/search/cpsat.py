@@ -215,7 +215,7 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
                - int((fl * (Ab[Recompute.none] - Ab[Recompute.selective])) // MEM_UNIT) * rbs
                - int((fl * (Aa[Recompute.none] - Aa[Recompute.full])) // MEM_UNIT) * raf
                - int((fl * (Ab[Recompute.none] - Ab[Recompute.full])) // MEM_UNIT) * rbf
-               + mq(per_dense * const_dense + (fl * sm.emb_act if first else 0.0) + sm.reserved
+               + mq(per_dense * const_dense + (fl * sm.emb_act if first else 0.0)
                     + (sm.logits if last else 0.0)))
         # a fully recomputed block rebuilds all of its activations for a moment
         ua, ub = mdl.NewBoolVar(f"ua{r}"), mdl.NewBoolVar(f"ub{r}")
@@ -225,17 +225,21 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
         mdl.Add(transient >= mq(Aa[Recompute.none])).OnlyEnforceIf(ua)
         mdl.Add(transient >= mq(Ab[Recompute.none])).OnlyEnforceIf(ub)
         mem += transient
-        if lay.zero_stage == 3:
+        if sm.block_buffer > 0:  # ZeRO-2/3: the biggest held block's gathered weights / unsharded gradients
             ga, gb = mdl.NewBoolVar(f"ga{r}"), mdl.NewBoolVar(f"gb{r}")
             mdl.Add(na == 0).OnlyEnforceIf(ga.Not())
             mdl.Add(nb == 0).OnlyEnforceIf(gb.Not())
-            w = sm.state.weights
-            gbuf = mdl.NewIntVar(0, mq(2 * w * max(ka.gather_params, kb.gather_params if kb else 0.0)), f"gbuf{r}")
-            mdl.Add(gbuf >= mq(2 * w * ka.gather_params)).OnlyEnforceIf(ga)
+            w = sm.block_buffer
+            gbuf = mdl.NewIntVar(0, mq(w * max(ka.gather_params, kb.gather_params if kb else 0.0)), f"gbuf{r}")
+            mdl.Add(gbuf >= mq(w * ka.gather_params)).OnlyEnforceIf(ga)
             if kb is not None:
-                mdl.Add(gbuf >= mq(2 * w * kb.gather_params)).OnlyEnforceIf(gb)
+                mdl.Add(gbuf >= mq(w * kb.gather_params)).OnlyEnforceIf(gb)
             mem += gbuf
-        mdl.Add(mem <= int(sm.capacity // MEM_UNIT))
+        budget = int(sm.alloc_capacity // MEM_UNIT)
+        mdl.Add(mem <= budget)
+        # the optimizer step: model states and its temporaries (the activations are gone by then)
+        od, oe = sm._step_state
+        mdl.Add(mq(od * pda + oe * pea) * na + mq(od * pdb + oe * peb) * nb + mq(od * const_dense) <= budget)
 
         if hint is not None:
             kind, count = hint[1][r]

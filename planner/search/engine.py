@@ -50,7 +50,7 @@ from planner.contracts import (
 )
 from planner.cost.comm import placement
 from planner.cost.memo import memoised
-from planner.cost.memory import microbatches_in_flight, model_state_bytes, state_bytes_per_param
+from planner.cost.memory import microbatches_in_flight, model_state_bytes, state_bytes_per_param, usable_bytes
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
@@ -684,8 +684,11 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     state = state_bytes_per_param(training)
     all_params_dense = sum(layer_params(model, i)[0] for i in range(model.num_layers)) + embedding_params(model) + lm_head_params(model)
     all_params_expert = sum(layer_params(model, i)[1] for i in range(model.num_layers))
-    capacity = float(profile.device.memory_bytes)
-    reserved = float(profile.assumptions.reserved_memory_bytes)
+    a = profile.assumptions
+    capacity = usable_bytes(profile.device.memory_bytes, a)  # every need below is a whole device's total
+    # what every layout holds beside its model states, at least: the runtime, the reserve, the least fragmentation
+    reserved = float(a.runtime_bytes + a.reserved_memory_bytes)
+    least_frag = 1.0 + min(a.allocator_fragmentation, a.sharded_fragmentation)
 
     results: dict[int, Found] = {}  # leaf id -> best known solution
     values: list[float] = []  # sorted step times of every priced leaf
@@ -744,8 +747,9 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if need is None:
             dense = all_params_dense / (st.tp * st.pp)
             expert = all_params_expert / (st.tp * st.ep * st.pp)
-            need = states_need[key] = reserved + sum(model_state_bytes(dense, state, zero, shard_n, offload)) + sum(
-                model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload))
+            need = states_need[key] = reserved + least_frag * (sum(model_state_bytes(dense, state, zero, shard_n, offload))
+                                                               + sum(model_state_bytes(expert, state, zero,
+                                                                                       max(shard_n // st.ep, 1), offload)))
         return need
 
     per_param: dict[tuple, tuple[float, float, bool]] = {}
@@ -1178,6 +1182,8 @@ def _nothing_fits(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
             "cluster", f"{profile.num_gpus} x {profile.device.name}",
             f"add about {gap / GIB:.1f} GiB per GPU: {fixes}",
             problem=f"has no layout of {model.name} that fits: the closest ({where}) is {gap / GIB:.1f} GiB over "
-                    f"{profile.device.memory_bytes / GIB:.0f} GiB",
+                    f"the {usable_bytes(profile.device.memory_bytes, profile.assumptions) / GIB:.1f} GiB a plan may "
+                    f"fill ({profile.device.memory_bytes / GIB:.0f} GiB less the "
+                    f"{profile.assumptions.memory_headroom:.0%} memory_headroom)",
         )
     return AutoparError("cluster", f"{profile.num_gpus} GPUs", fixes, problem="has no layout that could be evaluated")

@@ -61,12 +61,19 @@ from planner.cost.layer import (
 from planner.cost.memory import (
     ActivationShape,
     StateBytes,
+    activation_factor,
+    allocator_budget_bytes,
+    block_buffer_bytes_per_param,
+    fixed_terms,
+    fragmentation_share,
+    keep_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
     model_state_bytes,
     optimizer_step_bytes_per_param,
     state_bytes_per_param,
+    usable_bytes,
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
@@ -130,7 +137,8 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.pp,
                 layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
                 layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
-                training.flash_attention, training.moe_load_imbalance)
+                training.flash_attention, training.moe_load_imbalance,
+                activation_factor(profile.assumptions, training, layout.zero_stage))
     got = cache.get(fast_key)
     if got is not None:
         return got
@@ -147,12 +155,13 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
     groups = mesh_groups(layout, profile.gpus_per_node)
     mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
                     training.precision, training.flash_attention, training.moe_load_imbalance)
+    factor = activation_factor(profile.assumptions, training, layout.zero_stage)  # activation bytes per formula byte
     key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
-           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1)
+           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor)
     if key not in cache:
         # blocks, embedding and head do not depend on pp: shared by every pipeline depth
         core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
-                    layout.ep_comm_overlap)
+                    layout.ep_comm_overlap, factor)
         if core_key not in cache:
             kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache)
                          for kind in sorted(set(kinds))}
@@ -186,19 +195,20 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
     the micro-batch shape only (``tests/test_search.py`` checks both against an unshared cache)."""
     moe = model.is_moe_layer(index)
     ep_part = (layout.ep, groups["ep"], layout.ep_comm_overlap) if moe else ()
-    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, *ep_part)
+    factor = activation_factor(profile.assumptions, training, layout.zero_stage)
+    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, factor, *ep_part)
     if key not in cache:
         params_key = ("layer-params", id(model), index)
         if params_key not in cache:
             cache[params_key] = (model, layer_params(model, index))
         dense, expert = cache[params_key][1]
-        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp)
+        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, factor)
         if acts_key not in cache:
             shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
             elt = training.precision.bytes
-            cache[acts_key] = {r: layer_activation_bytes(model, index, shape, r, flash=training.flash_attention, elt=elt,
-                                                         fp8=training.precision is Precision.fp8,
-                                                         moe_imbalance=training.moe_load_imbalance)
+            cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r, flash=training.flash_attention,
+                                                                  elt=elt, fp8=training.precision is Precision.fp8,
+                                                                  moe_imbalance=training.moe_load_imbalance)
                                for r in Recompute}
         bc = block_cost(profile, model, index, mb, layout, groups)
         cache[key] = KindCost(
@@ -336,10 +346,16 @@ class StageModel:
             cache[flight_key] = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
                                  for r in range(base.pp)]
         self.in_flight = cache[flight_key]
-        self.emb_act = elt * self.mb.tokens * model.hidden_size / (base.tp if base.sp else 1)
-        self.reserved = float(profile.assumptions.reserved_memory_bytes)
-        self.logits = logits_bytes(model, self.mb.tokens, base.tp)
-        self.capacity = float(profile.device.memory_bytes)
+        a = profile.assumptions
+        self.emb_act = activation_factor(a, training, base.zero_stage) * elt * self.mb.tokens * model.hidden_size / (
+            base.tp if base.sp else 1)
+        self.logits = logits_bytes(model, self.mb.tokens, base.tp, a.loss_bytes_per_logit)
+        # memory: stage totals (fixed terms + allocated x (1 + fragmentation)) fit ``capacity``; the
+        # allocation alone fits ``alloc_capacity`` (the same test, for the linear bounds and CP-SAT)
+        self.fixed = sum(fixed_terms(a, base).values())
+        self.frag = fragmentation_share(a, base.zero_stage)
+        self.capacity = usable_bytes(profile.device.memory_bytes, a)
+        self.alloc_capacity = allocator_budget_bytes(profile.device.memory_bytes, a, base)
         self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
         # per-parameter constants of the optimizer step and model states (both linear in the
         # parameter count, see optimizer_time_s and model_state_bytes), hoisted out of stage_terms
@@ -356,6 +372,16 @@ class StageModel:
             self._opt_rate = memory_time_s(profile, self.step_bytes)
         self._state_dense, self._state_expert = state_bytes_per_param_split(self.state, zero, self.shard_n, base.ep,
                                                                             base.offload_optimizer)
+        # the optimizer step holds every state and its temporaries, per parameter
+        temp = 0.0 if base.offload_optimizer else a.optimizer_temp_bytes_per_param
+        self._step_state = (self._state_dense + temp / self._opt_div[0], self._state_expert + temp / self._opt_div[1])
+        # the backward's peak: ZeRO-3 weights kept gathered from forward to backward count as state of
+        # every block held; a single micro-batch's gradients appear only as its activations are freed
+        kept = keep_gathered_bytes_per_param(zero, base.reshard_after_forward, self.state)
+        grads = (0.0, 0.0) if self.m > 1 else (self.state.grads / (self.shard_n if zero >= 2 else 1),
+                                              self.state.grads / (self.expert_shard if zero >= 2 else 1))
+        self._state_dense, self._state_expert = self._state_dense + kept - grads[0], self._state_expert + kept - grads[1]
+        self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
@@ -425,14 +451,17 @@ class StageModel:
 
     def _memory(self, rank: int, dense: float, experts: float, acts: float, transient: float, gather_biggest: float,
                 layers: int) -> float:
-        """Peak bytes of pipeline rank ``rank`` (as in ``predict``): model states, activations of the
-        micro-batches in flight plus the full-recompute transient, reserve, logits, ZeRO-3 gather buffers."""
+        """Peak bytes of pipeline rank ``rank`` (as ``predict.stage_memory``): fixed terms plus, with the
+        allocator's fragmentation, model states and the larger of the backward's holdings (activations of
+        the micro-batches in flight, the full-recompute transient, the loss, the biggest block's buffers)
+        and the optimizer step's temporaries."""
         per_mb = acts + (self.emb_act if rank == 0 else 0.0)
-        activations = per_mb * self.in_flight[rank] + transient
-        buffers = self.reserved + (self.logits if rank == self.p - 1 else 0.0)
-        if self.layout.zero_stage == 3 and layers:
-            buffers += 2 * gather_biggest * self.state.weights
-        return dense * self._state_dense + experts * self._state_expert + activations + buffers
+        act_phase = per_mb * self.in_flight[rank] + transient + (self.logits if rank == self.p - 1 else 0.0)
+        if layers:
+            act_phase += self.block_buffer * gather_biggest
+        allocated = max(dense * self._state_dense + experts * self._state_expert + act_phase,
+                        dense * self._step_state[0] + experts * self._step_state[1])
+        return self.fixed + allocated * (1.0 + self.frag)
 
     def stage_memory_counts(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                             r_moe: int) -> float:
@@ -597,18 +626,30 @@ def recompute_bound_s(sm: StageModel) -> float:
         fl = sm.in_flight[r]
         u = min(kc.dense_params * per_state + kc.expert_params * per_state_e + fl * kc.activations[Recompute.none]
                 for kc in sm.kind_cost.values())
-        e = sm.reserved
+        e = 0.0
         if r == 0:
             e += sm.emb_params * per_state + fl * sm.emb_act
         if r == sm.p - 1:
             e += sm.head_params * per_state + sm.logits
-        free += max(0.0, (sm.capacity - e) / u) if u > 0 else math.inf
+        free += max(0.0, (sm.alloc_capacity - e) / u) if u > 0 else math.inf
         if rho > 0:
             marginal = min(marginal, u / (fl * rho))
     excess = sm.model.num_layers - free
     if excess <= 0 or not math.isfinite(marginal):
         return 0.0
     return excess * marginal
+
+
+def _optimizer_step_cap(sm: StageModel, kc: KindCost, rank: int) -> float:
+    """Blocks of cost ``kc`` pipeline rank ``rank`` can hold through the optimizer step: its model states
+    and the step's temporaries within the allocator's budget (``math.inf`` without temporaries)."""
+    od, oe = sm._step_state
+    fixed = (sm.emb_params if rank == 0 else 0.0) + (sm.head_params if rank == sm.p - 1 else 0.0)
+    per_block = kc.dense_params * od + kc.expert_params * oe
+    room = sm.alloc_capacity - fixed * od
+    if room < 0:
+        return -1.0
+    return room / per_block if per_block > 0 else math.inf
 
 
 def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = True) -> float:
@@ -643,13 +684,13 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
                 a_none if r is Recompute.full else 0.0) for r in RECOMPUTE_KINDS]
     options = [o for o in options if o[1] > 0]
     # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
-    gather_buffer = 2 * kc.gather_params * sm.state.weights if lay.zero_stage == 3 and gather_buffers else 0.0
+    gather_buffer = sm.block_buffer * kc.gather_params if gather_buffers else 0.0
     ranks = []
-    p, capacity, inf = sm.p, sm.capacity, math.inf
+    p, capacity, inf = sm.p, sm.alloc_capacity, math.inf
     send = 2 * sm.v * sm.p2p_s
     for r, fl in enumerate(sm.in_flight):
         x = send
-        e = sm.reserved
+        e = 0.0
         if r == 0:
             x += sum(sm.emb)
             e += sm.emb_params * sm._state_dense + fl * sm.emb_act
@@ -660,14 +701,18 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
             return inf
         room = max(capacity - e - gather_buffer, 0.0)  # holding any block of this kind
         u = states + fl * a_none
+        # the optimizer step holds the states and its temporaries: a cap on blocks whatever the recompute
+        opt_cap = _optimizer_step_cap(sm, kc, r)
         # per recompute kind (Δ, s = fl·shed): the memory-only cap room/(u - s) and the joint cap
         # (slack/Δ + room/s)/(u/s + t/Δ) = (slack + Δ·room/s)/(Δ·u/s + t)
         caps = []
         for d, shed, transient in options:
             s_r, room_k = fl * shed, max(room - transient, 0.0)
-            mem_cap = room_k / (u - s_r) if u > s_r else inf
+            mem_cap = min(room_k / (u - s_r) if u > s_r else inf, opt_cap)
             caps.append((mem_cap, d * room_k / s_r, d * u / s_r + t) if d > 0 else (mem_cap, inf, 1.0))
-        ranks.append((x, room / u if u > 0 else inf, caps))
+        ranks.append((x, min(room / u if u > 0 else inf, opt_cap), caps))
+    if n_major == len(sm.kinds) and any(max([plain, *(c[0] for c in caps)]) < sm.v - 1e-9 for _, plain, caps in ranks):
+        return inf  # every chunk holds a block: a rank that cannot hold v of them fits no split
 
     # Rank r holds k blocks (``floor(n_r(T) + 1e-9) >= k``) from the cap ``T_r(k)`` on: its time
     # allows k blocks and it holds them without recompute (``plain``) or with some recompute kind

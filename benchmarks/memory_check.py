@@ -1,0 +1,141 @@
+"""Predicted against measured GPU memory, per case of ``memory_cases.py``, and the memory constants refitted.
+
+Reads what ``memory_measure.py`` recorded on a GPU (``benchmarks/data/memory_h100.json``: the executor on
+one H100 80GB) and predicts every case with ``planner.cost.predict`` on a one-GPU reference profile.
+
+- Headline, leave one model out: the constants the cases measure (``autocast_activation_factor``,
+  ``activation_memory_factor``, ``loss_bytes_per_logit`` by non-negative least squares on the allocated
+  peak; the fragmentation shares and the runtime bytes as medians) are fitted on the other models' rows
+  and each model's rows are predicted with them.
+- Beside it, in sample: every row predicted with the defaults of ``planner.contracts.Assumptions``, and
+  the constants fitted on all rows, to compare with those defaults.
+
+Per row: the allocated peak (``max_memory_allocated`` over forward/backward and the optimizer step) and the
+device total (the allocator's peak reserve plus what lies outside it) against the prediction.
+
+    .venv/bin/python benchmarks/memory_check.py [--measured benchmarks/data/memory_h100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.memory_cases import ROWS, one_gpu_profile, plan_of  # noqa: E402
+from planner.contracts import Assumptions  # noqa: E402
+
+GIB = 2**30
+GROUPS = ("1b-", "3b-", "v128k-")  # the rows of one model: left out together
+
+
+def predicted(row: tuple, **assume: float):  # noqa: ANN201 - a MemoryBreakdown
+    name, model, seq, gbs, layout = row
+    profile = one_gpu_profile()
+    profile = profile.model_copy(update={"assumptions": profile.assumptions.model_copy(update=assume)})
+    return plan_of(model, seq, gbs, profile, **layout).prediction.memory
+
+
+def measured_allocated(case: dict) -> int:
+    return max(case["fb_peak_allocated"], case["opt_peak_allocated"])
+
+
+def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
+    """Non-negative least squares of the allocated peak on the three linear constants. The peak is the
+    larger of the backward's and the optimizer step's, so each row's coefficients are taken around the
+    defaults (each constant one unit up); a constant fitted negative is held at 0."""
+    names = ["autocast_activation_factor", "activation_memory_factor", "loss_bytes_per_logit"]
+    default = {n: getattr(Assumptions(), n) for n in names}
+    a_rows, b = [], []
+    for row in rows:
+        at = predicted(row).allocated_bytes
+        coef = [predicted(row, **{n: default[n] + 1.0}).allocated_bytes - at for n in names]
+        a_rows.append(coef)
+        b.append(measured_allocated(cases[row[0]]) - (at - sum(c * default[n] for c, n in zip(coef, names))))
+    a, y = np.array(a_rows, float), np.array(b, float)
+    free = [i for i in range(len(names)) if a[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        free = [f for f, c in zip(free, coef) if c >= 0]
+    out = dict.fromkeys(names, 0.0)
+    out.update({names[f]: float(c) for f, c in zip(free, coef)})
+    unseen = [n for i, n in enumerate(names) if not a[:, i].any()]  # no row measures it: keep the default
+    out.update({n: getattr(Assumptions(), n) for n in unseen})
+    return out
+
+
+def fit_medians(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
+    frag: dict[bool, list[float]] = {False: [], True: []}
+    for row in rows:
+        c = cases[row[0]]
+        frag[row[4].get("zero_stage", 0) >= 2].append(c["peak_reserved"] / measured_allocated(c) - 1)
+    runtime = statistics.median(cases[r[0]]["outside_allocator_bytes"] for r in rows)
+    out = {"runtime_bytes": int(runtime)}
+    for sharded, name in ((False, "allocator_fragmentation"), (True, "sharded_fragmentation")):
+        out[name] = statistics.median(frag[sharded]) if frag[sharded] else getattr(Assumptions(), name)
+    return out
+
+
+def fitted(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
+    return {**fit_linear(rows, cases), **fit_medians(rows, cases)}
+
+
+def group(name: str) -> str:
+    return next(g for g in GROUPS if name.startswith(g))
+
+
+def errors(rows: list[tuple], cases: dict[str, dict], constants: dict[str, dict[str, float]]) -> list[tuple]:
+    """(row name, predicted allocated, measured, predicted total, measured) with each row's constants."""
+    out = []
+    for row in rows:
+        c = cases[row[0]]
+        mem = predicted(row, **constants[group(row[0])])
+        out.append((row[0], mem.allocated_bytes, measured_allocated(c), mem.total_bytes,
+                    c["peak_reserved"] + c["outside_allocator_bytes"]))
+    return out
+
+
+def show(title: str, found: list[tuple]) -> None:
+    print(f"-- {title}")
+    print(f"{'case':22} {'alloc pred':>10} {'meas':>7} {'err':>7}   {'total pred':>10} {'meas':>7} {'err':>7}")
+    ea, et = [], []
+    for name, pa, ma, pt, mt in found:
+        ea.append(pa / ma - 1)
+        et.append(pt / mt - 1)
+        print(f"{name:22} {pa / GIB:10.2f} {ma / GIB:7.2f} {ea[-1]:+7.1%}   {pt / GIB:10.2f} {mt / GIB:7.2f} {et[-1]:+7.1%}")
+    for label, e in (("allocated", ea), ("total", et)):
+        print(f"summary {title.split(':')[0]} {label:9}: median |error| {statistics.median(abs(x) for x in e):.1%}, "
+              f"worst under {min(min(e), 0.0):+.1%}, worst over {max(max(e), 0.0):+.1%} ({len(e)} rows)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--measured", default=str(ROOT / "benchmarks/data/memory_h100.json"))
+    args = ap.parse_args()
+    doc = json.loads(Path(args.measured).read_text())
+    cases = {c["name"]: c for c in doc["cases"]}
+    print(f"measured: {doc['device']}, torch {doc['torch']}, CUDA {doc['cuda']}, NCCL {doc['nccl']}; runtime at start "
+          f"{doc['runtime']['runtime_bytes'] / 1e9:.2f} GB outside the allocator")
+    rows = [r for r in ROWS if r[0] in cases and "error" not in cases[r[0]]]
+    held = {g: fitted([r for r in rows if group(r[0]) != g], cases) for g in GROUPS}
+    defaults = {k: getattr(Assumptions(), k) for k in held[GROUPS[0]]}
+    every = fitted(rows, cases)
+    print(f"{'constant':28} {'default':>10} {'all rows':>10} " + " ".join(f"{'w/o ' + g[:-1]:>10}" for g in GROUPS))
+    for name in defaults:
+        print(f"{name:28} {defaults[name]:10.4g} {every[name]:10.4g} " + " ".join(f"{held[g][name]:10.4g}" for g in GROUPS))
+    show("leave-one-model-out (headline): each model's rows with constants fitted on the others", errors(rows, cases, held))
+    show("in-sample: the defaults of planner.contracts.Assumptions", errors(rows, cases, dict.fromkeys(GROUPS, {})))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
