@@ -243,6 +243,9 @@ def render_prediction(plan: Plan) -> None:
     mt.add_row(*(f"{v / GiB:.1f} GiB" for v in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes,
                                                m.buffers_bytes, m.total_bytes, m.capacity_bytes)))
     console.print(mt)
+    if m.terms:
+        console.print("buffers: " + ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f} GiB" for k, v in m.terms.items())
+                      + f"; {m.headroom_bytes / GiB:.1f} GiB kept free (memory_headroom)")
     if p.comm:
         ct = Table(title="Communication per step (critical stage)")
         for col in ("kind", "level", "group", "time", "exposed", "overlapped"):
