@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Judge the cost model against published training runs and print the issue's targets.
+"""Judge the cost model against published training runs; the headline is out of sample.
 
-    python benchmarks/validate_published.py            # current calibration
-    python benchmarks/validate_published.py --fit      # refit the named constants, write calibration.json
+    python benchmarks/validate_published.py            # LOSO headline, in-sample fit beside it
+    python benchmarks/validate_published.py --fit      # also refit the constants, write calibration.json
 
-Prints ``autopar validate`` on the data (per row, per source, defaults, rows not judged), then:
-the Korthikanti et al. end-to-end rows' mean absolute iteration-time error (target <= 3%), the
-median / 90th-percentile absolute error over all judged rows (targets <= 10% / <= 20%), the fitted
-constants, and leave-one-source-out error: each source predicted by constants fitted without it.
+Prints ``autopar validate`` on the data (per row, per source, defaults, rows not judged) under the
+packaged calibration, then the HEADLINE: leave-one-source-out error (each source predicted by
+constants fitted without it; median / 90th percentile over all held-out rows, and each source's
+median), with the in-sample fit (the same fitter on every source) beside it. Targets (median <= 10%,
+p90 <= 20%, Korthikanti end-to-end rows mean <= 3%) are judged on the held-out figures only.
 """
 
 from __future__ import annotations
@@ -23,22 +24,66 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from planner import calibrate, reference  # noqa: E402
-from planner.validate import build_cases, evaluate, load_rows, summarize  # noqa: E402
+from planner.validate import Summary, build_cases, evaluate, load_rows, summarize  # noqa: E402
 
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "published_runs.csv"
+DEFAULT_DATA = REPO / "planner" / "data" / "published_runs.csv"
 CALIBRATION = REPO / "planner" / "data" / "calibration.json"
-KORTH_ROWS = [f"korth_{m}_{k}" for m in ("22B", "175B", "530B", "1T") for k in ("full_recompute", "present_work")]
+KORTH = "korth"  # Korthikanti et al. end-to-end rows: the <= 3% target
+LOSO_ROUNDS, LOSO_TOL = 2, 1e-2
+"""Fit settings of the LOSO folds and the in-sample fit beside them. ``calibrate.fit`` defaults to 4
+rounds at tol 1e-3; one fit on ~360 rows takes ~12 s per round on 2 CPU cores, so 14 fits at the
+default would take ~11 minutes. 2 rounds at 1% brackets reach within ~3% of the 4-round objective."""
 
 
 def refit(data: Path, rounds: int = 2) -> None:
     """Fit, write calibration.json, rebuild the cases under it (defaults chosen by predicted speed
     can change), and fit again until the constants settle."""
+    rel = data.resolve().relative_to(REPO) if data.resolve().is_relative_to(REPO) else data
     for i in range(rounds):
         cases, _ = build_cases(load_rows(data))
         values = calibrate.fit(cases)
-        CALIBRATION.write_text(json.dumps(calibrate.calibration_document(values, len(cases)), indent=2) + "\n")
+        doc = calibrate.calibration_document(values, len(cases), str(rel))
+        CALIBRATION.write_text(json.dumps(doc, indent=2) + "\n")
         reference.calibration.cache_clear()
         print(f"fit round {i + 1}: objective {calibrate.objective(cases, values):.4f} on {len(cases)} rows")
+
+
+def _mark(value: float, target: float) -> str:
+    return f"target <= {target:.0%}: {'PASS' if value <= target else 'MISS'}"
+
+
+def _line(label: str, s: Summary) -> str:
+    return (f"{label}: rows={s.rows} median_abs_err={s.median_abs_err:.1%} p90_abs_err={s.p90_abs_err:.1%} "
+            f"max_abs_err={s.max_abs_err:.1%}")
+
+
+def headline(rows: list[dict[str, str]]) -> None:
+    """Leave-one-source-out error per source and overall, the in-sample fit beside it."""
+    start = time.perf_counter()
+    loso = calibrate.leave_one_source_out(rows, LOSO_ROUNDS, LOSO_TOL)
+    values, fitted = calibrate.in_sample(rows, LOSO_ROUNDS, LOSO_TOL)
+    seconds = time.perf_counter() - start
+    print("\n== HEADLINE: leave-one-source-out (each source predicted by constants fitted without it) ==")
+    print(f"fitter: calibrate.fit rounds={LOSO_ROUNDS} tol={LOSO_TOL:g} (fewer rounds than the packaged fit's 4, "
+          f"so the {len(loso)} folds + 1 in-sample fit finish in minutes; {seconds:.0f} s)")
+    print(f"  {'source':12s} {'rows':>4s}  {'held-out median':>15s} {'p90':>7s} {'max':>7s}   {'in-sample median':>16s}")
+    for source, errs in loso.items():
+        s, f = summarize(errs), summarize(fitted.get(source, []))
+        print(f"  {source:12s} {s.rows:4d}  {s.median_abs_err:15.1%} {s.p90_abs_err:7.1%} {s.max_abs_err:7.1%}"
+              f"   {f.median_abs_err:16.1%}")
+    held = summarize([e for errs in loso.values() for e in errs])
+    ins = summarize([e for errs in fitted.values() for e in errs])
+    korth = summarize(loso.get(KORTH, []))
+    print(_line("HELD-OUT (LOSO, the accuracy figure)", held)
+          + f"   median {_mark(held.median_abs_err, 0.10)}, p90 {_mark(held.p90_abs_err, 0.20)}")
+    print(_line("in-sample fit (same fitter, all sources; NOT out of sample)", ins))
+    print(f"Korthikanti end-to-end rows, held out: n={korth.rows} mean_abs_err={korth.mean_abs_err:.1%} "
+          f"max_abs_err={korth.max_abs_err:.1%}   {_mark(korth.mean_abs_err, 0.03)}")
+    packaged = reference.calibration()
+    print("\nconstants of the in-sample fit (what a refit on this data would write) vs planner/data/calibration.json:")
+    for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
+        old = (packaged.get("families", {}).get(family, {}) if family else packaged.get("shared", {})).get(name)
+        print(f"  {name:26s} {family or 'shared':7s} fitted={v:10.4f}   packaged={'-' if old is None else f'{old:.4f}'}")
 
 
 def main() -> int:
@@ -61,36 +106,14 @@ def main() -> int:
         return cli.returncode
 
     cases, skipped = build_cases(load_rows(args.data))
-    results = {c.run_id: evaluate(c) for c in cases}
-    errors = [r.error for r in results.values()]
-    overall = summarize(errors)
-    korth = summarize([results[r].error for r in KORTH_ROWS if r in results])
-    print("== targets ==")
-    print(f"Korthikanti end-to-end rows (iteration time): n={korth.rows} mean_abs_err={korth.mean_abs_err:.2%} "
-          f"max_abs_err={korth.max_abs_err:.2%}   target <= 3%   {'PASS' if korth.mean_abs_err <= 0.03 else 'MISS'}")
-    print(f"all judged rows: rows={overall.rows} median_abs_err={overall.median_abs_err:.2%} "
-          f"(target <= 10%: {'PASS' if overall.median_abs_err <= 0.10 else 'MISS'}) p90_abs_err={overall.p90_abs_err:.2%} "
-          f"(target <= 20%: {'PASS' if overall.p90_abs_err <= 0.20 else 'MISS'}) max_abs_err={overall.max_abs_err:.2%}")
-    print(f"rows not judged: {len(skipped)} (listed above with reasons)")
-
-    print("\n== fitted constants (planner/data/calibration.json) ==")
     doc = json.loads(CALIBRATION.read_text()) if CALIBRATION.is_file() else {}
-    print(json.dumps(doc, indent=2))
+    packaged = summarize([evaluate(c).error for c in cases])
+    print(f"== packaged calibration ({doc.get('fitted_on', 'contract defaults')}): not out of sample "
+          "where those rows are in this file ==")
+    print(_line("under the packaged constants", packaged) + f"; rows not judged: {len(skipped)} (listed above)")
 
     if not args.no_loso:
-        print("\n== leave-one-source-out: each source predicted by constants fitted without it ==")
-        start = time.perf_counter()
-        loso = calibrate.leave_one_source_out(load_rows(args.data))
-        all_loso: list[float] = []
-        for source, errs in loso.items():
-            s = summarize(errs)
-            all_loso += errs
-            in_fit = summarize([results[c.run_id].error for c in cases if c.source == source])
-            print(f"  {source:11s} rows={s.rows:2d} held-out mean_abs_err={s.mean_abs_err:6.1%} "
-                  f"max={s.max_abs_err:6.1%}   (in-fit mean {in_fit.mean_abs_err:6.1%})")
-        s = summarize(all_loso)
-        print(f"held-out overall: rows={s.rows} median_abs_err={s.median_abs_err:.2%} p90_abs_err={s.p90_abs_err:.2%} "
-              f"max_abs_err={s.max_abs_err:.2%}  ({time.perf_counter() - start:.0f} s)")
+        headline(load_rows(args.data))
     return 0
 
 

@@ -89,7 +89,8 @@ def initial_values(cases: list[RowCase]) -> Values:
 
 
 def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
-    """Coordinate descent: golden-section search on one constant at a time, ``rounds`` sweeps."""
+    """Coordinate descent: golden-section search on one constant at a time, ``rounds`` sweeps; each
+    search stops when its bracket is ``tol`` x the constant's range (high - low)."""
     values = initial_values(cases)
     relevant = {key: [case for case in cases if key[1] is None or case.family == key[1]] for key in values}
     phi = (math.sqrt(5) - 1) / 2
@@ -123,27 +124,40 @@ def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     return values
 
 
-def leave_one_source_out(rows: list[dict[str, str]]) -> dict[str, list[float]]:
+def leave_one_source_out(rows: list[dict[str, str]], rounds: int = 4, tol: float = 1e-3) -> dict[str, list[float]]:
     """For each source: fit on every other source, predict this one. Source -> signed errors.
 
     Nothing of the held-out source reaches its prediction: every case is first built under the
     contract's uncalibrated defaults (the unstated micro-batch and interleaving depth are chosen by
     predicted speed, so by the constants), the constants are fitted on the other sources, and the
-    held-out rows are then rebuilt and predicted under that fold's constants.
+    held-out rows are then rebuilt and predicted under that fold's constants. ``rounds``, ``tol``: see :func:`fit`.
     """
     neutral, _ = build_cases(rows, fitted={})
     out: dict[str, list[float]] = {}
     for source in sorted({c.source for c in neutral}):
-        values = fit([c for c in neutral if c.source != source])
-        held_out, _ = build_cases([r for r in rows if source_key(r.get("run_id", "")) == source],
-                                  fitted=calibration_document(values, 0))
-        out[source] = [evaluate(c).error for c in held_out]
+        values = fit([c for c in neutral if c.source != source], rounds, tol)
+        out[source] = _errors_under(rows, values, source)
     return out
 
 
-def calibration_document(values: Values, rows: int) -> dict:
+def in_sample(rows: list[dict[str, str]], rounds: int = 4, tol: float = 1e-3) -> tuple[Values, dict[str, list[float]]]:
+    """The same fit as each fold of :func:`leave_one_source_out`, on every source at once, and each
+    source's signed errors under it: the in-sample figure to set beside the held-out one."""
+    neutral, _ = build_cases(rows, fitted={})
+    values = fit(neutral, rounds, tol)
+    return values, {source: _errors_under(rows, values, source) for source in sorted({c.source for c in neutral})}
+
+
+def _errors_under(rows: list[dict[str, str]], values: Values, source: str) -> list[float]:
+    """Signed errors of one source's rows, rebuilt and predicted under the given constants."""
+    cases, _ = build_cases([r for r in rows if source_key(r.get("run_id", "")) == source],
+                           fitted=calibration_document(values, 0))
+    return [evaluate(c).error for c in cases]
+
+
+def calibration_document(values: Values, rows: int, data: str = "planner/data/published_runs.csv") -> dict:
     """The JSON written to planner/data/calibration.json (read by planner.reference)."""
-    doc: dict = {"fitted_on": f"shared/data/published_runs.csv, {rows} rows, {date.today().isoformat()}",
+    doc: dict = {"fitted_on": f"{data}, {rows} rows, {date.today().isoformat()}",
                  "shared": {}, "families": {}}
     for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
         if family is None:

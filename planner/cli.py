@@ -458,13 +458,15 @@ def export(
 
 @app.command()
 def validate(
-    file: Annotated[Path, typer.Argument(help="CSV with the columns of shared/data/published_runs.csv")],
+    file: Annotated[Path | None, typer.Argument(help="CSV with the columns of published_runs.csv (default: the "
+                                                "planner's own planner/data/published_runs.csv)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable results")] = False,
     show_defaults: Annotated[bool, typer.Option(help="list the default used for each unstated field")] = True,
 ) -> None:
     """Predict every judgeable row of a published-runs CSV and compare in the row's own convention."""
     from planner import validate as v
 
+    file = file or v.PUBLISHED_RUNS
     cases, skipped = v.build_cases(v.load_rows(file))
     results = [v.evaluate(c) for c in cases]
     summary = v.summarize([r.error for r in results])

@@ -49,7 +49,10 @@ COLUMNS = (
     "iteration_time_s_reported", "aggregate_pflops_reported", "other_throughput_reported",
     "tokens_per_sec_per_gpu_derived", "flop_convention", "framework", "config_completeness", "missing_fields", "notes",
 )
-"""Columns of shared/data/published_runs.csv, the format ``autopar validate`` reads."""
+"""Columns of published_runs.csv, the format ``autopar validate`` reads."""
+PUBLISHED_RUNS = Path(__file__).resolve().parent / "data" / "published_runs.csv"
+"""The published-runs set shipped with the planner (sources: ``published_runs_SOURCES.md`` beside it);
+``autopar validate`` reads it when no file is given."""
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "gpu_type", "num_gpus", "tp", "pp")
 

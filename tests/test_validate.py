@@ -579,3 +579,55 @@ def test_cli_bad_cells_skip_the_row_and_json_stays_json(tmp_path):
     assert data["skipped"][0]["reason"].startswith("tflops_per_gpu_reported='0' is not a positive number")
     assert data["summary"] == {"rows": 0, "median_abs_err": None, "p90_abs_err": None, "max_abs_err": None,
                                "mean_abs_err": None}
+
+
+# ---------------------------------------------------------------- the planner's own published-runs set
+PREFIXES = {"mosaic", "torchtitan", "mlperf", "mbridge", "nemo2407", "nemolongseq", "mlmexllama", "sc21", "korth",
+            "mlm", "llama3", "bloom", "mtnlg", "deepseek"}
+
+
+def test_packaged_published_runs_reads_and_groups_by_its_fourteen_sources():
+    """planner/data/published_runs.csv: the header is COLUMNS, every number reads, and each run-id prefix
+    of published_runs_SOURCES.md is one source (nemolongseq: FP8 with TFLOP/s only, so never judged)."""
+    assert v.PUBLISHED_RUNS.read_text().splitlines()[0] == HEADER
+    rows = v.load_rows(v.PUBLISHED_RUNS)
+    for r in rows:
+        v._numbers(r)  # raises CellError on a cell it cannot read
+    assert {v.source_key(r["run_id"]) for r in rows} == PREFIXES
+    cases, skipped = v.build_cases(rows)
+    assert len(cases) + len(skipped) == len(rows) and len(cases) >= 350
+    assert {c.source for c in cases} == PREFIXES - {"nemolongseq"}
+    assert all(c.source == v.source_key(c.run_id) for c in cases)
+
+
+def test_cli_validate_reads_the_packaged_csv_when_no_file_is_given(tmp_path):
+    rc, out, err = _autopar("validate", "--json", cwd=tmp_path)
+    assert rc == 0, err
+    data = json.loads(out)
+    cases, skipped = v.build_cases(v.load_rows(v.PUBLISHED_RUNS))
+    assert {r["run_id"] for r in data["rows"]} == {c.run_id for c in cases}
+    assert len(data["skipped"]) == len(skipped)
+
+
+def _two_source_rows(held_out_seconds: str) -> list[dict[str, str]]:
+    """Three hand-made A100 rows of source 'a' and one of source 'b' whose reported time is given."""
+    rows = [megatron_row(run_id=f"a_{i}", global_batch_size_seqs=str(8 * 2**i), micro_batch_size="1",
+                         iteration_time_s_reported=str(1.5 * 2**i * 1.1)) for i in range(3)]
+    return rows + [megatron_row(run_id="b_0", micro_batch_size="1", iteration_time_s_reported=held_out_seconds)]
+
+
+def test_a_held_out_source_does_not_move_its_own_prediction_but_moves_the_in_sample_fit():
+    """Leave-one-source-out: source b's prediction (error x reported) is the same whatever b reports; the
+    in-sample fit sees b's figure, so its prediction of b changes with it."""
+    from planner import calibrate
+
+    def predicted(rows, errors):
+        return (1 + errors["b"][0]) * float(rows[-1]["iteration_time_s_reported"])
+
+    near, far = _two_source_rows("2.7"), _two_source_rows("3.3")
+    loso_near = predicted(near, calibrate.leave_one_source_out(near, rounds=1, tol=1e-2))
+    loso_far = predicted(far, calibrate.leave_one_source_out(far, rounds=1, tol=1e-2))
+    assert loso_near == pytest.approx(loso_far, rel=1e-9)
+    fit_near = predicted(near, calibrate.in_sample(near, rounds=1, tol=1e-2)[1])
+    fit_far = predicted(far, calibrate.in_sample(far, rounds=1, tol=1e-2)[1])
+    assert fit_far > fit_near * 1.01
