@@ -80,7 +80,8 @@ def headline(rows: list[dict[str, str]]) -> None:
     print(f"Korthikanti end-to-end rows, held out: n={korth.rows} mean_abs_err={korth.mean_abs_err:.1%} "
           f"max_abs_err={korth.max_abs_err:.1%}   {_mark(korth.mean_abs_err, 0.03)}")
     packaged = reference.calibration()
-    print("\nconstants of the in-sample fit (what a refit on this data would write) vs planner/data/calibration.json:")
+    print("\nconstants of the in-sample fit (near what --fit would write; it fits 4 rounds at tol 1e-3) "
+          "vs planner/data/calibration.json:")
     for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
         old = (packaged.get("families", {}).get(family, {}) if family else packaged.get("shared", {})).get(name)
         print(f"  {name:26s} {family or 'shared':7s} fitted={v:10.4f}   packaged={'-' if old is None else f'{old:.4f}'}")
