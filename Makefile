@@ -33,6 +33,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/validate_published.py
+	$(PY) benchmarks/memory_check.py
 	$(PY) benchmarks/search.py
 	$(PY) benchmarks/api_load.py
 
