@@ -210,6 +210,20 @@ class TestPredictProperties:
         assert reshard.terms["gathered_weights"] == 2 * 2 * block
         assert keep.total_bytes > reshard.total_bytes + 2 * phi - 4 * block
 
+    def test_pipelined_fsdp_holds_gathered_weights_and_unsharded_gradients(self, node):
+        """torch's pipeline stages turn FSDP's resharding after backward and its gradient reduction off until
+        the last micro-batch: a pipelined ZeRO-3 stage holds its blocks' 16-bit weights and fp32 gradients
+        whole (per stage: params x 2 and x 4 bytes), where pp=1 holds 2 gathered blocks and 1 block's gradients."""
+        flat = run(node, dp_shard=8, zero_stage=3).memory
+        piped = run(node, dp_shard=4, pp=2, zero_stage=3).memory
+        block = 4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd
+        assert flat.terms["gathered_weights"] == 2 * 2 * block and flat.terms["gradient_bucket"] == 4 * block
+        assert "held_gradients" not in flat.terms
+        gathered = piped.params_bytes * 4  # ZeRO-3 over dp_shard=4 keeps 1/4 of the stage's 16-bit weights
+        assert piped.terms["gathered_weights"] == pytest.approx(gathered, rel=1e-6)
+        assert piped.terms["held_gradients"] == pytest.approx(2 * gathered, rel=1e-6)  # fp32: twice the bytes
+        assert "gradient_bucket" not in piped.terms
+
     def test_buffers_and_total(self, node):
         mem = run(node, dp_shard=8).memory
         a = node.assumptions

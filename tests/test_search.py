@@ -21,7 +21,7 @@ from planner.search import SearchOptions, search
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
 from planner.search.engine import Rules, leaf_bound, min_max_stage, price_structure, structures
-from planner.search.stages import LeafComm, StageModel, memory_minmax_s, recompute_bound_s
+from planner.search.stages import LeafComm, StageModel, floor_states, memory_minmax_s, recompute_bound_s
 
 
 def small(name: str, layers: int):  # noqa: ANN201
@@ -268,7 +268,11 @@ def test_memory_bound_is_a_lower_bound_of_every_fitting_split(seq):  # noqa: ANN
             lay = ParallelLayout(tp=1, pp=2, dp_shard=4, ep=4, zero_stage=zero, offload_optimizer=offload,
                                  schedule=sched, virtual_stages=v)
             sm = StageModel(model, tr, prof, lay)
-            frugal = StageModel(model, tr, prof, lay.model_copy(update={"zero_stage": 3, "offload_optimizer": True}))
+            # the frugal leaf lowered to the least states of every ZeRO stage tried (pipelined ZeRO-3 holds its
+            # gathered weights and unsharded gradients: not always the least)
+            frugal = floor_states(StageModel(model, tr, prof, lay.model_copy(update={"zero_stage": 3,
+                                                                                    "offload_optimizer": True})),
+                                  (0, 1, 3), True)
             bound, frugal_bound = memory_minmax_s(sm), memory_minmax_s(frugal, gather_buffers=False)
             best = unconstrained = math.inf
             for chunks in compositions(6, 2 * v):
@@ -733,7 +737,7 @@ def test_interleaved_memory_floor_is_a_lower_bound_of_every_depth(name, layers, 
     """One memory bound stands for every interleaving depth of a structure (the search prunes all of
     them with it before pricing each): it never exceeds any depth's own frugal memory min-max, and
     it binds (memory forces more than the plain min-max stage on some structures)."""
-    from planner.search.engine import frugal_layout, interleaved_memory_floor, schedule_choices
+    from planner.search.engine import frugal_stage_model, interleaved_memory_floor, schedule_choices
     model, prof = small(name, layers), reference_profile(system, nodes)
     tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
     o = SearchOptions()
@@ -750,7 +754,7 @@ def test_interleaved_memory_floor_is_a_lower_bound_of_every_depth(name, layers, 
         floor = interleaved_memory_floor(model, tr, prof, st, o, depths, cache)
         for v in depths:
             try:
-                sm = StageModel(model, tr, prof, frugal_layout(st, o, Schedule.interleaved_1f1b, v), block_cache=cache)
+                sm = frugal_stage_model(model, tr, prof, st, o, Schedule.interleaved_1f1b, v, cache)
             except AutoparError:
                 continue
             own = memory_minmax_s(sm, 0.0, gather_buffers=False)

@@ -163,8 +163,11 @@ def logits_bytes(model: ModelSpec, tokens: int, tp: int, bytes_per_logit: float 
 MEMORY_TERMS: dict[str, str] = {
     "loss": "LM head logits and cross-entropy of one micro-batch: assumptions.loss_bytes_per_logit x tokens x vocab / tp",
     "gathered_weights": "ZeRO-3: the unsharded weights of the current and the prefetched block (2x the biggest), or "
-                        "of every block of the stage when they are kept from forward to backward (no resharding)",
+                        "of every block of the stage when they are kept from forward to backward (no resharding, "
+                        "or pipelined: torch's pipelining keeps them until the last micro-batch's backward)",
     "gradient_bucket": "ZeRO-2/3: the unsharded gradients of the block being reduce-scattered",
+    "held_gradients": "pipelined ZeRO-2/3: the stage's unsharded gradients, kept until the last micro-batch's "
+                      "backward (torch's pipelining turns FSDP's gradient reduction off before it)",
     "gradients_after_peak": "one micro-batch a step: its gradients are made as its activations are freed, so they "
                             "are not held at the backward's peak (negative)",
     "optimizer_step": "what the optimizer step's temporaries add where that step, not the backward, is the peak "
@@ -187,15 +190,25 @@ def activation_factor(a: Assumptions, training: TrainingConfig, zero_stage: int)
     return a.autocast_activation_factor if autocast else a.activation_memory_factor
 
 
-def keep_gathered_bytes_per_param(zero_stage: int, reshard_after_forward: bool, state: StateBytes) -> float:
-    """Bytes per stage parameter of ZeRO-3 weights kept gathered from forward to backward: ``w`` without
-    resharding (every block's unsharded weights live until its backward), else 0."""
-    return state.weights if zero_stage == 3 and not reshard_after_forward else 0.0
+def kept_gathered_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:
+    """Bytes per stage parameter of ZeRO-3 weights held gathered through the backward: ``w`` without
+    resharding (every block's unsharded weights live until its backward) and under pipelining (torch's
+    pipeline stages turn FSDP's resharding after backward off until the last micro-batch), else 0."""
+    return state.weights if zero_stage == 3 and (not reshard_after_forward or pp > 1) else 0.0
 
 
-def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, state: StateBytes) -> float:
+def held_gradient_bytes_per_param(zero_stage: int, pp: int, state: StateBytes) -> float:
+    """Bytes per stage parameter of unsharded gradients held across micro-batches: pipelined ZeRO-2/3
+    (torch's pipeline stages turn FSDP's gradient reduction off until the last micro-batch), ``g``."""
+    return state.grads if zero_stage >= 2 and pp > 1 else 0.0
+
+
+def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:
     """Bytes per parameter of the biggest block held in flight: ZeRO-3 with resharding gathers the
-    current and the prefetched block (``2w``); ZeRO-2/3 reduce-scatter a block's unsharded gradients (``g``)."""
+    current and the prefetched block (``2w``); ZeRO-2/3 reduce-scatter a block's unsharded gradients
+    (``g``). Neither under pipelining, which holds the whole stage's (above)."""
+    if pp > 1:
+        return 0.0
     gathered = 2 * state.weights if zero_stage == 3 and reshard_after_forward else 0.0
     return gathered + (state.grads if zero_stage >= 2 else 0.0)
 

@@ -34,7 +34,8 @@ from planner.cost.memory import (
     activation_factor,
     fixed_terms,
     fragmentation_share,
-    keep_gathered_bytes_per_param,
+    held_gradient_bytes_per_param,
+    kept_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
@@ -230,14 +231,17 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer)
     w2, g2, o2 = model_state_bytes(experts, state, zero, max(shard_n // layout.ep, 1), layout.offload_optimizer)
     states = w1 + w2 + g1 + g2 + o1 + o2
-    gathered = (dense + experts) * keep_gathered_bytes_per_param(zero, reshard, state)
-    gathered += biggest_block * 2 * state.weights if zero == 3 and reshard else 0.0
-    bucket = biggest_block * state.grads if zero >= 2 else 0.0
+    pp = layout.pp
+    gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
+    gathered += biggest_block * 2 * state.weights if zero == 3 and reshard and pp == 1 else 0.0
+    bucket = biggest_block * state.grads if zero >= 2 and pp == 1 else 0.0
+    held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
-    act_phase = activations + loss + gathered + bucket + late_grads
+    act_phase = activations + loss + gathered + bucket + held + late_grads
     local = dense / (shard_n if zero >= 1 else 1) + experts / (max(shard_n // layout.ep, 1) if zero >= 1 else 1)
     opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
-    terms = {"loss": loss, "gathered_weights": gathered, "gradient_bucket": bucket, "gradients_after_peak": late_grads,
+    terms = {"loss": loss, "gathered_weights": gathered, "gradient_bucket": bucket, "held_gradients": held,
+             "gradients_after_peak": late_grads,
              "optimizer_step": max(0.0, opt_temp - act_phase)}
     allocated = states + act_phase + terms["optimizer_step"]
     terms["fragmentation"] = allocated * fragmentation_share(a, zero)

@@ -50,7 +50,13 @@ from planner.contracts import (
 )
 from planner.cost.comm import placement
 from planner.cost.memo import memoised
-from planner.cost.memory import microbatches_in_flight, model_state_bytes, state_bytes_per_param, usable_bytes
+from planner.cost.memory import (
+    activation_factor,
+    microbatches_in_flight,
+    model_state_bytes,
+    state_bytes_per_param,
+    usable_bytes,
+)
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
@@ -59,6 +65,7 @@ from planner.search.stages import (
     LeafComm,
     SharedCosts,
     SplitBound,
+    floor_states,
     StageModel,
     memory_minmax_s,
     pipeline_send_s,
@@ -517,11 +524,23 @@ class Found:
     status: str = field(compare=False)
 
 
-def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int) -> ParallelLayout:
-    """The structure's leaf with the least state memory (highest ZeRO stage, fully sharded, offloaded)."""
-    frugal_zero = max(opts.zero_stages)
+def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int,
+                  training: TrainingConfig | None = None, profile: ClusterProfile | None = None) -> ParallelLayout:
+    """The structure's leaf with the least activation memory per formula byte (ties: the highest ZeRO
+    stage), fully sharded, offloaded; :func:`frugal_stage_model` lowers its states to every leaf's least."""
+    zeros = sorted(opts.zero_stages, reverse=True)
+    if training is not None and profile is not None:
+        zeros.sort(key=lambda z: activation_factor(profile.assumptions, training, z))
+    frugal_zero = zeros[0]
     return _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
                         offload_optimizer=opts.offload and frugal_zero >= 1)
+
+
+def frugal_stage_model(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
+                       opts: SearchOptions, sched: Schedule, v: int, cache: dict) -> StageModel:
+    """A stage model holding no more than any leaf of ``st`` with schedule ``sched`` (memory bounds only)."""
+    sm = StageModel(model, training, profile, frugal_layout(st, opts, sched, v, training, profile), block_cache=cache)
+    return floor_states(sm, opts.zero_stages, opts.offload)
 
 
 def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
@@ -539,8 +558,7 @@ def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile
     that layout is not valid.
     """
     try:
-        sm = StageModel(model, training, profile, frugal_layout(st, opts, Schedule.interleaved_1f1b, min(depths)),
-                        block_cache=cache)
+        sm = frugal_stage_model(model, training, profile, st, opts, Schedule.interleaved_1f1b, min(depths), cache)
     except AutoparError:
         return 0.0
     flights = [[microbatches_in_flight(Schedule.interleaved_1f1b, r, st.pp, st.m, d) for r in range(st.pp)]
@@ -1031,9 +1049,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if frugal_key in frugal_of:
                 rec_min, stage_min = frugal_of[frugal_key]
             else:
-                frugal = frugal_layout(st, opts, sched, v)
                 try:
-                    frugal_sm = StageModel(model, training, profile, frugal, block_cache=cache)
+                    frugal_sm = frugal_stage_model(model, training, profile, st, opts, sched, v, cache)
                     rec_min = recompute_bound_s(frugal_sm)
                     if st.pp > 1:
                         # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)

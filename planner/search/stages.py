@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Iterable, Callable
 from dataclasses import dataclass
 
 from planner.contracts import (
@@ -66,7 +66,8 @@ from planner.cost.memory import (
     block_buffer_bytes_per_param,
     fixed_terms,
     fragmentation_share,
-    keep_gathered_bytes_per_param,
+    held_gradient_bytes_per_param,
+    kept_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
     microbatches_in_flight,
@@ -377,11 +378,12 @@ class StageModel:
         self._step_state = (self._state_dense + temp / self._opt_div[0], self._state_expert + temp / self._opt_div[1])
         # the backward's peak: ZeRO-3 weights kept gathered from forward to backward count as state of
         # every block held; a single micro-batch's gradients appear only as its activations are freed
-        kept = keep_gathered_bytes_per_param(zero, base.reshard_after_forward, self.state)
+        kept = (kept_gathered_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
+                + held_gradient_bytes_per_param(zero, base.pp, self.state))
         grads = (0.0, 0.0) if self.m > 1 else (self.state.grads / (self.shard_n if zero >= 2 else 1),
                                               self.state.grads / (self.expert_shard if zero >= 2 else 1))
         self._state_dense, self._state_expert = self._state_dense + kept - grads[0], self._state_expert + kept - grads[1]
-        self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, self.state)
+        self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
@@ -638,6 +640,29 @@ def recompute_bound_s(sm: StageModel) -> float:
     if excess <= 0 or not math.isfinite(marginal):
         return 0.0
     return excess * marginal
+
+
+def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> StageModel:
+    """Make ``sm`` (a structure's frugal leaf) hold no more than any leaf of its structure: per parameter,
+    the least backward-peak state bytes over the ZeRO stages and offload choices the search tries
+    (pipelined ZeRO-2/3 hold gathered weights and unsharded gradients, so the highest stage is not always
+    the least), and the largest allocator budget. Its bounds then bound every leaf (a fit test on it
+    means nothing)."""
+    lay, state = sm.layout, sm.state
+    grads = 0.0 if sm.m > 1 else state.grads
+    best_d = best_e = math.inf
+    budget = sm.alloc_capacity
+    for zero in zero_stages:
+        held = kept_gathered_bytes_per_param(zero, True, lay.pp, state) + held_gradient_bytes_per_param(zero, lay.pp, state)
+        late_d = grads / (sm.shard_n if zero >= 2 else 1)  # a single micro-batch's gradients, made after the peak
+        late_e = grads / (sm.expert_shard if zero >= 2 else 1)
+        for off in ({False, offload} if zero >= 1 else {False}):
+            d, e = state_bytes_per_param_split(state, zero, sm.shard_n, lay.ep, off)
+            best_d, best_e = min(best_d, d + held - late_d), min(best_e, e + held - late_e)
+        budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, sm.profile.assumptions,
+                                                    lay.model_copy(update={"zero_stage": zero})))
+    sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
+    return sm
 
 
 def _optimizer_step_cap(sm: StageModel, kc: KindCost, rank: int) -> float:
