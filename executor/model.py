@@ -24,25 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.layers import ROPE_THETA, TransformerBlock, make_norm, rope_cos_sin
-from planner.contracts import ModelSpec
-from planner.errors import AutoparError
+from planner.contracts import ModelSpec, ParallelLayout
+from planner.targets import Job, Target, check
 
 INIT_STD = 0.02
 
 
 def check_builtin(spec: ModelSpec) -> None:
-    """Raise AutoparError for the spec features the built-in model does not implement."""
-    if spec.mla is not None:
-        raise AutoparError("model.mla", "set", "use a GQA model (mla: null) or a Hugging Face model the "
-                           "executor supports; multi-head latent attention is not in the built-in decoder",
-                           problem="is not supported by the built-in model")
-    if spec.position_embedding != "rope":
-        raise AutoparError("model.position_embedding", spec.position_embedding, "use 'rope'",
-                           problem="is not supported by the built-in model")
-    if spec.dropout:
-        raise AutoparError("model.dropout", spec.dropout,
-                           "use 0.0 (modern LLM pre-training runs without dropout)",
-                           problem="is not supported by the built-in model")
+    """Raise AutoparError for the spec features the built-in model does not implement: the ``model``
+    rows of the ``autopar`` capability table (:data:`planner.targets.TARGETS`)."""
+    check(Target.autopar, Job(spec, None, ParallelLayout()), scopes=("model",))
 
 
 class Transformer(nn.Module):

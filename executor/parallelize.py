@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from executor.adapters import ModelAdapter, builtin_adapter, get_submodule
 from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
 from planner.errors import AutoparError
+from planner.targets import Job, Target, check
 
 
 # ---------------------------------------------------------------- mesh
@@ -166,91 +167,32 @@ def loss_scale(meshes: Meshes) -> int:
 
 
 # ---------------------------------------------------------------- what this executor can run
-@dataclass(frozen=True)
-class _ModelFacts:
-    heads: int
-    kv_heads: int
-    vocab: int
-    ffn: int
-    tied: bool
-    num_experts: int  # 0: dense
-
-
-def _facts(spec_or_model: ModelSpec | nn.Module) -> _ModelFacts:
-    """Head counts, vocabulary, FFN width, tying and experts of a ModelSpec, a built-in or an HF model."""
-    spec = spec_or_model if isinstance(spec_or_model, ModelSpec) else getattr(spec_or_model, "spec", None)
+def _spec_of(spec_or_model: ModelSpec | nn.Module) -> tuple[ModelSpec, bool]:
+    """(ModelSpec, is a Hugging Face model) of a ModelSpec, a built-in decoder (it carries ``.spec``) or a
+    Hugging Face model (its config read by :func:`planner.hf_config.model_spec_from_hf_config`)."""
+    if isinstance(spec_or_model, ModelSpec):
+        return spec_or_model, False
+    spec = getattr(spec_or_model, "spec", None)
     if isinstance(spec, ModelSpec):
-        return _ModelFacts(spec.num_attention_heads, spec.kv_heads, spec.vocab_size, spec.ffn_hidden_size,
-                           spec.tied_embeddings, spec.moe.num_experts if spec.moe else 0)
-    cfg = spec_or_model.config  # a Hugging Face model
-    heads = cfg.num_attention_heads
-    return _ModelFacts(heads, getattr(cfg, "num_key_value_heads", None) or heads, cfg.vocab_size,
-                       cfg.intermediate_size, bool(getattr(cfg, "tie_word_embeddings", False)),
-                       getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0) or 0)
+        return spec, False
+    from planner.hf_config import model_spec_from_hf_config
+
+    cfg = spec_or_model.config
+    data = cfg.to_dict()
+    for legacy, name in getattr(cfg, "attribute_map", {}).items():  # config.json's names (num_experts)
+        if name in data:
+            data.setdefault(legacy, data[name])
+    return model_spec_from_hf_config(data), True
 
 
 def check_supported(layout: ParallelLayout, spec_or_model: ModelSpec | nn.Module,
                     training: TrainingConfig | None = None, *, hf: bool = False) -> None:
     """Raise AutoparError (field, value, reason, fix) for a layout this executor cannot honour exactly,
-    before any process starts. ``hf``: the model is a Hugging Face one (no CP/EP/selective hooks); a
-    module that is not the built-in decoder counts as one."""
-    m = _facts(spec_or_model)
-    hf = hf or (isinstance(spec_or_model, nn.Module) and not isinstance(getattr(spec_or_model, "spec", None),
-                                                                         ModelSpec))
-
-    def refuse(name: str, value: object, fix: str, problem: str) -> None:
-        raise AutoparError(name, value, fix, problem=problem)
-
-    if layout.ep > 1:
-        if not m.num_experts:
-            refuse("layout.ep", layout.ep, "use ep=1 for a dense model", "needs a Mixture-of-Experts model")
-        if layout.dp_shard % layout.ep:
-            refuse("layout.ep", layout.ep, "use an ep dividing dp_shard (EP folds over the sharded "
-                   "data-parallel ranks)", f"does not divide dp_shard={layout.dp_shard}")
-        if m.num_experts % layout.ep:
-            refuse("layout.ep", layout.ep, f"use an ep dividing num_experts={m.num_experts}",
-                   "does not split the experts evenly")
-    if m.num_experts and layout.cp > 1:
-        refuse("layout.cp", layout.cp, "use cp=1 for Mixture-of-Experts models",
-               "splits each sequence, but MoE capacity and load-balancing statistics are per forward: "
-               "a rank would route half a sequence and the loss would differ from the plan's model")
-    if layout.tp > 1:
-        if m.heads % layout.tp or m.kv_heads % layout.tp:
-            refuse("layout.tp", layout.tp, "use a tp dividing both head counts",
-                   f"does not divide num_attention_heads={m.heads} and num_kv_heads={m.kv_heads}")
-        if m.vocab % layout.tp or m.ffn % layout.tp:
-            refuse("layout.tp", layout.tp, "use a tp dividing vocab_size and ffn_hidden_size",
-                   f"does not divide vocab_size={m.vocab} and ffn_hidden_size={m.ffn} evenly")
-        if m.tied:
-            refuse("layout.tp", layout.tp, "use tp=1 or untied embeddings",
-                   "with tied embeddings is not implemented (the head and the embedding shard differently)")
-        if m.num_experts:
-            refuse("layout.tp", layout.tp, "use ep (and tp=1) for MoE models",
-                   "is not implemented for MoE experts (they are not tensor-parallel sharded)")
-    if layout.zero_stage == 1 and (layout.tp > 1 or layout.ep > 1):
-        refuse("layout.zero_stage", 1, "use zero_stage 2 or 3 (FSDP2) with tp/ep > 1",
-               "uses torch's ZeroRedundancyOptimizer, which shards plain (non-DTensor) parameters only")
-    if layout.offload_optimizer and layout.zero_stage < 2:
-        refuse("layout.offload_optimizer", True, "use zero_stage 2 or 3 (FSDP2 CPUOffloadPolicy)",
-               f"is implemented with FSDP2 offload, not with zero_stage {layout.zero_stage}")
-    if hf and (layout.cp > 1 or layout.ep > 1):
-        refuse("layout", f"cp={layout.cp}, ep={layout.ep}", "use cp=1 and ep=1 for Hugging Face models, or "
-               "the built-in model", "context/expert parallelism is implemented for the built-in model only")
-    selective = layout.recompute is Recompute.selective or any(
-        s.kind is Recompute.selective for s in layout.recompute_per_stage or [])
-    if hf and selective:
-        refuse("layout.recompute", "selective", "use full or none for Hugging Face models",
-               "needs the built-in attention's recompute hook")
-    if training is not None and training.precision in (Precision.fp16, Precision.fp8):
-        refuse("training.precision", training.precision.value, "use bf16 (or fp32)",
-               "is not implemented by the executor: fp16 needs dynamic loss scaling and fp8 needs "
-               "Transformer Engine / torchao float8 GEMMs; the planner still predicts it")
-    if training is not None:
-        split = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
-        if training.seq_length % split:
-            refuse("training.seq_length", training.seq_length, f"use a multiple of {split}",
-                   "does not split into the chunks context/sequence parallelism need "
-                   "(2 x cp if cp > 1, times tp with sp)")
+    before any process starts: the first row of the ``autopar`` capability table
+    (:data:`planner.targets.TARGETS`) that refuses it. ``hf``: the model is a Hugging Face one (no
+    CP/EP/selective hooks); a module that is not the built-in decoder counts as one."""
+    spec, is_hf = _spec_of(spec_or_model)
+    check(Target.autopar, Job(spec, training, layout, hf=hf or is_hf))
 
 
 # ---------------------------------------------------------------- tensor / sequence parallel

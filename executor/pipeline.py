@@ -48,6 +48,7 @@ from torch import nn
 from planner.contracts import ModelSpec, ParallelLayout, Schedule
 from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError
+from planner.targets import Job, Target, check
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -126,42 +127,21 @@ def split_model(model: nn.Module, layout: ParallelLayout, pp_rank: int) -> list[
 def check_pipeline(layout: ParallelLayout, spec: ModelSpec | int, n_microbatches: int | None = None, *,
                    hf: bool = False) -> None:
     """Raise AutoparError for a pipeline this executor cannot run: a split that does not fit the model
-    (``spec``: the ModelSpec or its number of layers), a Hugging Face model with pp > 1, tied embeddings
-    with pp > 1, and per-rank micro-batch counts (``n_microbatches``, one data-parallel pipeline's)
-    that torch's schedule refuses: 1F1B needs at least pp, the multi-chunk schedules a multiple of
-    ``n // pp`` rounds."""
+    (``spec``: the ModelSpec or its number of layers), then the first row of the ``autopar`` capability
+    table (:data:`planner.targets.TARGETS`) that refuses it: among them a Hugging Face model or tied
+    embeddings with pp > 1, and per-rank micro-batch counts (``n_microbatches``, one data-parallel
+    pipeline's) that torch's schedule refuses: 1F1B needs at least pp, the multi-chunk schedules a
+    multiple of ``n // pp`` rounds. Given only the number of layers, only the table's ``split`` rows
+    are read (the others need the model)."""
     num_layers = spec.num_layers if isinstance(spec, ModelSpec) else spec
     stage_layer_ids(layout, num_layers)
-    if layout.pp == 1:
+    if isinstance(spec, ModelSpec):
+        check(Target.autopar, Job(spec, None, layout, micro_batches=n_microbatches, hf=hf))
         return
-    if hf:
-        raise AutoparError("layout.pp", layout.pp, "use pp=1 for Hugging Face models, or the built-in model",
-                           problem="pipeline splitting is implemented for the built-in decoder only")
-    if isinstance(spec, ModelSpec) and spec.tied_embeddings:
-        raise AutoparError("model.tied_embeddings", True, "use untied embeddings or pp=1",
-                           problem=f"with pp={layout.pp} would share one weight between the first and last "
-                           "stage")
-    if layout.schedule is Schedule.zero_bubble and layout.zero_stage >= 2:
-        raise AutoparError("layout.schedule", "zero_bubble",
-                           "use zero_stage 0 or 1 with zero_bubble, or 1f1b / interleaved_1f1b with ZeRO-2/3",
-                           problem=f"with FSDP2 (zero_stage {layout.zero_stage}) loses the weight gradients of "
-                           "every stage but the first: torch's split backward computes them in a separate "
-                           "weight pass that FSDP never reduce-scatters (measured: the blocks of stage 1 "
-                           "got no gradient and the loss left the reference after one step)")
-    if n_microbatches is None:
-        return
-    pp, n = layout.pp, n_microbatches
-    if layout.schedule is Schedule.one_f_one_b and n < pp:
-        raise AutoparError("micro-batches per pipeline", n,
-                           f"use at least pp={pp} micro-batches (global batch / (dp x micro_batch_size)), "
-                           "or schedule gpipe",
-                           problem="are fewer than the pipeline stages, which torch's 1F1B refuses")
-    rounds = max(1, n // pp)
-    if layout.schedule in (Schedule.interleaved_1f1b, Schedule.zero_bubble) and n % rounds:
-        raise AutoparError("micro-batches per pipeline", n,
-                           f"use a multiple of pp={pp} (or fewer than {pp}) micro-batches per pipeline",
-                           problem=f"do not split into rounds of pp micro-batches ({n} // {pp} = {rounds} "
-                           f"rounds), which torch's {layout.schedule.value} schedule needs")
+    depth_only = ModelSpec(name=f"{num_layers}-layer decoder", num_layers=num_layers, hidden_size=64,
+                           num_attention_heads=1, ffn_hidden_size=64, vocab_size=64)
+    job = Job(depth_only, None, layout, micro_batches=n_microbatches, hf=hf)
+    check(Target.autopar, job, scopes=("split",))
 
 
 # ---------------------------------------------------------------- schedule

@@ -8,7 +8,8 @@
   (Megatron-DeepSpeed's ``pretrain_gpt.py`` arguments for TP/PP and the model).
 - ``torchtitan``: ``torchtitan.toml``, a torchtitan job config.
 
-Every layout field a target can express is written out; a field it cannot express raises
+Every layout field a target can express is written out. What a target cannot express is a row of its
+capability table (:mod:`planner.targets`, read before anything is rendered): the export raises
 :class:`~planner.errors.AutoparError` naming the field, its value and what to change, so an export
 never silently runs something other than the plan that was predicted.
 
@@ -26,20 +27,32 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
-from planner.contracts import Plan, Precision, Recompute, Schedule
-from planner.cost.predict import check_plan, default_layer_split
-from planner.errors import AutoparError, UnknownNameError
+from planner.contracts import Plan, Precision, Schedule
+from planner.cost.predict import check_plan
+from planner.errors import UnknownNameError
+from planner.targets import (
+    GPUS_PER_NODE,
+    RecomputeSetting,
+    Target,
+    every_nth_recompute,
+    job_of,
+    recompute_text,
+    refusal,
+    stage_layers,
+    uniform_recompute,
+)
 
 TARGETS = ("megatron", "deepspeed", "torchtitan")
-GPUS_PER_NODE = 8  # launchers start this many processes per node (fewer when the plan has fewer GPUs)
 
 __all__ = ["GPUS_PER_NODE", "TARGETS", "export_plan"]
 
 
 def export_plan(plan: Plan, target: str) -> dict[str, str]:
-    """Launch configuration for ``plan`` on ``target`` (one of :data:`TARGETS`): ``{file name: text}``."""
+    """Launch configuration for ``plan`` on ``target`` (one of :data:`TARGETS`): ``{file name: text}``.
+
+    The target's capability table (:mod:`planner.targets`) decides what it can run; a plan made for
+    another target that the table refuses gets an error naming the blocking feature."""
     key = str(target).strip().lower().replace("-", "").replace("_", "")
     aliases = {
         "megatron": "megatron",
@@ -51,11 +64,22 @@ def export_plan(plan: Plan, target: str) -> dict[str, str]:
     if key not in aliases:
         raise UnknownNameError("target", target, list(TARGETS))
     check_plan(plan)  # a hand-edited plan would give launch arguments that cannot run
+    planned = _planned_for(plan)
+    err = refusal(aliases[key], job_of(plan))
+    if err is not None:
+        raise err.for_plan_made_for(planned)
     return _EXPORTERS[aliases[key]](plan)
 
 
+def _planned_for(plan: Plan) -> Target:
+    try:
+        return Target(plan.target)
+    except ValueError:
+        raise UnknownNameError("plan.target", plan.target, [t.value for t in Target]) from None
+
+
 # ============================================================================================
-# shared pieces
+# shared pieces (what a target refuses is in planner/targets.py; these only render)
 # ============================================================================================
 _NAMES = {
     "megatron": "Megatron-LM",
@@ -81,7 +105,7 @@ def _header(plan: Plan, target: str) -> list[str]:
         f"Layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}), tp={lay.tp}, "
         f"sp={'on' if lay.sp else 'off'}, cp={lay.cp}, pp={lay.pp}{chunks} ({lay.schedule.value}), "
         f"ep={lay.ep}, "
-        f"zero_stage={lay.zero_stage}, micro_batch={lay.micro_batch_size}, recompute={_recompute_text(plan)}"
+        f"zero_stage={lay.zero_stage}, micro_batch={lay.micro_batch_size}, recompute={recompute_text(lay)}"
     )
     predicted = (
         f"Predicted: step time {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s "
@@ -91,125 +115,30 @@ def _header(plan: Plan, target: str) -> list[str]:
     return [generated, plan_line, layout_line, predicted]
 
 
-def _recompute_text(plan: Plan) -> str:
-    lay = plan.layout
-    if lay.recompute_per_stage is None:
-        return lay.recompute.value
-    return (
-        "["
-        + ", ".join(
-            s.kind.value if s.num_layers is None else f"{s.kind.value}:{s.num_layers}"
-            for s in lay.recompute_per_stage
-        )
-        + "]"
-    )
+def _counts(plan: Plan) -> list[int]:
+    """Transformer layers per (virtual) stage, in stage order."""
+    return stage_layers(plan.layout, plan.model.num_layers)
 
 
-def _stage_layers(plan: Plan) -> list[int]:
-    """Transformer layers per (virtual) stage, in stage order (stage ``chunk * pp + rank``)."""
-    lay = plan.layout
-    if lay.layers_per_stage is not None:
-        return list(lay.layers_per_stage)
-    return default_layer_split(plan.model.num_layers, lay.pp * lay.virtual_stages)
-
-
-def _rank_chunks(counts: list[int], pp: int, virtual: int) -> list[list[int]]:
-    """Layers of each model chunk, per pipeline rank (the planner's and Megatron's stage order)."""
-    return [[counts[c * pp + r] for c in range(virtual)] for r in range(pp)]
-
-
-@dataclass(frozen=True)
-class _RecomputeChoice:
-    kind: str  # "none" | "selective" | "full"
-    block: int | None = None  # full recompute of only the first ``block`` layers of every model chunk
-
-
-def _recompute_choice(plan: Plan, counts: list[int], problem: str, fix: str) -> _RecomputeChoice:
-    """The plan's recompute as one setting shared by every stage, or an error naming recompute_per_stage.
-
-    A stage recomputing ``n`` of its layers fully is expressible as "block N": the first ``N`` layers of
-    each model chunk, when ``sum over chunks of min(N, chunk layers)`` equals ``n`` on every rank.
-    """
-    lay = plan.layout
-    if lay.recompute_per_stage is None:
-        return _RecomputeChoice(lay.recompute.value)
-    chunks = _rank_chunks(counts, lay.pp, lay.virtual_stages)
-    totals = [sum(c) for c in chunks]
-    wanted: list[tuple[str, int]] = []
-    for total, choice in zip(totals, lay.recompute_per_stage):
-        n = total if choice.num_layers is None else min(choice.num_layers, total)
-        wanted.append((choice.kind.value, n) if n > 0 and choice.kind is not Recompute.none else ("none", 0))
-    kinds = {k for k, _ in wanted} - {"none"}
-    value = _recompute_text(plan)
-
-    def fail() -> AutoparError:
-        return AutoparError("recompute_per_stage", value, fix, problem=problem)
-
-    if not kinds:
-        return _RecomputeChoice("none")
-    if len(kinds) > 1:
-        raise fail()
-    kind = kinds.pop()
-    if all(n == total for (_, n), total in zip(wanted, totals) if total > 0):
-        return _RecomputeChoice(kind)
-    if kind == "selective":
-        raise fail()
-    largest = max((c for rank in chunks for c in rank), default=0)
-    for block in range(1, largest + 1):
-        if all(sum(min(block, c) for c in rank) == n for rank, (_, n) in zip(chunks, wanted)):
-            return _RecomputeChoice("full", block)
-    raise fail()
+def _recompute(plan: Plan) -> RecomputeSetting:
+    """The plan's recompute as one setting for every stage (the target's table has refused the rest)."""
+    setting = uniform_recompute(plan.layout, plan.model.num_layers)
+    assert setting is not None, "planner/targets.py refuses recompute that is not one setting"
+    return setting
 
 
 def _launch_shape(plan: Plan) -> tuple[int, int]:
     """(nodes, processes per node) for ``plan.num_gpus`` GPUs on nodes of :data:`GPUS_PER_NODE`."""
-    n = plan.num_gpus
-    per_node = min(GPUS_PER_NODE, n)
-    if n % per_node:
-        raise AutoparError(
-            "num_gpus",
-            n,
-            f"plan for a multiple of {GPUS_PER_NODE} GPUs (whole nodes)",
-            problem=f"does not fill whole nodes of {GPUS_PER_NODE} GPUs, and torchrun starts the same number "
-            "of processes on every node",
-        )
-    return n // per_node, per_node
-
-
-def _check_kv_heads(plan: Plan, framework: str) -> None:
-    k, tp = plan.model.kv_heads, plan.layout.tp
-    if plan.model.mla is None and k % tp:
-        raise AutoparError(
-            "tp",
-            tp,
-            f"use a tp that divides num_kv_heads={k}",
-            problem=f"does not divide num_kv_heads={k}; {framework} splits the key/value heads across the TP "
-            "ranks and does not replicate them",
-        )
-
-
-def _check_master_weights(plan: Plan, framework: str) -> None:
-    if plan.precision is not Precision.fp32 and not plan.training.master_weights_fp32:
-        raise AutoparError(
-            "master_weights_fp32",
-            False,
-            "plan with master_weights_fp32=True",
-            problem=f"cannot be expressed: {framework} keeps an fp32 master copy of the weights "
-            "for mixed-precision training",
-        )
+    per_node = min(GPUS_PER_NODE, plan.num_gpus)
+    return plan.num_gpus // per_node, per_node
 
 
 def _max_positions(plan: Plan) -> int:
+    """--max-position-embeddings: the learned table (check_plan refuses longer sequences), else the
+    larger of the sequence and the model's stated maximum."""
     m, s = plan.model, plan.training.seq_length
     if m.position_embedding == "learned":
         assert m.max_position_embeddings is not None  # the ModelSpec validator guarantees it
-        if m.max_position_embeddings < s:
-            raise AutoparError(
-                "seq_length",
-                s,
-                f"use seq_length <= max_position_embeddings={m.max_position_embeddings}",
-                problem="is longer than the model's learned position table",
-            )
         return m.max_position_embeddings
     return max(s, m.max_position_embeddings or 0)
 
@@ -285,96 +214,11 @@ def _torchrun(plan: Plan, script: str) -> _Command:
 # ============================================================================================
 def _megatron(plan: Plan) -> dict[str, str]:
     m, t, lay = plan.model, plan.training, plan.layout
-    fw = "Megatron-LM"
     dp, pp, v = lay.dp, lay.pp, lay.virtual_stages
-    counts = _stage_layers(plan)
+    counts = _counts(plan)
     notes = ["Flags checked against NVIDIA/Megatron-LM megatron/training/arguments.py (main branch)."]
     vnotes: list[str] = []  # flags that older Megatron-LM releases do not have
-
-    # ---- what Megatron-LM cannot run ----
-    _check_kv_heads(plan, fw)
-    _check_master_weights(plan, fw)
-    if m.position_embedding == "alibi":
-        raise AutoparError(
-            "position_embedding",
-            "alibi",
-            "use --to torchtitan with a model that has ALiBi, or a rope/learned model",
-            problem="is not offered by Megatron-LM "
-            "(--position-embedding-type: learned_absolute, rope, mrope, relative, none)",
-        )
-    if pp > 1 and lay.schedule is Schedule.gpipe:
-        raise AutoparError(
-            "schedule",
-            "gpipe",
-            "plan with schedule='1f1b' (same bubble, less memory), or use --to torchtitan",
-            problem="is not a Megatron-LM pipeline schedule (it runs 1F1B, "
-            "or interleaved 1F1B with virtual stages)",
-        )
-    if pp > 1 and lay.schedule is Schedule.zero_bubble:
-        raise AutoparError(
-            "schedule",
-            "zero_bubble",
-            "plan with schedule='1f1b' or 'interleaved_1f1b', or use "
-            "--to deepspeed (Megatron-DeepSpeed --enable-zbh1-pipeline)",
-            problem="is not in Megatron-LM (zero-bubble schedules live in forks such as "
-            "sail-sg/zero-bubble-pipeline-parallelism)",
-        )
-    if m.moe is not None and lay.ep > 1 and lay.tp > 1 and not lay.sp:
-        raise AutoparError(
-            "sp",
-            False,
-            "plan with sp=True",
-            problem="cannot be expressed: Megatron-LM needs "
-            "sequence parallelism when an MoE model uses both expert and tensor parallelism",
-        )
-    if lay.tp_comm_overlap and lay.tp > 1 and not lay.sp:
-        raise AutoparError(
-            "tp_comm_overlap",
-            True,
-            "plan with sp=True or tp_comm_overlap=False",
-            problem="needs sequence parallelism in Megatron-LM (--tp-comm-overlap asserts "
-            "--sequence-parallel)",
-        )
-    if lay.zero_stage >= 2 and pp > 1:
-        raise AutoparError(
-            "zero_stage",
-            lay.zero_stage,
-            "use --to torchtitan (FSDP with PP), or plan with zero_stage <= 1 or pp=1",
-            problem="needs gradient/parameter sharding, which Megatron-LM offers only through FSDP "
-            "(Megatron-FSDP or --use-torch-fsdp2), and neither runs with pipeline parallelism; its "
-            "distributed optimizer shards only optimizer states",
-        )
-    if lay.zero_stage >= 2 and lay.dp_replicate > 1:
-        raise AutoparError(
-            "dp_replicate",
-            lay.dp_replicate,
-            "plan with dp_replicate=1, zero_stage <= 1, or use --to torchtitan (HSDP)",
-            problem=f"with zero_stage={lay.zero_stage} needs hybrid "
-            "sharding, which autopar does not export for Megatron-FSDP",
-        )
-    if lay.zero_stage == 3 and dp > 1 and not lay.reshard_after_forward:
-        raise AutoparError(
-            "reshard_after_forward",
-            False,
-            "plan with reshard_after_forward=True or use "
-            "--to torchtitan (fsdp_reshard_after_forward='never')",
-            problem="has no Megatron-FSDP switch (it always frees gathered parameters)",
-        )
-    if lay.offload_optimizer and lay.zero_stage != 1:
-        raise AutoparError(
-            "offload_optimizer",
-            True,
-            "plan with zero_stage=1 or offload_optimizer=False",
-            problem=f"with zero_stage={lay.zero_stage}: Megatron-LM's optimizer CPU offload "
-            "(--optimizer-cpu-offload) works with its distributed optimizer (zero_stage=1)",
-        )
-    recompute = _recompute_choice(
-        plan,
-        counts,
-        problem="differs between pipeline stages, and Megatron-LM applies one setting "
-        "(--recompute-granularity/--recompute-method/--recompute-num-layers) to every stage",
-        fix="plan with one recompute kind and layer count for all stages, or use --to torchtitan",
-    )
+    recompute = _recompute(plan)
     a = _Command("pretrain_gpt.py")
     # ---- model ----
     a.add("--num-layers", m.num_layers)
@@ -522,6 +366,13 @@ def _megatron(plan: Plan) -> dict[str, str]:
             "  --use-megatron-fsdp and --ckpt-format fsdp_dtensor: Megatron Core >= 0.14 (earlier "
             "releases call it --use-custom-fsdp)."
         )
+        if lay.dp_replicate > 1:  # HSDP: shard within dp_shard x cp, replicate across the instances
+            a.add("--num-distributed-optimizer-instances", lay.dp_replicate)
+            vnotes.append(
+                "  --num-distributed-optimizer-instances with --use-megatron-fsdp (hybrid sharding, the "
+                "outer group replicated: --outer-dp-sharding-strategy no_shard, the default): "
+                "Megatron Core >= 0.14."
+            )
     if lay.dp_comm_overlap and dp * lay.cp > 1:
         a.add("--overlap-grad-reduce")
         if lay.zero_stage >= 1:
@@ -601,181 +452,8 @@ def _megatron_layout(counts: list[int]) -> str:
 # ============================================================================================
 def _deepspeed(plan: Plan) -> dict[str, str]:
     m, t, lay = plan.model, plan.training, plan.layout
-    fw = "DeepSpeed"
     dp, pp = lay.dp, lay.pp
-    counts = _stage_layers(plan)
-
-    # ---- what DeepSpeed / Megatron-DeepSpeed cannot run ----
-    _check_kv_heads(plan, "Megatron-DeepSpeed")
-    _check_master_weights(plan, fw)
-    if lay.cp > 1:
-        raise AutoparError(
-            "cp",
-            lay.cp,
-            "plan with cp=1, or use --to megatron or --to torchtitan",
-            problem="cannot be expressed: DeepSpeed has no ring context parallelism (its "
-            "sequence parallelism, Ulysses --ds-sequence-parallel-size, exchanges attention "
-            "heads all-to-all, which the plan did not predict)",
-        )
-    if lay.virtual_stages > 1 or lay.schedule is Schedule.interleaved_1f1b:
-        raise AutoparError(
-            "schedule",
-            "interleaved_1f1b",
-            "plan with schedule='1f1b' and virtual_stages=1, or use --to megatron or --to torchtitan",
-            problem="cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank",
-        )
-    if pp > 1 and lay.schedule is Schedule.gpipe:
-        raise AutoparError(
-            "schedule",
-            "gpipe",
-            "plan with schedule='1f1b', or use --to torchtitan",
-            problem="cannot be expressed: DeepSpeed's pipeline engine trains with 1F1B",
-        )
-    if pp > 1 and lay.schedule is Schedule.zero_bubble and lay.sp and lay.tp > 1:
-        raise AutoparError(
-            "sp",
-            True,
-            "plan with sp=False (or schedule='1f1b')",
-            problem="cannot be combined with Megatron-DeepSpeed's ZB-H1 schedule "
-            "(--enable-zbh1-pipeline rejects sequence parallelism)",
-        )
-    if pp > 1 and len(set(counts)) > 1:
-        raise AutoparError(
-            "layers_per_stage",
-            counts,
-            f"plan an even split ({m.num_layers} layers over pp={pp}) "
-            "or use --to megatron or --to torchtitan",
-            problem="cannot be expressed: Megatron-DeepSpeed partitions the layers itself "
-            "(PipelineModule partition_method='type:transformer')",
-        )
-    if lay.zero_stage >= 2 and pp > 1:
-        raise AutoparError(
-            "zero_stage",
-            lay.zero_stage,
-            "plan with zero_stage <= 1 or pp=1",
-            problem="cannot be expressed: DeepSpeed's pipeline engine rejects ZeRO-2 and "
-            "ZeRO-3 with pipeline parallelism",
-        )
-    if lay.zero_stage >= 1 and lay.dp_replicate > 1:
-        raise AutoparError(
-            "dp_replicate",
-            lay.dp_replicate,
-            "plan with dp_replicate=1 (shard over all data-parallel ranks) or use --to torchtitan (HSDP)",
-            problem=f"cannot be expressed with zero_stage={lay.zero_stage}: ZeRO partitions "
-            "over the whole data-parallel group (MiCS needs the model built under "
-            "deepspeed.zero.MiCS_Init, which Megatron-DeepSpeed does not do)",
-        )
-    if lay.zero_stage == 3 and dp > 1 and not lay.reshard_after_forward:
-        raise AutoparError(
-            "reshard_after_forward",
-            False,
-            "plan with reshard_after_forward=True, or use --to torchtitan",
-            problem="has no ZeRO-3 setting (parameters are released by "
-            "the stage3_max_live_parameters / stage3_max_reuse_distance heuristics)",
-        )
-    if lay.offload_optimizer and lay.zero_stage == 0:
-        raise AutoparError(
-            "offload_optimizer",
-            True,
-            "plan with zero_stage >= 1",
-            problem="needs ZeRO: DeepSpeed's offload_optimizer is valid for ZeRO stages 1-3",
-        )
-    if lay.tp_comm_overlap and lay.tp > 1:
-        raise AutoparError(
-            "tp_comm_overlap",
-            True,
-            "plan with tp_comm_overlap=False, or use --to megatron",
-            problem="cannot be expressed: Megatron-DeepSpeed has no TP communication overlap",
-        )
-    if lay.ep_comm_overlap and lay.ep > 1:
-        raise AutoparError(
-            "ep_comm_overlap",
-            True,
-            "plan with ep_comm_overlap=False, or use --to megatron",
-            problem="cannot be expressed: DeepSpeed MoE does not overlap the expert all-to-all",
-        )
-    if lay.dp_comm_overlap and dp > 1 and (pp > 1 or lay.zero_stage == 0):
-        where = (
-            "the pipeline engine reduces gradients after the pipeline flush"
-            if pp > 1
-            else "without ZeRO the engine all-reduces gradients after backward"
-        )
-        raise AutoparError(
-            "dp_comm_overlap",
-            True,
-            "plan with dp_comm_overlap=False" + ("" if pp > 1 else " or zero_stage >= 1"),
-            problem=f"cannot be expressed: {where}",
-        )
-    if m.position_embedding == "alibi":
-        raise AutoparError(
-            "position_embedding",
-            "alibi",
-            "use --to torchtitan with an ALiBi model, or a rope/learned model",
-            problem="is not offered by Megatron-DeepSpeed",
-        )
-    if m.mla is not None:
-        raise AutoparError(
-            "mla",
-            "multi-latent attention",
-            "use --to megatron or --to torchtitan",
-            problem="is not implemented in Megatron-DeepSpeed",
-        )
-    if plan.precision is Precision.fp8:
-        raise AutoparError(
-            "precision",
-            "fp8",
-            "plan with precision bf16, or use --to megatron or --to torchtitan",
-            problem="has no DeepSpeed config setting, and autopar does not target "
-            "Megatron-DeepSpeed's Transformer-Engine block (--fp8-hybrid)",
-        )
-    if m.moe is not None:
-        moe = m.moe
-        if pp > 1:
-            raise AutoparError(
-                "pp",
-                pp,
-                "plan with pp=1 for this MoE model, or use --to megatron",
-                problem="cannot be used with MoE in Megatron-DeepSpeed: its pipeline model "
-                "(GPTModelPipe) builds no expert layers",
-            )
-        if moe.expert_ffn_hidden_size != m.ffn_hidden_size:
-            raise AutoparError(
-                "moe.expert_ffn_hidden_size",
-                moe.expert_ffn_hidden_size,
-                "use --to megatron",
-                problem=f"differs from ffn_hidden_size={m.ffn_hidden_size}; Megatron-DeepSpeed "
-                "experts use --ffn-hidden-size",
-            )
-        if moe.num_shared_experts:
-            raise AutoparError(
-                "moe.num_shared_experts",
-                moe.num_shared_experts,
-                "use --to megatron",
-                problem="shared experts are not in Megatron-DeepSpeed's MoE",
-            )
-        if moe.first_dense_layers != moe.layer_frequency - 1:
-            raise AutoparError(
-                "moe.first_dense_layers",
-                moe.first_dense_layers,
-                "use --to megatron",
-                problem=f"with layer_frequency={moe.layer_frequency} cannot be expressed: "
-                "Megatron-DeepSpeed puts experts on layers N, 2N, ... (1-based, --expert-interval N)",
-            )
-    recompute = _recompute_choice(
-        plan,
-        counts,
-        problem="differs between pipeline stages, and Megatron-DeepSpeed applies one recompute "
-        "setting to every stage",
-        fix="plan with one recompute kind and layer count for all stages, or use --to megatron",
-    )
-    if recompute.block is not None and pp > 1:
-        raise AutoparError(
-            "recompute_per_stage",
-            _recompute_text(plan),
-            "plan with full recompute of every layer, or use --to megatron",
-            problem="recomputes only some layers per stage, which DeepSpeed's "
-            "pipeline (activation_checkpoint_interval) cannot do; it recomputes every layer",
-        )
+    recompute = _recompute(plan)
 
     # ---- ds_config.json ----
     gas = t.global_batch_seqs // (lay.micro_batch_size * dp)
@@ -957,143 +635,9 @@ _TORCHTITAN_SCHEDULES = {
 
 def _torchtitan(plan: Plan) -> dict[str, str]:
     m, t, lay = plan.model, plan.training, plan.layout
-    fw = "torchtitan"
     dp, pp, v = lay.dp, lay.pp, lay.virtual_stages
-    counts = _stage_layers(plan)
-
-    # ---- what torchtitan cannot run ----
-    _check_kv_heads(plan, fw)
-    _check_master_weights(plan, fw)
-    if lay.tp > 1 and not lay.sp:
-        raise AutoparError(
-            "sp",
-            False,
-            "plan with sp=True",
-            problem=f"cannot be expressed with tp={lay.tp}: "
-            "torchtitan's tensor parallelism always shards norms and dropout by sequence",
-        )
-    if lay.zero_stage in (1, 2):
-        raise AutoparError(
-            "zero_stage",
-            lay.zero_stage,
-            "plan with zero_stage=3 (FSDP) or 0 (DDP), or use --to megatron or --to deepspeed",
-            problem="cannot be expressed: torchtitan uses "
-            "FSDP2, which shards parameters, gradients and optimizer states together (ZeRO-3)",
-        )
-    if lay.zero_stage == 0 and lay.cp > 1:
-        raise AutoparError(
-            "zero_stage",
-            0,
-            "plan with zero_stage=3",
-            problem=f"cannot be expressed with "
-            f"cp={lay.cp}: torchtitan applies FSDP over the context-parallel ranks",
-        )
-    if lay.zero_stage == 0 and lay.ep > 1:
-        raise AutoparError(
-            "ep",
-            lay.ep,
-            "plan with zero_stage=3",
-            problem="needs FSDP in torchtitan: expert "
-            "parallelism borrows the data_parallel_shard ranks, and zero_stage=0 has none",
-        )
-    if lay.ep > 1 and (lay.ep % lay.cp or lay.ep < lay.cp):
-        raise AutoparError(
-            "ep",
-            lay.ep,
-            f"use an ep that is a multiple of cp={lay.cp}",
-            problem="cannot be expressed: torchtitan needs cp <= ep and ep % cp == 0 "
-            "(experts borrow dp_shard x cp ranks)",
-        )
-    if lay.ep_comm_overlap and lay.ep > 1:
-        raise AutoparError(
-            "ep_comm_overlap",
-            True,
-            "plan with ep_comm_overlap=False, or use --to megatron",
-            problem="is not a torchtitan job-config option",
-        )
-    if lay.offload_optimizer:
-        raise AutoparError(
-            "offload_optimizer",
-            True,
-            "plan with offload_optimizer=False, or use --to megatron or --to deepspeed",
-            problem="cannot be expressed: torchtitan has no optimizer-only "
-            "CPU offload (training.enable_cpu_offload moves parameters and gradients too)",
-        )
-    if pp > 1 and lay.schedule is Schedule.zero_bubble:
-        raise AutoparError(
-            "schedule",
-            "zero_bubble",
-            "plan with schedule='interleaved_1f1b' or '1f1b', or use --to deepspeed (ZB-H1)",
-            problem="is ZB-H1 with one stage per rank; torchtitan's "
-            "zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble) need >= 2 stages per rank",
-        )
-    if lay.dp_comm_overlap is False and dp > 1:
-        raise AutoparError(
-            "dp_comm_overlap",
-            False,
-            "plan with dp_comm_overlap=True",
-            problem="cannot be expressed: torchtitan's FSDP2/DDP always overlap gradient reduction "
-            "and parameter all-gather with compute",
-        )
-    if not lay.pp_scatter_gather and pp > 1 and lay.tp > 1:
-        raise AutoparError(
-            "pp_scatter_gather",
-            False,
-            "plan with pp_scatter_gather=True",
-            problem="cannot be expressed: torchtitan's stages exchange the sequence-parallel "
-            "activation, 1/tp per rank",
-        )
-    if plan.precision is Precision.fp16:
-        raise AutoparError(
-            "precision",
-            "fp16",
-            "plan with precision bf16, or use --to megatron or --to deepspeed",
-            problem="cannot be expressed: torchtitan's mixed_precision_param is bfloat16 or float32",
-        )
-    if plan.precision is not Precision.fp32 and not t.grad_reduce_in_fp32:
-        raise AutoparError(
-            "grad_reduce_in_fp32",
-            False,
-            "plan with grad_reduce_in_fp32=True",
-            problem="cannot be expressed: torchtitan's mixed_precision_reduce is float32 only",
-        )
-    if not t.flash_attention:
-        raise AutoparError(
-            "flash_attention",
-            False,
-            "plan with flash_attention=True",
-            problem="cannot be expressed: torchtitan always runs fused attention (SDPA/flex)",
-        )
-    if t.optimizer.value == "sgd":
-        raise AutoparError(
-            "optimizer",
-            "sgd",
-            "plan with adamw or adam, or use --to megatron",
-            problem="is not a torchtitan optimizer (optimizer.name: Adam, AdamW)",
-        )
-    recompute = _recompute_choice(
-        plan,
-        counts,
-        problem="differs between pipeline stages or covers only some layers; torchtitan applies "
-        "one activation-checkpoint mode to every layer",
-        fix="plan with one recompute kind for every layer of every stage, or use --to megatron",
-    )
-    if recompute.block is not None:
-        raise AutoparError(
-            "recompute_per_stage",
-            _recompute_text(plan),
-            "plan with full recompute of every layer, or use --to megatron",
-            problem="recomputes only some layers of a stage, which "
-            "torchtitan's activation_checkpoint.mode cannot express",
-        )
-    if recompute.kind == "selective":
-        raise AutoparError(
-            "recompute",
-            "selective",
-            "plan with recompute='full' or 'none', or use --to megatron",
-            problem="(attention-core recompute) cannot be expressed: torchtitan's selective "
-            "checkpointing is per layer (every N-th block) or per op (saves matmul outputs)",
-        )
+    counts = _counts(plan)
+    mode, every = _titan_checkpointing(plan)
 
     # ---- model ----
     moe_key = (
@@ -1202,7 +746,13 @@ def _torchtitan(plan: Plan) -> dict[str, str]:
         doc.set("expert_parallel_degree", lay.ep)
         doc.set("expert_tensor_parallel_degree", lay.tp, comment="experts keep the TP split (etp = tp)")
     doc.section("activation_checkpoint")
-    doc.set("mode", recompute.kind)
+    doc.set("mode", mode)
+    if every is not None:
+        doc.set(
+            "selective_ac_option",
+            str(every),
+            comment=f"full recompute of every {every}th layer of each rank (recompute_per_stage)",
+        )
     if lay.tp_comm_overlap and lay.tp > 1:
         doc.section("compile")
         doc.set("enable", True, comment="async TP only takes effect under torch.compile")
@@ -1216,6 +766,17 @@ def _torchtitan(plan: Plan) -> dict[str, str]:
     ]
     head = [f"# {h}" for h in _header(plan, "torchtitan")] + ["#"] + [f"# {n}" if n else "#" for n in notes]
     return {"torchtitan.toml": "\n".join(head) + "\n" + doc.render()}
+
+
+def _titan_checkpointing(plan: Plan) -> tuple[str, int | None]:
+    """activation_checkpoint.mode, and selective_ac_option N when each rank fully recomputes every N-th of
+    its layers (:func:`planner.targets.every_nth_recompute`); the target's table refused the rest."""
+    setting = uniform_recompute(plan.layout, plan.model.num_layers)
+    if setting is not None and setting.block is None:
+        return setting.kind, None
+    every = every_nth_recompute(plan.layout, plan.model.num_layers)
+    assert every is not None, "planner/targets.py refuses recompute torchtitan cannot express"
+    return ("full", None) if every == 1 else ("selective", every)
 
 
 def _torchtitan_parts(counts: list[int]) -> list[list[str]]:

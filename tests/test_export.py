@@ -332,6 +332,17 @@ class TestMegatron:
         f = megatron_flags(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=2), tmp_path)
         assert one(f, "--data-parallel-sharding-strategy") == "optim_grads"
 
+    def test_hybrid_sharded_megatron_fsdp(self, tmp_path):
+        # ZeRO-2/3 with dp_replicate > 1: Megatron-FSDP's HSDP (num_distributed_optimizer_instances > 1,
+        # megatron/core/distributed/fsdp/mcore_fsdp_adapter.py, Megatron Core >= 0.14)
+        for zero, strategy in ((3, "optim_grads_params"), (2, "optim_grads")):
+            plan = make_plan(tp=2, sp=True, dp_replicate=2, dp_shard=4, zero_stage=zero)
+            f = megatron_flags(plan, tmp_path)
+            assert f["--use-megatron-fsdp"] == [] and one(f, "--data-parallel-sharding-strategy") == strategy
+            assert one(f, "--num-distributed-optimizer-instances") == "2"
+        f = megatron_flags(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=3), tmp_path)
+        assert "--num-distributed-optimizer-instances" not in f
+
     def test_no_dp_overlap_flags_when_planned_without_overlap(self, tmp_path):
         f = megatron_flags(
             make_plan(tp=4, sp=True, pp=2, dp_shard=2, zero_stage=1, dp_comm_overlap=False), tmp_path
@@ -362,12 +373,6 @@ class TestMegatron:
         assert "pipeline" in msg
         raises(make_plan(tp=8, sp=True, pp=2, schedule="zero_bubble"), "megatron", "schedule", "zero_bubble")
         raises(make_plan(tp=8, sp=True, pp=2, schedule="gpipe"), "megatron", "schedule", "gpipe")
-        raises(
-            make_plan(tp=2, sp=True, dp_replicate=2, dp_shard=4, zero_stage=3),
-            "megatron",
-            "dp_replicate",
-            "2",
-        )
         raises(
             make_plan(tp=2, sp=True, dp_shard=8, zero_stage=3, reshard_after_forward=False),
             "megatron",
@@ -639,13 +644,27 @@ class TestTorchtitan:
             "dp_comm_overlap",
             "False",
         )
-        per_stage = [StageRecompute(kind="full", num_layers=4), StageRecompute(kind="full", num_layers=4)]
+        # 16 layers per rank: every N-th layer gives 16 // N recomputed layers, never 4 and 2 at once
+        per_stage = [StageRecompute(kind="full", num_layers=4), StageRecompute(kind="full", num_layers=2)]
         raises(
             make_plan(tp=8, sp=True, pp=2, recompute_per_stage=per_stage),
             "torchtitan",
             "recompute_per_stage",
-            "full:4",
+            "full:4, full:2",
         )
+
+    def test_partial_recompute_per_rank_is_layer_selective_every_nth(self):
+        # torchtitan counts the blocks of a rank with one counter and fully recomputes every N-th
+        # (activation_checkpoint.py _apply_layer_sac): a rank of L layers recomputes L // N of them
+        per_stage = [StageRecompute(kind="full", num_layers=4)] * 2  # 16 layers per rank: N = 4
+        ac = titan(make_plan(tp=8, sp=True, pp=2, zero_stage=3, recompute_per_stage=per_stage))
+        assert ac["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "4"}
+        uneven = [StageRecompute(kind="full", num_layers=7), StageRecompute(kind="full", num_layers=8)]
+        ac = titan(make_plan(tp=8, sp=True, pp=2, layers_per_stage=[15, 17], recompute_per_stage=uneven))
+        assert ac["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+        whole = [StageRecompute(kind="full")] * 2
+        ac = titan(make_plan(tp=8, sp=True, pp=2, recompute_per_stage=whole))
+        assert ac["activation_checkpoint"] == {"mode": "full"}
 
 
 # ============================================================================================
