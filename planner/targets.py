@@ -101,30 +101,31 @@ class TargetSpec:
 
 
 class TargetRefusal(AutoparError):
-    """A target's refusal: the row (``limit``) that refused, the ``target`` and the error of the row."""
+    """A target's refusal: the row (``limit``) that refused ``job`` on ``target``, with the row's error.
+    ``planned``: the target the plan was made for, when another; the error then says so and names the
+    blocking feature."""
 
-    def __init__(self, limit: Limit, target: Target, job: Job):
+    def __init__(self, limit: Limit, target: Target, job: Job, planned: Target | None = None):
         def text(t: Text) -> str:
             return t(job) if callable(t) else t
 
-        super().__init__(limit.field, limit.value(job), text(limit.fix), problem=text(limit.problem))
-        self.limit = limit
-        self.target = target
+        problem, fix = text(limit.problem), text(limit.fix)
+        if planned is not None and planned is not target:
+            problem += (
+                f"; this plan was made for target '{planned.value}', and {target.value} cannot run its "
+                f"{limit.feature}"
+            )
+            fix = f"re-plan with --target {target.value}, or {fix}"
+        super().__init__(limit.field, limit.value(job), fix, problem=problem)
+        self.limit, self.target, self.job, self.planned = limit, target, job, planned
 
     @property
     def feature(self) -> str:
         return self.limit.feature
 
-    def for_plan_made_for(self, planned: Target) -> AutoparError:
-        """The same refusal for a plan that was made for ``planned``: it names the blocking feature."""
-        if planned is self.target:
-            return self
-        problem = (
-            f"{self.problem}; this plan was made for target '{planned.value}', and "
-            f"{self.target.value} cannot run its {self.feature}"
-        )
-        fix = f"re-plan with --target {self.target.value}, or {self.fix}"
-        return AutoparError(self.field, self.value, fix, problem=problem)
+    def for_plan_made_for(self, planned: Target) -> TargetRefusal:
+        """The same refusal of a plan that was made for ``planned``."""
+        return TargetRefusal(self.limit, self.target, self.job, planned)
 
 
 def _target(target: Target | str) -> Target:

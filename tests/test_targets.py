@@ -10,7 +10,7 @@ import pytest
 from test_export import make_plan
 
 from planner.contracts import ModelSpec, ParallelLayout, StageRecompute, TrainingConfig
-from planner.errors import AutoparError, UnknownNameError
+from planner.errors import UnknownNameError
 from planner.export import export_plan
 from planner.presets import get_preset
 from planner.targets import (
@@ -363,9 +363,12 @@ def test_export_to_another_target_names_the_plan_target_and_the_feature() -> Non
         update={"target": "torchtitan"}
     )
     assert "torchtitan.toml" in export_plan(plan, "torchtitan")
-    with pytest.raises(AutoparError) as info:
+    with pytest.raises(TargetRefusal) as info:
         export_plan(plan, "megatron")
     msg = str(info.value)
+    assert (
+        info.value.feature == "ZeRO-2/3 with pipeline parallelism" and info.value.planned is Target.torchtitan
+    )
     assert msg.startswith("zero_stage=3 ") and "made for target 'torchtitan'" in msg
     assert "megatron cannot run its ZeRO-2/3 with pipeline parallelism" in msg
     assert "re-plan with --target megatron" in msg
