@@ -207,6 +207,8 @@ class Plan(Contract):
     num_gpus: int
     layout: ParallelLayout
     precision: Precision
+    target: str = Field("autopar", description="what the plan was made to run on: autopar (the executor), "
+                        "megatron, deepspeed or torchtitan (planner/targets.py)")
     prediction: Prediction
     alternatives: list[Alternative] = Field(default_factory=list)
     solver_status: str | None = Field(
