@@ -8,7 +8,9 @@ traceback on the server and never shown to the client.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import secrets
 import uuid
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
@@ -109,6 +112,76 @@ class BodyLimit:
                 raise
 
 
+# -- request bodies hold finite numbers -------------------------------------------------------------
+
+class _NonFinite:
+    """A number JSON has no place for, where it stood in a body: ``NaN``, ``Infinity``, ``-Infinity``
+    (Python's json reads them) or a literal beyond the largest float (``1e999``)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _float_or_mark(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def non_finite_field(document: Any) -> tuple[str, str] | None:
+    """(dotted path, literal) of the first non-finite number of a document parsed by
+    :func:`finite_json`, else None (an explicit stack: bodies may nest as deeply as json reads)."""
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, _NonFinite):
+            return path or "body", node.text
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend(reversed([(f"{path}.{k}" if path else str(k), v) for k, v in items]))
+    return None
+
+
+def finite_json(body: bytes) -> Any:
+    """The JSON document in ``body``; AutoparError naming the field of a number that is not finite
+    (ValueError or RecursionError where ``body`` is no JSON, as :func:`json.loads`)."""
+    document = json.loads(body, parse_constant=_NonFinite, parse_float=_float_or_mark)
+    found = non_finite_field(document)
+    if found is not None:
+        field, literal = found
+        raise AutoparError(field, literal, "send a finite number (JSON has no NaN or Infinity)",
+                           problem="is not a finite number")
+    return document
+
+
+class FiniteJSONRequest(Request):
+    """A request whose JSON body is read by :func:`finite_json`, once."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_finite_json"):
+            self._finite_json = finite_json(await self.body())
+        return self._finite_json
+
+
+class FiniteJSONRoute(APIRoute):
+    """A route that answers 422, naming the field, a body holding NaN or ±Infinity, before FastAPI
+    validates it (whose error would echo ``nan``, which no JSON response can hold)."""
+
+    def get_route_handler(self) -> Any:
+        handle = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            request = FiniteJSONRequest(request.scope, request.receive)
+            try:
+                if await request.body():
+                    await request.json()
+            except AutoparError:
+                raise
+            except Exception:  # noqa: BLE001 - no JSON, or no whole body: FastAPI answers it as it answers any such
+                pass
+            return await handle(request)
+
+        return handler
+
+
 COMMON_RESPONSES: dict = {
     400: {"description": "the body is not valid JSON"},
     413: {"description": "the body is larger than AUTOPAR_MAX_BODY_BYTES"},
@@ -135,6 +208,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None) -> 
                   docs_url="/docs", redoc_url=None, responses=COMMON_RESPONSES,
                   generate_unique_id_function=lambda route: route.name)  # operationId = the function's name
     app.state.settings = settings
+    app.router.route_class = FiniteJSONRoute
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -148,10 +222,12 @@ def create_app(settings: Settings | None = None, db: Database | None = None) -> 
 
 
 def _detail(field: str, message: str, value: Any = None, fix: str | None = None) -> dict:
-    loc: list[Any] = ["body"] + [int(p) if p.isdigit() else p for p in field.split(".")]
+    parts = [] if field == "body" else field.split(".")  # "body": the whole document
+    loc: list[Any] = ["body"] + [int(p) if p.isdigit() else p for p in parts]
     item = {"loc": loc, "msg": message, "type": "value_error"}
-    if value is not None:
-        item["input"] = value if isinstance(value, (str, int, float, bool)) else str(value)
+    if value is not None:  # as JSON can hold it: a float that is not finite as its text
+        finite = not isinstance(value, float) or math.isfinite(value)
+        item["input"] = value if isinstance(value, (str, int, float, bool)) and finite else str(value)
     if fix:
         item["ctx"] = {"fix": fix}
     return item

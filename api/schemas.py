@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig
+from planner.contracts.limits import (
+    MAX_GPUS,
+    MAX_MICRO_BATCH,
+    MAX_TIME_BUDGET_S,
+    MAX_TOP_K,
+    MAX_VIRTUAL_STAGES,
+)
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
@@ -71,19 +78,26 @@ class ModelRef(Strict):
         return self
 
 
+Degree = Annotated[int, Field(ge=1, le=MAX_GPUS, strict=True)]
+
+
 class PlanOptions(Strict):
-    top_k: int = Field(5, ge=1, le=50, description="alternatives to keep")
-    max_tp: int | None = Field(None, ge=1, description="largest TP degree (default: GPUs per node)")
-    max_pp: int | None = Field(None, ge=1, description="largest pipeline depth (1 = no pipeline parallelism)")
-    max_cp: int | None = Field(None, ge=1, description="largest context-parallel degree (1 = none)")
-    max_ep: int | None = Field(None, ge=1, description="largest expert-parallel degree (1 = none)")
+    """What the search may choose; bounds from ``planner/contracts/limits.py``. Integers are JSON
+    integers (``true`` is no count), numbers are JSON numbers."""
+
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K, strict=True, description="alternatives to keep")
+    max_tp: Degree | None = Field(None, description="largest TP degree (default: GPUs per node)")
+    max_pp: Degree | None = Field(None, description="largest pipeline depth (1 = no pipeline parallelism)")
+    max_cp: Degree | None = Field(None, description="largest context-parallel degree (1 = none)")
+    max_ep: Degree | None = Field(None, description="largest expert-parallel degree (1 = none)")
     sequence_parallel: bool = True
-    zero_stages: list[int] = Field([0, 1, 2, 3], min_length=1, description="ZeRO stages to consider")
+    zero_stages: list[Annotated[int, Field(strict=True)]] = Field(
+        [0, 1, 2, 3], min_length=1, description="ZeRO stages to consider")
     schedules: list[Schedule] = Field(list(Schedule), min_length=1)
     hsdp: bool = True
     offload: bool = True
-    max_micro_batch_size: int = Field(16, ge=1, le=1024)
-    max_virtual_stages: int = Field(8, ge=1, le=64)
+    max_micro_batch_size: int = Field(16, ge=1, le=MAX_MICRO_BATCH, strict=True)
+    max_virtual_stages: int = Field(8, ge=1, le=MAX_VIRTUAL_STAGES, strict=True)
     memory_headroom: float | None = Field(
         None, ge=0.0, lt=0.9, strict=True,
         description="fraction of each GPU's memory a plan keeps free beyond every predicted term; default: the "
@@ -91,8 +105,10 @@ class PlanOptions(Strict):
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    robust: bool = Field(False, description="rank plans by the slow end of their 80% step-time interval")
     time_budget_s: float | None = Field(
-        None, gt=0, description="seconds after which the search returns its best (default: 20, or the server's limit if lower)")
+        None, gt=0, le=MAX_TIME_BUDGET_S, strict=True,
+        description="seconds after which the search returns its best (default: 20, or the server's limit if lower)")
 
     @model_validator(mode="after")
     def _zero(self) -> PlanOptions:
@@ -112,9 +128,10 @@ class PlanRequest(Strict):
 
     model: ModelRef
     training: TrainingConfig
-    profile_id: int | None = Field(None, ge=1, le=MAX_ID, description="a stored profile (GET /v1/profiles)")
+    profile_id: int | None = Field(None, ge=1, le=MAX_ID, strict=True, description="a stored profile (GET /v1/profiles)")
     cluster: str | None = Field(None, max_length=200, description="a cluster name: its newest profile")
-    num_nodes: int | None = Field(None, ge=1, le=100_000, description="reference profiles only: nodes to plan for")
+    num_nodes: int | None = Field(None, ge=1, le=MAX_GPUS, strict=True,
+                                  description="reference profiles only: nodes to plan for")
     options: PlanOptions = Field(default_factory=PlanOptions)
 
     @model_validator(mode="after")
@@ -153,7 +170,7 @@ class PlanOut(PlanSummary):
 
 
 class RunSubmit(Strict):
-    plan_id: int = Field(ge=1, le=MAX_ID)
+    plan_id: int = Field(ge=1, le=MAX_ID, strict=True)
     report: RunReport
 
 

@@ -30,6 +30,17 @@ from planner.contracts import (
     json_schemas,
 )
 from planner.console import make_console, styled
+from planner.contracts.limits import (
+    MAX_GLOBAL_BATCH,
+    MAX_GLOBAL_BATCH_TOKENS,
+    MAX_GPUS,
+    MAX_LAYERS,
+    MAX_MICRO_BATCH,
+    MAX_SEQ,
+    MAX_TIME_BUDGET_S,
+    MAX_TOP_K,
+    MAX_VIRTUAL_STAGES,
+)
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 
@@ -57,15 +68,15 @@ OptModelFile = Annotated[Path | None, typer.Option(help="ModelSpec JSON file")]
 OptHfConfig = Annotated[Path | None, typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
 OptCluster = Annotated[str | None, typer.Option(
     help="reference cluster, or a measured profile shipped with the planner (see `autopar clusters`)")]
-OptNodes = Annotated[int | None, typer.Option(min=1, help="number of nodes (reference clusters; default 1)")]
+OptNodes = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of nodes (reference clusters; default 1)")]
 OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
-OptGlobalBatch = Annotated[int | None, typer.Option(min=1, help="sequences per optimizer step")]
-OptGlobalBatchTokens = Annotated[int | None, typer.Option(min=1, help="tokens per optimizer step")]
-OptSeq = Annotated[int, typer.Option(min=1, help="sequence length")]
+OptGlobalBatch = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="sequences per optimizer step")]
+OptGlobalBatchTokens = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH_TOKENS, help="tokens per optimizer step")]
+OptSeq = Annotated[int, typer.Option(min=1, max=MAX_SEQ, help="sequence length")]
 OptPrecision = Annotated[Precision, typer.Option()]
 OptOptimizer = Annotated[Optimizer, typer.Option()]
 OptUnfusedAttention = Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")]
-OptMoeImbalance = Annotated[float, typer.Option(min=1.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")]
+OptMoeImbalance = Annotated[float, typer.Option(min=1.0, max=64.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")]
 
 
 def load_model(model: str | None, model_file: Path | None, hf_config: Path | None) -> ModelSpec:
@@ -282,18 +293,18 @@ def predict(
     optimizer: OptOptimizer = Optimizer.adamw,
     unfused_attention: OptUnfusedAttention = False,
     moe_imbalance: OptMoeImbalance = 1.0,
-    tp: Annotated[int, typer.Option(min=1, help="tensor parallel degree")] = 1,
-    pp: Annotated[int, typer.Option(min=1, help="pipeline parallel degree")] = 1,
-    cp: Annotated[int, typer.Option(min=1, help="context parallel degree")] = 1,
-    ep: Annotated[int, typer.Option(min=1, help="expert parallel degree")] = 1,
-    dp: Annotated[int | None, typer.Option(min=1, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
-    dp_replicate: Annotated[int | None, typer.Option(min=1, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
+    tp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="tensor parallel degree")] = 1,
+    pp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="pipeline parallel degree")] = 1,
+    cp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="context parallel degree")] = 1,
+    ep: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="expert parallel degree")] = 1,
+    dp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
+    dp_replicate: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
     sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
     zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group (0 = DDP)")] = 0,
     reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
-    micro_batch: Annotated[int, typer.Option(min=1, help="micro-batch size (sequences)")] = 1,
+    micro_batch: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="micro-batch size (sequences)")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="pipeline schedule")] = Schedule.one_f_one_b,
-    vp: Annotated[int, typer.Option(min=1, help="virtual stages per pipeline rank (interleaved)")] = 1,
+    vp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="virtual stages per pipeline rank (interleaved)")] = 1,
     layers_per_stage: Annotated[str | None, typer.Option(help="comma-separated layers per (virtual) stage")] = None,
     recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
@@ -334,13 +345,13 @@ def plan(
     optimizer: OptOptimizer = Optimizer.adamw,
     unfused_attention: OptUnfusedAttention = False,
     moe_imbalance: OptMoeImbalance = 1.0,
-    top: Annotated[int, typer.Option("--top", min=1, max=50, help="alternatives to keep (top K plans)")] = 5,
-    max_micro_batch: Annotated[int, typer.Option(min=1, help="largest micro-batch size to consider")] = 16,
-    max_vp: Annotated[int, typer.Option(min=1, help="most virtual stages per rank to consider")] = 8,
-    max_tp: Annotated[int | None, typer.Option(min=1, help="largest TP degree (default: GPUs per node)")] = None,
-    max_pp: Annotated[int | None, typer.Option(min=1, help="largest pipeline depth (1: no pipeline)")] = None,
-    max_cp: Annotated[int | None, typer.Option(min=1, help="largest context-parallel degree (1: no CP)")] = None,
-    max_ep: Annotated[int | None, typer.Option(min=1, help="largest expert-parallel degree (1: no EP)")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, max=MAX_TOP_K, help="alternatives to keep (top K plans)")] = 5,
+    max_micro_batch: Annotated[int, typer.Option(min=1, max=MAX_MICRO_BATCH, help="largest micro-batch size to consider")] = 16,
+    max_vp: Annotated[int, typer.Option(min=1, max=MAX_VIRTUAL_STAGES, help="most virtual stages per rank to consider")] = 8,
+    max_tp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest TP degree (default: GPUs per node)")] = None,
+    max_pp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest pipeline depth (1: no pipeline)")] = None,
+    max_cp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest context-parallel degree (1: no CP)")] = None,
+    max_ep: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest expert-parallel degree (1: no EP)")] = None,
     zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
     schedules: Annotated[str, typer.Option(help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
     no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
@@ -348,7 +359,8 @@ def plan(
     tp_overlap: Annotated[bool, typer.Option(help="the framework overlaps TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="the framework overlaps gradient reduction / weight gathers")] = True,
     ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
-    time_budget: Annotated[float, typer.Option(min=0.1, help="seconds after which the search stops and returns its best")] = 20.0,
+    time_budget: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_BUDGET_S,
+                                               help="seconds after which the search stops and returns its best")] = 20.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
 ) -> None:

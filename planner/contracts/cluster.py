@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Name, Precision
+from planner.contracts.limits import MAX_DEVICE_MEMORY_BYTES, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_SM_COUNT
 
 
 class LinkLevel(str, Enum):
@@ -37,10 +38,11 @@ class Collective(str, Enum):
 
 class DeviceSpec(Contract):
     name: Name
-    memory_bytes: int = Field(gt=0)
+    memory_bytes: int = Field(gt=0, le=MAX_DEVICE_MEMORY_BYTES, strict=True)
     peak_tflops: dict[Precision, PositiveFloat] = Field(description="dense datasheet peak per precision, TFLOP/s")
     hbm_bandwidth_bytes_per_s: float = Field(gt=0)
-    sm_count: int | None = Field(None, gt=0, description="streaming multiprocessors (wave quantisation)")
+    sm_count: int | None = Field(None, gt=0, le=MAX_SM_COUNT, strict=True,
+                                 description="streaming multiprocessors (wave quantisation)")
     tdp_w: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
@@ -385,8 +387,8 @@ class ClusterProfile(Contract):
     name: Name
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     device: DeviceSpec
-    gpus_per_node: int = Field(gt=0, le=1024, description="devices (or CPU ranks) per node")
-    num_nodes: int = Field(gt=0, le=1_000_000)
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True, description="devices (or CPU ranks) per node")
+    num_nodes: int = Field(gt=0, le=MAX_GPUS, strict=True)
     environment: Environment = Field(default_factory=Environment)
     compute: ComputeProfile = Field(default_factory=ComputeProfile)
     links: list[LinkProfile] = Field(default_factory=list)
@@ -410,6 +412,15 @@ class ClusterProfile(Contract):
             problems = ([f"repeats rank(s) {dup[:16]}"] if dup else []) + ([] if 0 in ranks else ["has no check of rank 0"])
             raise ValueError(f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
                              "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)")
+        return self
+
+    @model_validator(mode="after")
+    def _size(self) -> ClusterProfile:
+        if self.num_gpus > MAX_GPUS:
+            raise ValueError(
+                f"num_nodes={self.num_nodes} x gpus_per_node={self.gpus_per_node} is {self.num_gpus:,} devices, more "
+                f"than {MAX_GPUS:,} (no cluster has as many); use at most {MAX_GPUS // self.gpus_per_node:,} nodes"
+            )
         return self
 
     @model_validator(mode="after")

@@ -7,14 +7,16 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Name
-
-# Far beyond any model trained so far; a value above these is a typo, not a plan.
-MAX_LAYERS = 4096
-MAX_HIDDEN = 262_144
-MAX_HEADS = 4096
-MAX_FFN = 1_048_576
-MAX_VOCAB = 4_194_304
-MAX_EXPERTS = 16_384
+from planner.contracts.limits import (
+    MAX_CAPACITY_FACTOR,
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_SEQ,
+    MAX_VOCAB,
+)
 
 
 def _positive(field: str, value: int, limit: int) -> int:
@@ -28,17 +30,22 @@ def _positive(field: str, value: int, limit: int) -> int:
 class MoESpec(Contract):
     """Mixture-of-Experts feed-forward layers (Switch/GShard-style top-k routing)."""
 
-    num_experts: int = Field(description="routed experts per MoE layer")
-    top_k: int = Field(description="routed experts each token is sent to")
-    expert_ffn_hidden_size: int = Field(description="intermediate size of one routed expert")
-    num_shared_experts: int = Field(0, ge=0, description="always-active experts (DeepSeek, Qwen2-MoE)")
+    num_experts: int = Field(strict=True, description="routed experts per MoE layer")
+    top_k: int = Field(strict=True, description="routed experts each token is sent to")
+    expert_ffn_hidden_size: int = Field(strict=True, description="intermediate size of one routed expert")
+    num_shared_experts: int = Field(0, ge=0, le=MAX_EXPERTS, strict=True,
+                                    description="always-active experts (DeepSeek, Qwen2-MoE)")
     shared_expert_ffn_hidden_size: int | None = Field(
-        None, gt=0, description="intermediate size of one shared expert; defaults to expert_ffn_hidden_size"
+        None, gt=0, le=MAX_FFN, strict=True,
+        description="intermediate size of one shared expert; defaults to expert_ffn_hidden_size"
     )
-    first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense FFN (DeepSeek-V3: 3)")
-    layer_frequency: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE")
+    first_dense_layers: int = Field(0, ge=0, le=MAX_LAYERS, strict=True,
+                                    description="leading layers that keep a dense FFN (DeepSeek-V3: 3)")
+    layer_frequency: int = Field(1, ge=1, le=MAX_LAYERS, strict=True,
+                                 description="every n-th layer after the dense ones is MoE")
     capacity_factor: float | None = Field(
-        None, gt=0, description="token capacity per expert relative to a perfect balance; None = dropless"
+        None, gt=0, le=MAX_CAPACITY_FACTOR, strict=True,
+        description="token capacity per expert relative to a perfect balance; None = dropless"
     )
 
     @field_validator("num_experts")
@@ -73,11 +80,12 @@ class MoESpec(Contract):
 class MLASpec(Contract):
     """DeepSeek multi-head latent attention: low-rank compressed queries and keys/values."""
 
-    q_lora_rank: int = Field(0, ge=0, description="query compression rank; 0 = uncompressed queries")
-    kv_lora_rank: int = Field(description="key/value latent size")
-    qk_nope_head_dim: int = Field(description="per-head query/key size without rotary part")
-    qk_rope_head_dim: int = Field(description="per-head rotary query/key size (key part shared by heads)")
-    v_head_dim: int = Field(description="per-head value size")
+    q_lora_rank: int = Field(0, ge=0, le=MAX_HIDDEN, strict=True,
+                             description="query compression rank; 0 = uncompressed queries")
+    kv_lora_rank: int = Field(strict=True, description="key/value latent size")
+    qk_nope_head_dim: int = Field(strict=True, description="per-head query/key size without rotary part")
+    qk_rope_head_dim: int = Field(strict=True, description="per-head rotary query/key size (key part shared by heads)")
+    v_head_dim: int = Field(strict=True, description="per-head value size")
 
     @field_validator("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     @classmethod
@@ -90,20 +98,20 @@ class ModelSpec(Contract):
 
     schema_version: Literal["1"] = SCHEMA_VERSION
     name: Name = "custom"
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int | None = Field(None, description="GQA/MQA key-value heads; None = num_attention_heads")
-    head_dim: int | None = Field(None, description="per-head size; None = hidden_size / num_attention_heads")
-    ffn_hidden_size: int = Field(description="dense FFN intermediate size")
+    num_layers: int = Field(strict=True)
+    hidden_size: int = Field(strict=True)
+    num_attention_heads: int = Field(strict=True)
+    num_kv_heads: int | None = Field(None, strict=True, description="GQA/MQA key-value heads; None = num_attention_heads")
+    head_dim: int | None = Field(None, strict=True, description="per-head size; None = hidden_size / num_attention_heads")
+    ffn_hidden_size: int = Field(strict=True, description="dense FFN intermediate size")
     ffn_kind: Literal["gelu", "swiglu"] = "swiglu"
-    vocab_size: int
+    vocab_size: int = Field(strict=True)
     tied_embeddings: bool = False
     position_embedding: Literal["rope", "learned", "alibi"] = "rope"
-    max_position_embeddings: int | None = Field(None, description="rows of a learned position table")
+    max_position_embeddings: int | None = Field(None, strict=True, description="rows of a learned position table")
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     linear_bias: bool = False
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, strict=True)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
 
@@ -132,10 +140,15 @@ class ModelSpec(Contract):
     def _vocab(cls, v: int) -> int:
         return _positive("vocab_size", v, MAX_VOCAB)
 
-    @field_validator("num_kv_heads", "head_dim", "max_position_embeddings")
+    @field_validator("num_kv_heads", "head_dim")
     @classmethod
     def _optional_positive(cls, v: int | None, info) -> int | None:  # noqa: ANN001
         return None if v is None else _positive(info.field_name, v, MAX_HIDDEN)
+
+    @field_validator("max_position_embeddings")
+    @classmethod
+    def _positions(cls, v: int | None) -> int | None:
+        return None if v is None else _positive("max_position_embeddings", v, MAX_SEQ)
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelSpec:

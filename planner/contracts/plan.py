@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from planner.contracts.cluster import LinkLevel
 from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
+from planner.contracts.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
 from planner.contracts.model import ModelSpec
 from planner.contracts.training import TrainingConfig
 
@@ -30,25 +31,31 @@ class StageRecompute(Contract):
     """Recompute choice of one pipeline stage: ``num_layers`` of its layers use ``kind``, the rest none."""
 
     kind: Recompute
-    num_layers: int | None = Field(None, ge=0, description="None = every layer of the stage")
+    num_layers: int | None = Field(None, ge=0, le=MAX_LAYERS, strict=True,
+                                   description="None = every layer of the stage")
 
 
 class ParallelLayout(Contract):
     """Mesh degrees and the per-step choices. Mesh order, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
 
-    dp_replicate: int = Field(1, ge=1, description="data-parallel replicas (DDP, or HSDP replicate groups)")
-    dp_shard: int = Field(1, ge=1, description="data-parallel ranks that shard states (ZeRO / FSDP group)")
-    tp: int = Field(1, ge=1)
+    dp_replicate: int = Field(1, ge=1, le=MAX_GPUS, strict=True,
+                              description="data-parallel replicas (DDP, or HSDP replicate groups)")
+    dp_shard: int = Field(1, ge=1, le=MAX_GPUS, strict=True,
+                          description="data-parallel ranks that shard states (ZeRO / FSDP group)")
+    tp: int = Field(1, ge=1, le=MAX_GPUS, strict=True)
     sp: bool = Field(False, description="sequence parallel on the TP group (norms/dropout split by sequence)")
-    cp: int = Field(1, ge=1, description="context parallel: sequence split across ranks")
-    pp: int = Field(1, ge=1)
-    ep: int = Field(1, ge=1, description="expert parallel, folded over dp_shard x cp ranks")
-    zero_stage: int = Field(0, ge=0, le=3, description="0 = DDP; 1 optimizer, 2 + grads, 3 + params sharded over dp_shard")
+    cp: int = Field(1, ge=1, le=MAX_GPUS, strict=True, description="context parallel: sequence split across ranks")
+    pp: int = Field(1, ge=1, le=MAX_LAYERS, strict=True)
+    ep: int = Field(1, ge=1, le=MAX_GPUS, strict=True, description="expert parallel, folded over dp_shard x cp ranks")
+    zero_stage: int = Field(0, ge=0, le=3, strict=True,
+                            description="0 = DDP; 1 optimizer, 2 + grads, 3 + params sharded over dp_shard")
     reshard_after_forward: bool = Field(True, description="ZeRO-3/FSDP: free gathered params after forward")
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1, le=MAX_GLOBAL_BATCH, strict=True)
     schedule: Schedule = Schedule.one_f_one_b
-    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
-    layers_per_stage: list[int] | None = Field(None, description="transformer layers per pipeline stage; None = even")
+    virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS, strict=True,
+                                description="model chunks per pipeline rank (interleaved)")
+    layers_per_stage: list[Annotated[int, Field(ge=0, le=MAX_LAYERS, strict=True)]] | None = Field(
+        None, description="transformer layers per pipeline stage; None = even")
     recompute: Recompute = Recompute.none
     recompute_per_stage: list[StageRecompute] | None = Field(None, description="overrides recompute per stage")
     offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
@@ -204,7 +211,7 @@ class Plan(Contract):
     model: ModelSpec
     training: TrainingConfig
     cluster: str = Field(description="name of the ClusterProfile planned for")
-    num_gpus: int
+    num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True)
     layout: ParallelLayout
     precision: Precision
     target: str = Field("autopar", description="what the plan was made to run on: autopar (the executor), "

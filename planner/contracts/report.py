@@ -9,11 +9,12 @@ from pydantic import Field
 
 from planner.contracts.cluster import Environment
 from planner.contracts.common import SCHEMA_VERSION, Contract
+from planner.contracts.limits import MAX_GPUS
 from planner.contracts.plan import ParallelLayout
 
 
 class StepRecord(Contract):
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, strict=True)
     loss: float
     time_s: float = Field(gt=0)
 
@@ -24,8 +25,8 @@ class RunReport(Contract):
     layout: ParallelLayout
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     device: str = Field(description="e.g. 'cpu' or 'NVIDIA H100 80GB HBM3'")
-    num_ranks: int = Field(gt=0)
-    warmup_steps: int = Field(ge=0)
+    num_ranks: int = Field(gt=0, le=MAX_GPUS, strict=True)
+    warmup_steps: int = Field(ge=0, strict=True)
     steps: list[StepRecord]
     median_step_time_s: float = Field(gt=0)
     tokens_per_s: float = Field(gt=0)

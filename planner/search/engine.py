@@ -48,6 +48,7 @@ from planner.contracts import (
     SearchReport,
     TrainingConfig,
 )
+from planner.contracts.limits import MAX_TIME_BUDGET_S
 from planner.cost.comm import placement
 from planner.cost.memo import memoised
 from planner.cost.memory import (
@@ -102,13 +103,49 @@ class SearchOptions:
     ep_comm_overlap: bool = False
     pp_scatter_gather: bool = True
     solver_time_limit_s: float = 1.0
-    time_budget_s: float = 30.0
+    time_budget_s: float = 30.0  # seconds for the whole search, every phase (0 < budget <= MAX_TIME_BUDGET_S)
     workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
+
+    def __post_init__(self) -> None:
+        b = self.time_budget_s
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= MAX_TIME_BUDGET_S:
+            raise AutoparError("time_budget_s", b, f"give a number of seconds above 0 and at most {MAX_TIME_BUDGET_S:g}",
+                               problem="is not a time budget the search can keep")
+
+
+def out_of_time(opts: SearchOptions, what: str) -> AutoparError:
+    """The error of a search whose budget ran out before any layout that fits was priced."""
+    return AutoparError("time_budget_s", f"{opts.time_budget_s:g}",
+                        "raise the search time budget (autopar plan --time-budget SECONDS, options.time_budget_s), or "
+                        "narrow the search (--max-tp, --max-pp, --max-micro-batch)", problem=f"ran out {what}")
+
+
+DIVISORS_MAX = 2**40  # above every count the contracts allow (planner/contracts/limits.py)
 
 
 def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    """Every d with n % d == 0, ascending: the products of n's prime powers. Factorising by trial
+    division takes at most √n steps: 2^12 for the counts the contracts allow (GPUs <= 2^20,
+    sequences per step <= 2^24), and far fewer for the smooth counts real jobs use."""
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    if not 1 <= n <= DIVISORS_MAX:
+        raise ValueError(f"divisors({n}) is outside 1..{DIVISORS_MAX}; the contracts bound every count below it")
+    out, rest, p = [1], n, 2
+    while p * p <= rest:
+        if rest % p == 0:
+            base, power = list(out), 1
+            while rest % p == 0:
+                rest //= p
+                power *= p
+                out += [d * power for d in base]
+        p += 1 if p == 2 else 2
+    if rest > 1:  # a prime factor above √rest
+        out += [d * rest for d in out]
+    return tuple(sorted(out))
 
 
 @dataclass
@@ -150,13 +187,16 @@ class Rules:
 
 
 def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
-               rules: Rules) -> list[Structure]:
-    """Every (tp, sp, cp, pp, dp, ep, micro-batch) that passes the divisibility and placement rules."""
+               rules: Rules, deadline: float = math.inf) -> list[Structure]:
+    """Every (tp, sp, cp, pp, dp, ep, micro-batch) that passes the divisibility and placement rules
+    (AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
     n, gpn, L = profile.num_gpus, profile.gpus_per_node, model.num_layers
     a, k, s, gbs = model.num_attention_heads, model.kv_heads, training.seq_length, training.global_batch_seqs
     max_tp = opts.max_tp or gpn
     out = []
     for tp in divisors(n):
+        if time.perf_counter() > deadline:
+            raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
         if tp > max_tp:
             rules.remove("tp > GPUs per node (tensor parallel stays inside a node)", f"tp={tp}")
             continue
@@ -174,6 +214,8 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                 rules.remove("2 x cp must divide seq_length (causal load balancing)", f"cp={cp}, seq={s}")
                 continue
             for pp in divisors(n // (tp * cp)):
+                if time.perf_counter() > deadline:
+                    raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
                 if pp > L:
                     rules.remove("pp > num_layers", f"pp={pp}, layers={L}")
                     continue
@@ -252,14 +294,17 @@ def structure_floor(st: Structure, model: ModelSpec, training: TrainingConfig, p
 
 
 def structure_floors(structs: list[Structure], model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
-                     opts: SearchOptions, cache: dict) -> list[float]:
-    """:func:`structure_floor` of each structure (one loop, the floors and sends memoised per shape)."""
+                     opts: SearchOptions, cache: dict, deadline: float = math.inf) -> list[float]:
+    """:func:`structure_floor` of each structure (one loop, the floors and sends memoised per shape;
+    AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
     works: dict[tuple, float] = {}
     sends: dict[tuple, float] = {}
     seq, gpn, sg = training.seq_length, profile.gpus_per_node, opts.pp_scatter_gather
     tp_ov, ep_ov = opts.tp_comm_overlap, opts.ep_comm_overlap
     out = []
-    for st in structs:
+    for n, st in enumerate(structs):
+        if n % 1024 == 0 and time.perf_counter() > deadline:
+            raise out_of_time(opts, f"while bounding the layouts ({n:,} of {len(structs):,} bounded)")
         tp, cp, mb = st.tp, st.cp, st.mb
         wkey = (tp, st.sp, cp, st.ep, mb)
         work = works.get(wkey)
@@ -667,24 +712,32 @@ def gc_relaxed() -> Iterator[None]:
 
 def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
            options: SearchOptions | None = None, progress=None) -> Plan:  # noqa: ANN001 - rich progress callback
-    """The fastest layout that fits, with the top-k alternatives and why the rest lost."""
+    """The fastest layout that fits, with the top-k alternatives and why the rest lost. The time
+    budget (``options.time_budget_s``) covers every phase: listing and bounding the layouts, pricing,
+    solving, and the alternatives' predictions and explanations, which are left out once it is spent."""
+    t0 = time.perf_counter()
     check_sequence(model, training)  # no layout could run it: say why, not "no layout could be evaluated"
     # thousands of layouts share a few thousand GEMM shapes and link lookups
     with gc_relaxed(), memoised(profile):
-        return _search(model, training, profile, options, progress)
+        return _search(model, training, profile, options or SearchOptions(), progress, t0)
 
 
-def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, options: SearchOptions | None,
-            progress) -> Plan:  # noqa: ANN001
-    opts = options or SearchOptions()
-    t0 = time.perf_counter()
+def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
+            progress, t0: float | None = None) -> Plan:  # noqa: ANN001
+    """:func:`search` inside its memo; ``t0``: when the search (and its budget) started, default now."""
+    t0 = time.perf_counter() if t0 is None else t0
+    deadline = t0 + opts.time_budget_s
+
+    def over_budget() -> bool:
+        return time.perf_counter() > deadline
+
     rules = Rules()
     if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
         # nothing to price the optimizer-state copies with: offload is not a choice on this profile
         opts = dataclasses.replace(opts, offload=False)
         rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
     cache: dict = {}
-    structs = structures(model, training, profile, opts, rules)
+    structs = structures(model, training, profile, opts, rules, deadline)
     if not structs:
         raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
                            "change the GPU count, global batch or sequence length so that some layout divides them",
@@ -696,7 +749,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     # priced (b, i) reaches the top only after every structure whose (bound, index) precedes it:
     # the order is exactly that of sorting by ``bound_s``. Once the top is at the k-th best, every
     # structure left is pruned by its bound unpriced (most of them: their block costs are never computed).
-    heap = [(floor, i, False) for i, floor in enumerate(structure_floors(structs, model, training, profile, opts, cache))]
+    heap = [(floor, i, False) for i, floor in enumerate(structure_floors(structs, model, training, profile, opts, cache, deadline))]
     heapq.heapify(heap)
 
     state = state_bytes_per_param(training)
@@ -814,7 +867,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
             report["pruned"] += 1
             return
-        if time.perf_counter() - t0 > opts.time_budget_s:
+        if over_budget():
             nonlocal_state["budget_hit"] = True
             report["pruned"] += 1
             return
@@ -978,6 +1031,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
 
     for si in range(len(structs)):
+        if over_budget():
+            nonlocal_state["budget_hit"] = True
         st, st_bound, _ = reach(si)
         if st_bound >= kth() or nonlocal_state["budget_hit"]:
             # the heap's top is at the k-th best (or the budget is spent): it and all after it are pruned
@@ -1078,7 +1133,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if lb >= kth():
             report["pruned"] += 1
             continue
-        if time.perf_counter() - t0 > opts.time_budget_s:
+        if over_budget():
             budget_hit = True
             continue
         cutoff = min(greedy_val if greedy_val is not None else math.inf, kth())
@@ -1102,7 +1157,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                     report["pruned"] += 1
                 continue
         report["solved"] += 1
-        sol = solve_stages(sm, time_limit_s=opts.solver_time_limit_s, workers=opts.workers,
+        sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(deadline - time.perf_counter(), 0.01)),
+                           workers=opts.workers,
                            hint=(chunks, greedy_rec) if greedy_rec else None,
                            upper_bound_s=cutoff if math.isfinite(cutoff) else None)
         status_counts[sol.status] += 1
@@ -1120,27 +1176,33 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             record(leaf, greedy_val, results[leaf].layout, st, f"FEASIBLE (CP-SAT {sol.status} in its time limit)")
 
     ranked = sorted(results.values())[: opts.top_k]
-    wall = time.perf_counter() - t0
     if not ranked:
         if budget_hit:
-            raise AutoparError(
-                "time_budget_s", f"{opts.time_budget_s:g}",
-                "raise the search time budget (autopar plan --time-budget SECONDS)",
-                problem=f"ran out before any layout was priced ({report['considered']:,} candidates considered); "
-                        "no layout was shown not to fit")
+            raise out_of_time(opts, f"before any layout that fits was priced ({report['considered']:,} candidates "
+                                    f"considered, {report['infeasible']:,} shown not to fit)")
         for order, need, label in lazy_needs:  # the first smallest gap, as if priced when found
+            if over_budget() and math.isfinite(shortfall[0]):
+                break  # the closest seen so far stands for the rest
             gap = need() - capacity
             if gap < shortfall[0] or (gap == shortfall[0] and order < shortfall[2]):
                 shortfall[:] = [gap, str(label), order]
         raise _nothing_fits(model, training, profile, shortfall, report)
-    preds = [predict(model, training, profile, found.layout) for found in ranked]
+    # the fastest is predicted in full; the alternatives while the budget lasts
+    preds = [predict(model, training, profile, found.layout) if i == 0 or not over_budget() else None
+             for i, found in enumerate(ranked)]
     # equally fast plans (to 1e-9): the one needing the least memory per GPU first
     fastest = ranked[0].step_s
-    order = sorted(range(len(ranked)), key=lambda i: (round(ranked[i].step_s / fastest, 9), preds[i].memory.total_bytes, i))
+    order = sorted(range(len(ranked)), key=lambda i: (round(ranked[i].step_s / fastest, 9),
+                                                      preds[i].memory.total_bytes if preds[i] else math.inf, i))
     ranked, preds = [ranked[i] for i in order], [preds[i] for i in order]
     best, best_pred = ranked[0], preds[0]
     alternatives = []
     for alt, pred in zip(ranked[1:], preds[1:]):
+        if pred is None:
+            alternatives.append(Alternative(layout=alt.layout, slower_by=alt.step_s / best.step_s - 1,
+                                            reason=f"{alt.step_s / best.step_s - 1:+.1%} step time; not predicted in "
+                                                   "full: the search's time budget was spent"))
+            continue
         alternatives.append(Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
                                         reason=why_slower(pred, best_pred)))
     fam_out = []
@@ -1149,7 +1211,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         b = fam["best"]
         if b is not None and b.layout == best.layout:
             reason = "the chosen plan's structure"
-        elif b is not None and n < EXPLAINED_FAMILIES:
+        elif b is not None and n < EXPLAINED_FAMILIES and not over_budget():
             reason = why_slower(predict(model, training, profile, b.layout), best_pred)
         elif b is not None:
             reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
@@ -1157,6 +1219,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             reason = str(fam["reason"]) or "not reached"
         fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
                                      slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"], reason=reason))
+    wall = time.perf_counter() - t0
     search_report = SearchReport(
         candidates_considered=report["considered"] + sum(rules.counts.values()),
         removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
