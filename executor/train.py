@@ -116,8 +116,14 @@ def check_plan(plan: Plan, *, hf_config: dict | None = None) -> None:
                            problem="does not split over the sequence-parallel ranks")
 
 
+def cuda_ranks() -> bool:
+    """Whether the ranks run on CUDA GPUs (one per local rank), else on the CPU: CUDA where this host
+    has it, unless ``AUTOPAR_FORCE_CPU=1``."""
+    return torch.cuda.is_available() and os.environ.get("AUTOPAR_FORCE_CPU") != "1"
+
+
 def _device() -> torch.device:
-    if torch.cuda.is_available() and os.environ.get("AUTOPAR_FORCE_CPU") != "1":
+    if cuda_ranks():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)

@@ -68,6 +68,7 @@ def _run_in_process(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, s
 
     started: list = []
     monkeypatch.setattr(run_cli.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 1)
+    monkeypatch.setenv("AUTOPAR_FORCE_CPU", "1")  # CPU ranks (the plans' 4 ranks), on a GPU host too
     app = typer.Typer()
     app.command()(run_cli.run)
     result = CliRunner().invoke(app, list(args))
@@ -323,6 +324,72 @@ def test_bf16_plans_train_in_mixed_precision_with_fp32_master_weights(tmp_path: 
         state = _final_state(tmp_path / f"{name}.ck" / "step_3")
         weights = list(state["model"].values())
         assert weights and all(w.dtype == torch.float32 for w in weights), name
+
+
+def _plan_of(path: Path, preset: str, num_ranks: int, **layout: object):
+    """A plan of a preset model over ``num_ranks`` H100s (`autopar plan` would pick its own layout)."""
+    from executor.train import plan_for
+    from planner.contracts import ParallelLayout, TrainingConfig
+    from planner.presets import get_preset
+    from planner.reference import reference_profile
+
+    prof = reference_profile("dgx-h100", 1).model_copy(update={"gpus_per_node": num_ranks})
+    plan = plan_for(get_preset(preset), TrainingConfig(seq_length=4096, global_batch_size=64),
+                    ParallelLayout(**layout), prof)
+    path.write_text(plan.model_dump_json())
+    return plan
+
+
+def test_dry_run_says_whether_this_host_can_run_the_cpu_ranks(tmp_path: Path) -> None:
+    """CPU ranks: `--dry-run` exits 0 with one line where this host's cores and memory hold them, else 2
+    with the reason and the fix, and `autopar run` refuses the same before a worker starts (a 16-GPU
+    plan of an 8B model on a 2-core host started 16 workers until the kernel's OOM killer ended them)."""
+    env = child_env(AUTOPAR_FORCE_CPU="1")  # the CPU ranks' check, on a GPU host too
+    write_plan(tmp_path / "ok.json", dp_shard=4)
+    r = autopar_run(str(tmp_path / "ok.json"), "--dry-run", env=env)
+    assert r.returncode == 0 and r.stdout.startswith("ok: 4 CPU rank(s)") and r.stdout.count("\n") == 1, r
+    assert "starting" not in r.stderr and "GiB" in r.stdout, r.stderr
+    # 2 ranks of 405B parameters unsharded: ~7 TiB each, more than any host holds
+    _plan_of(tmp_path / "big.json", "llama3.1-405b", 2, dp_shard=2)
+    for extra in (("--dry-run",), ("--steps", "1")):
+        r = autopar_run(str(tmp_path / "big.json"), *extra, env=env)
+        assert r.returncode == 2 and r.stderr.startswith("error: --nproc-per-node=2 CPU ranks need about"), r.stderr
+        assert "available" in r.stderr and "--nnodes" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert "starting" not in r.stderr and not r.stdout, r
+    # more ranks than MAX_RANKS_PER_CORE per core
+    from executor.cli import MAX_RANKS_PER_CORE
+
+    cores = len(os.sched_getaffinity(0))
+    if MAX_RANKS_PER_CORE * cores >= 64:
+        pytest.skip(f"{cores} cores hold the largest plan of the test model (64 ranks)")
+    write_plan(tmp_path / "wide.json", dp_shard=8, tp=2, pp=4, schedule="gpipe")
+    r = autopar_run(str(tmp_path / "wide.json"), "--dry-run", env=env)
+    assert r.returncode == 2 and f"more than {MAX_RANKS_PER_CORE} per core" in r.stderr, r.stderr
+    assert f"run at most {MAX_RANKS_PER_CORE * cores} here" in r.stderr, r.stderr
+    # spread over hosts, each node's share is what this host must hold
+    r = autopar_run(str(tmp_path / "wide.json"), "--dry-run", "--nnodes", "16", "--node-rank", "1",
+                    "--master-addr", "127.0.0.1", env=env)
+    assert r.returncode == 0 and r.stdout.startswith("ok: 4 CPU rank(s)"), r
+
+
+def test_dry_run_says_whether_this_host_has_the_gpus(tmp_path: Path) -> None:
+    """CUDA ranks: one GPU each, and each holding the plan's predicted memory per GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this host")
+    have = torch.cuda.device_count()
+    write_plan(tmp_path / "one.json")
+    r = autopar_run(str(tmp_path / "one.json"), "--dry-run")
+    assert r.returncode == 0 and r.stdout.startswith(f"ok: 1 rank(s) on 1 of this host's {have} CUDA GPU(s)"), r
+    _plan_of(tmp_path / "many.json", "llama3-8b", 2 * have, dp_shard=2 * have, zero_stage=3)
+    r = autopar_run(str(tmp_path / "many.json"), "--dry-run")
+    assert r.returncode == 2 and f"ranks need a CUDA GPU each, and this host has {have}" in r.stderr, r.stderr
+    assert "AUTOPAR_FORCE_CPU=1" in r.stderr and "starting" not in r.stderr
+    _plan_of(tmp_path / "huge.json", "llama3.1-405b", 1)
+    r = autopar_run(str(tmp_path / "huge.json"), "--steps", "1")
+    assert r.returncode == 2 and "plan.prediction.memory.total_bytes" in r.stderr, r.stderr
+    assert "is more than GPU 0" in r.stderr and "starting" not in r.stderr, r.stderr
 
 
 def test_fp16_and_fp8_plans_are_refused_with_the_fix(tmp_path: Path) -> None:
