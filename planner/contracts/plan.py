@@ -54,7 +54,7 @@ class ParallelLayout(Contract):
     schedule: Schedule = Schedule.one_f_one_b
     virtual_stages: int = Field(1, ge=1, le=MAX_LAYERS, strict=True,
                                 description="model chunks per pipeline rank (interleaved)")
-    layers_per_stage: list[Annotated[int, Field(ge=0, le=MAX_LAYERS, strict=True)]] | None = Field(
+    layers_per_stage: list[Annotated[int, Field(le=MAX_LAYERS, strict=True)]] | None = Field(
         None, description="transformer layers per pipeline stage; None = even")
     recompute: Recompute = Recompute.none
     recompute_per_stage: list[StageRecompute] | None = Field(None, description="overrides recompute per stage")
