@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from planner.contracts import ClusterProfile, Collective, ModelSpec
-from planner.contracts.cluster import Assumptions
 from planner.errors import AutoparError, UnknownNameError
 from profiler import identity
 from profiler.links import (
@@ -275,6 +274,10 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
                                                         shared.items())
                            + "; if they are one machine, the inter_node links between them are its loopback, "
                              "not a network")
+        phase = "memory beside the tensors (every rank: CUDA context, optimizer step, loss, a new communicator)"
+        from profiler.memory import measured_assumptions
+
+        memory_assumptions = measured_assumptions(device)
         ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
         with ctx as progress:
             def report(stage: str):
@@ -332,7 +335,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
 
         spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
         env = identity.environment(node_hosts, backend, c.emulated, c.device_type)
-        assumptions = Assumptions()
+        assumptions = memory_assumptions
         sources = [
             f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",
             f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
@@ -340,11 +343,9 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             *c.notes, *dev_notes, *host_notes, *grid_notes,
         ]
         if c.device_type == "cpu":
-            assumptions = Assumptions(reserved_memory_bytes=64 * 1024**2, notes=[
-                "reserved_memory_bytes=64 MiB: a CPU rank has no CUDA context or NCCL buffers (allocator slack only)",
+            assumptions = assumptions.model_copy(update={"notes": [*assumptions.notes, (
                 f"cpu_optimizer_bytes_per_s left at the default; device memory bandwidth measured "
-                f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s",
-            ])
+                f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s")]})
         name = opts.name or f"{'emulated-' if c.emulated else ''}{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}" \
                             f"-{c.num_nodes}x{c.ranks_per_node}"
         profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,

@@ -77,7 +77,10 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
     assert {link.collective for link in p.links if link.level is LinkLevel.host_device} == {
         Collective.host_to_device, Collective.device_to_host}
     assert p.compute.gemm and p.compute.achieved_matmul_tflops
-    assert p.device.peak_tflops and p.assumptions.reserved_memory_bytes < 1 << 30
+    assert p.device.peak_tflops and p.assumptions.reserved_memory_bytes == 0
+    # a CPU rank's runtime is its measured resident memory (interpreter and torch: 100 MiB to 2 GiB), no NCCL
+    assert 100 << 20 < p.assumptions.runtime_bytes < 2 << 30 and p.assumptions.communicator_bytes == 0
+    assert any("runtime_bytes=" in n and "measured" in n for n in p.assumptions.notes)
     # how each measured group sat is recorded, so the planner prices exactly that placement as measured
     for link in p.links:
         if link.level is LinkLevel.inter_node:

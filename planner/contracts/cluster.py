@@ -327,9 +327,9 @@ class Assumptions(Contract):
         "(the executor's bf16 with ZeRO-0/1): the residual stream and norms stay fp32 and each linear input is "
         "saved after its bf16 cast (estimated from the same rows)")
     loss_bytes_per_logit: float = Field(
-        13.5, ge=0, le=64, description="bytes per logit of one micro-batch held by the LM head and cross-entropy "
-        "at its peak: 16-bit logits, their fp32 copy, the fp32 log-softmax and its gradient (estimated from the "
-        "same rows; Megatron's fused vocab-parallel loss holds about 6)")
+        14.0, ge=0, le=64, description="bytes per logit of one micro-batch held by the LM head and cross-entropy "
+        "at its peak: 16-bit logits, their fp32 copy, the fp32 log-softmax and its gradient (14.0 measured by "
+        "profiler/memory.py on an H100 for the executor's loss; Megatron's fused vocab-parallel loss holds about 6)")
     optimizer_temp_bytes_per_param: float = Field(
         4.0, ge=0, le=64, description="temporaries of one optimizer step per local parameter: torch's foreach "
         "AdamW materialises sqrt(v) for every parameter at once (4.0 measured on an H100)")
