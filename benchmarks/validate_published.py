@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -24,10 +25,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from planner import calibrate, reference  # noqa: E402
-from planner.validate import Summary, build_cases, evaluate, load_rows, summarize  # noqa: E402
+from planner.validate import Summary, build_cases, evaluate, layout_order, load_rows, summarize  # noqa: E402
 
 DEFAULT_DATA = REPO / "planner" / "data" / "published_runs.csv"
 CALIBRATION = REPO / "planner" / "data" / "calibration.json"
+INTERVALS = REPO / "planner" / "data" / "intervals.json"
 KORTH = "korth"  # Korthikanti et al. end-to-end rows: the <= 3% target
 LOSO_ROUNDS, LOSO_TOL = 2, 1e-2
 """Fit settings of the LOSO folds and the in-sample fit beside them. ``calibrate.fit`` defaults to 4
@@ -57,10 +59,11 @@ def _line(label: str, s: Summary) -> str:
             f"max_abs_err={s.max_abs_err:.1%}")
 
 
-def headline(rows: list[dict[str, str]]) -> None:
+def headline(rows: list[dict[str, str]]) -> dict[str, list]:
     """Leave-one-source-out error per source and overall, the in-sample fit beside it."""
     start = time.perf_counter()
-    loso = calibrate.leave_one_source_out(rows, LOSO_ROUNDS, LOSO_TOL)
+    results = calibrate.leave_one_source_out_results(rows, LOSO_ROUNDS, LOSO_TOL)
+    loso = {source: [r.error for r in found] for source, found in results.items()}
     values, fitted = calibrate.in_sample(rows, LOSO_ROUNDS, LOSO_TOL)
     seconds = time.perf_counter() - start
     print("\n== HEADLINE: leave-one-source-out (each source predicted by constants fitted without it) ==")
@@ -79,12 +82,19 @@ def headline(rows: list[dict[str, str]]) -> None:
     print(_line("in-sample fit (same fitter, all sources; NOT out of sample)", ins))
     print(f"Korthikanti end-to-end rows, held out: n={korth.rows} mean_abs_err={korth.mean_abs_err:.1%} "
           f"max_abs_err={korth.max_abs_err:.1%}   {_mark(korth.mean_abs_err, 0.03)}")
+    right, total, wrong = layout_order([r for found in results.values() for r in found])
+    share = right / total if total else math.nan
+    print(f"same-job layout order (held out): {right}/{total} pairs ordered as measured = {share:.0%}   "
+          f"{_mark(1 - share, 0.10).replace('<=', 'misordered <=')}")
+    for line in wrong:
+        print(f"  misordered: {line}")
     packaged = reference.calibration()
     print("\nconstants of the in-sample fit (near what --fit would write; it fits 4 rounds at tol 1e-3) "
           "vs planner/data/calibration.json:")
     for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
         old = (packaged.get("families", {}).get(family, {}) if family else packaged.get("shared", {})).get(name)
         print(f"  {name:26s} {family or 'shared':7s} fitted={v:10.4f}   packaged={'-' if old is None else f'{old:.4f}'}")
+    return results
 
 
 def main() -> int:
@@ -92,6 +102,8 @@ def main() -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="published_runs.csv")
     parser.add_argument("--fit", action="store_true", help="refit the constants and write planner/data/calibration.json")
     parser.add_argument("--no-loso", action="store_true", help="skip leave-one-source-out (the slow part)")
+    parser.add_argument("--write-intervals", action="store_true",
+                        help="write planner/data/intervals.json from the held-out residuals (planner.uncertainty)")
     args = parser.parse_args()
     if not args.data.is_file():
         print(f"error: --data {args.data} does not exist; pass the path of published_runs.csv", file=sys.stderr)
@@ -114,8 +126,26 @@ def main() -> int:
     print(_line("under the packaged constants", packaged) + f"; rows not judged: {len(skipped)} (listed above)")
 
     if not args.no_loso:
-        headline(load_rows(args.data))
+        rows = load_rows(args.data)
+        results = headline(rows)
+        if args.write_intervals:
+            write_intervals(rows, results, args.data)
     return 0
+
+
+def write_intervals(rows: list[dict[str, str]], results: dict[str, list], data: Path) -> None:
+    """planner/data/intervals.json from the held-out residuals: every prediction's interval and the
+    best published MFU (planner.uncertainty)."""
+    from planner import uncertainty
+
+    rel = data.resolve().relative_to(REPO) if data.resolve().is_relative_to(REPO) else data
+    doc = uncertainty.intervals_document([r for found in results.values() for r in found],
+                                         {r.get("run_id", ""): r.get("framework", "") for r in rows}, str(rel))
+    INTERVALS.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nwrote {INTERVALS.relative_to(REPO)}: {doc['rows']} held-out residuals, {len(doc['regimes'])} regimes")
+    for key, q in doc["regimes"].items():
+        print(f"  {key:32s} rows={q['rows']:4d}  80% of measured step times in "
+              f"[{math.exp(-q['q90']):.2f}, {math.exp(-q['q10']):.2f}] x predicted")
 
 
 if __name__ == "__main__":

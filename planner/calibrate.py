@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from planner.contracts import Assumptions
-from planner.validate import RowCase, build_cases, evaluate, source_key
+from planner.validate import RowCase, RowResult, build_cases, evaluate, source_key
 
 CAP = 0.2
 """Loss cap: a row off by more than the p90 accuracy target (20%) is left unexplained rather than fitted."""
@@ -132,11 +132,18 @@ def leave_one_source_out(rows: list[dict[str, str]], rounds: int = 4, tol: float
     predicted speed, so by the constants), the constants are fitted on the other sources, and the
     held-out rows are then rebuilt and predicted under that fold's constants. ``rounds``, ``tol``: see :func:`fit`.
     """
+    return {source: [r.error for r in results]
+            for source, results in leave_one_source_out_results(rows, rounds, tol).items()}
+
+
+def leave_one_source_out_results(rows: list[dict[str, str]], rounds: int = 4,
+                                 tol: float = 1e-3) -> dict[str, list[RowResult]]:
+    """:func:`leave_one_source_out` with each held-out row's whole result (case, prediction, error)."""
     neutral, _ = build_cases(rows, fitted={})
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[RowResult]] = {}
     for source in sorted({c.source for c in neutral}):
         values = fit([c for c in neutral if c.source != source], rounds, tol)
-        out[source] = _errors_under(rows, values, source)
+        out[source] = _results_under(rows, values, source)
     return out
 
 
@@ -150,9 +157,13 @@ def in_sample(rows: list[dict[str, str]], rounds: int = 4, tol: float = 1e-3) ->
 
 def _errors_under(rows: list[dict[str, str]], values: Values, source: str) -> list[float]:
     """Signed errors of one source's rows, rebuilt and predicted under the given constants."""
+    return [r.error for r in _results_under(rows, values, source)]
+
+
+def _results_under(rows: list[dict[str, str]], values: Values, source: str) -> list[RowResult]:
     cases, _ = build_cases([r for r in rows if source_key(r.get("run_id", "")) == source],
                            fitted=calibration_document(values, 0))
-    return [evaluate(c).error for c in cases]
+    return [evaluate(c) for c in cases]
 
 
 def calibration_document(values: Values, rows: int, data: str = "planner/data/published_runs.csv") -> dict:

@@ -302,9 +302,10 @@ def _nic_gbit_per_gpu(text: str, gpus_per_node: int) -> float | None:
 
 
 def _family(name: str) -> str:
-    """'LLAMA3-70B', 'llama3.1-70b' -> 'llama3'; 'GPT 7.1B', 'gpt3-175b' -> 'gpt'; 'Qwen3_30B_a3B' -> 'qwen3'."""
-    tokens = re.split(r"[^a-z0-9]+", name.lower().strip())
-    family = tokens[0] if tokens else ""
+    """'LLAMA3-70B', 'llama3.1-70b', 'Llama 3.1 8B' -> 'llama3'; 'GPT 7.1B', 'gpt3-175b' -> 'gpt';
+    'Qwen3_30B_a3B' -> 'qwen3' (a version number written apart from the name joins it)."""
+    found = re.match(r"\s*([a-z]+)(?:[\s_-]*(\d+)(?![\d.]*\s*[bm]\b))?", name.lower())
+    family = (found.group(1) + (found.group(2) or "")) if found else ""
     return "gpt" if family.startswith("gpt") else family
 
 
@@ -503,9 +504,9 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     gpus = n["num_gpus"]
     gpn = n["gpus_per_node"] or 8
     nic = _nic_gbit_per_gpu(_text(row, "inter_node_interconnect"), gpn)
-    if gpus % gpn:
-        return Skipped(run_id, source, f"num_gpus={gpus} is not a whole number of {gpn}-GPU nodes")
-    profile = reference_profile(system, gpus // gpn, nic_gbit_per_gpu=nic, fitted=fitted)
+    if gpus > gpn and gpus % gpn:
+        return Skipped(run_id, source, f"num_gpus={gpus} is more than one {gpn}-GPU node but not whole nodes")
+    profile = reference_profile(system, nic_gbit_per_gpu=nic, fitted=fitted, gpus=gpus)
 
     tp, pp = n["tp"], n["pp"]
     cp, ep = n["cp"] or 1, n["ep"] or 1
@@ -739,3 +740,48 @@ def summarize(errors: list[float]) -> Summary:
         return Summary(0, math.nan, math.nan, math.nan, math.nan)
     p90 = abs_err[min(len(abs_err) - 1, math.ceil(0.9 * len(abs_err)) - 1)]
     return Summary(len(abs_err), statistics.median(abs_err), p90, abs_err[-1], statistics.fmean(abs_err))
+
+
+NOISE = 0.02
+"""Measured step times of one job closer than this (relative) are a tie, not an order to get right."""
+
+
+def release(run_id: str) -> str:
+    """The software release (and MLPerf submitter) a run id names after its source, '' where none: runs of
+    one job on different releases differ by more than their layouts (``mbridge_26.02_...``, ``mlperf_v4.0_gpt3_smc_...``)."""
+    tokens = run_id.split("_")
+    if len(tokens) > 1 and re.fullmatch(r"v?\d+(\.\d+)+", tokens[1]):
+        return "_".join(tokens[1:2] + (tokens[3:4] if tokens[0] == "mlperf" else []))
+    return ""
+
+
+def same_job(case: RowCase) -> tuple:
+    """What makes two published rows the same job run two ways: source and software release, model, GPUs,
+    sequence, batch, precision. Their layouts differ."""
+    t = case.training
+    return (case.source, release(case.run_id), case.model.model_dump_json(), case.profile.name,
+            case.profile.num_gpus, t.seq_length, t.global_batch_seqs, t.precision.value)
+
+
+def layout_order(results: list[RowResult]) -> tuple[int, int, list[str]]:
+    """(pairs ordered as measured, pairs compared, the misordered pairs) over every two rows of the same job
+    (:func:`same_job`) whose layouts differ and whose measured step times differ by more than
+    :data:`NOISE`. The measured step time is the prediction's divided by the row's step-time ratio."""
+    groups: dict[tuple, list[tuple[RowResult, float]]] = {}
+    for res in results:
+        ratio = 1 + res.error if res.case.metric == "iteration_time_s" else 1 / (1 + res.error)
+        groups.setdefault(same_job(res.case), []).append((res, res.prediction.step_time_s / ratio))
+    right = total = 0
+    wrong: list[str] = []
+    for members in groups.values():
+        for i, (a, ma) in enumerate(members):
+            for b, mb in members[i + 1:]:
+                if a.case.layout == b.case.layout or abs(ma / mb - 1) <= NOISE:
+                    continue
+                total += 1
+                if (a.prediction.step_time_s < b.prediction.step_time_s) == (ma < mb):
+                    right += 1
+                else:
+                    wrong.append(f"{a.case.run_id} vs {b.case.run_id}: measured {ma / mb:.2f}x, "
+                                 f"predicted {a.prediction.step_time_s / b.prediction.step_time_s:.2f}x")
+    return right, total, wrong

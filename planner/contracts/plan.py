@@ -151,6 +151,16 @@ class StagePrediction(Contract):
     microbatches_in_flight: float
 
 
+class StepTimeInterval(Contract):
+    """The interval of a predicted step time, from the leave-one-source-out residuals of its regime."""
+
+    low_s: float = Field(gt=0)
+    high_s: float = Field(gt=0)
+    level: float = Field(gt=0, lt=1)
+    regime: str = Field(description="framework|dense or moe|precision|scale the residuals came from ('*': any)")
+    rows: int = Field(ge=1, description="held-out published runs in that regime")
+
+
 class Prediction(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     step_time_s: float
@@ -169,6 +179,9 @@ class Prediction(Contract):
     comm: list[CommTime]
     stages: list[StagePrediction]
     notes: list[str] = Field(default_factory=list)
+    interval: StepTimeInterval | None = Field(
+        None, description="where the measured step time lies for 80% of held-out published runs of this regime "
+                          "(planner.uncertainty); None where no regime has enough of them")
 
 
 class Alternative(Contract):

@@ -271,13 +271,17 @@ def mfu_peak_flops(profile: ClusterProfile) -> float:
 
 
 def predict(
-    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout, *,
+    target: str = "autopar",
 ) -> Prediction:
-    """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``."""
+    """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``,
+    with the interval and blind-spot notes of ``target``'s regime (:func:`planner.uncertainty.assess`)."""
+    from planner.uncertainty import assess
+
     if memo_for(profile) is None:  # the profile is held unchanged for the call: its lookups may be kept
         with memoised(profile):
-            return _predict(model, training, profile, layout)
-    return _predict(model, training, profile, layout)
+            return assess(_predict(model, training, profile, layout), model, training, profile, layout, target)
+    return assess(_predict(model, training, profile, layout), model, training, profile, layout, target)
 
 
 def _predict(

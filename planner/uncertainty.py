@@ -1,0 +1,198 @@
+"""How sure a prediction is: an interval from the held-out residuals of its regime, and blind-spot flags.
+
+A published run judged by ``autopar validate`` leaves a residual ``r = ln(predicted step time / measured
+step time)`` (a throughput metric's error is inverted to the step time's). The residuals come from the
+leave-one-source-out folds (each row predicted by constants fitted without its source), so an interval
+says how far off the model is on data it was not fitted to. They are grouped by regime — framework
+family, dense or Mixture-of-Experts, precision, scale — and ``benchmarks/validate_published.py
+--write-intervals`` stores each regime's 10th and 90th percentile in ``planner/data/intervals.json``.
+
+For a prediction of step time ``t`` in a regime with percentiles ``q10 <= q90``, the measured time lies
+in ``[t·exp(-q90), t·exp(-q10)]`` for 80% of the held-out runs like it. A regime with fewer than
+:data:`MIN_ROWS` residuals falls back to a coarser one (:meth:`Regime.keys`).
+
+The same file keeps the best MFU any published run reached per GPU family and model class (dense or MoE,
+precision, size): a plan predicted above it wins on terms no published run has checked, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+LEVEL = 0.8
+MIN_ROWS = 8
+"""Residuals a regime needs for its own interval; with fewer it falls back to a coarser regime."""
+
+FRAMEWORK_OF_TARGET = {"autopar": "fsdp", "torchtitan": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed"}
+"""The published framework family whose residuals judge each target (autopar's executor is FSDP2-based)."""
+
+
+def framework_family(text: str) -> str:
+    """A published row's framework column as a family: megatron (Megatron-LM/-Core, NeMo, Megatron-Bridge),
+    deepspeed (Megatron-DeepSpeed, DeepSpeed), fsdp (torchtitan, PyTorch FSDP, Composer) or other."""
+    t = text.lower()
+    if "deepspeed" in t:
+        return "deepspeed"
+    if any(w in t for w in ("megatron", "nemo")):
+        return "megatron"
+    if any(w in t for w in ("torchtitan", "fsdp", "composer")):
+        return "fsdp"
+    return "other"
+
+
+def scale_bucket(num_gpus: int) -> str:
+    return "<=64" if num_gpus <= 64 else "<=1024" if num_gpus <= 1024 else ">1024"
+
+
+def layout_style(layout) -> str:  # noqa: ANN001 - a ParallelLayout
+    """How a layout splits the model: ``sharded`` (ZeRO-3/FSDP gathers weights every micro-batch),
+    ``3d`` (tensor or pipeline parallel without that), or ``dp`` (data parallel alone)."""
+    if layout.zero_stage == 3:
+        return "sharded"
+    return "3d" if layout.tp > 1 or layout.pp > 1 else "dp"
+
+
+@dataclass(frozen=True)
+class Regime:
+    framework: str
+    moe: bool
+    precision: str  # bf16 | fp8 | fp32 | fp16
+    scale: str
+    style: str  # layout_style
+
+    def keys(self) -> list[str]:
+        """This regime's key and its fallbacks, finest first: framework|kind|precision|scale|style."""
+        k, f, p, s, st = "moe" if self.moe else "dense", self.framework, self.precision, self.scale, self.style
+        return [f"{f}|{k}|{p}|{s}|{st}", f"{f}|{k}|{p}|*|{st}", f"*|{k}|{p}|*|{st}", f"*|{k}|*|*|{st}",
+                f"*|{k}|*|*|*", "*|*|*|*|*"]
+
+
+def step_time_residual(metric: str, signed_error: float) -> float:
+    """``ln(predicted / measured step time)`` from a row's signed relative error in its own metric (a
+    time metric grows with the step time; throughput, TFLOP/s and MFU shrink with it)."""
+    ratio = 1.0 + signed_error
+    return math.log(ratio) if metric == "iteration_time_s" else -math.log(ratio)
+
+
+def quantile_table(residuals: list[tuple[Regime, float]]) -> dict[str, dict]:
+    """Every regime key (each fallback level) with at least :data:`MIN_ROWS` residuals: its row count and
+    the ``(1 - LEVEL)/2`` and ``(1 + LEVEL)/2`` percentiles."""
+    groups: dict[str, list[float]] = {}
+    for regime, r in residuals:
+        for key in regime.keys():
+            groups.setdefault(key, []).append(r)
+    out = {}
+    for key, values in sorted(groups.items()):
+        if len(values) < MIN_ROWS:
+            continue
+        cuts = statistics.quantiles(values, n=20, method="inclusive")  # 5% steps: cuts[1] = 10th, cuts[17] = 90th
+        out[key] = {"rows": len(values), "q10": round(cuts[1], 5), "q90": round(cuts[17], 5),
+                    "median": round(statistics.median(values), 5)}
+    return out
+
+
+@cache
+def table() -> dict:
+    """The packaged ``intervals.json`` ({} before ``validate_published.py --write-intervals`` wrote it)."""
+    path = resources.files("planner") / "data" / "intervals.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class Interval:
+    low_s: float
+    high_s: float
+    regime: str
+    rows: int
+
+
+def step_time_interval(step_s: float, regime: Regime, doc: dict | None = None) -> Interval | None:
+    """The :data:`LEVEL` interval of a predicted step time in ``regime`` (its finest key with enough rows)."""
+    regimes = (table() if doc is None else doc).get("regimes", {})
+    for key in regime.keys():
+        q = regimes.get(key)
+        if q is not None:
+            return Interval(step_s * math.exp(-q["q90"]), step_s * math.exp(-q["q10"]), key, q["rows"])
+    return None
+
+
+def size_class(active_params: float) -> str:
+    """Model size class by active parameters: small models reach a higher MFU than large ones at scale."""
+    return "<13B" if active_params < 13e9 else "13-100B" if active_params <= 100e9 else ">100B"
+
+
+def model_class(model, precision: str) -> str:  # noqa: ANN001 - a ModelSpec
+    """``dense|bf16|>100B``-style class a published best MFU is kept for."""
+    from planner.cost.params import active_params
+
+    return f"{'moe' if model.moe is not None else 'dense'}|{precision}|{size_class(active_params(model))}"
+
+
+def best_published_mfu(gpu_family: str, cls: str, doc: dict | None = None) -> tuple[float, str] | None:
+    """(MFU, run id) of the best published run on this GPU family of model class ``cls``, if any."""
+    best = (table() if doc is None else doc).get("best_mfu", {}).get(f"{gpu_family}|{cls}")
+    return (best["mfu"], best["run_id"]) if best else None
+
+
+def intervals_document(results: list, frameworks: dict[str, str], source: str) -> dict:
+    """``intervals.json`` from held-out ``planner.validate.RowResult``s (``frameworks``: run id -> the row's
+    framework column): each regime's residual percentiles, and the best published MFU per GPU family and
+    model class (measured MFU = predicted MFU x predicted / measured step time)."""
+    residuals, best = [], {}
+    for res in results:
+        case = res.case
+        r = step_time_residual(case.metric, res.error)
+        moe = case.model.moe is not None
+        regime = Regime(framework_family(frameworks.get(case.run_id, "")), moe, case.training.precision.value,
+                        scale_bucket(case.profile.num_gpus), layout_style(case.layout))
+        residuals.append((regime, r))
+        mfu = res.prediction.mfu * math.exp(r)
+        key = f"{case.family}|{model_class(case.model, case.training.precision.value)}"
+        if key not in best or mfu > best[key]["mfu"]:
+            best[key] = {"mfu": round(mfu, 4), "run_id": case.run_id}
+    return {"level": LEVEL, "min_rows": MIN_ROWS, "residual": "ln(predicted / measured step time), leave-one-source-out",
+            "source": source, "rows": len(residuals), "regimes": quantile_table(residuals), "best_mfu": best}
+
+
+def gpu_family(profile) -> str | None:  # noqa: ANN001 - a ClusterProfile
+    """The calibration family (a100, hopper, blackwell) of a profile's GPU, None for a CPU or an unknown part."""
+    from planner import reference
+
+    if profile.is_cpu:
+        return None
+    try:
+        return reference.system_family(profile.name.split("-nic")[0])
+    except KeyError:
+        found = reference.datasheet_for(profile.device.name)
+        return reference.system_family(found[0]) if found else None
+
+
+def assess(pred, model, training, profile, layout, target: str = "autopar", doc: dict | None = None):  # noqa: ANN001, ANN201
+    """``pred`` with its interval (regime: the target's framework family, dense/MoE, precision, scale, layout
+    style) and, where its MFU is above the best published on its GPU family and model class, a note saying so."""
+    regime = Regime(FRAMEWORK_OF_TARGET.get(target, "other"), model.moe is not None, training.precision.value,
+                    scale_bucket(profile.num_gpus), layout_style(layout))
+    found = step_time_interval(pred.step_time_s, regime, doc)
+    update: dict = {}
+    if found is not None:
+        update["interval"] = {"low_s": found.low_s, "high_s": found.high_s, "level": LEVEL, "regime": found.regime,
+                              "rows": found.rows}
+    family = gpu_family(profile)
+    cls = model_class(model, training.precision.value)
+    best = best_published_mfu(family, cls, doc) if family else None
+    if best is not None and pred.mfu > best[0]:
+        update["notes"] = [*pred.notes, f"MFU {pred.mfu:.1%} is above the best published run of its class ({cls}) on "
+                           f"{family} GPUs ({best[0]:.1%}, {best[1]}): this plan wins on terms no published run has "
+                           "checked"]
+    if not update:
+        return pred
+    if "interval" in update:
+        from planner.contracts.plan import StepTimeInterval
+
+        update["interval"] = StepTimeInterval(**update["interval"])
+    return pred.model_copy(update=update)
