@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig
+from planner.targets import Target
 from planner.contracts.limits import (
     MAX_GPUS,
     MAX_MICRO_BATCH,
@@ -105,6 +106,8 @@ class PlanOptions(Strict):
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    target: Target = Field(Target.autopar, description="what will run the plan: autopar (the executor), megatron, "
+                           "deepspeed or torchtitan; the search returns only what it runs (planner/targets.py)")
     robust: bool = Field(False, description="rank plans by the slow end of their 80% step-time interval")
     time_budget_s: float | None = Field(
         None, gt=0, le=MAX_TIME_BUDGET_S, strict=True,

@@ -240,7 +240,9 @@ def render_prediction(plan: Plan) -> None:
                   f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
-    t.add_row("step time", f"{p.step_time_s:.3f} s")
+    t.add_row("step time", f"{p.step_time_s:.3f} s" + (
+        f" ({p.interval.level:.0%} of held-out runs like it: {p.interval.low_s:.3f}-{p.interval.high_s:.3f} s, "
+        f"regime {p.interval.regime}, {p.interval.rows} runs)" if p.interval else ""))
     t.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s_per_gpu:,.0f} per GPU)")
     t.add_row("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}")
     t.add_row("pipeline bubble", f"{p.bubble_time_s:.3f} s ({p.bubble_fraction:.1%})")
@@ -361,6 +363,12 @@ def plan(
     ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
     time_budget: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_BUDGET_S,
                                                help="seconds after which the search stops and returns its best")] = 20.0,
+    target: Annotated[str, typer.Option(help="what will run the plan: autopar (our executor), megatron, deepspeed or "
+                                        "torchtitan; the search returns only what it runs (planner/targets.py)")] = "autopar",
+    robust: Annotated[bool, typer.Option(help="rank plans by the slow end of their step-time interval")] = False,
+    memory_headroom: Annotated[float | None, typer.Option(min=0.0, max=0.9, help="share of each GPU's memory kept "
+                                                          "free beyond every predicted term (default: the profile's, "
+                                                          "5% in reference profiles)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
 ) -> None:
@@ -373,9 +381,17 @@ def plan(
     prof = load_profile(cluster, nodes, profile)
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
+    if memory_headroom is not None:
+        prof = prof.model_copy(update={"assumptions": prof.assumptions.model_copy(
+            update={"memory_headroom": memory_headroom})})
     if out is not None:
         check_out(out, "plan.json")  # before the search, which may take its whole --time-budget
-    opts = SearchOptions(top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
+    from planner.targets import Target
+
+    if target not in {t.value for t in Target}:
+        raise AutoparError("--target", target, "use one of " + ", ".join(t.value for t in Target),
+                           problem="is not a target autopar plans for")
+    opts = SearchOptions(target=target, robust=robust, top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
                          max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,

@@ -21,8 +21,9 @@ def compositions(total: int, parts: int):  # noqa: ANN201 - generator of lists
         yield [edges[i + 1] - edges[i] for i in range(parts)]
 
 
-def brute_force_stages(sm: StageModel) -> tuple[float, list[int], list[tuple[Recompute, int]]] | None:
-    """(step seconds, chunks, per-rank recompute) of the fastest split that fits, or None."""
+def brute_force_stages(sm: StageModel, target: str | None = None) -> tuple[float, list[int], list[tuple[Recompute, int]]] | None:
+    """(step seconds, chunks, per-rank recompute) of the fastest split that fits, or None; with a ``target``,
+    of those its capability table accepts (planner/targets.py)."""
     best: tuple[float, list[int], list[tuple[Recompute, int]]] | None = None
     for chunks in compositions(sm.model.num_layers, sm.p * sm.v):
         per_rank: list[list[tuple[StageTerms, tuple[Recompute, int]]]] = []
@@ -38,17 +39,28 @@ def brute_force_stages(sm: StageModel) -> tuple[float, list[int], list[tuple[Rec
         else:
             for combo in itertools.product(*per_rank):
                 step = sm.step_s([t for t, _ in combo])
-                if best is None or step < best[0]:
+                if (best is None or step < best[0]) and _runs(sm, target, list(chunks), [c for _, c in combo]):
                     best = (step, list(chunks), [c for _, c in combo])
     return best
+
+
+def _runs(sm: StageModel, target: str | None, chunks: list[int], recompute: list[tuple[Recompute, int]]) -> bool:
+    if target is None:
+        return True
+    from planner import targets
+
+    job = targets.Job(sm.model, sm.training, sm.layout_for(chunks, recompute), micro_batches=sm.m)
+    return targets.refusal(target, job) is None
 
 
 def brute_force_search(model, training, profile, options=None) -> tuple[float, ParallelLayout] | None:  # noqa: ANN001
     """Fastest layout over the whole search space, by pricing every leaf and every split: (step s, layout).
 
     The same space as :func:`planner.search.engine.search` (its structures, schedules incl. GPipe,
-    ZeRO stages, HSDP groups, offload and resharding), without bounds, dominance or CP-SAT.
+    ZeRO stages, HSDP groups, offload and resharding, what ``options.target`` runs), without bounds,
+    dominance or CP-SAT.
     """
+    from planner import targets
     from planner.errors import AutoparError
     from planner.search.engine import SearchOptions, Rules, leaf_choices, schedule_choices, structures, _base_layout
 
@@ -62,11 +74,14 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
                 layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
                                       offload_optimizer=offload, reshard_after_forward=reshard,
                                       schedule=sched, virtual_stages=v)
+                if targets.refusal(opts.target, targets.Job(model, training, layout, micro_batches=st.m),
+                                   ("model", "layout")) is not None:
+                    continue
                 try:
                     sm = StageModel(model, training, profile, layout, block_cache=cache)
                 except AutoparError:
                     continue
-                found = brute_force_stages(sm)
+                found = brute_force_stages(sm, opts.target)
                 if found is not None and (best is None or found[0] < best[0]):
                     best = (found[0], sm.layout_for(found[1], found[2]))
     return best

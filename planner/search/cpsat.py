@@ -48,8 +48,11 @@ def layer_kind_prefix(sm: StageModel) -> tuple[bool, int] | None:
 
 
 def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int], list[tuple[Recompute, int]]] | None = None,
-                 workers: int = 2, upper_bound_s: float | None = None) -> StageSolution:
-    """Best split and per-stage recompute of ``sm``'s candidate; INFEASIBLE if no split fits memory."""
+                 workers: int = 2, upper_bound_s: float | None = None, *, even_split: bool = False,
+                 uniform_recompute: bool = False) -> StageSolution:
+    """Best split and per-stage recompute of ``sm``'s candidate; INFEASIBLE if no split fits memory.
+    ``even_split``: only the default split; ``uniform_recompute``: one kind and count on every rank (what a
+    target that cannot run more accepts, ``planner.targets.TargetSpec``)."""
     prefix = layer_kind_prefix(sm)
     if prefix is None:
         raise ValueError("blocks are not a prefix of one kind followed by the other; use the default split")
@@ -247,6 +250,15 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
             mdl.AddHint(rs, count if kind is Recompute.selective else 0)
             mdl.AddHint(rf, count if kind is Recompute.full else 0)
 
+    if even_split:
+        default = sm.default_chunks()
+        fixed = [sum(default[c * p + r] for c in range(v)) for r in range(p)] if single else default
+        for var, value in zip(chunks, fixed):
+            mdl.Add(var == value)
+    if uniform_recompute:
+        for r in range(1, p):
+            mdl.Add(rs_vars[r] == rs_vars[0])
+            mdl.Add(rf_vars[r] == rf_vars[0])
     if hint is not None:
         values = [sum(hint[0][c * p + r] for c in range(v)) for r in range(p)] if single else hint[0]
         for var, value in zip(chunks, values):

@@ -60,9 +60,11 @@ from planner.cost.memory import (
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
+from planner import targets
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
 from planner.search.stages import (
+    RECOMPUTE_KINDS,
     LeafComm,
     SharedCosts,
     SplitBound,
@@ -105,6 +107,8 @@ class SearchOptions:
     solver_time_limit_s: float = 1.0
     time_budget_s: float = 30.0  # seconds for the whole search, every phase (0 < budget <= MAX_TIME_BUDGET_S)
     workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
+    target: str = "autopar"  # what will run the plan (planner.targets): its regime prices the intervals
+    robust: bool = False  # rank the plans found by the pessimistic end of their step-time interval
 
     def __post_init__(self) -> None:
         b = self.time_budget_s
@@ -569,6 +573,72 @@ class Found:
     status: str = field(compare=False)
 
 
+def target_refusal(model: ModelSpec, training: TrainingConfig, target: str, layout: ParallelLayout,
+                   micro_batches: int, scopes: tuple[str, ...] = targets.SCOPES) -> targets.TargetRefusal | None:
+    """The first row of ``target``'s capability table (planner/targets.py) that refuses this layout."""
+    return targets.refusal(target, targets.Job(model, training, layout, micro_batches=micro_batches), scopes)
+
+
+def target_fallback(sm: StageModel, target: str, micro_batches: int) -> tuple[float, ParallelLayout] | None:
+    """The fastest fitting layout of ``sm`` that ``target`` runs when it refused the search's split or per-stage
+    recompute: the default split with one recompute kind and count on every pipeline rank."""
+    chunks = sm.default_chunks()
+    fewest = min(len(r) for r in sm.rank_layers(chunks))
+    best = None
+    for kind in (Recompute.none, *RECOMPUTE_KINDS):
+        for count in range(0 if kind is Recompute.none else 1, 1 if kind is Recompute.none else fewest + 1):
+            choice = [(kind, count)] * sm.p
+            step, terms = sm.evaluate(chunks, choice)
+            if not sm.fits(terms) or (best is not None and step >= best[0]):
+                continue
+            layout = sm.layout_for(chunks, choice)
+            if target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
+                best = (step, layout)
+    return best
+
+
+def pessimistic_s(pred: Prediction) -> float:
+    """The slow end of a prediction's step-time interval (the step time itself without one)."""
+    return pred.interval.high_s if pred.interval is not None else pred.step_time_s
+
+
+def rank_found(ranked: list[Found], preds: list[Prediction | None], robust: bool) -> tuple[list, list]:
+    """Equally fast plans (to 1e-9) with the least memory per GPU first; ``robust``: by the slow end of
+    each interval (a plan not predicted in full keeps its place behind those that are)."""
+    fastest = ranked[0].step_s
+
+    def key(i: int) -> tuple:
+        pred = preds[i]
+        nominal = round(ranked[i].step_s / fastest, 9)
+        first = (pessimistic_s(pred) if pred is not None else math.inf) if robust else nominal
+        return first, nominal, pred.memory.total_bytes if pred else math.inf, i
+
+    order = sorted(range(len(ranked)), key=key)
+    return [ranked[i] for i in order], [preds[i] for i in order]
+
+
+def ties(pred: Prediction, best: Prediction) -> bool:
+    """Whether two predictions' step-time intervals overlap (neither is surely faster)."""
+    if pred.interval is None or best.interval is None:
+        return False
+    return pred.interval.low_s <= best.interval.high_s and best.interval.low_s <= pred.interval.high_s
+
+
+def alternative(alt: Found, pred: Prediction | None, best: Found, best_pred: Prediction) -> Alternative:
+    """An alternative and why it lost (or that it ties the best within the model's accuracy)."""
+    if pred is None:
+        return Alternative(layout=alt.layout, slower_by=alt.step_s / best.step_s - 1,
+                           reason=f"{alt.step_s / best.step_s - 1:+.1%} step time; not predicted in "
+                                  "full: the search's time budget was spent")
+    reason = why_slower(pred, best_pred)
+    if ties(pred, best_pred):
+        reason += (f"; a tie within the model's accuracy: its {pred.interval.level:.0%} interval "
+                   f"[{pred.interval.low_s:.3g}, {pred.interval.high_s:.3g}] s overlaps the best's "
+                   f"[{best_pred.interval.low_s:.3g}, {best_pred.interval.high_s:.3g}] s")
+    return Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
+                       reason=reason)
+
+
 def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int,
                   training: TrainingConfig | None = None, profile: ClusterProfile | None = None) -> ParallelLayout:
     """The structure's leaf with the least activation memory per formula byte (ties: the highest ZeRO
@@ -736,6 +806,8 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         # nothing to price the optimizer-state copies with: offload is not a choice on this profile
         opts = dataclasses.replace(opts, offload=False)
         rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
+    targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
+    spec = targets.TARGETS[targets.Target(opts.target)]
     cache: dict = {}
     structs = structures(model, training, profile, opts, rules, deadline)
     if not structs:
@@ -774,7 +846,16 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     def kth() -> float:
         return values[opts.top_k - 1] if len(values) >= opts.top_k else math.inf
 
-    def record(leaf: int, step: float, layout: ParallelLayout, st: Structure, status: str) -> None:
+    def record(leaf: int, step: float, layout: ParallelLayout, st: Structure, status: str,
+               sm: StageModel | None = None) -> None:
+        refused = target_refusal(model, training, opts.target, layout, st.m)
+        if refused is not None:  # a split or recompute the target cannot run: its even split, one choice
+            legal = target_fallback(sm, opts.target, st.m) if sm is not None else None
+            if legal is None:
+                rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+                return
+            step, layout = legal
+            status = f"{status.split(' ')[0]} ({opts.target}: even split, one recompute choice)"
         old = results.get(leaf)
         if old is not None:
             if step >= old.step_s:
@@ -863,6 +944,10 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
 
+        refused = target_refusal(model, training, opts.target, make_layout(), st.m, ("layout",))
+        if refused is not None:
+            rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+            return
         comm = leaf_comm(st, zero, rep, shard, offload, reshard)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
             report["pruned"] += 1
@@ -932,15 +1017,22 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             if best is None:
                 no_fit(st, lambda sm=sm: sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
                 return
-            record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)")
+            record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)",
+                   sm)
             report["closed"] += 1
             return
         chunks = sm.default_chunks()
         greedy = sm.greedy(chunks)
+        if greedy is not None and target_refusal(model, training, opts.target, sm.layout_for(chunks, greedy[2]),
+                                                 st.m) is not None:
+            # per-rank choices the target cannot run: its own best on the default split stands in, and
+            # CP-SAT (restricted as the target is) settles the leaf
+            record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st, "FEASIBLE (default split)", sm)
+            greedy = None
         if greedy is not None:
             met = greedy[0] <= lb * (1 + 1e-9)
             record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
-                   "OPTIMAL (bound)" if met else "FEASIBLE (default split)")
+                   "OPTIMAL (bound)" if met else "FEASIBLE (default split)", sm)
             if met:
                 report["closed"] += 1
                 return
@@ -948,7 +1040,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
             slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
             pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
                             greedy[2] if greedy else None, (sched, v, stage_lb, rec_s, comm, slowest)))
-        elif greedy is None:
+        elif greedy is None and leaf_id not in results:
             no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
     minmax_of: dict[int, float] = {}
@@ -1160,11 +1252,12 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(deadline - time.perf_counter(), 0.01)),
                            workers=opts.workers,
                            hint=(chunks, greedy_rec) if greedy_rec else None,
-                           upper_bound_s=cutoff if math.isfinite(cutoff) else None)
+                           upper_bound_s=cutoff if math.isfinite(cutoff) else None,
+                           even_split=not spec.uneven_split, uniform_recompute=not spec.per_stage_recompute)
         status_counts[sol.status] += 1
         if sol.chunks:
             val = sm.evaluate(sol.chunks, sol.recompute)[0]
-            record(leaf, val, sm.layout_for(sol.chunks, sol.recompute), st, sol.status)
+            record(leaf, val, sm.layout_for(sol.chunks, sol.recompute), st, sol.status, sm)
         elif sol.status == "INFEASIBLE":
             if greedy_val is None:
                 if not math.isfinite(cutoff):
@@ -1188,23 +1281,15 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 shortfall[:] = [gap, str(label), order]
         raise _nothing_fits(model, training, profile, shortfall, report)
     # the fastest is predicted in full; the alternatives while the budget lasts
-    preds = [predict(model, training, profile, found.layout) if i == 0 or not over_budget() else None
-             for i, found in enumerate(ranked)]
-    # equally fast plans (to 1e-9): the one needing the least memory per GPU first
-    fastest = ranked[0].step_s
-    order = sorted(range(len(ranked)), key=lambda i: (round(ranked[i].step_s / fastest, 9),
-                                                      preds[i].memory.total_bytes if preds[i] else math.inf, i))
-    ranked, preds = [ranked[i] for i in order], [preds[i] for i in order]
+    preds = [predict(model, training, profile, found.layout, target=opts.target) if i == 0 or not over_budget()
+             else None for i, found in enumerate(ranked)]
+    ranked, preds = rank_found(ranked, preds, opts.robust)
     best, best_pred = ranked[0], preds[0]
-    alternatives = []
-    for alt, pred in zip(ranked[1:], preds[1:]):
-        if pred is None:
-            alternatives.append(Alternative(layout=alt.layout, slower_by=alt.step_s / best.step_s - 1,
-                                            reason=f"{alt.step_s / best.step_s - 1:+.1%} step time; not predicted in "
-                                                   "full: the search's time budget was spent"))
-            continue
-        alternatives.append(Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
-                                        reason=why_slower(pred, best_pred)))
+    alternatives = [alternative(alt, pred, best, best_pred) for alt, pred in zip(ranked[1:], preds[1:])]
+    if any(a.prediction is not None and ties(a.prediction, best_pred) for a in alternatives):
+        best_pred = best_pred.model_copy(update={"notes": [*best_pred.notes, (
+            "an alternative's step-time interval overlaps this plan's: the cost model cannot tell them apart "
+            "(see each alternative's reason)")]})
     fam_out = []
     ranked_fams = sorted(families.items(), key=lambda kv: (kv[1]["best"] is None, kv[1]["best"].step_s if kv[1]["best"] else 0.0))
     for n, (name, fam) in enumerate(ranked_fams):
@@ -1212,7 +1297,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         if b is not None and b.layout == best.layout:
             reason = "the chosen plan's structure"
         elif b is not None and n < EXPLAINED_FAMILIES and not over_budget():
-            reason = why_slower(predict(model, training, profile, b.layout), best_pred)
+            reason = why_slower(predict(model, training, profile, b.layout, target=opts.target), best_pred)
         elif b is not None:
             reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
         else:
@@ -1228,7 +1313,7 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         wall_s=wall, families=fam_out,
     )
     return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
-                precision=training.precision, prediction=best_pred, alternatives=alternatives,
+                precision=training.precision, target=opts.target, prediction=best_pred, alternatives=alternatives,
                 solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every bound was closed "
                                f"(the chosen candidate's own split: {best.status})" if budget_hit else best.status),
                 search=search_report)
