@@ -150,10 +150,26 @@ def assumptions_for(family: str, fitted: dict | None = None) -> Assumptions:
     return Assumptions(**values, notes=notes)
 
 
+def gpus_to_nodes(system: str, gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a job on ``gpus`` GPUs of ``system``: part of one node (a 4-GPU job on an
+    8-GPU node, a workstation), or whole nodes."""
+    if gpus < 1:
+        raise AutoparError("gpus", gpus, "give at least 1 GPU", problem="is not a positive GPU count")
+    if gpus <= gpus_per_node:
+        return 1, gpus
+    if gpus % gpus_per_node:
+        raise AutoparError("gpus", gpus, f"use at most {gpus_per_node} GPUs (part of one node) or a multiple of "
+                           f"{gpus_per_node} (whole nodes), e.g. {gpus // gpus_per_node * gpus_per_node}",
+                           problem=f"is more than one {system} node holds but not whole nodes")
+    return gpus // gpus_per_node, gpus_per_node
+
+
 def reference_profile(
-    system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: float | None = None, fitted: dict | None = None
+    system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: float | None = None, fitted: dict | None = None,
+    gpus: int | None = None,
 ) -> ClusterProfile:
-    """A reference ClusterProfile of ``num_nodes`` nodes of ``system`` (see :data:`SYSTEMS`).
+    """A reference ClusterProfile of ``num_nodes`` nodes of ``system`` (see :data:`SYSTEMS`), or of
+    ``gpus`` GPUs (part of one node, or whole nodes; then ``num_nodes`` is not used).
 
     ``nic_gbit_per_gpu`` replaces the design's network line rate (clusters built with fewer or
     slower NICs than the reference design); ``fitted`` replaces the packaged calibration
@@ -164,6 +180,11 @@ def reference_profile(
         raise UnknownNameError("cluster", system, list(SYSTEMS))
     if num_nodes < 1:
         raise AutoparError("nodes", num_nodes, "give at least 1 node", problem="is not a positive node count")
+    if gpus is not None:
+        num_nodes, per_node = gpus_to_nodes(key, gpus, SYSTEMS[key].gpus_per_node)
+        if per_node < SYSTEMS[key].gpus_per_node:
+            whole = reference_profile(key, 1, nic_gbit_per_gpu=nic_gbit_per_gpu, fitted=fitted)
+            return whole.model_copy(update={"gpus_per_node": per_node, "name": f"{whole.name}-{per_node}gpu"})
     d = SYSTEMS[key]
     nic = nic_gbit_per_gpu or d.nic_gbit_per_gpu
     net = nic / 8 * NETWORK_EFFICIENCY * GB

@@ -266,3 +266,14 @@ def test_cluster_profile_rejects_unknown_fields():
     data["gpus"] = 8
     with pytest.raises(ValidationError, match="gpus"):
         ClusterProfile.model_validate(data)
+
+
+def test_a_job_on_part_of_a_node_or_on_whole_nodes():
+    from planner.errors import AutoparError
+    from planner.reference import reference_profile
+
+    part = reference_profile("dgx-h100", gpus=4)  # 4 of a node's 8 GPUs, a 4-GPU workstation
+    assert (part.num_nodes, part.gpus_per_node, part.num_gpus) == (1, 4, 4)
+    assert reference_profile("dgx-h100", gpus=16).num_nodes == 2
+    with pytest.raises(AutoparError, match="gpus=12 .*multiple of 8"):
+        reference_profile("dgx-h100", gpus=12)

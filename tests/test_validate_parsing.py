@@ -274,3 +274,14 @@ def test_not_applicable_virtual_stages_is_no_interleaving():
     assert na.layout.schedule is Schedule.one_f_one_b and na.layout.virtual_stages == 1
     assert na.layout == one.layout
     assert not any(d.startswith("virtual_stages=") for d in na.defaults)
+
+
+def test_model_family_joins_a_version_written_apart():
+    """'Llama 3.1 8B' is of the llama3 family: with unstated vocabulary it takes Llama 3's 128k, not Llama 2's
+    32k from a preset of the same shapes."""
+    from planner.validate import _family, _matching_preset
+
+    assert _family("Llama 3.1 8B") == _family("llama3.1-8b") == "llama3"
+    assert _family("Llama 2 70B") == "llama2" and _family("MPT-7B") == "mpt"
+    name, spec = _matching_preset("Llama 3.1 8B", 32, 4096, 32, True)
+    assert name.startswith("llama3") and spec.vocab_size == 128256
