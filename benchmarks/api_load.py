@@ -84,12 +84,17 @@ def plan_requests() -> list[tuple[dict, str]]:
         for cluster in clusters:
             for nodes in (1, 2, 4):
                 seq, batch = shapes[k % len(shapes)]
-                if preset == "gpt3-1.3b":  # learned positions: 2048 rows, a longer sequence has no layout
-                    seq = min(seq, 2048)
-                opts = options[(k // len(shapes)) % len(options)]
+                opts = dict(options[(k // len(shapes)) % len(options)])
+                if preset == "gpt3-1.3b":  # learned positions: 2048 rows, a longer sequence has no layout;
+                    seq = min(seq, 2048)   # planned for Megatron-LM (the executor's decoder is RoPE only)
+                    opts["target"] = "megatron"
                 k += 1
+                # a Mixture-of-Experts model on 40 GB GPUs needs four nodes without a pipeline (its states, the
+                # CUDA context, NCCL buffers, fragmentation and the 5% headroom)
+                n = max(nodes, 4) if cluster == "dgx-a100-40gb" and preset in ("mixtral-8x7b", "qwen3-30b-a3b") \
+                    else nodes
                 out.append(({"model": {"preset": preset}, "training": {"seq_length": seq, "global_batch_size": batch},
-                             "cluster": cluster, "num_nodes": nodes, "options": dict(opts)}, "ok"))
+                             "cluster": cluster, "num_nodes": n, "options": dict(opts)}, "ok"))
     infeasible = [
         {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
          "cluster": "dgx-a100-40gb", "num_nodes": 1,
@@ -216,9 +221,11 @@ def _profile(state: LoadState, name: str, marker: str) -> dict:
 async def _plan(state: LoadState, rng: random.Random) -> None:
     if state.created_profiles and rng.random() < 0.1:
         pid = rng.choice(list(state.created_profiles))
-        body = {"model": {"preset": rng.choice(("gpt3-1.3b", "llama3-8b"))},
+        preset = rng.choice(("gpt3-1.3b", "llama3-8b"))
+        body = {"model": {"preset": preset},
                 "training": {"seq_length": 2048, "global_batch_size": rng.choice((32, 64))},
-                "profile_id": pid, "num_nodes": rng.choice((1, 2)), "options": {"top_k": 2}}
+                "profile_id": pid, "num_nodes": rng.choice((1, 2)),
+                "options": {"top_k": 2, **({"target": "megatron"} if preset == "gpt3-1.3b" else {})}}
         expected = "ok"
     else:
         body, expected = rng.choice(PLAN_REQUESTS)

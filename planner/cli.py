@@ -69,6 +69,8 @@ OptHfConfig = Annotated[Path | None, typer.Option(help="Hugging Face config.json
 OptCluster = Annotated[str | None, typer.Option(
     help="reference cluster, or a measured profile shipped with the planner (see `autopar clusters`)")]
 OptNodes = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of nodes (reference clusters; default 1)")]
+OptGpus = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of GPUs instead of --nodes: part of one "
+                                             "node (e.g. 4 of a DGX's 8) or whole nodes (reference clusters)")]
 OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
 OptGlobalBatch = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="sequences per optimizer step")]
 OptGlobalBatchTokens = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH_TOKENS, help="tokens per optimizer step")]
@@ -94,9 +96,21 @@ def load_model(model: str | None, model_file: Path | None, hf_config: Path | Non
     return ModelSpec.model_validate_json(_read(model_file, "--model-file"))
 
 
-def load_profile(cluster: str | None, nodes: int | None, profile: Path | None) -> ClusterProfile:
+def load_profile(cluster: str | None, nodes: int | None, profile: Path | None, gpus: int | None = None) -> ClusterProfile:
     """A reference cluster or a shipped measured profile by name (``planner/data/measured``), or a
-    profile file (a measured one describes its own nodes)."""
+    profile file (a measured one describes its own nodes); ``gpus``: a reference cluster's GPU count."""
+    if gpus is not None:
+        if nodes is not None or profile is not None:
+            raise AutoparError("--gpus", gpus, "give --gpus or --nodes, and --gpus only with a reference --cluster",
+                               problem="conflicts with " + ("--nodes" if nodes is not None else "--profile"))
+        from planner.errors import UnknownNameError
+        from planner.reference import reference_profile
+
+        try:
+            return reference_profile(cluster or "dgx-h100", gpus=gpus)
+        except UnknownNameError:
+            raise AutoparError("--gpus", gpus, "use --gpus with a reference cluster (autopar clusters); a measured "
+                               "profile has its own GPUs", problem=f"cannot resize cluster '{cluster}'") from None
     from planner.errors import UnknownNameError
     from planner.reference import SYSTEMS, measured_profiles, reference_profile
 
@@ -287,6 +301,7 @@ def predict(
     hf_config: OptHfConfig = None,
     cluster: OptCluster = None,
     nodes: OptNodes = None,
+    gpus: OptGpus = None,
     profile: OptProfile = None,
     global_batch: OptGlobalBatch = None,
     global_batch_tokens: OptGlobalBatchTokens = None,
@@ -318,7 +333,7 @@ def predict(
     from planner.cost.predict import predict as run_prediction
 
     spec = load_model(model, model_file, hf_config)
-    prof = load_profile(cluster, nodes, profile)
+    prof = load_profile(cluster, nodes, profile, gpus)
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
@@ -339,6 +354,7 @@ def plan(
     hf_config: OptHfConfig = None,
     cluster: OptCluster = None,
     nodes: OptNodes = None,
+    gpus: OptGpus = None,
     profile: OptProfile = None,
     global_batch: OptGlobalBatch = None,
     global_batch_tokens: OptGlobalBatchTokens = None,
@@ -378,7 +394,7 @@ def plan(
     from planner.search import SearchOptions, search
 
     spec = load_model(model, model_file, hf_config)
-    prof = load_profile(cluster, nodes, profile)
+    prof = load_profile(cluster, nodes, profile, gpus)
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
     if memory_headroom is not None:

@@ -402,3 +402,18 @@ def test_the_same_options_are_taken_where_they_apply():
     invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--pp", "2", "--schedule", "zero_bubble")
     invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--zero", "3", "--no-reshard")
     invoke("predict", "--model", "llama3-8b", "--global-batch", "8", "--tp", "2", "--tp-overlap")
+
+
+def test_gpus_plans_a_job_on_part_of_a_node():
+    """--gpus 4 on a DGX H100 reference cluster: a 4-GPU job (it used to need whole nodes); with --nodes, refused."""
+    import json as _json
+    import subprocess as _sp
+    import sys as _sys
+
+    run = _sp.run([_sys.executable, "-m", "planner.cli", "predict", "--model", "llama3-8b", "--gpus", "4",
+                   "--global-batch", "16", "--seq", "2048", "--zero", "3", "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert _json.loads(run.stdout)["num_gpus"] == 4
+    both = _sp.run([_sys.executable, "-m", "planner.cli", "predict", "--model", "llama3-8b", "--gpus", "4", "--nodes",
+                    "1"], capture_output=True, text=True)
+    assert both.returncode == 2 and "--gpus" in both.stderr
