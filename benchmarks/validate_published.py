@@ -78,7 +78,7 @@ def headline(rows: list[dict[str, str]]) -> dict[str, list]:
     ins = summarize([e for errs in fitted.values() for e in errs])
     korth = summarize(loso.get(KORTH, []))
     print(_line("HELD-OUT (LOSO, the accuracy figure)", held)
-          + f"   median {_mark(held.median_abs_err, 0.10)}, p90 {_mark(held.p90_abs_err, 0.20)}")
+          + f"   median {_mark(held.median_abs_err, 0.08)}, p90 {_mark(held.p90_abs_err, 0.20)}")
     print(_line("in-sample fit (same fitter, all sources; NOT out of sample)", ins))
     print(f"Korthikanti end-to-end rows, held out: n={korth.rows} mean_abs_err={korth.mean_abs_err:.1%} "
           f"max_abs_err={korth.max_abs_err:.1%}   {_mark(korth.mean_abs_err, 0.03)}")
