@@ -34,6 +34,9 @@ test: install
 bench: install
 	$(PY) benchmarks/validate_published.py
 	$(PY) benchmarks/memory_check.py
+	$(PY) benchmarks/memory_published.py
+	$(PY) benchmarks/targets_matrix.py
+	$(PY) benchmarks/bad_input.py
 	$(PY) benchmarks/search.py
 	$(PY) benchmarks/api_load.py
 
