@@ -799,3 +799,19 @@ def test_cpsat_holds_to_one_split_and_one_recompute_choice_when_asked():
     assert held.status == "OPTIMAL" and held.chunks == sm.default_chunks()
     assert len(set(held.recompute)) == 1
     assert held.objective_s >= free.objective_s * (1 - 1e-9)
+
+
+def test_leaves_of_other_zero_stages_do_not_share_memory_bounds():
+    """ZeRO-0 and ZeRO-2 over one shard rank hold the same states per parameter but not the same activations,
+    fragmentation or buffers: a bound priced for one must not prune the other (the ZeRO-2 leaf, bounded
+    first, used to answer 'nothing fits' for a ZeRO-0 plan that does)."""
+    model = get_preset("llama3-8b").model_copy(update={"num_layers": 6})
+    prof = reference_profile("dgx-a100-40gb", gpus=2)
+    tr = TrainingConfig(global_batch_size=8, seq_length=8192)
+    steps = []
+    for zeros in ((0, 2), (2, 0)):
+        opts = SearchOptions(zero_stages=zeros, offload=False, max_tp=1, max_micro_batch_size=1,
+                             schedules=(Schedule.one_f_one_b,), max_virtual_stages=1)
+        steps.append(search(model, tr, prof, opts).prediction.step_time_s)
+        assert steps[-1] == pytest.approx(brute_force_search(model, tr, prof, opts)[0], rel=1e-6)
+    assert steps[0] == steps[1]

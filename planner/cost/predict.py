@@ -424,7 +424,9 @@ def _predict(
         full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
             activations += factor * max(activations_of(li, Recompute.none) for li in full)
-        biggest = max((sum(params_of(li)) for li in st.layers), default=0) / layout.tp
+        # this rank's share of its biggest block (experts split over ep too)
+        biggest = max((params_of(li)[0] / layout.tp + params_of(li)[1] / (layout.tp * layout.ep) for li in st.layers),
+                      default=0)
         loss = logits_bytes(model, mb.tokens, layout.tp, a.loss_bytes_per_logit) if st.last else 0.0
         mem = stage_memory(profile, training, layout, i, dense=stage_params[i], experts=stage_expert_params[i],
                            activations=activations, biggest_block=biggest, loss=loss, accumulates=m > 1)

@@ -970,8 +970,10 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         # data-parallel choice only through the model-state bytes per parameter and whether ZeRO-3
         # gathers (the structure fixes the groups, the blocks' times and activations): leaves
         # equal in those share them (ZeRO-3 with and without resharding, ZeRO-0 and -1 unsharded, ...)
+        # the memory bounds read the leaf's whole data-parallel choice: states per parameter, and by ZeRO stage
+        # the activation factor, fragmentation, held and gathered weights; by replication the communicators
         mem_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
-                   states_per_param(st, zero, shard, offload), minmax)
+                   states_per_param(st, zero, shard, offload), zero, rep, reshard or zero < 3, minmax)
         bounds = leaf_memory.get(mem_key)
         if bounds is None:
             sm = build()

@@ -215,7 +215,8 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         cache[key] = KindCost(
             forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute},
             activations=cache[acts_key], dense_params=dense / layout.tp,
-            expert_params=expert / (layout.tp * layout.ep), gather_params=(dense + expert) / layout.tp,
+            expert_params=expert / (layout.tp * layout.ep),
+            gather_params=dense / layout.tp + expert / (layout.tp * layout.ep),  # this rank's share of the block
         )
     return cache[key]
 
@@ -650,18 +651,23 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     means nothing)."""
     lay, state = sm.layout, sm.state
     grads = 0.0 if sm.m > 1 else state.grads
-    best_d = best_e = math.inf
+    best_d = best_e = step_d = step_e = math.inf
     budget = sm.alloc_capacity
+    temp = sm.profile.assumptions.optimizer_temp_bytes_per_param
     for zero in zero_stages:
         held = kept_gathered_bytes_per_param(zero, True, lay.pp, state) + held_gradient_bytes_per_param(zero, lay.pp, state)
         late_d = grads / (sm.shard_n if zero >= 2 else 1)  # a single micro-batch's gradients, made after the peak
         late_e = grads / (sm.expert_shard if zero >= 2 else 1)
+        div_d, div_e = (sm.shard_n, sm.expert_shard) if zero >= 1 else (1, 1)
         for off in ({False, offload} if zero >= 1 else {False}):
             d, e = state_bytes_per_param_split(state, zero, sm.shard_n, lay.ep, off)
             best_d, best_e = min(best_d, d + held - late_d), min(best_e, e + held - late_e)
+            step_d = min(step_d, d + (0.0 if off else temp / div_d))  # the optimizer step's states and temporaries
+            step_e = min(step_e, e + (0.0 if off else temp / div_e))
         budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, sm.profile.assumptions,
                                                     lay.model_copy(update={"zero_stage": zero})))
     sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
+    sm._step_state = (step_d, step_e)
     return sm
 
 
