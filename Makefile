@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
 	@# torch only where none is installed, so a GPU user's own CUDA build is kept
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,frameworks]'
 	@touch $(STAMP)
 
 install: $(STAMP)
