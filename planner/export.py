@@ -6,7 +6,8 @@
   ``torchrun`` with one argument per line.
 - ``deepspeed``: ``ds_config.json`` (the DeepSpeed runtime config) and ``megatron_deepspeed_args.sh``
   (Megatron-DeepSpeed's ``pretrain_gpt.py`` arguments for TP/PP and the model).
-- ``torchtitan``: ``torchtitan.toml``, a torchtitan job config.
+- ``torchtitan``: ``torchtitan_train.sh``, ``torchrun -m torchtitan.train`` with a torchtitan 0.3.0 config
+  registry entry (``--module``/``--config``) and ``--section.key`` overrides.
 
 Every layout field a target can express is written out. What a target cannot express is a row of its
 capability table (:mod:`planner.targets`, read before anything is rendered): the export raises
@@ -19,8 +20,8 @@ copied): NVIDIA/Megatron-LM ``megatron/training/arguments.py`` and
 ``megatron/arguments.py``, ``pretrain_gpt.py`` and microsoft/Megatron-DeepSpeed
 ``megatron/model/gpt_model.py``; deepspeedai/DeepSpeed ``deepspeed/runtime/constants.py``,
 ``deepspeed/runtime/zero/config.py``, ``deepspeed/runtime/config.py`` and
-``deepspeed/runtime/pipe/engine.py``; pytorch/torchtitan ``torchtitan/config/job_config.py``,
-``torchtitan/distributed/pipeline_parallel.py`` and ``torchtitan/models/llama3/__init__.py``.
+``deepspeed/runtime/pipe/engine.py``; torchtitan 0.3.0 ``torchtitan/config/manager.py``,
+``torchtitan/config/configs.py``, ``torchtitan/trainer.py`` and ``torchtitan/models/*/config_registry.py``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _planned_for(plan: Plan) -> Target:
 _NAMES = {
     "megatron": "Megatron-LM",
     "deepspeed": "DeepSpeed (Megatron-DeepSpeed)",
-    "torchtitan": "torchtitan",
+    "torchtitan": "torchtitan 0.3.0",
 }
 
 
@@ -616,167 +617,133 @@ def _deepspeed(plan: Plan) -> dict[str, str]:
 # ============================================================================================
 # torchtitan
 # ============================================================================================
-# torchtitan model flavors whose shapes match a ModelSpec exactly (pytorch/torchtitan torchtitan/models):
+# torchtitan 0.3.0 config_registry entries whose model shapes match a ModelSpec exactly
+# (torchtitan/models/<module>/config_registry.py):
 # (layers, hidden, heads, kv heads, ffn, vocab,
 #  MoE (experts, top-k, expert ffn, shared, dense layers) or None,
-#  MLA or not) -> (model name, flavor)
-_TORCHTITAN_FLAVORS = {
-    (32, 4096, 32, 8, 14336, 128256, None, False): ("llama3", "8B"),
-    (80, 8192, 64, 8, 28672, 128256, None, False): ("llama3", "70B"),
-    (126, 16384, 128, 8, 53248, 128256, None, False): ("llama3", "405B"),
-    (61, 7168, 128, 128, 18432, 129280, (256, 8, 2048, 1, 3), True): ("deepseek_v3", "671B"),
+#  MLA or not) -> (--module, --config)
+_TORCHTITAN_CONFIGS = {
+    (32, 4096, 32, 8, 14336, 128256, None, False): ("llama3", "llama3_8b"),
+    (80, 8192, 64, 8, 28672, 128256, None, False): ("llama3", "llama3_70b"),
+    (126, 16384, 128, 8, 53248, 128256, None, False): ("llama3", "llama3_405b"),
+    (61, 7168, 128, 128, 18432, 129280, (256, 8, 2048, 1, 3), True): ("deepseek_v3", "deepseek_v3_671b"),
 }
 _TORCHTITAN_SCHEDULES = {
     Schedule.gpipe: "GPipe",
     Schedule.one_f_one_b: "1F1B",
     Schedule.interleaved_1f1b: "Interleaved1F1B",
 }
+TORCHTITAN_RELEASE = "torchtitan 0.3.0"
 
 
 def _torchtitan(plan: Plan) -> dict[str, str]:
-    m, t, lay = plan.model, plan.training, plan.layout
-    dp, pp, v = lay.dp, lay.pp, lay.virtual_stages
-    counts = _counts(plan)
-    mode, every = _titan_checkpointing(plan)
+    """``torchtitan_train.sh``: torchrun of ``torchtitan.train`` with a ``--module/--config`` registry entry,
+    ``--section.key value`` overrides and the activation-checkpoint subcommand last."""
+    module, config, notes = _titan_registry_entry(plan)
+    cmd = _torchrun(plan, "-m torchtitan.train")
+    cmd.add("--module", module)
+    cmd.add("--config", config)
+    for flag, *values in _titan_overrides(plan):
+        cmd.add(flag, *values)
+    cmd.add(f"activation_checkpoint:{_titan_checkpointing(plan)}")
+    notes += [
+        f"Options checked against {TORCHTITAN_RELEASE} (torchtitan/config/manager.py ConfigManager,",
+        "torchtitan/config/configs.py, torchtitan/trainer.py); earlier releases took TOML job files instead.",
+        "Adam or AdamW, learning rate and float8 come from the registry entry (optimizer.param_groups,",
+        "model_spec converters), which these overrides do not set.",
+    ]
+    if plan.layout.ep > 1 and plan.layout.tp > 1:
+        notes.append(
+            f"{TORCHTITAN_RELEASE} has no expert_tensor_parallel_degree option; "
+            "how it splits experts under TP was not checked by autopar."
+        )
+    return {
+        "torchtitan_train.sh": _script(plan, "torchtitan", notes, ["# no environment needed"], [cmd.render()])
+    }
 
-    # ---- model ----
+
+def _titan_registry_entry(plan: Plan) -> tuple[str, str, list[str]]:
+    """(--module, --config, notes): the registry entry with the plan's model shapes, else one to add."""
+    m = plan.model
+    moe = m.moe
     moe_key = (
         None
-        if m.moe is None
+        if moe is None
         else (
-            m.moe.num_experts,
-            m.moe.top_k,
-            m.moe.expert_ffn_hidden_size,
-            m.moe.num_shared_experts,
-            m.moe.first_dense_layers,
+            moe.num_experts,
+            moe.top_k,
+            moe.expert_ffn_hidden_size,
+            moe.num_shared_experts,
+            moe.first_dense_layers,
         )
     )
-    key = (
-        m.num_layers,
-        m.hidden_size,
-        m.num_attention_heads,
-        m.kv_heads,
-        m.ffn_hidden_size,
-        m.vocab_size,
-        moe_key,
-        m.mla is not None,
+    key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size)
+    entry = _TORCHTITAN_CONFIGS.get((*key, moe_key, m.mla is not None))
+    if entry is not None:
+        return entry[0], entry[1], []
+    module = "deepseek_v3" if m.mla is not None or moe is not None else "llama3"
+    config = "autopar_" + re.sub(r"[^0-9a-zA-Z]+", "_", m.name).strip("_").lower()
+    shapes = (
+        f"layers={m.num_layers}, dim={m.hidden_size}, heads={m.num_attention_heads}, kv_heads={m.kv_heads}, "
+        f"ffn_hidden={m.ffn_hidden_size}, vocab={m.vocab_size}"
     )
-    name, flavor = _TORCHTITAN_FLAVORS.get(key, (None, None))
+    if moe is not None:
+        shapes += f", experts={moe.num_experts} top-{moe.top_k} of {moe.expert_ffn_hidden_size}"
     notes = [
-        "Option names checked against pytorch/torchtitan torchtitan/config/job_config.py (TOML job configs,",
-        "2025 releases with training.local_batch_size, parallelism.module_fqns_per_model_part,",
-        "parallelism.expert_tensor_parallel_degree and [compile]);",
-        "older releases name some of these differently.",
+        f"NOTE: no {TORCHTITAN_RELEASE} config_registry entry has this model's shapes; add a function",
+        f"{config}() to torchtitan/models/{module}/config_registry.py with: {shapes}.",
     ]
-    if name is None:
-        name, flavor = ("deepseek_v3" if m.mla is not None else "llama3"), m.name
-        notes += [
-            "NOTE: no torchtitan flavor has this model's shapes;",
-            f"register flavor '{flavor}' with: layers={m.num_layers},",
-            f"dim={m.hidden_size}, heads={m.num_attention_heads}, kv_heads={m.kv_heads}, "
-            f"ffn_hidden={m.ffn_hidden_size}, "
-            f"vocab={m.vocab_size}"
-            + (
-                f", experts={m.moe.num_experts} top-{m.moe.top_k} of {m.moe.expert_ffn_hidden_size}"
-                if m.moe is not None
-                else ""
-            )
-            + ".",
-        ]
-    notes.append("torchtitan's vocabulary comes from the tokenizer in model.hf_assets_path.")
+    return module, config, notes
 
-    # ---- data parallel ----
-    if lay.zero_stage == 3:
-        replicate, shard = lay.dp_replicate, lay.dp_shard
-    else:  # DDP: every data-parallel rank holds the whole model
-        replicate, shard = dp, 1
-        if lay.tp > 1 or pp > 1:
-            notes.append(
-                "DDP (zero_stage=0) with TP/PP needs torchtitan from late 2025; earlier releases "
-                "raised 'DDP has not supported > 1D parallelism'."
-            )
-    local_batch = t.global_batch_seqs // dp if pp > 1 else lay.micro_batch_size
 
-    doc = _Toml()
-    doc.section("job")
-    doc.set("dump_folder", "./outputs")
-    doc.set("description", f"autopar plan for {m.name} on {plan.num_gpus} GPUs ({plan.cluster})")
-    doc.section("model")
-    doc.set("name", name)
-    doc.set("flavor", flavor)
-    if plan.precision is Precision.fp8:
-        doc.set(
-            "converters",
-            ["float8"],
-            comment="torchao Float8Linear; newer torchtitan: 'quantize.linear.float8'",
+def _titan_overrides(plan: Plan) -> list[tuple[object, ...]]:
+    """``(--section.key, value...)`` for every layout and batch fact; bool flags carry no value."""
+    t, lay = plan.training, plan.layout
+    dp, pp = lay.dp, lay.pp
+    replicate, shard = (lay.dp_replicate, lay.dp_shard) if lay.zero_stage == 3 else (dp, 1)  # 0: DDP
+    out: list[tuple[object, ...]] = []
+    if pp > 1:  # multi-token list: first, so the subcommand at the end is not read as a part
+        out.append(
+            ("--parallelism.module_fqns_per_model_part", *map(",".join, _torchtitan_parts(_counts(plan))))
         )
-    doc.section("optimizer")
-    doc.set("name", "Adam" if t.optimizer.value == "adam" else "AdamW")
-    doc.section("training")
-    doc.set(
-        "local_batch_size",
-        local_batch,
-        comment="per data-parallel rank" + (" (split into pipeline micro-batches)" if pp > 1 else ""),
-    )
-    doc.set("global_batch_size", t.global_batch_seqs)
-    doc.set("seq_len", t.seq_length)
-    doc.set("mixed_precision_param", "float32" if plan.precision is Precision.fp32 else "bfloat16")
-    doc.set("mixed_precision_reduce", "float32")
-    doc.section("parallelism")
-    doc.set("data_parallel_replicate_degree", replicate)
-    doc.set("data_parallel_shard_degree", shard)
+        out.append(("--parallelism.pipeline_parallel_schedule", _TORCHTITAN_SCHEDULES[lay.schedule]))
+        out.append(("--parallelism.pipeline_parallel_microbatch_size", lay.micro_batch_size))
+    out += [
+        ("--training.local_batch_size", t.global_batch_seqs // dp if pp > 1 else lay.micro_batch_size),
+        ("--training.global_batch_size", t.global_batch_seqs),
+        ("--training.seq_len", t.seq_length),
+        ("--training.mixed_precision_param", "float32" if plan.precision is Precision.fp32 else "bfloat16"),
+        ("--training.mixed_precision_reduce", "float32"),
+        ("--parallelism.data_parallel_replicate_degree", replicate),
+        ("--parallelism.data_parallel_shard_degree", shard),
+        ("--parallelism.tensor_parallel_degree", lay.tp),
+        ("--parallelism.context_parallel_degree", lay.cp),
+        ("--parallelism.pipeline_parallel_degree", pp),
+        ("--parallelism.expert_parallel_degree", lay.ep),
+    ]
     if shard * lay.cp > 1:
-        doc.set("fsdp_reshard_after_forward", "always" if lay.reshard_after_forward else "never")
-    doc.set("tensor_parallel_degree", lay.tp)
-    if lay.tp > 1:
-        doc.set(
-            "enable_async_tensor_parallel", bool(lay.tp_comm_overlap), comment="takes effect with [compile]"
+        out.append(
+            ("--parallelism.fsdp_reshard_after_forward", "always" if lay.reshard_after_forward else "never")
         )
-    doc.set("context_parallel_degree", lay.cp)
-    doc.set("pipeline_parallel_degree", pp)
-    if pp > 1:
-        doc.set("pipeline_parallel_schedule", _TORCHTITAN_SCHEDULES[lay.schedule])
-        doc.set("pipeline_parallel_microbatch_size", lay.micro_batch_size)
-        doc.set(
-            "module_fqns_per_model_part",
-            _torchtitan_parts(counts),
-            comment=f"{pp * v} stages, {v} per rank; stage i runs on rank i % {pp}",
-        )
-    if lay.ep > 1:
-        doc.set("expert_parallel_degree", lay.ep)
-        doc.set("expert_tensor_parallel_degree", lay.tp, comment="experts keep the TP split (etp = tp)")
-    doc.section("activation_checkpoint")
-    doc.set("mode", mode)
-    if every is not None:
-        doc.set(
-            "selective_ac_option",
-            str(every),
-            comment=f"full recompute of every {every}th layer of each rank (recompute_per_stage)",
-        )
-    if lay.tp_comm_overlap and lay.tp > 1:
-        doc.section("compile")
-        doc.set("enable", True, comment="async TP only takes effect under torch.compile")
-        doc.set("components", ["model", "loss"])
-
-    nodes, per_node = _launch_shape(plan)
-    notes += [
-        "",
-        f"Launch with torchrun on {nodes} node(s) x {per_node} GPUs ({plan.num_gpus} in all), e.g.",
-        f"CONFIG_FILE=torchtitan.toml NGPU={per_node} ./run_train.sh on each node.",
-    ]
-    head = [f"# {h}" for h in _header(plan, "torchtitan")] + ["#"] + [f"# {n}" if n else "#" for n in notes]
-    return {"torchtitan.toml": "\n".join(head) + "\n" + doc.render()}
+    if pp > 1 or lay.ep > 1:  # trainer.py _validate_cuda_graphs refuses both under CUDA graphs
+        out.append(("--training.disable_cuda_graphs",))
+    if lay.tp_comm_overlap and lay.tp > 1:  # async TP only runs under torch.compile of the model
+        out += [
+            ("--compile.enable",),
+            ("--compile.enable_async_tensor_parallel",),
+            ("--compile.components", "model,loss"),
+        ]
+    return [*out, ("--dump_folder", "./outputs")]
 
 
-def _titan_checkpointing(plan: Plan) -> tuple[str, int | None]:
-    """activation_checkpoint.mode, and selective_ac_option N when each rank fully recomputes every N-th of
-    its layers (:func:`planner.targets.every_nth_recompute`); the target's table refused the rest."""
+def _titan_checkpointing(plan: Plan) -> str:
+    """The activation_checkpoint subcommand: ``full`` or ``none`` for every layer (the target's table has
+    refused the rest)."""
     setting = uniform_recompute(plan.layout, plan.model.num_layers)
-    if setting is not None and setting.block is None:
-        return setting.kind, None
-    every = every_nth_recompute(plan.layout, plan.model.num_layers)
-    assert every is not None, "planner/targets.py refuses recompute torchtitan cannot express"
-    return ("full", None) if every == 1 else ("selective", every)
+    if setting is not None and setting.block is None and setting.kind in ("full", "none"):
+        return setting.kind
+    assert every_nth_recompute(plan.layout, plan.model.num_layers) == 1, "planner/targets.py refuses the rest"
+    return "full"
 
 
 def _torchtitan_parts(counts: list[int]) -> list[list[str]]:
@@ -787,39 +754,9 @@ def _torchtitan_parts(counts: list[int]) -> list[list[str]]:
         part += [f"layers.{j}" for j in range(layer, layer + n)]
         layer += n
         if i == len(counts) - 1:
-            part += ["norm", "output"]
+            part += ["norm", "lm_head"]  # 0.3.0 models/common/decoder.py; v0.2.2 named it "output"
         parts.append(part)
     return parts
-
-
-class _Toml:
-    """A tiny TOML writer for the value kinds a job config needs (str, int, float, bool, lists)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def section(self, name: str) -> None:
-        if self.lines:
-            self.lines.append("")
-        self.lines.append(f"[{name}]")
-
-    def set(self, key: str, value: object, comment: str | None = None) -> None:
-        self.lines.append(f"{key} = {_toml_value(value)}" + (f"  # {comment}" if comment else ""))
-
-    def render(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
 
 
 _EXPORTERS = {"megatron": _megatron, "deepspeed": _deepspeed, "torchtitan": _torchtitan}

@@ -683,12 +683,15 @@ _DEEPSPEED = (
 
 
 # ============================================================================================
-# torchtitan: pytorch/torchtitan v0.2.2 torchtitan/config/job_config.py,
-# torchtitan/distributed/activation_checkpoint.py, torchtitan/distributed/pipeline_parallel.py
+# torchtitan: torchtitan 0.3.0 torchtitan/config/configs.py, torchtitan/trainer.py,
+# torchtitan/distributed/activation_checkpoint.py (FullAC, per-op SelectiveAC, MemoryBudgetAC or none; the
+# layer-selective every-N-th mode of v0.2.2 is gone), torchtitan/distributed/pipeline_parallel.py
 # ============================================================================================
 def _titan_recompute(j: Job) -> tuple[RecomputeSetting | None, int | None]:
-    """(one setting for every layer, the every-N-th layer-SAC frequency) of the job's per-stage recompute."""
-    return uniform_recompute(j.layout, j.model.num_layers), every_nth_recompute(j.layout, j.model.num_layers)
+    """(one setting for every layer, 1 when every layer of every rank is fully recomputed) of the job's
+    per-stage recompute; torchtitan 0.3.0 has no every-N-th layer mode."""
+    every = every_nth_recompute(j.layout, j.model.num_layers)
+    return uniform_recompute(j.layout, j.model.num_layers), (every if every == 1 else None)
 
 
 def _titan_mixed(j: Job) -> bool:
@@ -871,7 +874,7 @@ _TORCHTITAN = (
         field="recompute_per_stage",
         value=_recompute_value,
         problem="differs between pipeline stages or covers only some layers; torchtitan applies one "
-        "activation-checkpoint mode to every layer, or fully recomputes every N-th layer of each rank",
+        "activation-checkpoint mode to every layer",
         fix="plan with one recompute kind for every layer of every stage, or use --to megatron",
     ),
     Limit(
@@ -880,9 +883,8 @@ _TORCHTITAN = (
         refuses=_titan_partial,
         field="recompute_per_stage",
         value=_recompute_value,
-        problem="recomputes only some layers of a stage, which torchtitan's activation_checkpoint.mode "
-        "cannot "
-        "express (its layer-selective mode recomputes every N-th layer, floor(layers / N) per rank)",
+        problem="recomputes only some layers of a stage, which torchtitan's activation_checkpoint "
+        "cannot express (0.3.0 has full, per-op selective, memory-budget or none for every layer)",
         fix="plan with full recompute of every layer, or use --to megatron",
     ),
     Limit(
@@ -1200,7 +1202,7 @@ TARGETS: dict[Target, TargetSpec] = {
     ),
     Target.torchtitan: TargetSpec(
         Target.torchtitan,
-        "torchtitan v0.2.2",
+        "torchtitan 0.3.0",
         _TORCHTITAN,
         uneven_split=True,  # parallelism.module_fqns_per_model_part
         per_stage_recompute=False,  # one [activation_checkpoint] for every model part

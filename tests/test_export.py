@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
-import tomllib
 from typing import ClassVar
 
 import pytest
@@ -108,10 +108,19 @@ def deepspeed_files(plan: Plan, tmp_path) -> tuple[dict, dict[str, list[str]]]:
     return json.loads(files["ds_config.json"]), flags(argv)
 
 
-def titan(plan: Plan) -> dict:
+def titan_argv(plan: Plan) -> list[str]:
+    """The torchtitan.train arguments of an exported torchtitan_train.sh."""
     files = export_plan(plan, "torchtitan")
-    assert set(files) == {"torchtitan.toml"}
-    return tomllib.loads(files["torchtitan.toml"])
+    assert set(files) == {"torchtitan_train.sh"}
+    text = files["torchtitan_train.sh"]
+    return shlex.split(text[text.index("-m torchtitan.train") :].replace("\\\n", " "))[2:]
+
+
+def titan(plan: Plan) -> dict[str, list[str]]:
+    """{flag: values} of the overrides, with the activation-checkpoint subcommand under "ac"."""
+    argv = titan_argv(plan)
+    assert argv[-1].startswith("activation_checkpoint:")
+    return flags(argv[:-1]) | {"ac": [argv[-1].split(":")[1]]}
 
 
 def raises(plan: Plan, target: str, field: str, value: str) -> str:
@@ -535,24 +544,27 @@ class TestDeepSpeed:
 # ============================================================================================
 class TestTorchtitan:
     def test_hsdp_tp_full_recompute(self):
-        doc = titan(
+        f = titan(
             make_plan(
                 tp=2, sp=True, dp_replicate=2, dp_shard=4, zero_stage=3, micro_batch_size=2, recompute="full"
             )
         )
-        assert doc["model"] == {"name": "llama3", "flavor": "8B"}
-        assert doc["training"]["local_batch_size"] == 2 and doc["training"]["global_batch_size"] == 64
-        assert doc["training"]["seq_len"] == 4096 and doc["training"]["mixed_precision_param"] == "bfloat16"
-        par = doc["parallelism"]
-        assert par["data_parallel_replicate_degree"] == 2 and par["data_parallel_shard_degree"] == 4
-        assert par["tensor_parallel_degree"] == 2 and par["pipeline_parallel_degree"] == 1
-        assert par["context_parallel_degree"] == 1 and par["fsdp_reshard_after_forward"] == "always"
-        assert par["enable_async_tensor_parallel"] is False and "compile" not in doc
-        assert "expert_parallel_degree" not in par and "module_fqns_per_model_part" not in par
-        assert doc["activation_checkpoint"]["mode"] == "full"
+        assert one(f, "--module") == "llama3" and one(f, "--config") == "llama3_8b"
+        assert one(f, "--training.local_batch_size") == "2" and one(f, "--training.global_batch_size") == "64"
+        assert (
+            one(f, "--training.seq_len") == "4096"
+            and one(f, "--training.mixed_precision_param") == "bfloat16"
+        )
+        assert one(f, "--parallelism.data_parallel_replicate_degree") == "2"
+        assert one(f, "--parallelism.data_parallel_shard_degree") == "4"
+        assert one(f, "--parallelism.tensor_parallel_degree") == "2"
+        assert one(f, "--parallelism.pipeline_parallel_degree") == "1"
+        assert one(f, "--parallelism.fsdp_reshard_after_forward") == "always"
+        assert "--compile.enable" not in f and "--parallelism.module_fqns_per_model_part" not in f
+        assert "--training.disable_cuda_graphs" not in f and f["ac"] == ["full"]
 
     def test_uneven_pipeline_split(self):
-        doc = titan(
+        f = titan(
             make_plan(
                 tp=4,
                 sp=True,
@@ -563,54 +575,61 @@ class TestTorchtitan:
                 reshard_after_forward=False,
             )
         )
-        par = doc["parallelism"]
-        assert par["pipeline_parallel_schedule"] == "1F1B" and par["pipeline_parallel_microbatch_size"] == 1
-        assert par["fsdp_reshard_after_forward"] == "never"
-        parts = par["module_fqns_per_model_part"]
+        assert one(f, "--parallelism.pipeline_parallel_schedule") == "1F1B"
+        assert one(f, "--parallelism.pipeline_parallel_microbatch_size") == "1"
+        assert one(f, "--parallelism.fsdp_reshard_after_forward") == "never"
+        parts = [p.split(",") for p in f["--parallelism.module_fqns_per_model_part"]]
         assert parts[0] == ["tok_embeddings"] + [f"layers.{i}" for i in range(15)]
-        assert parts[1] == [f"layers.{i}" for i in range(15, 32)] + ["norm", "output"]
+        assert parts[1] == [f"layers.{i}" for i in range(15, 32)] + ["norm", "lm_head"]
         # the whole per-rank batch is split into pipeline micro-batches: 64 / dp 2 = 32
-        assert doc["training"]["local_batch_size"] == 32 and doc["activation_checkpoint"]["mode"] == "none"
+        assert one(f, "--training.local_batch_size") == "32" and f["ac"] == ["none"]
+        assert f["--training.disable_cuda_graphs"] == []  # CUDA graphs refuse pipeline parallelism
 
     def test_interleaved_pipeline(self):
-        doc = titan(
+        f = titan(
             make_plan(
                 tp=2, sp=True, pp=4, dp_shard=2, zero_stage=3, schedule="interleaved_1f1b", virtual_stages=2
             )
         )
-        par = doc["parallelism"]
-        assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and par["pipeline_parallel_degree"] == 4
-        parts = par["module_fqns_per_model_part"]
+        assert one(f, "--parallelism.pipeline_parallel_schedule") == "Interleaved1F1B"
+        assert one(f, "--parallelism.pipeline_parallel_degree") == "4"
+        parts = [p.split(",") for p in f["--parallelism.module_fqns_per_model_part"]]
         assert len(parts) == 8 and parts[3] == [f"layers.{i}" for i in range(12, 16)]
         assert [n for part in parts for n in part if n.startswith("layers.")] == [
             f"layers.{i}" for i in range(32)
         ]
 
     def test_gpipe_and_ddp(self):
-        doc = titan(make_plan(tp=8, sp=True, pp=2, schedule="gpipe"))
-        assert doc["parallelism"]["pipeline_parallel_schedule"] == "GPipe"
-        doc = titan(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=0))
-        assert doc["parallelism"]["data_parallel_replicate_degree"] == 8
-        assert doc["parallelism"]["data_parallel_shard_degree"] == 1
+        f = titan(make_plan(tp=8, sp=True, pp=2, schedule="gpipe"))
+        assert one(f, "--parallelism.pipeline_parallel_schedule") == "GPipe"
+        f = titan(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=0))
+        assert one(f, "--parallelism.data_parallel_replicate_degree") == "8"
+        assert one(f, "--parallelism.data_parallel_shard_degree") == "1"
 
-    def test_async_tp_and_fp8(self):
-        doc = titan(
-            make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, tp_comm_overlap=True, precision=Precision.fp8)
-        )
-        assert doc["parallelism"]["enable_async_tensor_parallel"] is True and doc["compile"]["enable"] is True
-        assert doc["model"]["converters"] == ["float8"]
+    def test_async_tp_compiles_the_model(self):
+        f = titan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, tp_comm_overlap=True))
+        assert f["--compile.enable"] == [] and f["--compile.enable_async_tensor_parallel"] == []
+        assert one(f, "--compile.components") == "model,loss"
 
     def test_context_and_expert_parallel(self):
-        doc = titan(make_plan(tp=4, sp=True, cp=2, dp_shard=2, zero_stage=3))
-        assert doc["parallelism"]["context_parallel_degree"] == 2
-        doc = titan(make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3))
-        assert doc["parallelism"]["expert_parallel_degree"] == 8
-        assert doc["parallelism"]["expert_tensor_parallel_degree"] == 2
-        assert doc["model"]["flavor"] == "mixtral-8x7b"  # no torchtitan flavor: named after the model
-        text = export_plan(
-            make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3), "torchtitan"
+        f = titan(make_plan(tp=4, sp=True, cp=2, dp_shard=2, zero_stage=3))
+        assert one(f, "--parallelism.context_parallel_degree") == "2"
+        plan = make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3)
+        f = titan(plan)
+        assert one(f, "--parallelism.expert_parallel_degree") == "8"
+        assert f["--training.disable_cuda_graphs"] == []  # CUDA graphs refuse EP's token dispatcher
+        assert one(f, "--module") == "deepseek_v3" and one(f, "--config") == "autopar_mixtral_8x7b"
+        text = export_plan(plan, "torchtitan")["torchtitan_train.sh"]
+        assert (
+            "add a function\n# autopar_mixtral_8x7b() to torchtitan/models/deepseek_v3/config_registry.py"
+            in text
         )
-        assert "register flavor 'mixtral-8x7b'" in text["torchtitan.toml"]
+
+    def test_names_the_release(self):
+        text = export_plan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3), "torchtitan")[
+            "torchtitan_train.sh"
+        ]
+        assert "for torchtitan 0.3.0." in text and "checked against torchtitan 0.3.0" in text
 
     def test_rejections(self):
         msg = raises(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=1), "torchtitan", "zero_stage", "1")
@@ -644,7 +663,6 @@ class TestTorchtitan:
             "dp_comm_overlap",
             "False",
         )
-        # 16 layers per rank: every N-th layer gives 16 // N recomputed layers, never 4 and 2 at once
         per_stage = [StageRecompute(kind="full", num_layers=4), StageRecompute(kind="full", num_layers=2)]
         raises(
             make_plan(tp=8, sp=True, pp=2, recompute_per_stage=per_stage),
@@ -653,18 +671,17 @@ class TestTorchtitan:
             "full:4, full:2",
         )
 
-    def test_partial_recompute_per_rank_is_layer_selective_every_nth(self):
-        # torchtitan counts the blocks of a rank with one counter and fully recomputes every N-th
-        # (activation_checkpoint.py _apply_layer_sac): a rank of L layers recomputes L // N of them
-        per_stage = [StageRecompute(kind="full", num_layers=4)] * 2  # 16 layers per rank: N = 4
-        ac = titan(make_plan(tp=8, sp=True, pp=2, zero_stage=3, recompute_per_stage=per_stage))
-        assert ac["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "4"}
-        uneven = [StageRecompute(kind="full", num_layers=7), StageRecompute(kind="full", num_layers=8)]
-        ac = titan(make_plan(tp=8, sp=True, pp=2, layers_per_stage=[15, 17], recompute_per_stage=uneven))
-        assert ac["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    def test_partial_recompute_is_refused_whole_recompute_per_stage_is_full(self):
+        # torchtitan 0.3.0 has no every-N-th layer mode (v0.2.2's selective_ac_option="N" is gone)
+        per_stage = [StageRecompute(kind="full", num_layers=4)] * 2
+        raises(
+            make_plan(tp=8, sp=True, pp=2, zero_stage=3, recompute_per_stage=per_stage),
+            "torchtitan",
+            "recompute_per_stage",
+            "full:4, full:4",
+        )
         whole = [StageRecompute(kind="full")] * 2
-        ac = titan(make_plan(tp=8, sp=True, pp=2, recompute_per_stage=whole))
-        assert ac["activation_checkpoint"] == {"mode": "full"}
+        assert titan(make_plan(tp=8, sp=True, pp=2, recompute_per_stage=whole))["ac"] == ["full"]
 
 
 # ============================================================================================

@@ -1,4 +1,9 @@
-"""Exported DeepSpeed configs read back by DeepSpeed's own parser (``pip install -e '.[frameworks]'``).
+"""Exports read back by the frameworks' own parsers (``pip install -e '.[frameworks]'``).
+
+torchtitan 0.3.0: the arguments of ``torchtitan_train.sh`` parsed by ``torchtitan.config.ConfigManager``
+(which loads the ``--module/--config`` registry entry and validates the overrides), and the parsed
+parallelism checked by ``ParallelDims`` at the plan's GPU count (the product of the degrees is the world
+size).
 
 DeepSpeed 0.19.8 ``deepspeed.runtime.config.DeepSpeedConfig(config, mpu)`` checks
 ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``, where
@@ -15,9 +20,84 @@ import os
 import socket
 
 import pytest
-from test_export import make_plan
+from test_export import make_plan, titan_argv
 
 from planner.export import export_plan
+
+TITAN_PLANS = {
+    "dense fsdp": (
+        "llama3-8b",
+        16,
+        {"dp_shard": 16, "zero_stage": 3, "micro_batch_size": 2, "recompute": "full"},
+    ),
+    "fsdp tp pp interleaved": (
+        "llama3-8b",
+        16,
+        {
+            "tp": 2,
+            "sp": True,
+            "pp": 4,
+            "dp_shard": 2,
+            "zero_stage": 3,
+            "schedule": "interleaved_1f1b",
+            "virtual_stages": 2,
+        },
+    ),
+    "ddp async tp": (
+        "llama3-8b",
+        16,
+        {"tp": 8, "sp": True, "dp_shard": 2, "zero_stage": 0, "tp_comm_overlap": True},
+    ),
+    "cp": ("llama3-8b", 16, {"tp": 4, "sp": True, "cp": 2, "dp_shard": 2, "zero_stage": 3}),
+    "moe ep": ("deepseek-v3", 256, {"tp": 8, "sp": True, "pp": 8, "dp_shard": 4, "ep": 4, "zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(TITAN_PLANS))
+def test_torchtitan_config_manager_parses_the_export(name):
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    model, gpus, layout = TITAN_PLANS[name]
+    plan = make_plan(model, gpus=gpus, gbs=128 if gpus > 16 else 64, **layout)
+    lay = plan.layout
+    cfg = ConfigManager().parse_args(titan_argv(plan))
+    par, train = cfg.parallelism, cfg.training
+    dp = (lay.dp_replicate, lay.dp_shard) if lay.zero_stage == 3 else (lay.dp, 1)  # zero_stage 0: DDP
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree) == dp
+    assert (par.tensor_parallel_degree, par.context_parallel_degree) == (lay.tp, lay.cp)
+    assert (par.pipeline_parallel_degree, par.expert_parallel_degree) == (lay.pp, lay.ep)
+    assert (
+        train.global_batch_size == plan.training.global_batch_seqs
+        and train.seq_len == plan.training.seq_length
+    )
+    if lay.pp > 1:
+        assert (
+            par.pipeline_parallel_schedule
+            == {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule.value]
+        )
+        assert par.pipeline_parallel_microbatch_size == lay.micro_batch_size
+        assert len(par.module_fqns_per_model_part) == lay.pp * lay.virtual_stages
+        assert train.local_batch_size == plan.training.global_batch_seqs // lay.dp
+    else:
+        assert train.local_batch_size == lay.micro_batch_size
+    assert type(cfg.activation_checkpoint).__qualname__ == (
+        "FullAC.Config" if lay.recompute.value == "full" else "NoneType"
+    )
+    assert cfg.compile.enable_async_tensor_parallel == (lay.tp_comm_overlap and lay.tp > 1)
+    assert ParallelDims.from_config(par, world_size=plan.num_gpus).world_size == plan.num_gpus
+
+
+def test_torchtitan_config_manager_refuses_a_2025_toml_style_key():
+    """The check above can fail: an option name torchtitan 0.3.0 dropped is refused by its parser."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+
+    argv = titan_argv(make_plan(tp=2, sp=True, dp_shard=8, zero_stage=3))
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args([*argv[:-1], "--parallelism.expert_tensor_parallel_degree", "2", argv[-1]])
+
 
 deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
 
@@ -64,7 +144,9 @@ def test_deepspeed_config_loads_at_the_plans_world_size(name):
     assert cfg.world_size == lay.dp
     assert cfg.train_batch_size == plan.training.global_batch_seqs
     assert cfg.train_micro_batch_size_per_gpu == lay.micro_batch_size
-    assert cfg.gradient_accumulation_steps == plan.training.global_batch_seqs // (lay.micro_batch_size * lay.dp)
+    assert cfg.gradient_accumulation_steps == plan.training.global_batch_seqs // (
+        lay.micro_batch_size * lay.dp
+    )
     assert cfg.zero_optimization_stage == lay.zero_stage
     assert cfg.bfloat16_config.enabled
 
