@@ -617,16 +617,19 @@ def _deepspeed(plan: Plan) -> dict[str, str]:
 # ============================================================================================
 # torchtitan
 # ============================================================================================
-# torchtitan 0.3.0 config_registry entries whose model shapes match a ModelSpec exactly
-# (torchtitan/models/<module>/config_registry.py):
+# torchtitan 0.3.0 config_registry entries whose model shapes and float8 match a plan exactly
+# (torchtitan/models/<module>/config_registry.py; llama3_405b converts its Linear layers to float8):
 # (layers, hidden, heads, kv heads, ffn, vocab,
 #  MoE (experts, top-k, expert ffn, shared, dense layers) or None,
-#  MLA or not) -> (--module, --config)
+#  MLA or not, float8 or not) -> (--module, --config)
 _TORCHTITAN_CONFIGS = {
-    (32, 4096, 32, 8, 14336, 128256, None, False): ("llama3", "llama3_8b"),
-    (80, 8192, 64, 8, 28672, 128256, None, False): ("llama3", "llama3_70b"),
-    (126, 16384, 128, 8, 53248, 128256, None, False): ("llama3", "llama3_405b"),
-    (61, 7168, 128, 128, 18432, 129280, (256, 8, 2048, 1, 3), True): ("deepseek_v3", "deepseek_v3_671b"),
+    (32, 4096, 32, 8, 14336, 128256, None, False, False): ("llama3", "llama3_8b"),
+    (80, 8192, 64, 8, 28672, 128256, None, False, False): ("llama3", "llama3_70b"),
+    (126, 16384, 128, 8, 53248, 128256, None, False, True): ("llama3", "llama3_405b"),
+    (61, 7168, 128, 128, 18432, 129280, (256, 8, 2048, 1, 3), True, False): (
+        "deepseek_v3",
+        "deepseek_v3_671b",
+    ),
 }
 _TORCHTITAN_SCHEDULES = {
     Schedule.gpipe: "GPipe",
@@ -649,9 +652,13 @@ def _torchtitan(plan: Plan) -> dict[str, str]:
     notes += [
         f"Options checked against {TORCHTITAN_RELEASE} (torchtitan/config/manager.py ConfigManager,",
         "torchtitan/config/configs.py, torchtitan/trainer.py); earlier releases took TOML job files instead.",
-        "Adam or AdamW, learning rate and float8 come from the registry entry (optimizer.param_groups,",
-        "model_spec converters), which these overrides do not set.",
+        "The optimizer (AdamW in the registry entries), learning rate and float8 (model_spec converters)",
+        "come from the registry entry; these overrides do not set them.",
     ]
+    if plan.training.optimizer.value != "adamw":
+        notes.append(
+            f"NOTE: this plan's optimizer is {plan.training.optimizer.value}: set optimizer.param_groups."
+        )
     if plan.layout.ep > 1 and plan.layout.tp > 1:
         notes.append(
             f"{TORCHTITAN_RELEASE} has no expert_tensor_parallel_degree option; "
@@ -678,17 +685,22 @@ def _titan_registry_entry(plan: Plan) -> tuple[str, str, list[str]]:
         )
     )
     key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size)
-    entry = _TORCHTITAN_CONFIGS.get((*key, moe_key, m.mla is not None))
+    fp8 = plan.precision is Precision.fp8
+    entry = _TORCHTITAN_CONFIGS.get((*key, moe_key, m.mla is not None, fp8))
     if entry is not None:
         return entry[0], entry[1], []
     module = "deepseek_v3" if m.mla is not None or moe is not None else "llama3"
-    config = "autopar_" + re.sub(r"[^0-9a-zA-Z]+", "_", m.name).strip("_").lower()
+    config = (
+        "autopar_" + re.sub(r"[^0-9a-zA-Z]+", "_", m.name).strip("_").lower() + ("_float8" if fp8 else "")
+    )
     shapes = (
         f"layers={m.num_layers}, dim={m.hidden_size}, heads={m.num_attention_heads}, kv_heads={m.kv_heads}, "
         f"ffn_hidden={m.ffn_hidden_size}, vocab={m.vocab_size}"
     )
     if moe is not None:
         shapes += f", experts={moe.num_experts} top-{moe.top_k} of {moe.expert_ffn_hidden_size}"
+    if fp8:
+        shapes += ", model_spec converters=[Float8LinearConverter.Config()]"
     notes = [
         f"NOTE: no {TORCHTITAN_RELEASE} config_registry entry has this model's shapes; add a function",
         f"{config}() to torchtitan/models/{module}/config_registry.py with: {shapes}.",
@@ -733,6 +745,8 @@ def _titan_overrides(plan: Plan) -> list[tuple[object, ...]]:
             ("--compile.enable_async_tensor_parallel",),
             ("--compile.components", "model,loss"),
         ]
+    else:  # registry entries may turn it on (llama3_405b)
+        out.append(("--compile.no-enable_async_tensor_parallel",))
     return [*out, ("--dump_folder", "./outputs")]
 
 

@@ -625,6 +625,22 @@ class TestTorchtitan:
             in text
         )
 
+    def test_float8_and_adam_come_from_a_registry_entry(self):
+        plan = make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, precision=Precision.fp8)
+        f = titan(plan)
+        assert one(f, "--config") == "autopar_llama3_8b_float8"  # llama3_8b has no float8 converter
+        text = export_plan(plan, "torchtitan")["torchtitan_train.sh"]
+        assert "converters=[Float8LinearConverter.Config()]" in text
+        plan = make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, training={"optimizer": "adam"})
+        assert (
+            "optimizer is adam: set optimizer.param_groups"
+            in export_plan(plan, "torchtitan")["torchtitan_train.sh"]
+        )
+
+    def test_async_tp_off_is_written_since_registry_entries_may_turn_it_on(self):
+        f = titan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, tp_comm_overlap=False))
+        assert f["--compile.no-enable_async_tensor_parallel"] == [] and "--compile.enable" not in f
+
     def test_names_the_release(self):
         text = export_plan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3), "torchtitan")[
             "torchtitan_train.sh"
