@@ -7,7 +7,7 @@ communication + optimizer step)``. Every number comes from a named function of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.contracts import (
     ClusterProfile,
@@ -284,209 +284,244 @@ def predict(
     return assess(_predict(model, training, profile, layout), model, training, profile, layout, target)
 
 
-def _predict(
-    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
-) -> Prediction:
+@dataclass
+class _Step:
+    """One prediction's inputs and the per-kind costs its parts share (every block of one kind, dense or
+    MoE, costs the same: each quantity is computed once per kind)."""
+
+    model: ModelSpec
+    training: TrainingConfig
+    profile: ClusterProfile
+    layout: ParallelLayout
+    m: int  # micro-batches per step (per data-parallel pipeline)
+    groups: dict
+    mb: MicroBatch
+    kinds: list[bool]
+    _blocks: dict = field(default_factory=dict)
+    _params: dict = field(default_factory=dict)
+    _acts: dict = field(default_factory=dict)
+
+    def block(self, i: int) -> BlockCost:
+        key = self.kinds[i]
+        if key not in self._blocks:
+            self._blocks[key] = block_cost(self.profile, self.model, i, self.mb, self.layout, self.groups)
+        return self._blocks[key]
+
+    def params_of(self, i: int) -> tuple[int, int]:
+        key = self.kinds[i]
+        if key not in self._params:
+            self._params[key] = layer_params(self.model, i)
+        return self._params[key]
+
+    def activations_of(self, i: int, recompute: Recompute) -> float:
+        key = (self.kinds[i], recompute)
+        if key not in self._acts:
+            t, lay = self.training, self.layout
+            shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp)
+            self._acts[key] = layer_activation_bytes(self.model, i, shape, recompute, flash=t.flash_attention,
+                                                     elt=t.precision.bytes, fp8=t.precision is Precision.fp8,
+                                                     moe_imbalance=t.moe_load_imbalance)
+        return self._acts[key]
+
+
+@dataclass
+class _Times:
+    """Per pipeline rank: forward and backward seconds of one micro-batch, and the parameters it holds."""
+
+    fwd_s: list[float]
+    bwd_s: list[float]
+    dense: list[float]  # parameters after TP
+    experts: list[float]  # expert parameters after TP and EP
+    ends: tuple[PassCost, PassCost, PassCost, PassCost]  # embedding forward/backward, head forward/backward
+    p2p_s: float
+    p2p_bytes: float
+
+
+def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout) -> _Step:
     m = check_layout(model, training, layout, profile.num_gpus)
     if training.precision is Precision.fp8 and Precision.fp8 not in profile.device.peak_tflops:
         raise AutoparError("precision", "fp8", "train in bf16 on this GPU, or use a GPU with FP8 (Hopper or later)",
                            problem=f"needs FP8 tensor cores, which {profile.device.name} does not have")
-    a = profile.assumptions
-    groups = mesh_groups(layout, profile.gpus_per_node)
     mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
                     training.precision, training.flash_attention, training.moe_load_imbalance)
-    state = state_bytes_per_param(training)
-    elt = training.precision.bytes
+    return _Step(model, training, profile, layout, m, mesh_groups(layout, profile.gpus_per_node), mb,
+                 [model.is_moe_layer(i) for i in range(model.num_layers)])
 
-    # every block of one kind (dense / MoE) costs the same: compute each quantity once per kind
-    kinds = [model.is_moe_layer(i) for i in range(model.num_layers)]
-    cache: dict[bool, BlockCost] = {}
-    params_cache: dict[bool, tuple[int, int]] = {}
 
-    def block(i: int) -> BlockCost:
-        key = kinds[i]
-        if key not in cache:
-            cache[key] = block_cost(profile, model, i, mb, layout, groups)
-        return cache[key]
-
-    def params_of(i: int) -> tuple[int, int]:
-        key = kinds[i]
-        if key not in params_cache:
-            params_cache[key] = layer_params(model, i)
-        return params_cache[key]
-
-    emb_f, emb_b = embedding_cost(profile, model, mb, groups)
-    head_f, head_b = lm_head_cost(profile, model, mb, groups)
-    p2p_bytes = mb.tokens * model.hidden_size * elt / (layout.tp if layout.pp_scatter_gather else 1)
-    p2p_s = collective_time_s(profile, Collective.p2p, groups["pp"], p2p_bytes) if layout.pp > 1 else 0.0
-
-    stages = _stages(model, layout)
-    fwd_s, bwd_s = [], []
-    stage_params, stage_expert_params = [], []
+def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
+    """Each rank's forward and backward (its blocks, the embedding or head, its pipeline sends) and parameters."""
+    model, lay = c.model, c.layout
+    emb_f, emb_b = embedding_cost(c.profile, model, c.mb, c.groups)
+    head_f, head_b = lm_head_cost(c.profile, model, c.mb, c.groups)
+    p2p_bytes = c.mb.tokens * model.hidden_size * c.training.precision.bytes / (lay.tp if lay.pp_scatter_gather else 1)
+    p2p_s = collective_time_s(c.profile, Collective.p2p, c.groups["pp"], p2p_bytes) if lay.pp > 1 else 0.0
+    out = _Times([], [], [], [], (emb_f, emb_b, head_f, head_b), p2p_s, p2p_bytes)
     for st in stages:
-        f = sum(block(i).forward.total_s for i in st.layers)
-        b = sum(block(i).backward_s(r) for i, r in zip(st.layers, st.recompute))
+        f = sum(c.block(i).forward.total_s for i in st.layers)
+        b = sum(c.block(i).backward_s(r) for i, r in zip(st.layers, st.recompute))
+        dense = sum(c.params_of(i)[0] for i in st.layers)
         if st.first:
-            f, b = f + emb_f.total_s, b + emb_b.total_s
+            f, b, dense = f + emb_f.total_s, b + emb_b.total_s, dense + embedding_params(model)
         if st.last:
             f, b = f + head_f.total_s, b + head_b.total_s
-        f += layout.virtual_stages * p2p_s
-        b += layout.virtual_stages * p2p_s
-        fwd_s.append(f)
-        bwd_s.append(b)
-        dense = sum(params_of(i)[0] for i in st.layers)
-        experts = sum(params_of(i)[1] for i in st.layers)
-        if st.first:
-            dense += embedding_params(model)
-        if st.last:
-            dense += lm_head_params(model) + (model.vocab_size * model.hidden_size if model.tied_embeddings and layout.pp > 1 else 0)
-        stage_params.append(dense / layout.tp)
-        stage_expert_params.append(experts / (layout.tp * layout.ep))
+            tied = model.vocab_size * model.hidden_size if model.tied_embeddings and lay.pp > 1 else 0
+            dense += lm_head_params(model) + tied
+        out.fwd_s.append(f + lay.virtual_stages * p2p_s)
+        out.bwd_s.append(b + lay.virtual_stages * p2p_s)
+        out.dense.append(dense / lay.tp)
+        out.experts.append(sum(c.params_of(i)[1] for i in st.layers) / (lay.tp * lay.ep))
+    return out
 
-    # Data parallelism. With gradients sharded (ZeRO-2/3) they cannot be accumulated locally, so they
-    # are reduce-scattered every micro-batch, beside that micro-batch's backward; ZeRO-3 also gathers
-    # the weights before every forward (and again before backward when it reshards). Otherwise
-    # gradients are reduced once, beside the last micro-batch's backward. Weights gathered once per
-    # step (ZeRO-1/2) overlap the next step's first forward (overlap-param-gather); HSDP's replica
-    # all-reduce happens once per step. Per-micro-batch exposed time joins the stage times.
-    eff = a.async_overlap_efficiency if layout.dp_comm_overlap else 0.0
-    dp_exposed: list[float] = []
-    dp_comm: list[dict[str, tuple[float, float, float]]] = []  # kind -> (bytes, seconds, exposed) per step
-    for i in range(len(stages)):
-        tr = dp_traffic(profile, layout, training, stage_params[i], stage_expert_params[i])
-        grads_per_mb = layout.zero_stage >= 2
-        gathers_per_mb = (2 if layout.reshard_after_forward else 1) if layout.zero_stage == 3 else 0
+
+def _data_parallel(c: _Step, t: _Times) -> tuple[list[float], list[dict[str, tuple[float, float, float]]]]:
+    """Each rank's once-per-step exposed data-parallel time, and per kind (bytes, seconds, exposed) per step;
+    the per-micro-batch exposed part joins ``t``'s forward and backward.
+
+    With gradients sharded (ZeRO-2/3) they cannot be accumulated locally, so they are reduce-scattered
+    every micro-batch, beside that micro-batch's backward; ZeRO-3 also gathers the weights before every
+    forward (and again before backward when it reshards). Otherwise gradients are reduced once, beside the
+    last micro-batch's backward. Weights gathered once per step (ZeRO-1/2) overlap the next step's first
+    forward (overlap-param-gather); HSDP's replica all-reduce happens once per step."""
+    lay, m = c.layout, c.m
+    eff = c.profile.assumptions.async_overlap_efficiency if lay.dp_comm_overlap else 0.0
+    grads_per_mb = lay.zero_stage >= 2
+    gathers_per_mb = (2 if lay.reshard_after_forward else 1) if lay.zero_stage == 3 else 0
+    exposed, comm = [], []
+    for i in range(len(t.fwd_s)):
+        tr = dp_traffic(c.profile, lay, c.training, t.dense[i], t.experts[i])
         gather_f = tr.gather_s if gathers_per_mb else 0.0
         gather_b = tr.gather_s * (gathers_per_mb - 1) if gathers_per_mb else 0.0
         grad_mb = tr.grad_s if grads_per_mb else 0.0
-        exp_f = _exposed(gather_f, fwd_s[i], eff)
-        exp_b = _exposed(gather_b + grad_mb, bwd_s[i], eff)
+        exp_f = _exposed(gather_f, t.fwd_s[i], eff)
+        exp_b = _exposed(gather_b + grad_mb, t.bwd_s[i], eff)
         share_gather_b = gather_b / (gather_b + grad_mb) if gather_b + grad_mb else 0.0
-        fwd_s[i] += exp_f
-        bwd_s[i] += exp_b
-        # once per step
+        t.fwd_s[i] += exp_f
+        t.bwd_s[i] += exp_b
         grad_step = tr.replica_s + (0.0 if grads_per_mb else tr.grad_s)
         gather_step = 0.0 if gathers_per_mb else tr.gather_s
         # the once-per-step collectives hide behind the last backward's / first forward's compute
         # (the window excludes the per-micro-batch traffic above, which holds the same links)
-        exp_grad_step = _exposed(grad_step, bwd_s[i] - exp_b, eff)
-        exp_gather_step = _exposed(gather_step, fwd_s[i] - exp_f, eff)
-        dp_exposed.append(exp_grad_step + exp_gather_step)
+        exp_grad_step = _exposed(grad_step, t.bwd_s[i] - exp_b, eff)
+        exp_gather_step = _exposed(gather_step, t.fwd_s[i] - exp_f, eff)
+        exposed.append(exp_grad_step + exp_gather_step)
         n_gathers = m * gathers_per_mb if gathers_per_mb else 1
-        dp_comm.append({
+        comm.append({
             "dp_param": (n_gathers * tr.gather_bytes, m * (gather_f + gather_b) + gather_step,
                          m * (exp_f + share_gather_b * exp_b) + exp_gather_step),
             "dp_grad": ((m if grads_per_mb else 1) * tr.grad_bytes, m * grad_mb + grad_step,
                         m * (1 - share_gather_b) * exp_b + exp_grad_step),
         })
+    return exposed, comm
 
-    pipe_s, bubble_s = pipeline_time_s(layout.schedule, fwd_s, bwd_s, m, layout.virtual_stages)
 
-    # optimizer step (bandwidth bound), on GPU or on the CPU with copies over the host link
-    shard_n = layout.dp_shard * layout.cp
-    opt_s = []
-    offload_s = 0.0
-    step_bytes = optimizer_step_bytes_per_param(training)
-    for i in range(len(stages)):
-        local = stage_params[i] / (shard_n if layout.zero_stage >= 1 else 1) + stage_expert_params[i] / (
-            max(shard_n // layout.ep, 1) if layout.zero_stage >= 1 else 1)
-        if layout.offload_optimizer:
-            copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
-                profile, local * state.weights, to_device=True)
-            cpu = local * step_bytes / a.cpu_optimizer_bytes_per_s
-            opt_s.append(copies + cpu)
+def _optimizer(c: _Step, t: _Times) -> tuple[list[float], float]:
+    """Each rank's optimizer step (bandwidth bound), on the GPU or on the CPU with copies over the host
+    link, and the longest of those copies (0 without offload)."""
+    lay, a = c.layout, c.profile.assumptions
+    state = state_bytes_per_param(c.training)
+    shard_n = lay.dp_shard * lay.cp
+    step_bytes = optimizer_step_bytes_per_param(c.training)
+    opt_s, offload_s = [], 0.0
+    for dense, experts in zip(t.dense, t.experts):
+        local = dense / (shard_n if lay.zero_stage >= 1 else 1) + experts / (
+            max(shard_n // lay.ep, 1) if lay.zero_stage >= 1 else 1)
+        if lay.offload_optimizer:
+            copies = host_copy_time_s(c.profile, local * state.grads, to_device=False) + host_copy_time_s(
+                c.profile, local * state.weights, to_device=True)
+            opt_s.append(copies + local * step_bytes / a.cpu_optimizer_bytes_per_s)
             offload_s = max(offload_s, copies)
         else:
-            opt_s.append(memory_time_s(profile, local * step_bytes))
-    tail = [dp_exposed[i] + opt_s[i] for i in range(len(stages))]
-    step_s = pipe_s + max(tail)
+            opt_s.append(memory_time_s(c.profile, local * step_bytes))
+    return opt_s, offload_s
 
-    # memory per stage
-    mems: list[MemoryBreakdown] = []
-    stage_preds: list[StagePrediction] = []
-    shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
-    act_cache: dict[tuple[bool, Recompute], float] = {}
 
-    def activations_of(i: int, recompute: Recompute) -> float:
-        key = (kinds[i], recompute)
-        if key not in act_cache:
-            act_cache[key] = layer_activation_bytes(model, i, shape, recompute, flash=training.flash_attention, elt=elt,
-                                                    fp8=training.precision is Precision.fp8,
-                                                    moe_imbalance=training.moe_load_imbalance)
-        return act_cache[key]
-    factor = activation_factor(a, training, layout.zero_stage)
+def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBreakdown], list[StagePrediction]]:
+    """Each rank's peak memory (:func:`stage_memory`) and its stage summary."""
+    model, lay, a = c.model, c.layout, c.profile.assumptions
+    factor = activation_factor(a, c.training, lay.zero_stage)
+    mems, preds = [], []
     for i, st in enumerate(stages):
-        in_flight = microbatches_in_flight(layout.schedule, i, layout.pp, m, layout.virtual_stages)
-        per_mb = sum(activations_of(li, r) for li, r in zip(st.layers, st.recompute))
+        in_flight = microbatches_in_flight(lay.schedule, i, lay.pp, c.m, lay.virtual_stages)
+        per_mb = sum(c.activations_of(li, r) for li, r in zip(st.layers, st.recompute))
         if st.first:
-            per_mb += elt * mb.tokens * model.hidden_size / (layout.tp if layout.sp else 1)
+            per_mb += c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)
         activations = factor * per_mb * in_flight
         full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
-            activations += factor * max(activations_of(li, Recompute.none) for li in full)
+            activations += factor * max(c.activations_of(li, Recompute.none) for li in full)
         # this rank's share of its biggest block (experts split over ep too)
-        biggest = max((params_of(li)[0] / layout.tp + params_of(li)[1] / (layout.tp * layout.ep) for li in st.layers),
+        biggest = max((c.params_of(li)[0] / lay.tp + c.params_of(li)[1] / (lay.tp * lay.ep) for li in st.layers),
                       default=0)
-        loss = logits_bytes(model, mb.tokens, layout.tp, a.loss_bytes_per_logit) if st.last else 0.0
-        mem = stage_memory(profile, training, layout, i, dense=stage_params[i], experts=stage_expert_params[i],
-                           activations=activations, biggest_block=biggest, loss=loss, accumulates=m > 1)
+        loss = logits_bytes(model, c.mb.tokens, lay.tp, a.loss_bytes_per_logit) if st.last else 0.0
+        mem = stage_memory(c.profile, c.training, lay, i, dense=t.dense[i], experts=t.experts[i],
+                           activations=activations, biggest_block=biggest, loss=loss, accumulates=c.m > 1)
         mems.append(mem)
-        stage_preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=fwd_s[i], backward_s=bwd_s[i],
-                                           memory_bytes=mem.total_bytes, microbatches_in_flight=in_flight))
-    peak = max(mems, key=lambda mm: mm.total_bytes)
+        preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=t.fwd_s[i], backward_s=t.bwd_s[i],
+                                     memory_bytes=mem.total_bytes, microbatches_in_flight=in_flight))
+    return mems, preds
 
-    # communication summary (critical stage = slowest one)
-    crit = max(range(len(stages)), key=lambda i: fwd_s[i] + bwd_s[i])
-    comm: list[CommTime] = []
-    layer_comm: dict[str, tuple[float, float, float]] = {}  # kind -> (time, exposed, bytes) per micro-batch
+
+def _layer_comm(c: _Step, st: _Stage, t: _Times) -> list[CommTime]:
+    """TP/CP/EP traffic of one rank's blocks, embedding and head over the step, per kind."""
     passes: list[PassCost] = []
-    for li, r in zip(stages[crit].layers, stages[crit].recompute):
-        bc = block(li)
+    for li, r in zip(st.layers, st.recompute):
+        bc = c.block(li)
         passes += [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
-    if stages[crit].first:
-        passes += [emb_f, emb_b]
-    if stages[crit].last:
-        passes += [head_f, head_b]
+    emb_f, emb_b, head_f, head_b = t.ends
+    passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
+    per_kind: dict[str, tuple[float, float, float]] = {}  # kind -> (time, exposed, bytes) per micro-batch
     for pc in passes:
-        for kind, t in pc.comm_s.items():
-            tt, ee, bb = layer_comm.get(kind, (0.0, 0.0, 0.0))
-            layer_comm[kind] = (tt + t, ee + pc.exposed_comm_s[kind], bb + pc.comm_bytes[kind])
-    for kind, (t, e, nbytes) in layer_comm.items():
-        grp = groups[kind]
-        comm.append(CommTime(kind=kind, level=grp.level, group_size=grp.size, bytes_per_step=m * nbytes,
-                             time_s=m * t, exposed_s=m * e))
-    if layout.pp > 1:
-        t = 2 * m * layout.virtual_stages * p2p_s
-        comm.append(CommTime(kind="pp", level=groups["pp"].level, group_size=layout.pp,
-                             bytes_per_step=2 * m * layout.virtual_stages * p2p_bytes, time_s=t, exposed_s=t))
-    grad_group = placement(layout.dp * layout.cp, layout.tp, profile.gpus_per_node)  # ranks holding the same weights
-    for kind, (nbytes, t, e) in dp_comm[crit].items():
-        if t > 0:
+        for kind, s in pc.comm_s.items():
+            tt, ee, bb = per_kind.get(kind, (0.0, 0.0, 0.0))
+            per_kind[kind] = (tt + s, ee + pc.exposed_comm_s[kind], bb + pc.comm_bytes[kind])
+    return [CommTime(kind=kind, level=c.groups[kind].level, group_size=c.groups[kind].size,
+                     bytes_per_step=c.m * nbytes, time_s=c.m * s, exposed_s=c.m * e)
+            for kind, (s, e, nbytes) in per_kind.items()]
+
+
+def _comm(c: _Step, st: _Stage, t: _Times, dp_comm: dict, offload_s: float) -> list[CommTime]:
+    """Communication of the critical rank ``st`` per step: its blocks' collectives, pipeline sends, data
+    parallel traffic and optimizer offload copies."""
+    lay, m = c.layout, c.m
+    comm = _layer_comm(c, st, t)
+    if lay.pp > 1:
+        s = 2 * m * lay.virtual_stages * t.p2p_s
+        comm.append(CommTime(kind="pp", level=c.groups["pp"].level, group_size=lay.pp,
+                             bytes_per_step=2 * m * lay.virtual_stages * t.p2p_bytes, time_s=s, exposed_s=s))
+    grad_group = placement(lay.dp * lay.cp, lay.tp, c.profile.gpus_per_node)  # ranks holding the same weights
+    for kind, (nbytes, s, e) in dp_comm.items():
+        if s > 0:
             comm.append(CommTime(kind=kind, level=grad_group.level, group_size=grad_group.size,
-                                 bytes_per_step=nbytes, time_s=t, exposed_s=e))
+                                 bytes_per_step=nbytes, time_s=s, exposed_s=e))
     if offload_s:
         comm.append(CommTime(kind="offload", level="host_device", group_size=1, bytes_per_step=0.0,
                              time_s=offload_s, exposed_s=offload_s))
+    return comm
 
-    gbs, seq = training.global_batch_seqs, training.seq_length
-    model_flops = model_flops_per_step(model, gbs, seq)
-    rec_cache: dict[tuple[bool, Recompute], float] = {}
-    rec_extra = 0.0
+
+def _hardware_flops(c: _Step, stages: list[_Stage], model_flops: float) -> float:
+    """Model FLOPs plus what recompute runs again."""
+    gbs, seq = c.training.global_batch_seqs, c.training.seq_length
+    per_kind: dict[tuple[bool, Recompute], float] = {}
+    extra = 0.0
     for st in stages:
         for li, r in zip(st.layers, st.recompute):
-            if (kinds[li], r) not in rec_cache:
-                rec_cache[(kinds[li], r)] = recompute_flops(model, r, li, gbs, seq)
-            rec_extra += rec_cache[(kinds[li], r)]
-    hw_flops = model_flops + rec_extra
-    n = profile.num_gpus
+            if (c.kinds[li], r) not in per_kind:
+                per_kind[(c.kinds[li], r)] = recompute_flops(c.model, r, li, gbs, seq)
+            extra += per_kind[(c.kinds[li], r)]
+    return model_flops + extra
+
+
+def _notes(c: _Step, peak: MemoryBreakdown) -> list[str]:
+    """What a reader of the prediction must know: it does not fit, what MFU is against, a slow device."""
+    profile = c.profile
     mfu_peak, bf16_peak = mfu_peak_flops(profile), peak_flops(profile, Precision.bf16)
-    tokens = training.tokens_per_step
     notes = []
     if not peak.fits:
         notes.append(f"does not fit: stage {peak.stage} needs {peak.total_bytes / 2**30:.1f} GiB of "
                      f"{peak.capacity_bytes / 2**30:.1f} GiB, {peak.headroom_bytes / 2**30:.1f} GiB of which are kept "
                      "free (assumptions.memory_headroom)")
-    if training.precision is Precision.fp8:
+    if c.training.precision is Precision.fp8:
         notes.append("MFU/HFU are against the dense 16-bit peak")
     if mfu_peak > bf16_peak:
         notes.append(f"MFU/HFU are against this device's fp32 peak ({mfu_peak / 1e12:.3g} TFLOP/s), its fastest dense "
@@ -499,23 +534,32 @@ def _predict(
         notes.append("priced at the slowest checked device's pace (the compute tables are rank 0's; a device "
                      f"check ran more than {slow_device_limit(profile.is_cpu):.0%} below the checks' median, and "
                      "synchronous training waits for the slowest device): " + "; ".join(slower))
+    return notes
+
+
+def _predict(
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
+) -> Prediction:
+    c = _new_step(model, training, profile, layout)
+    stages = _stages(model, layout)
+    t = _stage_times(c, stages)
+    dp_exposed, dp_comm = _data_parallel(c, t)
+    pipe_s, bubble_s = pipeline_time_s(layout.schedule, t.fwd_s, t.bwd_s, c.m, layout.virtual_stages)
+    opt_s, offload_s = _optimizer(c, t)
+    step_s = pipe_s + max(e + o for e, o in zip(dp_exposed, opt_s))
+    mems, stage_preds = _memories(c, stages, t)
+    peak = max(mems, key=lambda mm: mm.total_bytes)
+    crit = max(range(len(stages)), key=lambda i: t.fwd_s[i] + t.bwd_s[i])  # the slowest rank
+    comm = _comm(c, stages[crit], t, dp_comm[crit], offload_s)
+    model_flops = model_flops_per_step(model, training.global_batch_seqs, training.seq_length)
+    hw_flops = _hardware_flops(c, stages, model_flops)
+    n, mfu_peak, tokens = profile.num_gpus, mfu_peak_flops(profile), training.tokens_per_step
     return Prediction(
-        step_time_s=step_s,
-        tokens_per_s=tokens / step_s,
-        tokens_per_s_per_gpu=tokens / step_s / n,
-        model_flops_per_step=model_flops,
-        hardware_flops_per_step=hw_flops,
-        mfu=model_flops / (step_s * n * mfu_peak),
-        hfu=hw_flops / (step_s * n * mfu_peak),
-        compute_time_s=m * (fwd_s[crit] + bwd_s[crit]),
-        bubble_time_s=bubble_s,
-        bubble_fraction=bubble_s / step_s,
-        optimizer_time_s=opt_s[crit],
-        exposed_comm_time_s=sum(c.exposed_s for c in comm),
-        memory=peak,
-        comm=comm,
-        stages=stage_preds,
-        notes=notes,
+        step_time_s=step_s, tokens_per_s=tokens / step_s, tokens_per_s_per_gpu=tokens / step_s / n,
+        model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
+        mfu=model_flops / (step_s * n * mfu_peak), hfu=hw_flops / (step_s * n * mfu_peak),
+        compute_time_s=c.m * (t.fwd_s[crit] + t.bwd_s[crit]), bubble_time_s=bubble_s,
+        bubble_fraction=bubble_s / step_s, optimizer_time_s=opt_s[crit],
+        exposed_comm_time_s=sum(x.exposed_s for x in comm), memory=peak, comm=comm, stages=stage_preds,
+        notes=_notes(c, peak),
     )
-
-
