@@ -315,6 +315,24 @@ def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int
             sum(model_state_bytes(1.0, state, zero_stage, max(shard_n // ep, 1), offload)))
 
 
+def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, ep: int, offload: bool, reshard: bool,
+                           pp: int, m: int, temp: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(dense, expert) bytes per parameter a rank holds beside its activations at the backward's peak, and
+    through the optimizer step (as ``predict.stage_memory`` counts them). Backward: the model states, ZeRO-3
+    weights kept gathered and pipelined ZeRO-2/3's unsharded gradients as state of every block held, less
+    a single micro-batch's gradients (made as its activations are freed). Optimizer step: the states and
+    ``temp`` bytes of temporaries per local parameter (none when offloaded)."""
+    d, e = state_bytes_per_param_split(state, zero, shard_n, ep, offload)
+    expert_shard = max(shard_n // ep, 1)
+    div_d, div_e = (shard_n, expert_shard) if zero >= 1 else (1, 1)
+    t = 0.0 if offload else temp
+    step = (d + t / div_d, e + t / div_e)
+    held = kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
+    late = (0.0, 0.0) if m > 1 else (state.grads / (shard_n if zero >= 2 else 1),
+                                     state.grads / (expert_shard if zero >= 2 else 1))
+    return (d + held - late[0], e + held - late[1]), step
+
+
 class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
@@ -372,18 +390,10 @@ class StageModel:
         else:
             self._opt_alpha = 0.0
             self._opt_rate = memory_time_s(profile, self.step_bytes)
-        self._state_dense, self._state_expert = state_bytes_per_param_split(self.state, zero, self.shard_n, base.ep,
-                                                                            base.offload_optimizer)
-        # the optimizer step holds every state and its temporaries, per parameter
-        temp = 0.0 if base.offload_optimizer else a.optimizer_temp_bytes_per_param
-        self._step_state = (self._state_dense + temp / self._opt_div[0], self._state_expert + temp / self._opt_div[1])
-        # the backward's peak: ZeRO-3 weights kept gathered from forward to backward count as state of
-        # every block held; a single micro-batch's gradients appear only as its activations are freed
-        kept = (kept_gathered_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
-                + held_gradient_bytes_per_param(zero, base.pp, self.state))
-        grads = (0.0, 0.0) if self.m > 1 else (self.state.grads / (self.shard_n if zero >= 2 else 1),
-                                              self.state.grads / (self.expert_shard if zero >= 2 else 1))
-        self._state_dense, self._state_expert = self._state_dense + kept - grads[0], self._state_expert + kept - grads[1]
+        temp = a.optimizer_temp_bytes_per_param
+        (self._state_dense, self._state_expert), self._step_state = phase_states_per_param(
+            self.state, zero, self.shard_n, base.ep, base.offload_optimizer, base.reshard_after_forward, base.pp,
+            self.m, temp)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
@@ -649,22 +659,15 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     (pipelined ZeRO-2/3 hold gathered weights and unsharded gradients, so the highest stage is not always
     the least), and the largest allocator budget. Its bounds then bound every leaf (a fit test on it
     means nothing)."""
-    lay, state = sm.layout, sm.state
-    grads = 0.0 if sm.m > 1 else state.grads
+    lay, a = sm.layout, sm.profile.assumptions
     best_d = best_e = step_d = step_e = math.inf
     budget = sm.alloc_capacity
-    temp = sm.profile.assumptions.optimizer_temp_bytes_per_param
     for zero in zero_stages:
-        held = kept_gathered_bytes_per_param(zero, True, lay.pp, state) + held_gradient_bytes_per_param(zero, lay.pp, state)
-        late_d = grads / (sm.shard_n if zero >= 2 else 1)  # a single micro-batch's gradients, made after the peak
-        late_e = grads / (sm.expert_shard if zero >= 2 else 1)
-        div_d, div_e = (sm.shard_n, sm.expert_shard) if zero >= 1 else (1, 1)
         for off in ({False, offload} if zero >= 1 else {False}):
-            d, e = state_bytes_per_param_split(state, zero, sm.shard_n, lay.ep, off)
-            best_d, best_e = min(best_d, d + held - late_d), min(best_e, e + held - late_e)
-            step_d = min(step_d, d + (0.0 if off else temp / div_d))  # the optimizer step's states and temporaries
-            step_e = min(step_e, e + (0.0 if off else temp / div_e))
-        budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, sm.profile.assumptions,
+            (d, e), (sd, se) = phase_states_per_param(sm.state, zero, sm.shard_n, lay.ep, off, True, lay.pp, sm.m,
+                                                      a.optimizer_temp_bytes_per_param)
+            best_d, best_e, step_d, step_e = min(best_d, d), min(best_e, e), min(step_d, sd), min(step_e, se)
+        budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, a,
                                                     lay.model_copy(update={"zero_stage": zero})))
     sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
     sm._step_state = (step_d, step_e)
@@ -705,7 +708,6 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     n_moe = sum(sm.kinds)
     kind, n_major = (True, n_moe) if n_moe >= len(sm.kinds) - n_moe else (False, len(sm.kinds) - n_moe)
     kc = sm.kind_cost[kind]
-    lay = sm.layout
     states = kc.dense_params * sm._state_dense + kc.expert_params * sm._state_expert
     a_none = kc.activations[Recompute.none]
     t = kc.forward_s + kc.backward_s[Recompute.none]
