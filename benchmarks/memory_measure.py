@@ -33,28 +33,16 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory_cases import CASES, TINY  # noqa: E402
 from executor.train import RunOptions, Runtime  # noqa: E402
+from profiler.memory import device_used, gpu_runtime_bytes  # noqa: E402
 from planner.contracts import Plan  # noqa: E402
 
 
-def device_used(dev: torch.device) -> int:
-    free, total = torch.cuda.mem_get_info(dev)
-    return int(total - free)
-
-
 def runtime_bytes(dev: torch.device) -> dict:
-    """Device memory in use once CUDA, cuBLAS, SDPA and NCCL are up, and how much of it the allocator holds."""
-    a = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
-    (a @ a).sum().item()
-    q = torch.randn(1, 8, 256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    t = torch.ones(1, device=dev)
-    dist.all_reduce(t)
-    torch.cuda.synchronize()
-    del a, q, t
-    gc.collect()
-    torch.cuda.empty_cache()
-    used, reserved = device_used(dev), torch.cuda.memory_reserved(dev)
-    return {"device_used": used, "allocator_reserved": reserved, "runtime_bytes": used - reserved}
+    """Device memory in use once CUDA, cuBLAS, SDPA and NCCL are up (``profiler.memory``), and how much of
+    it the allocator holds."""
+    outside = gpu_runtime_bytes(dev)
+    used = device_used(dev)
+    return {"device_used": used, "allocator_reserved": used - outside, "runtime_bytes": outside}
 
 
 def measure(plan: Plan, dev: torch.device) -> dict:

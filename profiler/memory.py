@@ -33,7 +33,8 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _device_used(device: torch.device) -> int:
+def device_used(device: torch.device) -> int:
+    """Device memory in use (``cudaMemGetInfo``): the allocator's reserve and everything outside it."""
     free, total = torch.cuda.mem_get_info(device)
     return int(total - free)
 
@@ -55,7 +56,7 @@ def gpu_runtime_bytes(device: torch.device) -> int:
         dist.all_reduce(t)
     del a, q
     _settle(device)
-    return _device_used(device) - int(torch.cuda.memory_reserved(device))
+    return device_used(device) - int(torch.cuda.memory_reserved(device))
 
 
 def optimizer_temp_bytes_per_param(device: torch.device, params: int = 1 << 24) -> float:
@@ -100,13 +101,13 @@ def communicator_bytes(device: torch.device) -> int | None:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     _settle(device)
-    before = _device_used(device)
+    before = device_used(device)
     group = dist.new_group(list(range(dist.get_world_size())))
     t = torch.ones(1 << 20, device=device)
     dist.all_reduce(t, group=group)
     del t
     _settle(device)
-    return max(_device_used(device) - before, 0)
+    return max(device_used(device) - before, 0)
 
 
 def measured_assumptions(device: torch.device, cpu_resident_bytes: int | None = None) -> Assumptions:
