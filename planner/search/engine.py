@@ -795,176 +795,209 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
 def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
             progress, t0: float | None = None) -> Plan:  # noqa: ANN001
     """:func:`search` inside its memo; ``t0``: when the search (and its budget) started, default now."""
-    t0 = time.perf_counter() if t0 is None else t0
-    deadline = t0 + opts.time_budget_s
+    run = _SearchState(model, training, profile, opts, progress, time.perf_counter() if t0 is None else t0)
+    run.seed()
+    run.price_structures()
+    run.solve_pending()
+    return run.plan()
 
-    def over_budget() -> bool:
-        return time.perf_counter() > deadline
 
-    rules = Rules()
-    if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
-        # nothing to price the optimizer-state copies with: offload is not a choice on this profile
-        opts = dataclasses.replace(opts, offload=False)
-        rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
-    targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
-    spec = targets.TARGETS[targets.Target(opts.target)]
-    cache: dict = {}
-    structs = structures(model, training, profile, opts, rules, deadline)
-    if not structs:
-        raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
-                           "change the GPU count, global batch or sequence length so that some layout divides them",
-                           problem="admits no layout: " + "; ".join(f"{r} ({n}x)" for r, n in rules.counts.items()))
-    # Structures are taken in the order of their bound ``bound_s`` (ties: the order of
-    # ``structures``), but priced lazily: a heap holds each unpriced structure under a cheap floor
-    # of its bound (``structure_floor`` <= ``bound_s``) and a priced one under ``bound_s``; an
-    # unpriced structure at the top is priced and pushed back. A floor is at most its bound, so a
-    # priced (b, i) reaches the top only after every structure whose (bound, index) precedes it:
-    # the order is exactly that of sorting by ``bound_s``. Once the top is at the k-th best, every
-    # structure left is pruned by its bound unpriced (most of them: their block costs are never computed).
-    heap = [(floor, i, False) for i, floor in enumerate(structure_floors(structs, model, training, profile, opts, cache, deadline))]
-    heapq.heapify(heap)
+class _SearchState:
+    """One search's shared state and its phases.
 
-    state = state_bytes_per_param(training)
-    all_params_dense = sum(layer_params(model, i)[0] for i in range(model.num_layers)) + embedding_params(model) + lm_head_params(model)
-    all_params_expert = sum(layer_params(model, i)[1] for i in range(model.num_layers))
-    a = profile.assumptions
-    capacity = usable_bytes(profile.device.memory_bytes, a)  # every need below is a whole device's total
-    # what every layout holds beside its model states, at least: the runtime, the reserve, the least fragmentation
-    reserved = float(a.runtime_bytes + a.reserved_memory_bytes)
-    least_frag = 1.0 + min(a.allocator_fragmentation, a.sharded_fragmentation)
+    Structures are taken in the order of their bound ``bound_s`` (ties: the order of
+    ``structures``), but priced lazily: a heap holds each unpriced structure under a cheap floor
+    of its bound (``structure_floor`` <= ``bound_s``) and a priced one under ``bound_s``; an
+    unpriced structure at the top is priced and pushed back. A floor is at most its bound, so a
+    priced (b, i) reaches the top only after every structure whose (bound, index) precedes it:
+    the order is exactly that of sorting by ``bound_s``. Once the top is at the k-th best, every
+    structure left is pruned by its bound unpriced (most of them: their block costs are never computed).
 
-    results: dict[int, Found] = {}  # leaf id -> best known solution
-    values: list[float] = []  # sorted step times of every priced leaf
-    families: dict[str, dict] = {}
-    report = dict(considered=0, dominated=0, pruned=0, infeasible=0, evaluated=0, solved=0, closed=0)
-    status_counts: dict[str, int] = defaultdict(int)
-    shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
-    pending: list[tuple] = []
-    for _, i, _ in sorted(heap):
-        families.setdefault(structs[i].family, {"members": 0, "best": None, "reason": ""})
+    ``results``: per leaf id its best known solution; ``values``: the sorted step times of every
+    priced leaf (the k-th is the pruning cutoff); ``families``: per family its members, best and
+    reason; ``report``: the search's counters; ``pending``: the leaves left for CP-SAT.
+    """
 
-    def kth() -> float:
-        return values[opts.top_k - 1] if len(values) >= opts.top_k else math.inf
+    def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
+                 progress, t0: float) -> None:
+        self.model, self.training, self.profile, self.progress, self.t0 = model, training, profile, progress, t0
+        self.deadline = t0 + opts.time_budget_s
+        self.rules = Rules()
+        if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
+            # nothing to price the optimizer-state copies with: offload is not a choice on this profile
+            opts = dataclasses.replace(opts, offload=False)
+            self.rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
+        self.opts = opts
+        targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
+        self.spec = targets.TARGETS[targets.Target(opts.target)]
+        self.cache: dict = {}
+        self.structs = structs = structures(model, training, profile, opts, self.rules, self.deadline)
+        if not structs:
+            raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
+                               "change the GPU count, global batch or sequence length so that some layout divides them",
+                               problem="admits no layout: " + "; ".join(f"{r} ({n}x)" for r, n in self.rules.counts.items()))
+        self.heap = [(floor, i, False) for i, floor
+                     in enumerate(structure_floors(structs, model, training, profile, opts, self.cache, self.deadline))]
+        heapq.heapify(self.heap)
+        self._init_memory()
+        self._init_tallies()
+        for _, i, _ in sorted(self.heap):
+            self.families.setdefault(structs[i].family, {"members": 0, "best": None, "reason": ""})
 
-    def record(leaf: int, step: float, layout: ParallelLayout, st: Structure, status: str,
+    def _init_memory(self) -> None:
+        """The model's parameter totals and what a GPU may hold."""
+        model, training = self.model, self.training
+        self.state = state_bytes_per_param(training)
+        self.all_params_dense = (sum(layer_params(model, i)[0] for i in range(model.num_layers))
+                                 + embedding_params(model) + lm_head_params(model))
+        self.all_params_expert = sum(layer_params(model, i)[1] for i in range(model.num_layers))
+        a = self.profile.assumptions
+        self.capacity = usable_bytes(self.profile.device.memory_bytes, a)  # every need below is a whole device's total
+        # what every layout holds beside its model states, at least: the runtime, the reserve, the least fragmentation
+        self.reserved = float(a.runtime_bytes + a.reserved_memory_bytes)
+        self.least_frag = 1.0 + min(a.allocator_fragmentation, a.sharded_fragmentation)
+
+    def _init_tallies(self) -> None:
+        """The results, counters and memo caches the phases share."""
+        self.results: dict[int, Found] = {}  # leaf id -> best known solution
+        self.values: list[float] = []  # sorted step times of every priced leaf
+        self.families: dict[str, dict] = {}
+        self.report = dict(considered=0, dominated=0, pruned=0, infeasible=0, evaluated=0, solved=0, closed=0)
+        self.status_counts: dict[str, int] = defaultdict(int)
+        self.shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
+        self.pending: list[tuple] = []
+        self.lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []  # (order, need, label), priced if nothing fits
+        self.no_fits = iter(range(1 << 60))
+        self.priced: set[tuple] = set()
+        self.leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
+        self.states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
+        self.per_param: dict[tuple, tuple[float, float, bool]] = {}
+        self.ids = iter(range(1, 1 << 60))
+        self.prefix_ok: bool | None = None
+        self.budget_hit = False
+        self.minmax_of: dict[int, float] = {}
+        self.scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
+        self.leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
+        self.frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
+        self.interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
+        self.tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
+        self.ordered: list[tuple[Structure, float, bool]] = []  # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
+
+    # ------------------------------------------------------------------ shared bookkeeping
+    def over_budget(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def kth(self) -> float:
+        values, k = self.values, self.opts.top_k
+        return values[k - 1] if len(values) >= k else math.inf
+
+    def record(self, leaf: int, step: float, layout: ParallelLayout, st: Structure, status: str,
                sm: StageModel | None = None) -> None:
-        refused = target_refusal(model, training, opts.target, layout, st.m)
+        """Keep ``step`` as leaf's solution if it is its best (a layout the target refuses: its fallback)."""
+        opts = self.opts
+        refused = target_refusal(self.model, self.training, opts.target, layout, st.m)
         if refused is not None:  # a split or recompute the target cannot run: its even split, one choice
             legal = target_fallback(sm, opts.target, st.m) if sm is not None else None
             if legal is None:
-                rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+                self.rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
                 return
             step, layout = legal
             status = f"{status.split(' ')[0]} ({opts.target}: even split, one recompute choice)"
-        old = results.get(leaf)
+        old = self.results.get(leaf)
         if old is not None:
             if step >= old.step_s:
                 old.status = status
                 return
-            del values[bisect.bisect_left(values, old.step_s)]
-        bisect.insort(values, step)
+            del self.values[bisect.bisect_left(self.values, old.step_s)]
+        bisect.insort(self.values, step)
         item = Found(step, leaf, layout, st.family, status)
-        results[leaf] = item
-        fam = families[st.family]
+        self.results[leaf] = item
+        fam = self.families[st.family]
         if fam["best"] is None or step < fam["best"].step_s:
             fam["best"] = item
 
-    lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []  # (order, need, label), priced if nothing fits
-    no_fits = iter(range(1 << 60))
-
-    def no_fit(st: Structure, need: float | Callable[[], float], label: _LeafLabel, why: str) -> None:
+    def no_fit(self, st: Structure, need: float | Callable[[], float], label: _LeafLabel, why: str) -> None:
         """Count a leaf that does not fit. ``need`` may be a function (a stage model's memory on a
         split, which takes pricing): it is called only if the shortfall or the family's reason is shown."""
-        report["infeasible"] += 1
-        order = next(no_fits)
+        self.report["infeasible"] += 1
+        order = next(self.no_fits)
         if callable(need):
-            lazy_needs.append((order, need, label))
-        elif need - capacity < shortfall[0]:
-            shortfall[:] = [need - capacity, str(label), order]
-        fam = families[st.family]
+            self.lazy_needs.append((order, need, label))
+        elif need - self.capacity < self.shortfall[0]:
+            self.shortfall[:] = [need - self.capacity, str(label), order]
+        fam = self.families[st.family]
         if not fam["reason"]:
-            fam["reason"] = _NoFitReason(need, why, capacity)
+            fam["reason"] = _NoFitReason(need, why, self.capacity)
 
-    priced: set[tuple] = set()
-    leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
-    states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
-    ids = iter(range(1, 1 << 60))
-    nonlocal_state = {"prefix_ok": None, "budget_hit": False}
-
-    def states_need_of(st: Structure, zero: int, shard: int, offload: bool) -> float:
+    def states_need_of(self, st: Structure, zero: int, shard: int, offload: bool) -> float:
         """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
         shard_n = shard * st.cp
         key = (st.tp * st.pp, st.ep, zero, shard_n, offload)
-        need = states_need.get(key)
+        need = self.states_need.get(key)
         if need is None:
-            dense = all_params_dense / (st.tp * st.pp)
-            expert = all_params_expert / (st.tp * st.ep * st.pp)
-            need = states_need[key] = reserved + least_frag * (sum(model_state_bytes(dense, state, zero, shard_n, offload))
-                                                               + sum(model_state_bytes(expert, state, zero,
-                                                                                       max(shard_n // st.ep, 1), offload)))
+            dense = self.all_params_dense / (st.tp * st.pp)
+            expert = self.all_params_expert / (st.tp * st.ep * st.pp)
+            state = self.state
+            need = self.states_need[key] = self.reserved + self.least_frag * (
+                sum(model_state_bytes(dense, state, zero, shard_n, offload))
+                + sum(model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload)))
         return need
 
-    per_param: dict[tuple, tuple[float, float, bool]] = {}
-
-    def states_per_param(st: Structure, zero: int, shard: int, offload: bool) -> tuple[float, float, bool]:
+    def states_per_param(self, st: Structure, zero: int, shard: int, offload: bool) -> tuple[float, float, bool]:
         """(dense, expert) model-state bytes per parameter on a GPU, and whether ZeRO-3 gathers blocks:
         what a leaf's memory bounds see of its data-parallel choice (as StageModel computes them)."""
         key = (st.cp, st.ep, zero, shard, offload)
-        sig = per_param.get(key)
+        sig = self.per_param.get(key)
         if sig is None:
-            sig = per_param[key] = (*state_bytes_per_param_split(state, zero, shard * st.cp, st.ep, offload), zero == 3)
+            sig = self.per_param[key] = (*state_bytes_per_param_split(self.state, zero, shard * st.cp, st.ep, offload),
+                                         zero == 3)
         return sig
 
-    def leaf_comm(st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
+    def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
         """The leaf's data-parallel side (it does not depend on the schedule; memoised)."""
+        opts = self.opts
+
         def make_layout() -> ParallelLayout:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard)
 
-        return LeafComm.of(profile, training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload, reshard,
-                           opts.dp_comm_overlap, all_params_dense / (st.tp * st.pp),
-                           all_params_expert / (st.tp * st.ep * st.pp), cache)
+        return LeafComm.of(self.profile, self.training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload,
+                           reshard, opts.dp_comm_overlap, self.all_params_dense / (st.tp * st.pp),
+                           self.all_params_expert / (st.tp * st.ep * st.pp), self.cache)
 
-    def price_leaf(si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
+    # ------------------------------------------------------------------ one leaf
+    def price_leaf(self, si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
                    rep: int, shard: int, offload: bool, reshard: bool) -> None:
         """Bound one leaf, cheapest test first; price it on the default split, queue it for CP-SAT.
         ``minmax``: the v=1 contiguous min-max stage (0 for interleaved); ``rec_min``: recompute
         that memory forces on every leaf of this schedule."""
         key = (si, sched, v, zero, rep, shard, offload, reshard)
-        if key in priced:
+        if key in self.priced:
             return
-        priced.add(key)
+        self.priced.add(key)
+        opts, report = self.opts, self.report
         label = _LeafLabel(st.family, zero, rep, shard, offload)
-        need = states_need_of(st, zero, shard, offload)
-        if need > capacity:
-            no_fit(st, need, label, "model states alone need")
+        need = self.states_need_of(st, zero, shard, offload)
+        if need > self.capacity:
+            self.no_fit(st, need, label, "model states alone need")
             return
 
         def make_layout() -> ParallelLayout:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
 
-        refused = target_refusal(model, training, opts.target, make_layout(), st.m, ("layout",))
+        refused = target_refusal(self.model, self.training, opts.target, make_layout(), st.m, ("layout",))
         if refused is not None:
-            rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+            self.rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
             return
-        comm = leaf_comm(st, zero, rep, shard, offload, reshard)
-        if leaf_bound(st, sched, v, minmax, rec_min, comm) >= kth():
+        comm = self.leaf_comm(st, zero, rep, shard, offload, reshard)
+        if leaf_bound(st, sched, v, minmax, rec_min, comm) >= self.kth():
             report["pruned"] += 1
             return
-        if over_budget():
-            nonlocal_state["budget_hit"] = True
+        if self.over_budget():
+            self.budget_hit = True
             report["pruned"] += 1
             return
-        sm = None
-
-        def build() -> StageModel | None:
-            try:
-                return StageModel(model, training, profile, make_layout(), block_cache=cache)
-            except AutoparError as err:
-                rules.remove(f"{err.field}: {err.problem}", str(err))
-                return None
-
         # the memory bounds depend on the micro-batches each rank holds, not on how the schedule
         # orders them: 1F1B and zero-bubble leaves share them (their ranks hold p - r); and on the
         # data-parallel choice only through the model-state bytes per parameter and whether ZeRO-3
@@ -973,22 +1006,39 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
         # the memory bounds read the leaf's whole data-parallel choice: states per parameter, and by ZeRO stage
         # the activation factor, fragmentation, held and gathered weights; by replication the communicators
         mem_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
-                   states_per_param(st, zero, shard, offload), zero, rep, reshard or zero < 3, minmax)
-        bounds = leaf_memory.get(mem_key)
+                   self.states_per_param(st, zero, shard, offload), zero, rep, reshard or zero < 3, minmax)
+        bounded = self._memory_bound(st, sched, v, minmax, comm, label, make_layout, mem_key)
+        if bounded is not None:
+            self._price_default(st, *bounded, label, (sched, v, comm))
+
+    def _build(self, make_layout: Callable[[], ParallelLayout]) -> StageModel | None:
+        """The leaf's stage model; a layout it rejects is counted under its rule (None)."""
+        try:
+            return StageModel(self.model, self.training, self.profile, make_layout(), block_cache=self.cache)
+        except AutoparError as err:
+            self.rules.remove(f"{err.field}: {err.problem}", str(err))
+            return None
+
+    def _memory_bound(self, st: Structure, sched: Schedule, v: int, minmax: float, comm: LeafComm, label: _LeafLabel,
+                      make_layout: Callable[[], ParallelLayout], mem_key: tuple) -> tuple | None:
+        """The leaf's bound with the recompute and slowest rank its memory forces: (stage model, bound,
+        slowest rank's f + b at least, recompute bound), or None when the bound prunes it or it does not fit."""
+        sm = None
+        bounds = self.leaf_memory.get(mem_key)
         if bounds is None:
-            sm = build()
+            sm = self._build(make_layout)
             if sm is None:
-                return
-            bounds = leaf_memory[mem_key] = [recompute_bound_s(sm), None]
+                return None
+            bounds = self.leaf_memory[mem_key] = [recompute_bound_s(sm), None]
         rec_s = bounds[0]
         lb = leaf_bound(st, sched, v, minmax, rec_s, comm)
-        if lb >= kth():
-            report["pruned"] += 1
-            return
+        if lb >= self.kth():
+            self.report["pruned"] += 1
+            return None
         if sm is None:
-            sm = build()
+            sm = self._build(make_layout)
             if sm is None:
-                return
+                return None
         stage_lb = minmax  # the slowest rank's f + b, at least
         if st.pp > 1:
             # the slowest rank once every rank fits its own memory (recompute where it must)
@@ -996,329 +1046,385 @@ def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
                 bounds[1] = memory_minmax_s(sm, minmax)
             mem_stage = bounds[1]
             if not math.isfinite(mem_stage):
-                no_fit(st, lambda sm=sm: sm.min_memory(sm.default_chunks()), label,
-                       "needs, on the default split with full recompute,")
-                return
+                self.no_fit(st, lambda sm=sm: sm.min_memory(sm.default_chunks()), label,
+                            "needs, on the default split with full recompute,")
+                return None
             if mem_stage > minmax:
                 stage_lb = mem_stage
                 lb = leaf_bound(st, sched, v, mem_stage, rec_s, comm)
-                if lb >= kth():
-                    report["pruned"] += 1
-                    return
-        report["evaluated"] += 1
-        leaf_id = next(ids)
-        if nonlocal_state["prefix_ok"] is None:
-            nonlocal_state["prefix_ok"] = layer_kind_prefix(sm) is not None
-        prefix_ok = nonlocal_state["prefix_ok"]
-        if st.pp == 1:  # one stage: no split to choose; per kind, the fewest recomputed layers that fit
-            best = None
-            for kind, count in sm.fewest_recomputed(model.num_layers):
-                val, terms = sm.evaluate([model.num_layers], [(kind, count)])
-                if sm.fits(terms) and (best is None or val < best[0]):
-                    best = (val, kind, count)
-            if best is None:
-                no_fit(st, lambda sm=sm: sm.min_memory([model.num_layers]), label, "needs, even with full recompute,")
-                return
-            record(leaf_id, best[0], sm.layout_for([model.num_layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)",
-                   sm)
-            report["closed"] += 1
+                if lb >= self.kth():
+                    self.report["pruned"] += 1
+                    return None
+        return sm, lb, stage_lb, rec_s
+
+    def _price_default(self, st: Structure, sm: StageModel, lb: float, stage_lb: float, rec_s: float,
+                       label: _LeafLabel, leaf: tuple) -> None:
+        """Price an unpruned leaf (``leaf``: its schedule, depth and data-parallel side) on the default
+        split; one that meets its bound there is closed, the rest are queued for CP-SAT."""
+        sched, v, comm = leaf
+        self.report["evaluated"] += 1
+        leaf_id = next(self.ids)
+        if self.prefix_ok is None:
+            self.prefix_ok = layer_kind_prefix(sm) is not None
+        if st.pp == 1:
+            self._price_single_stage(leaf_id, st, sm, label)
             return
         chunks = sm.default_chunks()
         greedy = sm.greedy(chunks)
-        if greedy is not None and target_refusal(model, training, opts.target, sm.layout_for(chunks, greedy[2]),
-                                                 st.m) is not None:
+        if greedy is not None and target_refusal(self.model, self.training, self.opts.target,
+                                                 sm.layout_for(chunks, greedy[2]), st.m) is not None:
             # per-rank choices the target cannot run: its own best on the default split stands in, and
             # CP-SAT (restricted as the target is) settles the leaf
-            record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st, "FEASIBLE (default split)", sm)
+            self.record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st, "FEASIBLE (default split)", sm)
             greedy = None
         if greedy is not None:
             met = greedy[0] <= lb * (1 + 1e-9)
-            record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
-                   "OPTIMAL (bound)" if met else "FEASIBLE (default split)", sm)
+            self.record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
+                        "OPTIMAL (bound)" if met else "FEASIBLE (default split)", sm)
             if met:
-                report["closed"] += 1
+                self.report["closed"] += 1
                 return
-        if prefix_ok:
+        if self.prefix_ok:
             slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
-            pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
-                            greedy[2] if greedy else None, (sched, v, stage_lb, rec_s, comm, slowest)))
-        elif greedy is None and leaf_id not in results:
-            no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
+            self.pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
+                                 greedy[2] if greedy else None, (sched, v, stage_lb, rec_s, comm, slowest)))
+        elif greedy is None and leaf_id not in self.results:
+            self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
-    minmax_of: dict[int, float] = {}
-    scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
-    leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
-    frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
-    interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
-    tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
+    def _price_single_stage(self, leaf_id: int, st: Structure, sm: StageModel, label: _LeafLabel) -> None:
+        """One stage: no split to choose; per kind, the fewest recomputed layers that fit."""
+        layers = self.model.num_layers
+        best = None
+        for kind, count in sm.fewest_recomputed(layers):
+            val, terms = sm.evaluate([layers], [(kind, count)])
+            if sm.fits(terms) and (best is None or val < best[0]):
+                best = (val, kind, count)
+        if best is None:
+            self.no_fit(st, lambda sm=sm: sm.min_memory([layers]), label, "needs, even with full recompute,")
+            return
+        self.record(leaf_id, best[0], sm.layout_for([layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)", sm)
+        self.report["closed"] += 1
 
-    def minmax_for(si: int) -> float:
-        if si not in minmax_of:
-            minmax_of[si] = min_max_stage(ordered[si][0])
-        return minmax_of[si]
+    # ------------------------------------------------------------------ structures in bound order
+    def minmax_for(self, si: int) -> float:
+        if si not in self.minmax_of:
+            self.minmax_of[si] = min_max_stage(self.ordered[si][0])
+        return self.minmax_of[si]
 
-    ordered: list[tuple[Structure, float, bool]] = []  # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
-
-    def reach(si: int, force: bool = False) -> tuple[Structure, float, bool] | None:
+    def reach(self, si: int, force: bool = False) -> tuple[Structure, float, bool] | None:
         """The si-th structure in bound order, pricing it (and any whose floor is below it) unless
         its floor is already at the k-th best or the time budget is spent (``force``: regardless)."""
+        heap, ordered = self.heap, self.ordered
         while len(ordered) <= si:
             if not heap:
                 return None
             key, i, exact = heap[0]
-            if not exact and (force or (key < kth() and not nonlocal_state["budget_hit"])):
-                st = structs[i]
-                price_structure(st, model, training, profile, opts, cache)
+            if not exact and (force or (key < self.kth() and not self.budget_hit)):
+                st = self.structs[i]
+                price_structure(st, self.model, self.training, self.profile, self.opts, self.cache)
                 heapq.heapreplace(heap, (st.bound_s, i, True))
                 continue
             heapq.heappop(heap)
-            ordered.append((structs[i], key, exact))
+            ordered.append((self.structs[i], key, exact))
         return ordered[si]
 
-    # seed: one plain leaf (1F1B or single stage, ZeRO-1, no offload) of the most promising
-    # structures, so the bound prunes from the start
-    seed_zero = 1 if 1 in opts.zero_stages else opts.zero_stages[0]
-    for si in range(SEED_STRUCTURES):
-        if reach(si, force=True) is None:  # the seeds are priced whatever the k-th best
-            break
-        st = ordered[si][0]
-        sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
-        if sched is Schedule.interleaved_1f1b:
-            continue
-        price_leaf(si, st, sched, 1, minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
+    def seed(self) -> None:
+        """One plain leaf (1F1B or single stage, ZeRO-1, no offload) of the most promising
+        structures, so the bound prunes from the start."""
+        opts = self.opts
+        seed_zero = 1 if 1 in opts.zero_stages else opts.zero_stages[0]
+        for si in range(SEED_STRUCTURES):
+            if self.reach(si, force=True) is None:  # the seeds are priced whatever the k-th best
+                break
+            st = self.ordered[si][0]
+            sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
+            if sched is Schedule.interleaved_1f1b:
+                continue
+            self.price_leaf(si, st, sched, 1, self.minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 
-    # phase A: price every leaf that its bound does not rule out, on the default split
-    def drain(si: int) -> None:
+    def _choices(self, st: Structure) -> tuple[tuple, tuple]:
+        """The structure's (schedules, their rule removals) and (leaves, leaves removed), memoised per
+        (pp, m) and (dp, cp, ep) (hashing the options on every call costs more than the choices)."""
+        sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.ep)
+        if sched_key not in self.scheds_of:  # depends on (pp, m) only: its rule removals are replayed
+            sub = Rules()
+            self.scheds_of[sched_key] = (schedule_choices(st, self.model, self.opts, sub),
+                                         [(r, sub.examples[r], n) for r, n in sub.counts.items()])
+        if leaves_key not in self.leaves_of:
+            self.leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, self.opts)
+        return self.scheds_of[sched_key], self.leaves_of[leaves_key]
+
+    def drain(self, si: int) -> None:
         """Every structure from the si-th on, all pruned by their bound (the top of the heap is at the
-        k-th best, or the time budget is spent): counted as the loop below counts them, in the same
-        order, without pricing them; the rule removals summed per (pp, m, dp, cp, ep) and replayed in
+        k-th best, or the time budget is spent): counted as :meth:`price_structures` counts them, in the
+        same order, without pricing them; the rule removals summed per (pp, m, dp, cp, ep) and replayed in
         order of first appearance (the same counts, first examples and rule order)."""
-        rest = [ordered[si]] + [(structs[i], key, exact) for key, i, exact in sorted(heap)]
-        heap.clear()
+        rest = [self.ordered[si]] + [(self.structs[i], key, exact) for key, i, exact in sorted(self.heap)]
+        self.heap.clear()
         repeats: dict[tuple, int] = {}
-        why = f" is no better than the top {opts.top_k}"
+        why = f" is no better than the top {self.opts.top_k}"
         for n, (st, st_bound, exact) in enumerate(rest, start=si):
-            if progress:
-                progress(n, len(structs))
-            sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.ep)
-            if sched_key not in scheds_of:
-                sub = Rules()
-                scheds_of[sched_key] = (schedule_choices(st, model, opts, sub),
-                                        [(r, sub.examples[r], c) for r, c in sub.counts.items()])
-            if leaves_key not in leaves_of:
-                leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, opts)
-            key = sched_key + leaves_key
+            if self.progress:
+                self.progress(n, len(self.structs))
+            (scheds, _), (leaves, _) = self._choices(st)
+            key = (st.pp, st.m, st.dp, st.cp, st.ep)
             repeats[key] = repeats.get(key, 0) + 1
-            count = len(leaves_of[leaves_key][0]) * len(scheds_of[sched_key][0])
-            fam = families[st.family]
+            count = len(leaves) * len(scheds)
+            fam = self.families[st.family]
             fam["members"] += count
-            report["considered"] += count
-            report["pruned"] += count
+            self.report["considered"] += count
+            self.report["pruned"] += count
             if not fam["reason"]:
                 fam["reason"] = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
                                  f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread evenly)") + why
         for (pp, m, dp, cp, ep), times in repeats.items():
-            for rule, example, count in scheds_of[(pp, m)][1]:
-                rules.remove(rule, example, count * times)
-            removed = leaves_of[(dp, cp, ep)][1]
+            for rule, example, count in self.scheds_of[(pp, m)][1]:
+                self.rules.remove(rule, example, count * times)
+            removed = self.leaves_of[(dp, cp, ep)][1]
             if removed:
-                rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
+                self.rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
 
-    for si in range(len(structs)):
-        if over_budget():
-            nonlocal_state["budget_hit"] = True
-        st, st_bound, _ = reach(si)
-        if st_bound >= kth() or nonlocal_state["budget_hit"]:
-            # the heap's top is at the k-th best (or the budget is spent): it and all after it are pruned
-            drain(si)
-            break
-        if progress:
-            progress(si, len(structs))
-        fam = families[st.family]
-        sched_key = (st.pp, st.m)
-        if sched_key not in scheds_of:  # depends on (pp, m) only: its rule removals are replayed
-            sub = Rules()
-            scheds_of[sched_key] = (schedule_choices(st, model, opts, sub),
-                                    [(r, sub.examples[r], n) for r, n in sub.counts.items()])
-        scheds, sched_removed = scheds_of[sched_key]
+    # ------------------------------------------------------------------ phase A
+    def price_structures(self) -> None:
+        """Phase A: price every leaf that its bound does not rule out, on the default split."""
+        for si in range(len(self.structs)):
+            if self.over_budget():
+                self.budget_hit = True
+            st, st_bound, _ = self.reach(si)
+            if st_bound >= self.kth() or self.budget_hit:
+                # the heap's top is at the k-th best (or the budget is spent): it and all after it are pruned
+                self.drain(si)
+                break
+            if self.progress:
+                self.progress(si, len(self.structs))
+            self._price_structure(si, st)
+
+    def _price_structure(self, si: int, st: Structure) -> None:
+        """Every schedule of one structure that its bounds do not rule out, and their leaves."""
+        report = self.report
+        (scheds, sched_removed), (leaves, removed) = self._choices(st)
         for rule, example, count in sched_removed:
-            rules.remove(rule, example, count)
-        leaves_key = (st.dp, st.cp, st.ep)
-        if leaves_key not in leaves_of:  # (hashing the options on every call costs more than the choices)
-            leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, opts)
-        leaves, removed = leaves_of[leaves_key]
+            self.rules.remove(rule, example, count)
         if removed:
-            rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
+            self.rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
         per_sched = len(leaves)
-        fam["members"] += per_sched * len(scheds)
+        self.families[st.family]["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
-        minmax = minmax_for(si)
+        minmax = self.minmax_for(si)
         # per leaf, its schedule-free tail bound (None: its model states alone do not fit, which
         # price_leaf reports), and the least of them: a floor every leaf's tail stands on; computed
         # once the first schedule survives its own bound
         tails: list[float | None] = []
         tail_min = 0.0
         for sched, v in scheds:
-            if sched is Schedule.gpipe and Schedule.one_f_one_b in opts.schedules:
+            if sched is Schedule.gpipe and Schedule.one_f_one_b in self.opts.schedules:
                 report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
             stage_min = minmax if v == 1 else 0.0
             plain = schedule_bound(st, sched, v, stage_min)
-            if plain >= kth():
+            if plain >= self.kth():
                 report["pruned"] += per_sched
                 continue
             if not tails:
-                # they depend on the groups and the pipeline depth, not on sp or the micro-batch
-                tails_key = (st.tp, st.cp, st.pp, st.dp, st.ep)
-                if tails_key not in tails_of:
-                    found = [leaf_tail_bound(leaf_comm(st, zero, rep, shard, offload, reshard))
-                             if states_need_of(st, zero, shard, offload) <= capacity else None
-                             for zero, rep, shard, offload, reshard in leaves]
-                    tails_of[tails_key] = (found, min((t for t in found if t is not None), default=0.0))
-                tails, tail_min = tails_of[tails_key]
-            if plain + tail_min >= kth():
+                tails, tail_min = self._tails(st, leaves)
+            if plain + tail_min >= self.kth():
                 report["pruned"] += per_sched
                 continue
-            if sched is Schedule.interleaved_1f1b and st.pp > 1:
-                # one memory bound for every interleaving depth of this structure before one per depth
-                if si not in interleaved_floor_of:
-                    interleaved_floor_of[si] = interleaved_memory_floor(
-                        model, training, profile, st, opts, [d for s, d in scheds if s is sched], cache)
-                floor_stage = interleaved_floor_of[si]
-                if not math.isfinite(floor_stage):
-                    report["infeasible"] += per_sched  # no split of any of its leaves fits, at any depth
-                    continue
-                if schedule_bound(st, sched, v, floor_stage) + tail_min >= kth():
-                    report["pruned"] += per_sched
-                    continue
-            # the recompute and the slowest rank that memory forces even on the leaf with the least
-            # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
-            frugal_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
-                          stage_min)  # as for the leaves: 1F1B and zero-bubble ranks hold the same
-            if frugal_key in frugal_of:
-                rec_min, stage_min = frugal_of[frugal_key]
-            else:
-                try:
-                    frugal_sm = frugal_stage_model(model, training, profile, st, opts, sched, v, cache)
-                    rec_min = recompute_bound_s(frugal_sm)
-                    if st.pp > 1:
-                        # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)
-                        stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min, gather_buffers=False))
-                except AutoparError:
-                    rec_min = 0.0
-                frugal_of[frugal_key] = (rec_min, stage_min)
-            if not math.isfinite(stage_min):
-                report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
+            if sched is Schedule.interleaved_1f1b and st.pp > 1 and not self._interleaved_may_fit(si, st, scheds, v,
+                                                                                                  per_sched, tail_min):
                 continue
-            base = schedule_bound(st, sched, v, stage_min, rec_min)
-            if base + tail_min >= kth():
-                report["pruned"] += per_sched
-                continue
-            for (zero, rep, shard, offload, reshard), tail in zip(leaves, tails):
-                if tail is not None and base + tail >= kth():
-                    report["pruned"] += 1  # leaf_bound would be at least this
-                    continue
-                price_leaf(si, st, sched, v, stage_min, rec_min, zero, rep, shard, offload, reshard)
-    budget_hit = nonlocal_state["budget_hit"]
+            self._price_schedule(si, st, sched, v, stage_min, leaves, tails, tail_min)
 
-    # phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first
-    pending.sort(key=lambda x: (x[0], x[1]))
-    for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec, (sched, v, stage_lb, rec_s, comm, slowest) in pending:
-        if lb >= kth():
-            report["pruned"] += 1
-            continue
-        if over_budget():
-            budget_hit = True
-            continue
-        cutoff = min(greedy_val if greedy_val is not None else math.inf, kth())
-        if math.isfinite(slowest):
-            # before proving it with CP-SAT: every split with each rank at its fastest recompute
-            # that fits (SplitBound): two ranks, each split's (interleaved: each holding's) step
-            # bound; deeper (v = 1), the slowest rank of a contiguous split in the leaf bound. A
-            # bound at the cutoff settles the leaf as CP-SAT's INFEASIBLE would: nothing beats the
-            # k-th best, or the default split
-            split = SplitBound(sm)
-            if st.pp == 2:
-                settled = split.two_rank_step_s(cutoff) >= cutoff
-            else:
-                split_stage = split.minmax_s(stage_lb, slowest) if v == 1 else split.holding_minmax_s(stage_lb, slowest)
-                settled = leaf_bound(st, sched, v, split_stage, rec_s, comm, pigeonhole_comms(sm, cache)) >= cutoff
-            if settled:
-                if cutoff == greedy_val:  # the default split is this leaf's optimum
-                    record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")
-                    report["closed"] += 1
-                else:
-                    report["pruned"] += 1
+    def _tails(self, st: Structure, leaves: tuple) -> tuple[list[float | None], float]:
+        """Per leaf its schedule-free tail bound (None: its model states alone do not fit) and the least
+        of them; they depend on the groups and the pipeline depth, not on sp or the micro-batch."""
+        tails_key = (st.tp, st.cp, st.pp, st.dp, st.ep)
+        if tails_key not in self.tails_of:
+            found = [leaf_tail_bound(self.leaf_comm(st, zero, rep, shard, offload, reshard))
+                     if self.states_need_of(st, zero, shard, offload) <= self.capacity else None
+                     for zero, rep, shard, offload, reshard in leaves]
+            self.tails_of[tails_key] = (found, min((t for t in found if t is not None), default=0.0))
+        return self.tails_of[tails_key]
+
+    def _interleaved_may_fit(self, si: int, st: Structure, scheds: list, v: int, per_sched: int,
+                             tail_min: float) -> bool:
+        """One memory bound for every interleaving depth of this structure before one per depth:
+        whether depth ``v``'s leaves survive it (those that do not are counted)."""
+        sched = Schedule.interleaved_1f1b
+        if si not in self.interleaved_floor_of:
+            self.interleaved_floor_of[si] = interleaved_memory_floor(
+                self.model, self.training, self.profile, st, self.opts, [d for s, d in scheds if s is sched], self.cache)
+        floor_stage = self.interleaved_floor_of[si]
+        if not math.isfinite(floor_stage):
+            self.report["infeasible"] += per_sched  # no split of any of its leaves fits, at any depth
+            return False
+        if schedule_bound(st, sched, v, floor_stage) + tail_min >= self.kth():
+            self.report["pruned"] += per_sched
+            return False
+        return True
+
+    def _price_schedule(self, si: int, st: Structure, sched: Schedule, v: int, stage_min: float, leaves: tuple,
+                        tails: list, tail_min: float) -> None:
+        """The leaves of one (structure, schedule) that the frugal leaf's bound does not rule out."""
+        report, per_sched = self.report, len(leaves)
+        # the recompute and the slowest rank that memory forces even on the leaf with the least
+        # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
+        frugal_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
+                      stage_min)  # as for the leaves: 1F1B and zero-bubble ranks hold the same
+        if frugal_key in self.frugal_of:
+            rec_min, stage_min = self.frugal_of[frugal_key]
+        else:
+            try:
+                frugal_sm = frugal_stage_model(self.model, self.training, self.profile, st, self.opts, sched, v,
+                                               self.cache)
+                rec_min = recompute_bound_s(frugal_sm)
+                if st.pp > 1:
+                    # (without ZeRO-3's gather buffer, which the lower ZeRO stages do not hold)
+                    stage_min = max(stage_min, memory_minmax_s(frugal_sm, stage_min, gather_buffers=False))
+            except AutoparError:
+                rec_min = 0.0
+            self.frugal_of[frugal_key] = (rec_min, stage_min)
+        if not math.isfinite(stage_min):
+            report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
+            return
+        base = schedule_bound(st, sched, v, stage_min, rec_min)
+        if base + tail_min >= self.kth():
+            report["pruned"] += per_sched
+            return
+        for (zero, rep, shard, offload, reshard), tail in zip(leaves, tails):
+            if tail is not None and base + tail >= self.kth():
+                report["pruned"] += 1  # leaf_bound would be at least this
                 continue
-        report["solved"] += 1
-        sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(deadline - time.perf_counter(), 0.01)),
+            self.price_leaf(si, st, sched, v, stage_min, rec_min, zero, rep, shard, offload, reshard)
+
+    # ------------------------------------------------------------------ phase B
+    def solve_pending(self) -> None:
+        """Phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first."""
+        self.pending.sort(key=lambda x: (x[0], x[1]))
+        for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec, bounds in self.pending:
+            if lb >= self.kth():
+                self.report["pruned"] += 1
+                continue
+            if self.over_budget():
+                self.budget_hit = True
+                continue
+            cutoff = min(greedy_val if greedy_val is not None else math.inf, self.kth())
+            if math.isfinite(bounds[-1]) and self._split_settles(sm, st, cutoff, bounds):
+                if cutoff == greedy_val:  # the default split is this leaf's optimum
+                    self.record(leaf, greedy_val, self.results[leaf].layout, st, "OPTIMAL")
+                    self.report["closed"] += 1
+                else:
+                    self.report["pruned"] += 1
+                continue
+            self._solve(leaf, sm, st, label, greedy_val, chunks, greedy_rec, cutoff)
+
+    def _split_settles(self, sm: StageModel, st: Structure, cutoff: float, bounds: tuple) -> bool:
+        """Before proving it with CP-SAT: every split with each rank at its fastest recompute that fits
+        (SplitBound): two ranks, each split's (interleaved: each holding's) step bound; deeper (v = 1), the
+        slowest rank of a contiguous split in the leaf bound. A bound at the cutoff settles the leaf as
+        CP-SAT's INFEASIBLE would: nothing beats the k-th best, or the default split."""
+        sched, v, stage_lb, rec_s, comm, slowest = bounds
+        split = SplitBound(sm)
+        if st.pp == 2:
+            return split.two_rank_step_s(cutoff) >= cutoff
+        split_stage = split.minmax_s(stage_lb, slowest) if v == 1 else split.holding_minmax_s(stage_lb, slowest)
+        return leaf_bound(st, sched, v, split_stage, rec_s, comm, pigeonhole_comms(sm, self.cache)) >= cutoff
+
+    def _solve(self, leaf: int, sm: StageModel, st: Structure, label: _LeafLabel, greedy_val: float | None,
+               chunks: list, greedy_rec: list | None, cutoff: float) -> None:
+        """CP-SAT on one leaf's split and per-stage recompute, below ``cutoff``; its outcome recorded."""
+        opts = self.opts
+        self.report["solved"] += 1
+        sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(self.deadline - time.perf_counter(), 0.01)),
                            workers=opts.workers,
                            hint=(chunks, greedy_rec) if greedy_rec else None,
                            upper_bound_s=cutoff if math.isfinite(cutoff) else None,
-                           even_split=not spec.uneven_split, uniform_recompute=not spec.per_stage_recompute)
-        status_counts[sol.status] += 1
+                           even_split=not self.spec.uneven_split, uniform_recompute=not self.spec.per_stage_recompute)
+        self.status_counts[sol.status] += 1
         if sol.chunks:
             val = sm.evaluate(sol.chunks, sol.recompute)[0]
-            record(leaf, val, sm.layout_for(sol.chunks, sol.recompute), st, sol.status, sm)
+            self.record(leaf, val, sm.layout_for(sol.chunks, sol.recompute), st, sol.status, sm)
         elif sol.status == "INFEASIBLE":
             if greedy_val is None:
                 if not math.isfinite(cutoff):
-                    no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label,
-                           "needs, on the default split with full recompute,")
+                    self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label,
+                                "needs, on the default split with full recompute,")
             elif cutoff == greedy_val:
-                record(leaf, greedy_val, results[leaf].layout, st, "OPTIMAL")  # nothing beats the default split
+                self.record(leaf, greedy_val, self.results[leaf].layout, st, "OPTIMAL")  # nothing beats the default split
         elif greedy_val is not None:
-            record(leaf, greedy_val, results[leaf].layout, st, f"FEASIBLE (CP-SAT {sol.status} in its time limit)")
+            self.record(leaf, greedy_val, self.results[leaf].layout, st,
+                        f"FEASIBLE (CP-SAT {sol.status} in its time limit)")
 
-    ranked = sorted(results.values())[: opts.top_k]
-    if not ranked:
-        if budget_hit:
-            raise out_of_time(opts, f"before any layout that fits was priced ({report['considered']:,} candidates "
-                                    f"considered, {report['infeasible']:,} shown not to fit)")
-        for order, need, label in lazy_needs:  # the first smallest gap, as if priced when found
-            if over_budget() and math.isfinite(shortfall[0]):
+    # ------------------------------------------------------------------ the plan
+    def _nothing_found(self) -> AutoparError:
+        """Why no plan was found: the budget ran out, or the closest leaf's memory shortfall."""
+        report, shortfall = self.report, self.shortfall
+        if self.budget_hit:
+            return out_of_time(self.opts, f"before any layout that fits was priced ({report['considered']:,} candidates "
+                                          f"considered, {report['infeasible']:,} shown not to fit)")
+        for order, need, label in self.lazy_needs:  # the first smallest gap, as if priced when found
+            if self.over_budget() and math.isfinite(shortfall[0]):
                 break  # the closest seen so far stands for the rest
-            gap = need() - capacity
+            gap = need() - self.capacity
             if gap < shortfall[0] or (gap == shortfall[0] and order < shortfall[2]):
                 shortfall[:] = [gap, str(label), order]
-        raise _nothing_fits(model, training, profile, shortfall, report)
-    # the fastest is predicted in full; the alternatives while the budget lasts
-    preds = [predict(model, training, profile, found.layout, target=opts.target) if i == 0 or not over_budget()
-             else None for i, found in enumerate(ranked)]
-    ranked, preds = rank_found(ranked, preds, opts.robust)
-    best, best_pred = ranked[0], preds[0]
-    alternatives = [alternative(alt, pred, best, best_pred) for alt, pred in zip(ranked[1:], preds[1:])]
-    if any(a.prediction is not None and ties(a.prediction, best_pred) for a in alternatives):
-        best_pred = best_pred.model_copy(update={"notes": [*best_pred.notes, (
-            "an alternative's step-time interval overlaps this plan's: the cost model cannot tell them apart "
-            "(see each alternative's reason)")]})
-    fam_out = []
-    ranked_fams = sorted(families.items(), key=lambda kv: (kv[1]["best"] is None, kv[1]["best"].step_s if kv[1]["best"] else 0.0))
-    for n, (name, fam) in enumerate(ranked_fams):
-        b = fam["best"]
-        if b is not None and b.layout == best.layout:
-            reason = "the chosen plan's structure"
-        elif b is not None and n < EXPLAINED_FAMILIES and not over_budget():
-            reason = why_slower(predict(model, training, profile, b.layout, target=opts.target), best_pred)
-        elif b is not None:
-            reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
-        else:
-            reason = str(fam["reason"]) or "not reached"
-        fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
-                                     slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"], reason=reason))
-    wall = time.perf_counter() - t0
-    search_report = SearchReport(
-        candidates_considered=report["considered"] + sum(rules.counts.values()),
-        removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
-        pruned_by_bound=report["pruned"], memory_infeasible=report["infeasible"], evaluated=report["evaluated"],
-        solved=report["solved"], solver_status_counts=dict(status_counts), closed_without_solver=report["closed"],
-        wall_s=wall, families=fam_out,
-    )
-    return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
-                precision=training.precision, target=opts.target, prediction=best_pred, alternatives=alternatives,
-                solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every bound was closed "
-                               f"(the chosen candidate's own split: {best.status})" if budget_hit else best.status),
-                search=search_report)
+        return _nothing_fits(self.model, self.training, self.profile, shortfall, report)
+
+    def plan(self) -> Plan:
+        """The fastest plan found, its alternatives (predicted while the budget lasts), the families' outcomes
+        and the search report."""
+        model, training, profile, opts, report = self.model, self.training, self.profile, self.opts, self.report
+        ranked = sorted(self.results.values())[: opts.top_k]
+        if not ranked:
+            raise self._nothing_found()
+        # the fastest is predicted in full; the alternatives while the budget lasts
+        preds = [predict(model, training, profile, found.layout, target=opts.target) if i == 0 or not self.over_budget()
+                 else None for i, found in enumerate(ranked)]
+        ranked, preds = rank_found(ranked, preds, opts.robust)
+        best, best_pred = ranked[0], preds[0]
+        alternatives = [alternative(alt, pred, best, best_pred) for alt, pred in zip(ranked[1:], preds[1:])]
+        if any(a.prediction is not None and ties(a.prediction, best_pred) for a in alternatives):
+            best_pred = best_pred.model_copy(update={"notes": [*best_pred.notes, (
+                "an alternative's step-time interval overlaps this plan's: the cost model cannot tell them apart "
+                "(see each alternative's reason)")]})
+        fam_out = self._family_outcomes(best, best_pred)
+        wall = time.perf_counter() - self.t0
+        rules = self.rules
+        search_report = SearchReport(
+            candidates_considered=report["considered"] + sum(rules.counts.values()),
+            removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
+            pruned_by_bound=report["pruned"], memory_infeasible=report["infeasible"], evaluated=report["evaluated"],
+            solved=report["solved"], solver_status_counts=dict(self.status_counts), closed_without_solver=report["closed"],
+            wall_s=wall, families=fam_out,
+        )
+        return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
+                    precision=training.precision, target=opts.target, prediction=best_pred, alternatives=alternatives,
+                    solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every bound was "
+                                   f"closed (the chosen candidate's own split: {best.status})" if self.budget_hit
+                                   else best.status),
+                    search=search_report)
+
+    def _family_outcomes(self, best: Found, best_pred: Prediction) -> list[FamilyOutcome]:
+        """Per family, fastest first, its best against the chosen plan (the first few explained in full) or
+        why none of it was found."""
+        fam_out = []
+        ranked_fams = sorted(self.families.items(),
+                             key=lambda kv: (kv[1]["best"] is None, kv[1]["best"].step_s if kv[1]["best"] else 0.0))
+        for n, (name, fam) in enumerate(ranked_fams):
+            b = fam["best"]
+            if b is not None and b.layout == best.layout:
+                reason = "the chosen plan's structure"
+            elif b is not None and n < EXPLAINED_FAMILIES and not self.over_budget():
+                reason = why_slower(predict(self.model, self.training, self.profile, b.layout, target=self.opts.target),
+                                    best_pred)
+            elif b is not None:
+                reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
+            else:
+                reason = str(fam["reason"]) or "not reached"
+            fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
+                                         slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"],
+                                         reason=reason))
+        return fam_out
 
 
 def why_slower(pred: Prediction, best: Prediction) -> str:
