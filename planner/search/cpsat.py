@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from planner.contracts import Recompute, Schedule
-from planner.search.stages import StageModel
+from planner.search.stages import KindCost, StageModel
 
 S = 10_000  # scale of the overlap efficiency
 MEM_UNIT = 64.0
@@ -47,237 +47,376 @@ def layer_kind_prefix(sm: StageModel) -> tuple[bool, int] | None:
     return first, d
 
 
-def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int], list[tuple[Recompute, int]]] | None = None,
+Hint = tuple[list[int], list[tuple[Recompute, int]]]
+
+
+def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: Hint | None = None,
                  workers: int = 2, upper_bound_s: float | None = None, *, even_split: bool = False,
                  uniform_recompute: bool = False) -> StageSolution:
     """Best split and per-stage recompute of ``sm``'s candidate; INFEASIBLE if no split fits memory.
     ``even_split``: only the default split; ``uniform_recompute``: one kind and count on every rank (what a
     target that cannot run more accepts, ``planner.targets.TargetSpec``)."""
+    cx = _context(sm)
+    chunks, a_in_chunk = _chunk_vars(cx)
+    ranks = []
+    for r in range(cx.p):
+        rk = _rank_vars(cx, r, chunks, a_in_chunk)
+        _rank_time(cx, rk)
+        _rank_memory(cx, rk)
+        ranks.append(rk)
+    if hint is not None:
+        for rk in ranks:
+            _hint_recompute(cx, rk, hint[1][rk.r])
+    _restrict(cx, chunks, ranks, even_split=even_split, uniform_recompute=uniform_recompute)
+    if hint is not None:
+        for var, value in zip(chunks, _chunk_values(cx, hint[0])):
+            cx.mdl.AddHint(var, value)
+    objective, scale = _objective(cx, chunks, ranks)
+    if upper_bound_s is not None:
+        cx.mdl.Add(objective <= int(upper_bound_s / cx.unit * S * scale) + 1)
+    cx.mdl.Minimize(objective)
+    return _solve(cx, chunks, ranks, scale, time_limit_s, workers)
+
+
+@dataclass
+class _Context:
+    """What every part of one candidate's model reads: the stage model, the CP-SAT model being built,
+    the two block kinds (``ka`` the leading ``d_count`` blocks, ``kb`` the rest or None) and the units."""
+    sm: StageModel
+    mdl: cp_model.CpModel
+    ka: KindCost
+    kb: KindCost | None
+    d_count: int
+    unit: float  # seconds per time unit: a rank's average forward+backward is ~1e6 units
+    ub_units: int = 0  # a bound on any stage's time, base units
+    big_time: int = 0  # the same bound, scaled by S
+
+    @property
+    def L(self) -> int:
+        return self.sm.model.num_layers
+
+    @property
+    def p(self) -> int:
+        return self.sm.p
+
+    @property
+    def v(self) -> int:
+        return self.sm.v
+
+    @property
+    def single(self) -> bool:
+        """One block kind: the decision is one layer count per rank (see :func:`_chunk_vars`)."""
+        return self.d_count == self.L
+
+    @property
+    def eff_int(self) -> int:
+        return int(round(self.sm.eff * S))
+
+    @property
+    def dense_params(self) -> tuple[float, float]:
+        """Dense parameters per GPU of one block of kind a, of kind b (0 with one kind)."""
+        return self.ka.dense_params, (self.kb.dense_params if self.kb else 0.0)
+
+    @property
+    def expert_params(self) -> tuple[float, float]:
+        """Expert parameters per GPU of one block of kind a, of kind b (0 with one kind)."""
+        return self.ka.expert_params, (self.kb.expert_params if self.kb else 0.0)
+
+    def q(self, seconds: float) -> int:
+        return int(round(seconds / self.unit))
+
+
+@dataclass
+class _Rank:
+    """One pipeline rank's decision variables: ``n`` layers (``na`` of kind a, ``nb`` of kind b) and the
+    recomputed layers ``rs`` (selective) or ``rf`` (full), ``ras``/``raf`` of them of kind a."""
+    r: int
+    n: cp_model.LinearExprT
+    na: cp_model.LinearExprT
+    nb: cp_model.LinearExprT
+    zsel: cp_model.IntVar
+    rs: cp_model.IntVar
+    rf: cp_model.IntVar
+    ras: cp_model.IntVar
+    raf: cp_model.IntVar
+    T: cp_model.IntVar | None = None  # forward+backward of one micro-batch, scaled by S
+    F: cp_model.IntVar | None = None  # its forward
+    tail: cp_model.LinearExprT = 0  # once-per-step tail, scaled by S
+
+    @property
+    def first(self) -> bool:
+        return self.r == 0
+
+    def last(self, cx: _Context) -> bool:
+        return self.r == cx.p - 1
+
+    def const_dense(self, cx: _Context) -> float:
+        """Dense parameters outside the blocks: the embedding on rank 0, the LM head on the last."""
+        return (cx.sm.emb_params if self.first else 0.0) + (cx.sm.head_params if self.last(cx) else 0.0)
+
+
+def _context(sm: StageModel) -> _Context:
+    """The CP-SAT model's context; unit = (L·(forward + backward) + embedding + head) / p / 10⁶ seconds."""
     prefix = layer_kind_prefix(sm)
     if prefix is None:
         raise ValueError("blocks are not a prefix of one kind followed by the other; use the default split")
     kind_a, d_count = prefix
-    kind_b = not kind_a
-    L, p, v, m = sm.model.num_layers, sm.p, sm.v, sm.m
-    n_chunks = p * v
-    ka = sm.kind_cost[kind_a]
-    kb = sm.kind_cost.get(kind_b)
-
-    # unit: a rank's average forward+backward is ~1e6 units
+    ka, kb = sm.kind_cost[kind_a], sm.kind_cost.get(not kind_a)
+    L, p, v = sm.model.num_layers, sm.p, sm.v
     total = L * (ka.forward_s + ka.backward_s[Recompute.none]) + sum(sm.emb) + sum(sm.head)
-    unit = max(total / p / 1e6, 1e-12)
-
-    def q(seconds: float) -> int:
-        return int(round(seconds / unit))
-
-    eff_int = int(round(sm.eff * S))
-    mdl = cp_model.CpModel()
-    # one block kind: a rank's time and memory depend only on how many blocks it holds, not on how
-    # they fall into its v chunks, so the decision is one count per rank (p variables instead of
-    # p·v interchangeable chunk sizes, which only slow the proof down); the chunks are then as
-    # even as each rank's count allows
-    single = d_count == L
-    if single:
-        rank_n = [mdl.NewIntVar(v, L, f"n{r}") for r in range(p)]
-        mdl.Add(sum(rank_n) == L)
-        chunks = rank_n
-    else:
-        chunks = [mdl.NewIntVar(1, L, f"c{j}") for j in range(n_chunks)]
-        mdl.Add(sum(chunks) == L)
-        bounds = [mdl.NewConstant(0)]
-        for j in range(n_chunks):
-            b = mdl.NewIntVar(0, L, f"B{j + 1}")
-            mdl.Add(b == bounds[-1] + chunks[j])
-            bounds.append(b)
-        # blocks of kind a in each chunk: min(B_{j+1}, D) - min(B_j, D)
-        capped = []
-        for j, b in enumerate(bounds):
-            cb = mdl.NewIntVar(0, d_count, f"mB{j}")
-            mdl.AddMinEquality(cb, [b, mdl.NewConstant(d_count)])
-            capped.append(cb)
-        a_in_chunk = [capped[j + 1] - capped[j] for j in range(n_chunks)]
-
+    cx = _Context(sm, cp_model.CpModel(), ka, kb, d_count, max(total / p / 1e6, 1e-12))
     # a bound on any stage's time (base units): every layer fully recomputed, all traffic exposed
     all_dense = L * max(ka.dense_params, kb.dense_params if kb else 0.0) + sm.emb_params + sm.head_params
     all_expert = L * max(ka.expert_params, kb.expert_params if kb else 0.0)
     worst_s = (L * max(k.forward_s + k.backward_s[Recompute.full] for k in sm.kind_cost.values()) + sum(sm.emb)
                + sum(sm.head) + 2 * v * sm.p2p_s + 3 * sum(sm.traffic(all_dense, all_expert))
                + sm.optimizer_s(all_dense, all_expert))
-    ub_units = 2 * q(worst_s) + 10
-    big_time = S * ub_units
-    stage_T, stage_F, tails, rs_vars, rf_vars = [], [], [], [], []
-    for r in range(p):
-        first, last = r == 0, r == p - 1
-        if single:
-            n = na = rank_n[r]
-            nb = mdl.NewConstant(0)
-        else:
-            mine = [c * p + r for c in range(v)]
-            n = mdl.NewIntVar(1, L, f"n{r}")
-            mdl.Add(n == sum(chunks[j] for j in mine))
-            na = mdl.NewIntVar(0, min(L, d_count), f"na{r}")
-            mdl.Add(na == sum(a_in_chunk[j] for j in mine))
-            nb = mdl.NewIntVar(0, L - d_count, f"nb{r}")
-            mdl.Add(nb == n - na)
-        # recompute: one kind per rank, a count of its layers (kind-a blocks come first in the rank)
-        zsel = mdl.NewBoolVar(f"sel{r}")
-        rs = mdl.NewIntVar(0, L, f"Rs{r}")
-        rf = mdl.NewIntVar(0, L, f"Rf{r}")
-        mdl.Add(rs + rf <= n)
-        mdl.Add(rs == 0).OnlyEnforceIf(zsel.Not())
-        mdl.Add(rf == 0).OnlyEnforceIf(zsel)
-        ras = mdl.NewIntVar(0, L, f"ras{r}")
-        raf = mdl.NewIntVar(0, L, f"raf{r}")
-        mdl.AddMinEquality(ras, [rs, na])
-        mdl.AddMinEquality(raf, [rf, na])
-        rbs, rbf = rs - ras, rf - raf
+    cx.ub_units = 2 * cx.q(worst_s) + 10
+    cx.big_time = S * cx.ub_units
+    return cx
 
-        def kcoef(attr_a: float, attr_b: float) -> tuple[float, float]:
-            return attr_a, (attr_b if kb is not None else 0.0)
 
-        fa, fb = kcoef(ka.forward_s, kb.forward_s if kb else 0.0)
-        ba, bb = kcoef(ka.backward_s[Recompute.none], kb.backward_s[Recompute.none] if kb else 0.0)
-        dsa = ka.backward_s[Recompute.selective] - ba
-        dfa = ka.backward_s[Recompute.full] - ba
-        dsb = (kb.backward_s[Recompute.selective] - bb) if kb else 0.0
-        dfb = (kb.backward_s[Recompute.full] - bb) if kb else 0.0
-        const_f = (sm.emb[0] if first else 0.0) + (sm.head[0] if last else 0.0) + v * sm.p2p_s
-        const_b = (sm.emb[1] if first else 0.0) + (sm.head[1] if last else 0.0) + v * sm.p2p_s
-        F = q(fa) * na + q(fb) * nb + q(const_f)
-        B = q(ba) * na + q(bb) * nb + q(dsa) * ras + q(dsb) * rbs + q(dfa) * raf + q(dfb) * rbf + q(const_b)
+def _chunk_vars(cx: _Context) -> tuple[list[cp_model.IntVar], list[cp_model.LinearExprT] | None]:
+    """The split's variables and, with two kinds, each chunk's kind-a blocks ``min(B_{j+1}, D) - min(B_j, D)``
+    (``B_j`` the blocks before chunk ``j``, ``D`` = ``d_count``).
 
-        # parameters the rank holds (as linear expressions of na, nb)
-        pda, pdb = ka.dense_params, (kb.dense_params if kb else 0.0)
-        pea, peb = ka.expert_params, (kb.expert_params if kb else 0.0)
-        const_dense = (sm.emb_params if first else 0.0) + (sm.head_params if last else 0.0)
-        moe_count = None
-        if pea > 0 or peb > 0:
-            moe_count = na if pea > 0 else nb
-        has_experts = mdl.NewBoolVar(f"exp{r}")
-        if moe_count is None:
-            mdl.Add(has_experts == 0)
-        else:
-            mdl.Add(moe_count >= 1).OnlyEnforceIf(has_experts)
-            mdl.Add(moe_count == 0).OnlyEnforceIf(has_experts.Not())
+    One block kind: a rank's time and memory depend only on how many blocks it holds, not on how
+    they fall into its v chunks, so the decision is one count per rank (p variables instead of
+    p·v interchangeable chunk sizes, which only slow the proof down); the chunks are then as
+    even as each rank's count allows."""
+    mdl, L, p, v, d_count = cx.mdl, cx.L, cx.p, cx.v, cx.d_count
+    if cx.single:
+        rank_n = [mdl.NewIntVar(v, L, f"n{r}") for r in range(p)]
+        mdl.Add(sum(rank_n) == L)
+        return rank_n, None
+    n_chunks = p * v
+    chunks = [mdl.NewIntVar(1, L, f"c{j}") for j in range(n_chunks)]
+    mdl.Add(sum(chunks) == L)
+    bounds = [mdl.NewConstant(0)]
+    for j in range(n_chunks):
+        b = mdl.NewIntVar(0, L, f"B{j + 1}")
+        mdl.Add(b == bounds[-1] + chunks[j])
+        bounds.append(b)
+    capped = []
+    for j, b in enumerate(bounds):
+        cb = mdl.NewIntVar(0, d_count, f"mB{j}")
+        mdl.AddMinEquality(cb, [b, mdl.NewConstant(d_count)])
+        capped.append(cb)
+    return chunks, [capped[j + 1] - capped[j] for j in range(n_chunks)]
 
-        def affine_time(which: str) -> cp_model.LinearExpr:
-            """``which`` data-parallel collective of this rank, in base units."""
-            d, e = sm.dense_dp[which], sm.expert_dp[which]
-            expr = q(d.slope * pda) * na + q(d.slope * pdb) * nb + q(d.alpha + d.slope * const_dense)
-            if moe_count is not None:
-                expr += q(e.slope * pea) * na + q(e.slope * peb) * nb + q(e.alpha) * has_experts
-            return expr
 
-        grad, replica, gather = affine_time("grad"), affine_time("replica"), affine_time("gather")
-        gpm = sm.gathers_per_mb
-        gather_f = gather if gpm else 0
-        gather_b = (gpm - 1) * gather if gpm else 0
-        grad_mb = grad if sm.grads_per_mb else 0
+def _rank_vars(cx: _Context, r: int, chunks: list[cp_model.IntVar],
+               a_in_chunk: list[cp_model.LinearExprT] | None) -> _Rank:
+    """Rank ``r``'s layer counts (its chunks are r, r+p, ...) and recompute: one kind per rank, a count of
+    its layers (kind-a blocks come first in the rank)."""
+    mdl, L, p, d_count = cx.mdl, cx.L, cx.p, cx.d_count
+    if cx.single:
+        n = na = chunks[r]
+        nb = mdl.NewConstant(0)
+    else:
+        mine = [c * p + r for c in range(cx.v)]
+        n = mdl.NewIntVar(1, L, f"n{r}")
+        mdl.Add(n == sum(chunks[j] for j in mine))
+        na = mdl.NewIntVar(0, min(L, d_count), f"na{r}")
+        mdl.Add(na == sum(a_in_chunk[j] for j in mine))
+        nb = mdl.NewIntVar(0, L - d_count, f"nb{r}")
+        mdl.Add(nb == n - na)
+    zsel = mdl.NewBoolVar(f"sel{r}")
+    rs = mdl.NewIntVar(0, L, f"Rs{r}")
+    rf = mdl.NewIntVar(0, L, f"Rf{r}")
+    mdl.Add(rs + rf <= n)
+    mdl.Add(rs == 0).OnlyEnforceIf(zsel.Not())
+    mdl.Add(rf == 0).OnlyEnforceIf(zsel)
+    ras = mdl.NewIntVar(0, L, f"ras{r}")
+    raf = mdl.NewIntVar(0, L, f"raf{r}")
+    mdl.AddMinEquality(ras, [rs, na])
+    mdl.AddMinEquality(raf, [rf, na])
+    return _Rank(r, n, na, nb, zsel, rs, rf, ras, raf)
 
-        def exposed_scaled(comm, window, name: str):  # noqa: ANN001, ANN202
-            """S·(comm - eff·min(comm, window)) for base-unit expressions."""
-            if isinstance(comm, int) and comm == 0:
-                return 0
-            h = mdl.NewIntVar(0, ub_units, f"h_{name}{r}")
-            # h <= min(comm, window): every objective term grows with the exposed time, so the
-            # solver sets h to the minimum itself (no equality needed)
-            mdl.Add(h <= comm)
-            mdl.Add(h <= window)
-            return S * comm - eff_int * h
 
-        Fs = S * F + exposed_scaled(gather_f, F, "f")
-        Bs = S * B + exposed_scaled(gather_b + grad_mb, B, "b")
-        T = mdl.NewIntVar(0, big_time, f"T{r}")
-        mdl.Add(T == Fs + Bs)
-        Fv = mdl.NewIntVar(0, big_time, f"F{r}")
-        mdl.Add(Fv == Fs)
-        # once-per-step tail: windows are the stage's own backward / forward (base units, floored)
-        grad_step = replica + (0 if sm.grads_per_mb else grad)
-        gather_step = 0 if gpm else gather
-        opt_d, opt_e, opt_a = _optimizer_affine(sm)
-        opt = q(opt_a + opt_d * const_dense) + q(opt_d * pda) * na + q(opt_d * pdb) * nb + q(opt_e * pea) * na + q(opt_e * peb) * nb
-        # once-per-step traffic hides behind the stage's compute (the per-micro-batch traffic's links are busy)
-        tail = exposed_scaled(grad_step, B, "gs") + exposed_scaled(gather_step, F, "ps") + S * opt
-        stage_T.append(T)
-        rs_vars.append(rs)
-        rf_vars.append(rf)
-        stage_F.append(Fv)
-        tails.append(tail)
+def _rank_compute(cx: _Context, rk: _Rank) -> tuple[cp_model.LinearExprT, cp_model.LinearExprT]:
+    """(F, B) compute of one micro-batch in base units: per-block forward/backward by kind, the backward's
+    recompute surcharge per recomputed block, the embedding/head on the end ranks and v p2p transfers."""
+    sm, ka, kb, q = cx.sm, cx.ka, cx.kb, cx.q
+    na, nb, ras, raf = rk.na, rk.nb, rk.ras, rk.raf
+    rbs, rbf = rk.rs - ras, rk.rf - raf
+    fa, fb = ka.forward_s, (kb.forward_s if kb else 0.0)
+    ba, bb = ka.backward_s[Recompute.none], (kb.backward_s[Recompute.none] if kb else 0.0)
+    dsa = ka.backward_s[Recompute.selective] - ba
+    dfa = ka.backward_s[Recompute.full] - ba
+    dsb = (kb.backward_s[Recompute.selective] - bb) if kb else 0.0
+    dfb = (kb.backward_s[Recompute.full] - bb) if kb else 0.0
+    first, last = rk.first, rk.last(cx)
+    const_f = (sm.emb[0] if first else 0.0) + (sm.head[0] if last else 0.0) + cx.v * sm.p2p_s
+    const_b = (sm.emb[1] if first else 0.0) + (sm.head[1] if last else 0.0) + cx.v * sm.p2p_s
+    F = q(fa) * na + q(fb) * nb + q(const_f)
+    B = q(ba) * na + q(bb) * nb + q(dsa) * ras + q(dsb) * rbs + q(dfa) * raf + q(dfb) * rbf + q(const_b)
+    return F, B
 
-        # memory (64-byte units, rounded up)
-        def mq(nbytes: float) -> int:
-            return int(-(-nbytes // MEM_UNIT))
 
-        lay = sm.layout
-        per_dense, per_expert = sm._state_dense, sm._state_expert
-        fl = sm.in_flight[r]
-        Aa, Ab = ka.activations, (kb.activations if kb else {k: 0.0 for k in Recompute})
-        mem = (mq(per_dense * pda + per_expert * pea + fl * Aa[Recompute.none]) * na
-               + mq(per_dense * pdb + per_expert * peb + fl * Ab[Recompute.none]) * nb
-               - int((fl * (Aa[Recompute.none] - Aa[Recompute.selective])) // MEM_UNIT) * ras
-               - int((fl * (Ab[Recompute.none] - Ab[Recompute.selective])) // MEM_UNIT) * rbs
-               - int((fl * (Aa[Recompute.none] - Aa[Recompute.full])) // MEM_UNIT) * raf
-               - int((fl * (Ab[Recompute.none] - Ab[Recompute.full])) // MEM_UNIT) * rbf
-               + mq(per_dense * const_dense + (fl * sm.emb_act if first else 0.0)
-                    + (sm.logits if last else 0.0)))
-        # a fully recomputed block rebuilds all of its activations for a moment
-        ua, ub = mdl.NewBoolVar(f"ua{r}"), mdl.NewBoolVar(f"ub{r}")
-        mdl.Add(raf == 0).OnlyEnforceIf(ua.Not())
-        mdl.Add(rbf == 0).OnlyEnforceIf(ub.Not())
-        transient = mdl.NewIntVar(0, mq(max(Aa[Recompute.none], Ab[Recompute.none])), f"tr{r}")
-        mdl.Add(transient >= mq(Aa[Recompute.none])).OnlyEnforceIf(ua)
-        mdl.Add(transient >= mq(Ab[Recompute.none])).OnlyEnforceIf(ub)
-        mem += transient
-        if sm.block_buffer > 0:  # ZeRO-2/3: the biggest held block's gathered weights / unsharded gradients
-            ga, gb = mdl.NewBoolVar(f"ga{r}"), mdl.NewBoolVar(f"gb{r}")
-            mdl.Add(na == 0).OnlyEnforceIf(ga.Not())
-            mdl.Add(nb == 0).OnlyEnforceIf(gb.Not())
-            w = sm.block_buffer
-            gbuf = mdl.NewIntVar(0, mq(w * max(ka.gather_params, kb.gather_params if kb else 0.0)), f"gbuf{r}")
-            mdl.Add(gbuf >= mq(w * ka.gather_params)).OnlyEnforceIf(ga)
-            if kb is not None:
-                mdl.Add(gbuf >= mq(w * kb.gather_params)).OnlyEnforceIf(gb)
-            mem += gbuf
-        budget = int(sm.alloc_capacity // MEM_UNIT)
-        mdl.Add(mem <= budget)
-        # the optimizer step: model states and its temporaries (the activations are gone by then)
-        od, oe = sm._step_state
-        mdl.Add(mq(od * pda + oe * pea) * na + mq(od * pdb + oe * peb) * nb + mq(od * const_dense) <= budget)
+def _dp_collectives(cx: _Context, rk: _Rank) -> dict[str, cp_model.LinearExprT]:
+    """The rank's data-parallel collectives (grad, replica, gather) in base units: ``alpha + slope·params``
+    for the dense parameters, plus the expert ones' (and their ``alpha`` when it holds any MoE block)."""
+    sm, mdl, q = cx.sm, cx.mdl, cx.q
+    (pda, pdb), (pea, peb) = cx.dense_params, cx.expert_params
+    const_dense = rk.const_dense(cx)
+    moe_count = None
+    if pea > 0 or peb > 0:
+        moe_count = rk.na if pea > 0 else rk.nb
+    has_experts = mdl.NewBoolVar(f"exp{rk.r}")
+    if moe_count is None:
+        mdl.Add(has_experts == 0)
+    else:
+        mdl.Add(moe_count >= 1).OnlyEnforceIf(has_experts)
+        mdl.Add(moe_count == 0).OnlyEnforceIf(has_experts.Not())
+    out = {}
+    for which in ("grad", "replica", "gather"):
+        d, e = sm.dense_dp[which], sm.expert_dp[which]
+        expr = q(d.slope * pda) * rk.na + q(d.slope * pdb) * rk.nb + q(d.alpha + d.slope * const_dense)
+        if moe_count is not None:
+            expr += q(e.slope * pea) * rk.na + q(e.slope * peb) * rk.nb + q(e.alpha) * has_experts
+        out[which] = expr
+    return out
 
-        if hint is not None:
-            kind, count = hint[1][r]
-            mdl.AddHint(zsel, kind is Recompute.selective)
-            mdl.AddHint(rs, count if kind is Recompute.selective else 0)
-            mdl.AddHint(rf, count if kind is Recompute.full else 0)
 
+def _exposed_scaled(cx: _Context, comm: cp_model.LinearExprT, window: cp_model.LinearExprT,
+                    name: str) -> cp_model.LinearExprT:
+    """S·(comm - eff·min(comm, window)) for base-unit expressions."""
+    if isinstance(comm, int) and comm == 0:
+        return 0
+    h = cx.mdl.NewIntVar(0, cx.ub_units, f"h_{name}")
+    # h <= min(comm, window): every objective term grows with the exposed time, so the
+    # solver sets h to the minimum itself (no equality needed)
+    cx.mdl.Add(h <= comm)
+    cx.mdl.Add(h <= window)
+    return S * comm - cx.eff_int * h
+
+
+def _rank_time(cx: _Context, rk: _Rank) -> None:
+    """Sets ``rk.T`` (forward+backward of one micro-batch), ``rk.F`` (its forward) and ``rk.tail`` (the
+    once-per-step collectives and optimizer step), all scaled by S, traffic exposed beyond ``eff`` of its
+    compute window."""
+    sm, mdl, q, r = cx.sm, cx.mdl, cx.q, rk.r
+    F, B = _rank_compute(cx, rk)
+    dp = _dp_collectives(cx, rk)
+    grad, replica, gather = dp["grad"], dp["replica"], dp["gather"]
+    gpm = sm.gathers_per_mb
+    gather_f = gather if gpm else 0
+    gather_b = (gpm - 1) * gather if gpm else 0
+    grad_mb = grad if sm.grads_per_mb else 0
+    Fs = S * F + _exposed_scaled(cx, gather_f, F, f"f{r}")
+    Bs = S * B + _exposed_scaled(cx, gather_b + grad_mb, B, f"b{r}")
+    rk.T = mdl.NewIntVar(0, cx.big_time, f"T{r}")
+    mdl.Add(rk.T == Fs + Bs)
+    rk.F = mdl.NewIntVar(0, cx.big_time, f"F{r}")
+    mdl.Add(rk.F == Fs)
+    # once-per-step tail: windows are the stage's own backward / forward (base units, floored)
+    grad_step = replica + (0 if sm.grads_per_mb else grad)
+    gather_step = 0 if gpm else gather
+    (pda, pdb), (pea, peb) = cx.dense_params, cx.expert_params
+    na, nb = rk.na, rk.nb
+    opt_d, opt_e, opt_a = _optimizer_affine(sm)
+    opt = (q(opt_a + opt_d * rk.const_dense(cx)) + q(opt_d * pda) * na + q(opt_d * pdb) * nb
+           + q(opt_e * pea) * na + q(opt_e * peb) * nb)
+    # once-per-step traffic hides behind the stage's compute (the per-micro-batch traffic's links are busy)
+    rk.tail = (_exposed_scaled(cx, grad_step, B, f"gs{r}") + _exposed_scaled(cx, gather_step, F, f"ps{r}")
+               + S * opt)
+
+
+def _mq(nbytes: float) -> int:
+    """Bytes in 64-byte units, rounded up."""
+    return int(-(-nbytes // MEM_UNIT))
+
+
+def _rank_memory(cx: _Context, rk: _Rank) -> None:
+    """The rank fits its budget in both phases: with its activations (model states + in-flight activations
+    less what recompute drops + a fully recomputed block's transient + ZeRO-2/3's block buffer), and at
+    the optimizer step (model states and its temporaries; the activations are gone by then)."""
+    sm, mdl, ka, kb, r = cx.sm, cx.mdl, cx.ka, cx.kb, rk.r
+    na, nb, ras, raf = rk.na, rk.nb, rk.ras, rk.raf
+    rbs, rbf = rk.rs - ras, rk.rf - raf
+    (pda, pdb), (pea, peb) = cx.dense_params, cx.expert_params
+    const_dense = rk.const_dense(cx)
+    per_dense, per_expert = sm._state_dense, sm._state_expert
+    fl = sm.in_flight[r]
+    Aa, Ab = ka.activations, (kb.activations if kb else {k: 0.0 for k in Recompute})
+    none, sel, full = Recompute.none, Recompute.selective, Recompute.full
+    mem = (_mq(per_dense * pda + per_expert * pea + fl * Aa[none]) * na
+           + _mq(per_dense * pdb + per_expert * peb + fl * Ab[none]) * nb
+           - int((fl * (Aa[none] - Aa[sel])) // MEM_UNIT) * ras
+           - int((fl * (Ab[none] - Ab[sel])) // MEM_UNIT) * rbs
+           - int((fl * (Aa[none] - Aa[full])) // MEM_UNIT) * raf
+           - int((fl * (Ab[none] - Ab[full])) // MEM_UNIT) * rbf
+           + _mq(per_dense * const_dense + (fl * sm.emb_act if rk.first else 0.0)
+                 + (sm.logits if rk.last(cx) else 0.0)))
+    # a fully recomputed block rebuilds all of its activations for a moment
+    ua, ub = mdl.NewBoolVar(f"ua{r}"), mdl.NewBoolVar(f"ub{r}")
+    mdl.Add(raf == 0).OnlyEnforceIf(ua.Not())
+    mdl.Add(rbf == 0).OnlyEnforceIf(ub.Not())
+    transient = mdl.NewIntVar(0, _mq(max(Aa[none], Ab[none])), f"tr{r}")
+    mdl.Add(transient >= _mq(Aa[none])).OnlyEnforceIf(ua)
+    mdl.Add(transient >= _mq(Ab[none])).OnlyEnforceIf(ub)
+    mem += transient
+    if sm.block_buffer > 0:  # ZeRO-2/3: the biggest held block's gathered weights / unsharded gradients
+        ga, gb = mdl.NewBoolVar(f"ga{r}"), mdl.NewBoolVar(f"gb{r}")
+        mdl.Add(na == 0).OnlyEnforceIf(ga.Not())
+        mdl.Add(nb == 0).OnlyEnforceIf(gb.Not())
+        w = sm.block_buffer
+        gbuf = mdl.NewIntVar(0, _mq(w * max(ka.gather_params, kb.gather_params if kb else 0.0)), f"gbuf{r}")
+        mdl.Add(gbuf >= _mq(w * ka.gather_params)).OnlyEnforceIf(ga)
+        if kb is not None:
+            mdl.Add(gbuf >= _mq(w * kb.gather_params)).OnlyEnforceIf(gb)
+        mem += gbuf
+    budget = int(sm.alloc_capacity // MEM_UNIT)
+    mdl.Add(mem <= budget)
+    od, oe = sm._step_state
+    mdl.Add(_mq(od * pda + oe * pea) * na + _mq(od * pdb + oe * peb) * nb + _mq(od * const_dense) <= budget)
+
+
+def _hint_recompute(cx: _Context, rk: _Rank, choice: tuple[Recompute, int]) -> None:
+    kind, count = choice
+    cx.mdl.AddHint(rk.zsel, kind is Recompute.selective)
+    cx.mdl.AddHint(rk.rs, count if kind is Recompute.selective else 0)
+    cx.mdl.AddHint(rk.rf, count if kind is Recompute.full else 0)
+
+
+def _chunk_values(cx: _Context, chunks: list[int]) -> list[int]:
+    """Values of :func:`_chunk_vars`' variables for layers per (virtual) stage ``chunks``."""
+    p, v = cx.p, cx.v
+    return [sum(chunks[c * p + r] for c in range(v)) for r in range(p)] if cx.single else chunks
+
+
+def _restrict(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], *, even_split: bool,
+              uniform_recompute: bool) -> None:
+    """``even_split``: the default split only; ``uniform_recompute``: rank 0's recompute on every rank."""
     if even_split:
-        default = sm.default_chunks()
-        fixed = [sum(default[c * p + r] for c in range(v)) for r in range(p)] if single else default
-        for var, value in zip(chunks, fixed):
-            mdl.Add(var == value)
+        for var, value in zip(chunks, _chunk_values(cx, cx.sm.default_chunks())):
+            cx.mdl.Add(var == value)
     if uniform_recompute:
-        for r in range(1, p):
-            mdl.Add(rs_vars[r] == rs_vars[0])
-            mdl.Add(rf_vars[r] == rf_vars[0])
-    if hint is not None:
-        values = [sum(hint[0][c * p + r] for c in range(v)) for r in range(p)] if single else hint[0]
-        for var, value in zip(chunks, values):
-            mdl.AddHint(var, value)
+        for rk in ranks[1:]:
+            cx.mdl.Add(rk.rs == ranks[0].rs)
+            cx.mdl.Add(rk.rf == ranks[0].rf)
 
+
+def _objective(cx: _Context, chunks: list[cp_model.IntVar],
+               ranks: list[_Rank]) -> tuple[cp_model.LinearExprT, int]:
+    """(objective, scale): the schedule's step formula over the ranks' T (F for zero-bubble) plus the
+    slowest tail, in units of ``unit / S / scale`` seconds, plus tie-breakers worth < 1e-9 of it."""
+    mdl, p, v, m, big_time = cx.mdl, cx.p, cx.v, cx.sm.m, cx.big_time
+    stage_T = [rk.T for rk in ranks]
     t_max = mdl.NewIntVar(0, big_time, "Tmax")
     for t in stage_T:
         mdl.Add(t_max >= t)
     tail_max = mdl.NewIntVar(0, big_time, "Tail")
-    for t in tails:
-        mdl.Add(tail_max >= t)
-    schedule = sm.layout.schedule
+    for rk in ranks:
+        mdl.Add(tail_max >= rk.tail)
+    schedule = cx.sm.layout.schedule
     if p == 1:
-        objective = m * t_max + tail_max
-        scale = 1
+        objective, scale = m * t_max + tail_max, 1
     elif schedule is Schedule.interleaved_1f1b:
-        objective = (v * m - 1) * t_max + sum(stage_T) + v * tail_max
-        scale = v
+        objective, scale = (v * m - 1) * t_max + sum(stage_T) + v * tail_max, v
     elif schedule is Schedule.zero_bubble:
+        stage_F = [rk.F for rk in ranks]
         z = [mdl.NewBoolVar(f"z{r}") for r in range(p)]
         mdl.AddExactlyOne(z)
         f_star = mdl.NewIntVar(0, big_time, "Fstar")
@@ -289,21 +428,22 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
         # objective bound goes negative: the solver then proves optimality by search alone
         # (0.25-0.5 s for DeepSeek-V3's pp32 leaves; 0.06 s with it)
         mdl.Add(f_star <= t_max)
-        objective = m * t_max + sum(stage_F) - f_star + tail_max
-        scale = 1
+        objective, scale = m * t_max + sum(stage_F) - f_star + tail_max, 1
     else:
-        objective = (m - 1) * t_max + sum(stage_T) + tail_max
-        scale = 1
+        objective, scale = (m - 1) * t_max + sum(stage_T) + tail_max, 1
     # among equally fast solutions prefer the one recomputing least (adds < 1e-9 of the objective)
     # and, for interleaving, chunks (one kind: ranks' counts) as even as the step time allows
-    c_max = mdl.NewIntVar(1, L, "cmax")
+    c_max = mdl.NewIntVar(1, cx.L, "cmax")
     for c in chunks:
         mdl.Add(c_max >= c)
-    objective = objective + sum(rs_vars) + sum(rf_vars) + c_max
-    if upper_bound_s is not None:
-        mdl.Add(objective <= int(upper_bound_s / unit * S * scale) + 1)
-    mdl.Minimize(objective)
+    objective = objective + sum(rk.rs for rk in ranks) + sum(rk.rf for rk in ranks) + c_max
+    return objective, scale
 
+
+def _solve(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], scale: int, time_limit_s: float,
+           workers: int) -> StageSolution:
+    """Solve the model and read the split (one kind: each rank's count spread over its chunks r, r+p, ...
+    as evenly as possible, larger first) and each rank's recompute back."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_search_workers = workers
@@ -312,24 +452,26 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: tuple[list[int
     # send to CP-SAT, 1.6 s in all instead of 3.6 s (worst leaf 0.14 s instead of 0.53 s), the
     # same status and objective on every leaf; with the F* bound alone two leaves stop FEASIBLE
     solver.parameters.linearization_level = 2
-    status = solver.Solve(mdl)
+    status = solver.Solve(cx.mdl)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return StageSolution([], [], name, None, solver.WallTime())
+    p, v = cx.p, cx.v
     sol_chunks = [solver.Value(c) for c in chunks]
-    if single:  # rank r's count over its chunks r, r+p, ...: as even as possible, larger first
+    if cx.single:
         per_rank = sol_chunks
-        sol_chunks = [per_rank[j % p] // v + (1 if j // p < per_rank[j % p] % v else 0) for j in range(n_chunks)]
+        sol_chunks = [per_rank[j % p] // v + (1 if j // p < per_rank[j % p] % v else 0) for j in range(p * v)]
     rec: list[tuple[Recompute, int]] = []
-    for r in range(p):
-        rs_v, rf_v = solver.Value(rs_vars[r]), solver.Value(rf_vars[r])
+    for rk in ranks:
+        rs_v, rf_v = solver.Value(rk.rs), solver.Value(rk.rf)
         if rf_v:
             rec.append((Recompute.full, rf_v))
         elif rs_v:
             rec.append((Recompute.selective, rs_v))
         else:
             rec.append((Recompute.none, 0))
-    return StageSolution(sol_chunks, rec, name, solver.ObjectiveValue() * unit / S / scale, solver.WallTime())
+    objective_s = solver.ObjectiveValue() * cx.unit / S / scale
+    return StageSolution(sol_chunks, rec, name, objective_s, solver.WallTime())
 
 
 def _optimizer_affine(sm: StageModel) -> tuple[float, float, float]:
