@@ -214,14 +214,30 @@ def _torchrun(plan: Plan, script: str) -> _Command:
 # Megatron-LM
 # ============================================================================================
 def _megatron(plan: Plan) -> dict[str, str]:
-    m, t, lay = plan.model, plan.training, plan.layout
-    dp, pp, v = lay.dp, lay.pp, lay.virtual_stages
-    counts = _counts(plan)
-    notes = ["Flags checked against NVIDIA/Megatron-LM megatron/training/arguments.py (main branch)."]
-    vnotes: list[str] = []  # flags that older Megatron-LM releases do not have
-    recompute = _recompute(plan)
+    """``megatron_args.sh``: torchrun running ``pretrain_gpt.py`` with the plan's flags. Each section adds
+    its flags to the command and returns the version notes of the flags it added, in flag order."""
     a = _Command("pretrain_gpt.py")
-    # ---- model ----
+    vnotes: list[str] = []  # flags that older Megatron-LM releases do not have
+    for section in (_megatron_model, _megatron_moe, _megatron_batch_precision, _megatron_tp_cp_ep,
+                    _megatron_pipeline, _megatron_data_parallel, _megatron_recompute):
+        vnotes += section(plan, a)
+    # ---- run length, data and logging (not part of the plan; override from the environment) ----
+    a.raw('--train-iters "${TRAIN_ITERS:-100}"')
+    a.raw('--lr "${LR:-3.0e-4}"')
+    a.raw("--log-interval 1")
+    a.raw("--log-throughput")
+    a.raw("${DATA_ARGS}")
+    a.raw('"$@"')
+    cmd = _torchrun(plan, '"${MEGATRON_LM_DIR:-.}/pretrain_gpt.py"')
+    cmd.lines += a.lines[1:]
+    notes = _megatron_notes(plan, vnotes)
+    return {"megatron_args.sh": _script(plan, "megatron", notes, _megatron_env(plan), [cmd.render()])}
+
+
+def _megatron_model(plan: Plan, a: _Command) -> list[str]:
+    """The transformer's shape, attention (GQA or MLA), positions, norm, FFN, biases and dropout."""
+    m, t = plan.model, plan.training
+    vnotes = []
     a.add("--num-layers", m.num_layers)
     a.add("--hidden-size", m.hidden_size)
     a.add("--ffn-hidden-size", m.ffn_hidden_size)
@@ -261,23 +277,36 @@ def _megatron(plan: Plan) -> dict[str, str]:
             "  --attention-backend: recent Megatron-Core only; older releases pick the attention "
             "kernel through Transformer Engine's NVTE_FLASH_ATTN/NVTE_FUSED_ATTN variables."
         )
-    if m.moe is not None:
-        moe = m.moe
-        a.add("--num-experts", moe.num_experts)
-        a.add("--moe-router-topk", moe.top_k)
-        a.add("--moe-ffn-hidden-size", moe.expert_ffn_hidden_size)
-        if moe.num_shared_experts:
-            a.add("--moe-shared-expert-intermediate-size", moe.num_shared_experts * moe.shared_ffn)
-        pattern = _moe_layer_pattern(plan)
-        if pattern != 1:
-            a.add("--moe-layer-freq", pattern)
-            vnotes.append("  --moe-layer-freq patterns and --moe-ffn-hidden-size: Megatron Core >= 0.10.")
-        if moe.capacity_factor is not None:
-            a.add("--moe-expert-capacity-factor", moe.capacity_factor)
-        if lay.ep > 1:
-            a.add("--moe-token-dispatcher-type", "alltoall")
-    # ---- batch and precision ----
-    a.add("--micro-batch-size", lay.micro_batch_size)
+    return vnotes
+
+
+def _megatron_moe(plan: Plan, a: _Command) -> list[str]:
+    """Experts, routing, the MoE layer pattern and, with expert parallelism, the all-to-all dispatcher."""
+    moe = plan.model.moe
+    if moe is None:
+        return []
+    vnotes = []
+    a.add("--num-experts", moe.num_experts)
+    a.add("--moe-router-topk", moe.top_k)
+    a.add("--moe-ffn-hidden-size", moe.expert_ffn_hidden_size)
+    if moe.num_shared_experts:
+        a.add("--moe-shared-expert-intermediate-size", moe.num_shared_experts * moe.shared_ffn)
+    pattern = _moe_layer_pattern(plan)
+    if pattern != 1:
+        a.add("--moe-layer-freq", pattern)
+        vnotes.append("  --moe-layer-freq patterns and --moe-ffn-hidden-size: Megatron Core >= 0.10.")
+    if moe.capacity_factor is not None:
+        a.add("--moe-expert-capacity-factor", moe.capacity_factor)
+    if plan.layout.ep > 1:
+        a.add("--moe-token-dispatcher-type", "alltoall")
+    return vnotes
+
+
+def _megatron_batch_precision(plan: Plan, a: _Command) -> list[str]:
+    """Micro and global batch, the precision and its gradient-reduction dtype, the optimizer."""
+    t = plan.training
+    vnotes = []
+    a.add("--micro-batch-size", plan.layout.micro_batch_size)
     a.add("--global-batch-size", t.global_batch_seqs)
     if plan.precision is Precision.fp16:
         a.add("--fp16")
@@ -294,7 +323,13 @@ def _megatron(plan: Plan) -> dict[str, str]:
                 "the default); the scaling recipe is --fp8-recipe (Megatron Core >= 0.12)."
             )
     a.add("--optimizer", "sgd" if t.optimizer.value == "sgd" else "adam")
-    # ---- tensor / sequence / context parallel ----
+    return vnotes
+
+
+def _megatron_tp_cp_ep(plan: Plan, a: _Command) -> list[str]:
+    """Tensor (with sequence parallelism and comm overlap), context and expert parallelism."""
+    lay = plan.layout
+    vnotes = []
     a.add("--tensor-model-parallel-size", lay.tp)
     if lay.sp and lay.tp > 1:
         a.add("--sequence-parallel")
@@ -309,43 +344,60 @@ def _megatron(plan: Plan) -> dict[str, str]:
         a.add("--cp-comm-type", "p2p")  # ring attention, as the planner models it
     if lay.ep > 1:
         a.add("--expert-model-parallel-size", lay.ep)
-    if lay.ep_comm_overlap and m.moe is not None and lay.ep > 1:
+    if lay.ep_comm_overlap and plan.model.moe is not None and lay.ep > 1:
         a.add("--overlap-moe-expert-parallel-comm")
         vnotes.append(
             "  --overlap-moe-expert-parallel-comm: Megatron-LM main (2025); not in Megatron Core "
             "0.14 or earlier."
         )
-    # ---- pipeline ----
+    return vnotes
+
+
+def _megatron_pipeline(plan: Plan, a: _Command) -> list[str]:
+    """Pipeline size and the split: equal virtual stages by count, uneven first/last stages by their counts,
+    any other split as an explicit layout."""
+    lay = plan.layout
+    pp, v = lay.pp, lay.virtual_stages
+    counts = _counts(plan)
+    vnotes = []
     a.add("--pipeline-model-parallel-size", pp)
-    if pp > 1:
-        uniform = len(set(counts)) == 1
-        if uniform and v > 1:
-            a.add("--num-layers-per-virtual-pipeline-stage", counts[0])
-        elif not uniform:
-            middle = counts[1:-1]
-            first_last = (
-                v == 1
-                and counts[0] > 0
-                and counts[-1] > 0
-                and len(set(middle)) <= 1
-                and (not middle or middle[0] > 0)
+    if pp == 1:
+        return vnotes
+    uniform = len(set(counts)) == 1
+    if uniform and v > 1:
+        a.add("--num-layers-per-virtual-pipeline-stage", counts[0])
+    elif not uniform:
+        middle = counts[1:-1]
+        first_last = (
+            v == 1
+            and counts[0] > 0
+            and counts[-1] > 0
+            and len(set(middle)) <= 1
+            and (not middle or middle[0] > 0)
+        )
+        if first_last:
+            a.add("--decoder-first-pipeline-num-layers", counts[0])
+            a.add("--decoder-last-pipeline-num-layers", counts[-1])
+            vnotes.append(
+                "  --decoder-first/last-pipeline-num-layers: Megatron Core >= 0.9 (uneven "
+                "pipeline parallelism)."
             )
-            if first_last:
-                a.add("--decoder-first-pipeline-num-layers", counts[0])
-                a.add("--decoder-last-pipeline-num-layers", counts[-1])
-                vnotes.append(
-                    "  --decoder-first/last-pipeline-num-layers: Megatron Core >= 0.9 (uneven "
-                    "pipeline parallelism)."
-                )
-            else:
-                a.add("--pipeline-model-parallel-layout", _megatron_layout(counts))
-                vnotes.append(
-                    "  --pipeline-model-parallel-layout: Megatron Core >= 0.13 (experimental); "
-                    "E = embedding, t = transformer layer, L = loss, stages split by '|'."
-                )
-        if not lay.pp_scatter_gather and lay.tp > 1:
-            a.add("--no-scatter-gather-tensors-in-pipeline")
-    # ---- data parallel / ZeRO ----
+        else:
+            a.add("--pipeline-model-parallel-layout", _megatron_layout(counts))
+            vnotes.append(
+                "  --pipeline-model-parallel-layout: Megatron Core >= 0.13 (experimental); "
+                "E = embedding, t = transformer layer, L = loss, stages split by '|'."
+            )
+    if not lay.pp_scatter_gather and lay.tp > 1:
+        a.add("--no-scatter-gather-tensors-in-pipeline")
+    return vnotes
+
+
+def _megatron_data_parallel(plan: Plan, a: _Command) -> list[str]:
+    """ZeRO-1 as the distributed optimizer, ZeRO-2/3 as Megatron-FSDP (hybrid-sharded across
+    ``dp_replicate`` instances), the data-parallel comm overlap and optimizer CPU offload."""
+    lay = plan.layout
+    vnotes = []
     if lay.zero_stage == 1:
         a.add("--use-distributed-optimizer")
         if lay.dp_replicate > 1:
@@ -374,7 +426,7 @@ def _megatron(plan: Plan) -> dict[str, str]:
                 "outer group replicated: --outer-dp-sharding-strategy no_shard, the default): "
                 "Megatron Core >= 0.14."
             )
-    if lay.dp_comm_overlap and dp * lay.cp > 1:
+    if lay.dp_comm_overlap and lay.dp * lay.cp > 1:
         a.add("--overlap-grad-reduce")
         if lay.zero_stage >= 1:
             a.add("--overlap-param-gather")
@@ -387,7 +439,12 @@ def _megatron(plan: Plan) -> dict[str, str]:
             "  --optimizer-cpu-offload: Megatron Core >= 0.11; needs Transformer Engine's "
             "precision-aware optimizer."
         )
-    # ---- recompute ----
+    return vnotes
+
+
+def _megatron_recompute(plan: Plan, a: _Command) -> list[str]:
+    """Selective, or full of every layer (uniform) or of the first ``block`` layers of each model chunk."""
+    recompute = _recompute(plan)
     if recompute.kind == "selective":
         a.add("--recompute-granularity", "selective")
     elif recompute.kind == "full":
@@ -398,17 +455,12 @@ def _megatron(plan: Plan) -> dict[str, str]:
         else:
             a.add("--recompute-method", "block")
             a.add("--recompute-num-layers", recompute.block)
-    # ---- run length, data and logging (not part of the plan; override from the environment) ----
-    a.raw('--train-iters "${TRAIN_ITERS:-100}"')
-    a.raw('--lr "${LR:-3.0e-4}"')
-    a.raw("--log-interval 1")
-    a.raw("--log-throughput")
-    a.raw("${DATA_ARGS}")
-    a.raw('"$@"')
+    return []
 
-    nodes, per_node = _launch_shape(plan)
-    cmd = _torchrun(plan, '"${MEGATRON_LM_DIR:-.}/pretrain_gpt.py"')
-    cmd.lines += a.lines[1:]
+
+def _megatron_env(plan: Plan) -> list[str]:
+    """Script lines before the command: the mock-data arguments and CUDA_DEVICE_MAX_CONNECTIONS."""
+    m, lay = plan.model, plan.layout
     env = [
         "# Data and tokenizer: Megatron's mock data with a NullTokenizer sized to the model's vocabulary",
         f"# ({m.vocab_size}; NullTokenizer adds one end-of-document token to --vocab-size). Set DATA_ARGS to",
@@ -424,6 +476,14 @@ def _megatron(plan: Plan) -> dict[str, str]:
         )
     elif lay.zero_stage >= 2:
         env.append("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron-FSDP wants several CUDA connections")
+    return env
+
+
+def _megatron_notes(plan: Plan, vnotes: list[str]) -> list[str]:
+    """The header's notes: where the flags were checked, the version-dependent flags, how to launch."""
+    lay = plan.layout
+    nodes, per_node = _launch_shape(plan)
+    notes = ["Flags checked against NVIDIA/Megatron-LM megatron/training/arguments.py (main branch)."]
     if vnotes:
         notes += ["Version-dependent flags:"] + vnotes
     notes += [
@@ -432,9 +492,9 @@ def _megatron(plan: Plan) -> dict[str, str]:
         "with NODE_RANK, MASTER_ADDR and MASTER_PORT set;",
         f"torchrun starts {per_node} processes per node ({plan.num_gpus} in all).",
         "Data parallel size = world size /",
-        f"(tp x pp x cp) = {plan.num_gpus} / ({lay.tp} x {pp} x {lay.cp}) = {dp}.",
+        f"(tp x pp x cp) = {plan.num_gpus} / ({lay.tp} x {lay.pp} x {lay.cp}) = {lay.dp}.",
     ]
-    return {"megatron_args.sh": _script(plan, "megatron", notes, env, [cmd.render()])}
+    return notes
 
 
 def _megatron_layout(counts: list[int]) -> str:
