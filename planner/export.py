@@ -213,6 +213,18 @@ def _torchrun(plan: Plan, script: str) -> _Command:
 # ============================================================================================
 # Megatron-LM
 # ============================================================================================
+def _run_lines(a: _Command, *, log_throughput: bool) -> None:
+    """Run length, data and logging of a Megatron-style launch: not part of the plan, overridden from the
+    environment (Megatron-LM logs throughput; Megatron-DeepSpeed has no such flag)."""
+    a.raw('--train-iters "${TRAIN_ITERS:-100}"')
+    a.raw('--lr "${LR:-3.0e-4}"')
+    a.raw("--log-interval 1")
+    if log_throughput:
+        a.raw("--log-throughput")
+    a.raw("${DATA_ARGS}")
+    a.raw('"$@"')
+
+
 def _megatron(plan: Plan) -> dict[str, str]:
     """``megatron_args.sh``: torchrun running ``pretrain_gpt.py`` with the plan's flags. Each section adds
     its flags to the command and returns the version notes of the flags it added, in flag order."""
@@ -221,13 +233,7 @@ def _megatron(plan: Plan) -> dict[str, str]:
     for section in (_megatron_model, _megatron_moe, _megatron_batch_precision, _megatron_tp_cp_ep,
                     _megatron_pipeline, _megatron_data_parallel, _megatron_recompute):
         vnotes += section(plan, a)
-    # ---- run length, data and logging (not part of the plan; override from the environment) ----
-    a.raw('--train-iters "${TRAIN_ITERS:-100}"')
-    a.raw('--lr "${LR:-3.0e-4}"')
-    a.raw("--log-interval 1")
-    a.raw("--log-throughput")
-    a.raw("${DATA_ARGS}")
-    a.raw('"$@"')
+    _run_lines(a, log_throughput=True)
     cmd = _torchrun(plan, '"${MEGATRON_LM_DIR:-.}/pretrain_gpt.py"')
     cmd.lines += a.lines[1:]
     notes = _megatron_notes(plan, vnotes)
@@ -521,12 +527,7 @@ def _deepspeed(plan: Plan) -> dict[str, str]:
         vnotes += section(plan, a)
     a.add("--deepspeed")
     a.raw('--deepspeed_config "${DS_CONFIG:-ds_config.json}"')
-    # ---- run length, data and logging (not part of the plan; override from the environment) ----
-    a.raw('--train-iters "${TRAIN_ITERS:-100}"')
-    a.raw('--lr "${LR:-3.0e-4}"')
-    a.raw("--log-interval 1")
-    a.raw("${DATA_ARGS}")
-    a.raw('"$@"')
+    _run_lines(a, log_throughput=False)
     cmd = _torchrun(plan, '"${MEGATRON_DEEPSPEED_DIR:-.}/pretrain_gpt.py"')
     cmd.lines += a.lines[1:]
     notes = _ds_notes(plan, vnotes)
