@@ -168,10 +168,10 @@ def test_the_budget_covers_structures_whose_leaves_all_fail_to_fit() -> None:
     """Nothing fits: every leaf was refused before the only budget check (30 s of a 1 s budget)."""
     wall, out = _timed(GIANT, TrainingConfig(seq_length=2**20, global_batch_size=MAX_GLOBAL_BATCH),
                        reference_profile("dgx-h100", 1024), time_budget_s=1.0, max_micro_batch_size=1024)
-    assert isinstance(out, AutoparError) and out.field == "time_budget_s", out
-    # the old code took 30 s; 1.2 s of slack for a budget check between leaves on 2 loaded cores (1.77 s seen
-    # under make test's two workers)
-    assert "shown not to fit" in out.problem and wall < 1.0 + 1.2, (wall, str(out))
+    assert isinstance(out, AutoparError) and out.field == "time_budget_s" and "ran out" in out.problem, out
+    # the old code took 30 s. On 2 loaded cores the budget may run out while bounding, before the leaves
+    # (both seen under make test's two workers); 1.2 s of slack for a check between leaves (1.77 s seen)
+    assert wall < 1.0 + 1.2, (wall, str(out))
 
 
 def test_the_budget_covers_the_alternatives_predictions() -> None:
