@@ -46,7 +46,12 @@ class ParallelLayout(Contract):
     sp: bool = Field(False, description="sequence parallel on the TP group (norms/dropout split by sequence)")
     cp: int = Field(1, ge=1, le=MAX_GPUS, strict=True, description="context parallel: sequence split across ranks")
     pp: int = Field(1, ge=1, le=MAX_LAYERS, strict=True)
-    ep: int = Field(1, ge=1, le=MAX_GPUS, strict=True, description="expert parallel, folded over dp_shard x cp ranks")
+    ep: int = Field(1, ge=1, le=MAX_GPUS, strict=True,
+                    description="expert parallel: routed experts split over ep ranks, folded with etp over the "
+                    "dp_shard x cp x tp ranks of a pipeline stage (see expert_fold_problem)")
+    etp: int | None = Field(None, ge=1, le=MAX_GPUS, strict=True,
+                            description="expert tensor parallel: TP degree of the routed experts (Megatron-Core "
+                            "--expert-tensor-parallel-size, MoE parallel folding); None = tp. Must divide tp")
     zero_stage: int = Field(0, ge=0, le=3, strict=True,
                             description="0 = DDP; 1 optimizer, 2 + grads, 3 + params sharded over dp_shard")
     reshard_after_forward: bool = Field(True, description="ZeRO-3/FSDP: free gathered params after forward")
@@ -100,6 +105,29 @@ class ParallelLayout(Contract):
     @property
     def num_gpus(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' TP degree: ``etp``, or ``tp`` when not set."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same routed-expert shard within a replicate group: the dp_shard x cp x tp
+        ranks of a stage over ep x expert_tp (MoE parallel folding, Korthikanti/Liu et al. 2025:
+        attention runs tp x cp x dp, experts etp x ep x edp on the same ranks). At least 1."""
+        return max(self.dp_shard * self.cp * self.tp // (self.ep * self.expert_tp), 1)
+
+    def expert_fold_problem(self) -> str | None:
+        """Why ep x etp cannot fold over this layout's ranks, or None. The one home of the folding rule:
+        etp divides tp, and ep x etp divides dp_shard x cp x tp (with etp = tp: ep divides dp_shard x cp)."""
+        etp, ranks = self.expert_tp, self.dp_shard * self.cp * self.tp
+        if self.tp % etp:
+            return f"etp={etp} must divide tp={self.tp} (the experts' TP group is part of the attention's)"
+        if ranks % (self.ep * etp):
+            return (f"ep={self.ep} x etp={etp} must divide the dp_shard x cp x tp = {ranks} ranks the experts "
+                    "are folded over")
+        return None
 
 
 class MemoryBreakdown(Contract):

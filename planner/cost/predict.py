@@ -105,11 +105,12 @@ def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLay
         if model.moe.num_experts % layout.ep:
             raise AutoparError("ep", layout.ep, f"use an ep dividing num_experts={model.moe.num_experts}",
                                problem=f"does not divide num_experts={model.moe.num_experts}")
-        if (layout.dp_shard * layout.cp) % layout.ep:
-            raise AutoparError("ep", layout.ep, f"use an ep dividing dp_shard x cp = {layout.dp_shard * layout.cp}, or "
+        fold = layout.expert_fold_problem()
+        if fold is not None:
+            field, value = ("etp", layout.etp) if layout.tp % layout.expert_tp else ("ep", layout.ep)
+            raise AutoparError(field, value, "use an ep (and etp) whose product divides dp_shard x cp x tp, or "
                                "shard more data-parallel ranks (ZeRO 1-3 shard over all of dp unless --dp-replicate "
-                               "splits it; DDP, ZeRO-0, replicates them all)",
-                               problem="must divide the dp_shard x cp ranks it is folded over")
+                               "splits it; DDP, ZeRO-0, replicates them all)", problem=f"cannot fold: {fold}")
     gbs, per_step = training.global_batch_seqs, layout.dp * layout.micro_batch_size
     if gbs % per_step:
         raise AutoparError(
