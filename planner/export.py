@@ -394,8 +394,8 @@ def _megatron_pipeline(plan: Plan, a: _Command) -> list[str]:
                 "  --pipeline-model-parallel-layout: Megatron Core >= 0.13 (experimental); "
                 "E = embedding, t = transformer layer, L = loss, stages split by '|'."
             )
-    if not lay.pp_scatter_gather and lay.tp > 1:
-        a.add("--no-scatter-gather-tensors-in-pipeline")
+    # pp_scatter_gather=False writes no flag: --no-scatter-gather-tensors-in-pipeline set a value no
+    # Megatron-Core code read, and core_v0.18.0 removed it (NVIDIA/Megatron-LM 10e7b74597)
     return vnotes
 
 
