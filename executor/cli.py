@@ -49,10 +49,10 @@ SPREAD = "spread the ranks over hosts (--nnodes N --nproc-per-node M on each)"
 
 def check_host(plan: Plan, nproc: int) -> str:
     """Whether this host can run ``nproc`` ranks of ``plan``: on CUDA GPUs (one per rank, each with the
-    plan's predicted memory) where the workers would use them (:func:`executor.train.cuda_ranks`), else
+    plan's predicted memory) where the workers would use them (:func:`executor.devices.cuda_ranks`), else
     on the CPU cores and host memory. AutoparError naming what is short and the fix; else one line
     saying what the ranks will use."""
-    from executor.train import cuda_ranks
+    from executor.devices import cuda_ranks
 
     return check_gpus(plan, nproc) if cuda_ranks() else check_cpu(plan, nproc)
 
@@ -253,12 +253,9 @@ def run(
 
       autopar run plan.json --dry-run
     """
-    from executor.train import check_plan
-
     try:
         plan = load_plan(plan_file)
         config = load_hf_config(hf_config, plan)
-        check_plan(plan, hf_config=config)
         if not math.isfinite(lr) or not 0 <= lr <= MAX_LR:
             raise AutoparError("--lr", lr, f"give a finite learning rate in [0, {MAX_LR:g}], e.g. 1e-3",
                                problem="is not a learning rate AdamW can train with")
@@ -305,6 +302,9 @@ def run(
         if out is not None and node_rank == 0:  # node 0's rank 0 writes the report: refused before training
             check_out(out, "report.json")
         host = check_host(plan, nproc)  # 16 CPU workers of a GPU plan used to run until the OOM killer ended them
+        from executor.train import check_plan  # imports torch (~1 s): after the checks that need none
+
+        check_plan(plan, hf_config=config)
         if server and node_rank == 0:  # node 0 uploads: asked before the workers start, not after training
             from planner.client import check_plan_stored, check_writable
 

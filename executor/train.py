@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.devices import cuda_ranks
 from planner.contracts import (
     ClusterProfile,
     Environment,
@@ -114,12 +115,6 @@ def check_plan(plan: Plan, *, hf_config: dict | None = None) -> None:
         raise AutoparError("training.seq_length", plan.training.seq_length,
                            f"use a multiple of tp x cp{' x 2' if lay.cp > 1 else ''}",
                            problem="does not split over the sequence-parallel ranks")
-
-
-def cuda_ranks() -> bool:
-    """Whether the ranks run on CUDA GPUs (one per local rank), else on the CPU: CUDA where this host
-    has it, unless ``AUTOPAR_FORCE_CPU=1``."""
-    return torch.cuda.is_available() and os.environ.get("AUTOPAR_FORCE_CPU") != "1"
 
 
 def _device() -> torch.device:

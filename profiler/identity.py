@@ -21,10 +21,11 @@ def host_memory_bytes() -> int:
 
 
 def available_memory_bytes(device) -> int:
-    """Memory a measurement can still allocate: free device memory on CUDA, MemAvailable on a CPU host."""
-    import torch
-
+    """Memory a measurement can still allocate: free device memory on CUDA, MemAvailable on a CPU host
+    (read without importing torch)."""
     if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     avail = _meminfo("MemAvailable")
