@@ -20,7 +20,7 @@ from planner.reference import reference_profile
 from planner.search import SearchOptions, search
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
-from planner.search.engine import Rules, leaf_bound, min_max_stage, price_structure, structures
+from planner.search.engine import RULE_FOLD, Rules, leaf_bound, min_max_stage, price_structure, structures
 from planner.search.stages import LeafComm, StageModel, floor_states, memory_minmax_s, recompute_bound_s
 
 
@@ -43,6 +43,12 @@ DECOMPOSITION_CASES = [
     ("deepseek-v3", "dgx-h100", 16, dict(tp=1, pp=8, dp_shard=16, ep=16, zero_stage=1,
                                          schedule=Schedule.interleaved_1f1b, virtual_stages=2), 256, 4096),
     ("gpt3-175b", "dgx-a100-80gb", 16, dict(tp=8, pp=8, dp_replicate=2, zero_stage=0, schedule=Schedule.gpipe), 64, 2048),
+    # MoE parallel folding: experts on ep x etp of the dp x cp x tp ranks (etp < tp)
+    ("qwen3-30b-a3b", "dgx-h100", 2, dict(tp=4, sp=True, pp=2, dp_shard=2, ep=8, etp=1, zero_stage=1), 64, 4096),
+    ("mixtral-8x7b", "dgx-h100", 4, dict(tp=4, sp=True, pp=4, dp_shard=2, ep=4, etp=2, zero_stage=1,
+                                         ep_comm_overlap=True), 64, 4096),
+    ("deepseek-v3", "dgx-h100", 16, dict(tp=2, sp=True, pp=8, dp_shard=8, ep=16, etp=1, zero_stage=1,
+                                         schedule=Schedule.interleaved_1f1b, virtual_stages=2), 256, 4096),
 ]
 
 
@@ -144,6 +150,9 @@ SEARCH_CASES = [
     ("llama3-70b", 8, "dgx-a100-40gb", 1, 16, 4096, dict(max_tp=2, target="megatron")),
     ("mixtral-8x7b", 6, "dgx-a100-40gb", 1, 16, 4096, {}),
     ("llama3-8b", 8, "dgx-h100", 1, 16, 4096, dict(zero_stages=(0, 1, 3), max_tp=2)),
+    # MoE parallel folding wins: tp=4/8 for long sequences, experts on ep=8 x etp=1 of the tp x dp ranks
+    ("mixtral-8x7b", 4, "dgx-a100-40gb", 1, 16, 32768, dict(target="megatron", max_cp=1)),
+    ("mixtral-8x7b", 8, "dgx-a100-40gb", 1, 8, 16384, dict(target="megatron", max_cp=1)),
 ]
 
 
@@ -159,6 +168,20 @@ def test_search_equals_exhaustive_brute_force(name, layers, system, nodes, gbs, 
     assert plan.prediction.step_time_s == pytest.approx(brute[0], rel=1e-6)
     assert plan.prediction.memory.fits
     assert plan.solver_status and plan.solver_status.startswith("OPTIMAL")
+
+
+def test_search_folds_experts_over_tensor_ranks_where_faster():
+    """Long sequences need tp=4 on a 40 GB A100 node; the experts then run ep=8 x etp=1 over the
+    dp=2 x tp=4 ranks (more experts per group than dp x cp = 2 would allow, their all-to-all inside the
+    node, no TP collectives around them): faster than the same layout with the experts TP-split."""
+    model, prof = small("mixtral-8x7b", 4), reference_profile("dgx-a100-40gb", 1)
+    tr = TrainingConfig(global_batch_size=16, seq_length=32768)
+    plan = search(model, tr, prof, SearchOptions(**{**BRUTE_OPTS, "target": "megatron", "max_cp": 1}))
+    lay = plan.layout
+    assert lay.tp == 4 and lay.etp == 1 and lay.ep == 8 and lay.ep * lay.etp > lay.dp_shard * lay.cp
+    assert plan.search.removed_by_rule[RULE_FOLD] > 0
+    unfolded = predict(model, tr, prof, lay.model_copy(update={"etp": None, "ep": lay.dp_shard * lay.cp}))
+    assert unfolded.step_time_s > plan.prediction.step_time_s * 1.01
 
 
 def test_search_uses_pipeline_and_uneven_split_when_memory_forces_it():
@@ -194,9 +217,14 @@ def test_head_and_expert_rules():
     tr = TrainingConfig(global_batch_size=16, seq_length=4096)
     rules = Rules()
     found = structures(model, tr, prof, SearchOptions(max_tp=16), rules)
-    assert all(8 % st.ep == 0 and (st.dp * st.cp) % st.ep == 0 for st in found)
+    # ep x etp folds over the dp x cp x tp ranks; etp = tp (None) is ep dividing dp x cp; etp < tp needs SP
+    assert all(8 % st.ep == 0 and st.tp % st.expert_tp == 0 and (st.dp * st.cp * st.tp) % (st.ep * st.expert_tp) == 0
+               for st in found)
+    assert all((st.dp * st.cp) % st.ep == 0 for st in found if st.etp is None)
+    assert all(st.sp and st.etp < st.tp for st in found if st.etp is not None)
+    assert any(st.etp is not None and st.ep > st.dp * st.cp for st in found)  # folded over tensor ranks too
     assert rules.counts["tp must divide num_kv_heads or be a multiple of it"] == 0  # powers of two all divide
-    assert rules.counts["ep must divide dp x cp (experts are folded over data/context ranks)"] > 0
+    assert rules.counts[RULE_FOLD] > 0
     odd = get_preset("gpt3-6.7b")  # 32 heads
     odd = odd.model_copy(update={"num_attention_heads": 20, "num_kv_heads": 20, "hidden_size": 2560})
     rules2 = Rules()
@@ -257,6 +285,19 @@ def test_shared_block_costs_equal_unshared_ones_for_every_expert_degree():
     for ep, mb, tp in itertools.product((1, 2, 4, 8, 16), (1, 2), (1, 2)):
         lay = ParallelLayout(tp=tp, pp=2, dp_shard=16 // tp, ep=ep, micro_batch_size=mb)
         assert shared_costs(model, tr, prof, lay, shared) == shared_costs(model, tr, prof, lay, {})
+
+
+def test_shared_block_costs_equal_unshared_ones_for_every_expert_tp_degree():
+    """Folded layouts (etp < tp) share the search-wide cache with unfolded ones: it gives exactly what a
+    fresh cache computes for each."""
+    from planner.search.stages import shared_costs
+    model, prof = small("qwen3-30b-a3b", 4), reference_profile("dgx-h100", 2)
+    tr = TrainingConfig(global_batch_size=64, seq_length=4096)
+    shared: dict = {}
+    for etp, ep in itertools.product((None, 1, 2, 4), (1, 2, 4, 8, 16)):
+        lay = ParallelLayout(tp=4, sp=True, pp=2, dp_shard=2, ep=ep, etp=etp)
+        if lay.expert_fold_problem() is None:
+            assert shared_costs(model, tr, prof, lay, shared) == shared_costs(model, tr, prof, lay, {})
 
 
 @pytest.mark.parametrize("seq", [16384, 24576, 32768])
@@ -653,11 +694,13 @@ def test_structure_floor_is_a_lower_bound_of_every_structure_bound(name, layers,
         price_structure(st, model, tr, prof, o, exact_cache)
         floor = structure_floor(st, model, tr, prof, o, floor_cache)
         work = work_floor_s(model, tr, prof, st.tp, st.sp, st.cp, st.ep, st.mb, o.tp_comm_overlap and st.tp > 1,
-                            o.ep_comm_overlap and st.ep > 1, floor_cache)
+                            o.ep_comm_overlap and st.ep > 1, floor_cache, st.etp)
         assert work <= st.work_s, (st.family, st.mb, work, st.work_s)
         assert floor <= st.bound_s, (st.family, st.mb, floor, st.bound_s)
         ratios.append(floor / st.bound_s)
     assert max(ratios) > 0.8  # GEMMs, attention and collectives: most of a block's time
+    if model.moe is not None:  # folded structures (etp < tp) are among them, and bounded too
+        assert any(st.etp is not None for st in structs)
 
 
 def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():

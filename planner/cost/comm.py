@@ -1,8 +1,12 @@
 """Communication: where each process group lives on the machine, and α-β collective times.
 
 Mesh order, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (TP innermost, so it stays
-inside a node). Expert parallelism is folded over the ``dp_shard × cp`` ranks. A group whose
-ranks are ``stride`` apart has ``min(n, gpus_per_node // stride)`` members on each node.
+inside a node). The routed experts are folded over the same ``dp_shard × cp × tp`` block of ranks,
+refactored as ``(edp, ep, etp)`` with etp innermost (MoE parallel folding; Megatron-Core's expert
+RankGenerator): the ETP group is etp consecutive ranks, the EP group has stride etp and the expert
+data-parallel group (``ParallelLayout.expert_dp``) stride ep·etp; with etp = tp that is EP over the
+``dp_shard × cp`` ranks at stride tp. A group whose ranks are ``stride`` apart has
+``min(n, gpus_per_node // stride)`` members on each node.
 """
 
 from __future__ import annotations
@@ -38,12 +42,16 @@ def placement(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
 
 
 def mesh_groups(layout: ParallelLayout, gpus_per_node: int) -> dict[str, GroupPlacement]:
-    """Placement of every parallel dimension's group under the fixed mesh order."""
+    """Placement of every parallel dimension's group under the fixed mesh order (experts: ``etp``,
+    ``ep`` and ``expert_dp`` as folded over the ``dp_shard × cp × tp`` ranks)."""
     tp, cp, dps, dpr = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+    etp = layout.expert_tp
     return {
         "tp": placement(tp, 1, gpus_per_node),
         "cp": placement(cp, tp, gpus_per_node),
-        "ep": placement(layout.ep, tp, gpus_per_node),
+        "ep": placement(layout.ep, etp, gpus_per_node),
+        "etp": placement(etp, 1, gpus_per_node),
+        "expert_dp": placement(layout.expert_dp, layout.ep * etp, gpus_per_node),
         "dp_shard": placement(dps, tp * cp, gpus_per_node),
         "dp_replicate": placement(dpr, tp * cp * dps, gpus_per_node),
         "dp": placement(dps * dpr, tp * cp, gpus_per_node),

@@ -2,7 +2,7 @@
 
 Forward = GEMMs + attention core + bandwidth-bound ops + the exposed part of the block's own
 collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gather, EP
-all-to-all). Backward runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention backward,
+all-to-all, and with MoE parallel folding the experts' own TP all-gather/reduce-scatter). Backward runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention backward,
 1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
 the attention-core forward (selective).
 """
@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, Precision, Recompute
+from planner.contracts import (
+    ClusterProfile,
+    Collective,
+    ModelSpec,
+    MoESpec,
+    ParallelLayout,
+    Precision,
+    Recompute,
+    TrainingConfig,
+)
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
 from planner.cost.compute import (
     attention_time_s,
@@ -79,6 +88,25 @@ class MicroBatch:
     precision: Precision
     flash: bool
     moe_imbalance: float = 1.0  # routed tokens on the busiest expert rank / a perfect balance
+    etp: int | None = None  # the routed experts' TP degree (ParallelLayout.etp); None = tp
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, training: TrainingConfig, batch: int | None = None) -> MicroBatch:
+        """What one GPU of ``layout`` sees of a micro-batch of ``training`` (``batch`` sequences, default
+        the layout's micro-batch size). ``etp`` is kept only where it differs from tp (folded experts)."""
+        etp = layout.expert_tp
+        return cls(layout.micro_batch_size if batch is None else batch, training.seq_length, layout.cp, layout.tp,
+                   layout.sp, training.precision, training.flash_attention, training.moe_load_imbalance,
+                   None if etp == layout.tp else etp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def folded(self) -> bool:
+        """The routed experts run on fewer TP ranks than attention (MoE parallel folding, etp < tp)."""
+        return self.expert_tp != self.tp
 
     @property
     def local_seq(self) -> int:
@@ -102,6 +130,19 @@ def routed_token_count(moe, tokens: float, imbalance: float) -> float:  # noqa: 
     return tokens * moe.top_k * imbalance
 
 
+def expert_rows(moe: MoESpec, mb: MicroBatch) -> float:
+    """Routed rows the experts of one rank compute per micro-batch: ``T·k·etp/(cp·tp)`` (times the
+    imbalance or capacity, :func:`routed_token_count`), ``T = b·s``.
+
+    With SP a rank's MoE input is its ``T/(cp·tp)`` tokens; the EP all-to-all brings it the ``k``
+    copies routed to its experts from the ep ranks of its EP group (``T·k/(cp·tp)`` in balance), and
+    the ETP all-gather adds those of its etp - 1 expert-TP peers (Megatron-Core's alltoall dispatcher:
+    permute, A2A over ep, AG over etp). With ``etp = tp`` that is ``T·k/cp`` (``mb.tokens · k``), the
+    rows priced before folding."""
+    routed = routed_token_count(moe, mb.tokens, mb.moe_imbalance)
+    return routed if not mb.folded else routed * mb.expert_tp / mb.tp
+
+
 Gemms = tuple[float, float, float]  # (forward, input gradient, weight gradient) seconds
 
 
@@ -112,6 +153,28 @@ def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int,
     up = (2 if model.ffn_kind == "swiglu" else 1) * ffn // split
     return _sum(linear_gemms_s(profile, tokens, up, h, precision, count),
                 linear_gemms_s(profile, tokens, h, ffn // split, precision, count))
+
+
+def routed_expert_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec, mb: MicroBatch,
+                        ep: int) -> Gemms:
+    """(fwd, dgrad, wgrad) of one rank's routed experts: its ``E/ep`` local experts (at least 1), each
+    on an even share of :func:`expert_rows` (``int(rows / (E/ep))``, at least 1), at FFN width ``f/etp``."""
+    local_experts = max(moe.num_experts // ep, 1)
+    per_expert = max(int(expert_rows(moe, mb) / local_experts), 1)
+    return _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, mb.expert_tp, mb.precision,
+                      local_experts)
+
+
+def tp_pairs(model: ModelSpec, is_moe: bool, mb: MicroBatch) -> int:
+    """(all-gather, reduce-scatter) pairs (all-reduces without SP) a block runs on the attention's TP
+    group per pass: the attention's and the FFN's, 2. With folded experts (etp < tp) the routed experts
+    leave the TP group (their rows come by the EP all-to-all and the ETP all-gather instead): the
+    attention's pair, and one more for the shared experts, which Megatron-Core runs as a TP-split MLP."""
+    if not (is_moe and mb.folded):
+        return 2
+    moe = model.moe
+    assert moe is not None
+    return 1 + (1 if moe.num_shared_experts else 0)
 
 
 def _sum(*parts: Gemms) -> Gemms:
@@ -160,11 +223,7 @@ def block_cost(
         if moe.num_shared_experts:
             gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision,
                                          moe.num_shared_experts))
-        local_experts = max(moe.num_experts // layout.ep, 1)
-        routed_tokens = routed_token_count(moe, tokens, mb.moe_imbalance)
-        per_expert = max(int(routed_tokens / local_experts), 1)
-        gemm = _sum(gemm, _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, t, mb.precision,
-                                     local_experts))
+        gemm = _sum(gemm, routed_expert_gemms(profile, model, moe, mb, layout.ep))
     fwd.gemm_s, bwd.gemm_s = gemm[0], gemm[1] + gemm[2]
     dgrad_s, wgrad_s = gemm[1], gemm[2]
 
@@ -214,22 +273,24 @@ def block_cost(
     # Forward collectives are hidden only by decomposed GEMMs (async TP / TP-comm-overlap).
     if t > 1:
         size = tokens * h * elt
+        pairs = tp_pairs(model, moe is not None, mb)
         decomposed = profile.assumptions.tp_overlap_efficiency if layout.tp_comm_overlap else 0.0
         if mb.sp:
             gather = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
             scatter = collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
-            tp_fwd = 2 * (gather + scatter)
-            # backward: 2 reduce-scatters beside wgrad, 2 output-gradient all-gathers on the critical
-            # path, 2 re-gathers of the sharded inputs beside dgrad
-            beside_wgrad, critical, beside_dgrad = 2 * scatter, 2 * gather, 2 * gather
+            tp_fwd = pairs * (gather + scatter)
+            # backward: a reduce-scatter beside wgrad, an output-gradient all-gather on the critical
+            # path and a re-gather of the sharded input beside dgrad, per pair
+            beside_wgrad, critical, beside_dgrad = pairs * scatter, pairs * gather, pairs * gather
         else:
-            tp_fwd = 2 * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
+            tp_fwd = pairs * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
             beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
-        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed), (4 if mb.sp else 2) * size)
+        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed),
+                     (2 if mb.sp else 1) * pairs * size)
         hidden = hidden_time_s(beside_wgrad, wgrad_s, async_eff) + hidden_time_s(beside_dgrad, dgrad_s, async_eff)
         total = beside_wgrad + critical + beside_dgrad
         bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)),
-                     (6 if mb.sp else 2) * size)
+                     (3 if mb.sp else 1) * pairs * size)
 
     # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
     if mb.cp > 1:
@@ -249,11 +310,28 @@ def block_cost(
             # with ep_comm_overlap the dispatch/combine of one micro-batch runs beside another's compute
             hidden = hidden_time_s(a2a, p.compute_s, async_eff) if layout.ep_comm_overlap else 0.0
             p.add_comm("ep", a2a, a2a - hidden, 2 * size)
+    if moe is not None and mb.folded and mb.expert_tp > 1:
+        _expert_tp_comm(profile, fwd, bwd, expert_rows(moe, mb) * h * elt, groups["etp"],
+                        async_eff if layout.ep_comm_overlap else 0.0)
 
     kernels = forward_kernel_count(model, moe is not None, mb, layout)
     fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
     bwd.overhead_s = 2 * fwd.overhead_s
     return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+
+
+def _expert_tp_comm(profile: ClusterProfile, fwd: PassCost, bwd: PassCost, size: float, group: GroupPlacement,
+                    eff: float) -> None:
+    """The folded experts' own TP collectives (etp < tp, etp > 1), under kind "tp": Megatron-Core's
+    alltoall dispatcher all-gathers the routed rows over the etp group after the EP all-to-all and
+    reduce-scatters them before the combine (``size``: the gathered rows' bytes, :func:`expert_rows`);
+    backward runs the mirrored reduce-scatter and all-gather. They sit between the all-to-all and the
+    grouped GEMMs, so they are exposed, unless ``ep_comm_overlap`` runs the dispatcher's communication
+    beside another micro-batch's compute (``eff``), as the all-to-all."""
+    pair = (collective_time_s(profile, Collective.all_gather, group, size)
+            + collective_time_s(profile, Collective.reduce_scatter, group, size))
+    for p in (fwd, bwd):
+        p.add_comm("tp", pair, pair - hidden_time_s(pair, p.compute_s, eff), 2 * size)
 
 
 def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout: ParallelLayout) -> int:
@@ -263,7 +341,8 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     attention core (flash 1; unfused: 2 batched GEMMs, softmax, dropout), the FFN (2 GEMMs and the
     activation; MoE: router GEMM, softmax/top-k/aux-loss 3, permute and unpermute 4, grouped
     expert GEMMs and their activation 3, shared experts 3 each (2 GEMMs and the activation),
-    all-to-all 2 with EP), TP collectives (2, or 4 with SP), CP key/value gather 1. FP8 input casts
+    all-to-all 2 with EP), TP collectives (2, or 4 with SP; folded experts: 2 per :func:`tp_pairs` pair
+    and 2 for the experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts
     are fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
     """
     gemms = 5 if model.mla is not None else 2
@@ -279,7 +358,9 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     gemms += ffn_gemms
     count += gemms
     if mb.tp > 1:
-        count += 4 if mb.sp else 2
+        count += (2 if mb.sp else 1) * tp_pairs(model, is_moe, mb)
+    if is_moe and mb.folded and mb.expert_tp > 1:
+        count += 2  # the experts' all-gather and reduce-scatter
     if mb.cp > 1:
         count += 1
     return count

@@ -3,7 +3,9 @@
 Model states per parameter (mixed precision, Adam; Rajbhandari et al. "16Φ"): 2 bytes weights,
 2 or 4 bytes gradients, 4 bytes fp32 master weights, 8 bytes Adam moments. ZeRO-1 shards the
 optimizer part (master + moments), ZeRO-2 also the gradients, ZeRO-3 also the weights, over the
-data-parallel shard group.
+data-parallel shard group: the ``dp_shard × cp`` ranks for dense weights, the expert data-parallel
+ranks ``edp = dp_shard·cp·tp / (ep·etp)`` (``ParallelLayout.expert_dp``) for the routed experts, which
+each rank holds ``1/(ep·etp)`` of.
 
 Activations (Korthikanti et al. 2022, Eq. 1-5) for one layer and one micro-batch of ``b``
 sequences of ``s`` tokens, hidden ``h``, ``a`` heads, TP degree ``t``, fp16/bf16:
@@ -77,6 +79,7 @@ class ActivationShape:
     kv_seq: int  # s (keys/values each query attends to)
     tp: int
     sp: bool
+    etp: int | None = None  # the routed experts' TP degree; None = tp
 
 
 def layer_activation_bytes(
@@ -93,7 +96,8 @@ def layer_activation_bytes(
     and product ``3·s·b·f``; MoE: router input, the top-k dispatched copies and the experts'
     intermediates. FP8 training (Transformer Engine, torchao) saves the FP8-cast input of each
     linear layer for backward: 1 byte instead of ``elt`` for the QKV, output-projection, FC1 and
-    FC2 inputs.
+    FC2 inputs. With folded experts (``etp < tp``) a rank keeps its ``T·k·etp/tp`` routed rows
+    (:func:`planner.cost.layer.expert_rows`), their intermediates at width ``f/etp``.
     """
     b, s, t = shape.batch, shape.seq, shape.tp
     h = model.hidden_size
@@ -127,7 +131,10 @@ def layer_activation_bytes(
         assert moe is not None
         per_mlp = (3 if model.ffn_kind == "swiglu" else 2)
         routed_tokens = tokens * moe.top_k * (moe.capacity_factor or moe_imbalance)
-        ffn = routed_tokens * (lin * h + (elt * (per_mlp - 1) + lin) * moe.expert_ffn_hidden_size / t)
+        e = t if shape.etp is None else shape.etp
+        if e != t:
+            routed_tokens = routed_tokens * e / t
+        ffn = routed_tokens * (lin * h + (elt * (per_mlp - 1) + lin) * moe.expert_ffn_hidden_size / e)
         ffn += tokens * moe.num_shared_experts * (elt * (per_mlp - 1) + lin) * moe.shared_ffn / t
         ffn += 4 * tokens * moe.num_experts / rep  # fp32 router probabilities
     else:
@@ -215,11 +222,13 @@ def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, p
 
 def communicator_groups(layout: ParallelLayout) -> int:
     """NCCL communicators a rank creates: the world's (barriers, the loss) and one per mesh dimension of
-    more than one rank; none on a single device."""
+    more than one rank, and the folded experts' TP group (1 < etp < tp); none on a single device."""
     if layout.num_gpus == 1:
         return 0
     dims = (layout.tp, layout.cp, layout.pp, layout.dp_shard, layout.dp_replicate, layout.ep)
-    return 1 + sum(d > 1 for d in dims)
+    # folded experts (1 < etp < tp) gather their rows over a TP group of their own
+    etp_group = 1 if 1 < layout.expert_tp != layout.tp else 0
+    return 1 + sum(d > 1 for d in dims) + etp_group
 
 
 def fixed_terms(a: Assumptions, layout: ParallelLayout) -> dict[str, float]:

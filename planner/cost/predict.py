@@ -101,6 +101,9 @@ def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLay
                            problem=f"needs tp={layout.tp} to divide the local sequence {s // layout.cp}")
     if model.moe is None and layout.ep > 1:
         raise AutoparError("ep", layout.ep, "use ep=1 for a dense model", problem="needs a Mixture-of-Experts model")
+    if model.moe is None and layout.expert_tp != layout.tp:
+        raise AutoparError("etp", layout.etp, "leave etp unset (or equal to tp) for a dense model",
+                           problem="sets the experts' tensor-parallel degree, and the model has no experts")
     if model.moe is not None:
         if model.moe.num_experts % layout.ep:
             raise AutoparError("ep", layout.ep, f"use an ep dividing num_experts={model.moe.num_experts}",
@@ -111,6 +114,11 @@ def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLay
             raise AutoparError(field, value, "use an ep (and etp) whose product divides dp_shard x cp x tp, or "
                                "shard more data-parallel ranks (ZeRO 1-3 shard over all of dp unless --dp-replicate "
                                "splits it; DDP, ZeRO-0, replicates them all)", problem=f"cannot fold: {fold}")
+        if layout.expert_tp != layout.tp and not layout.sp:
+            raise AutoparError("sp", False, f"set sp=True (--sp), or leave etp unset (etp = tp = {layout.tp})",
+                               problem=f"with etp={layout.etp} < tp={layout.tp}: folded experts take each rank's "
+                               "sequence-parallel share of the tokens (Megatron-Core needs sequence parallelism "
+                               "for MoE with tensor and expert parallelism)")
     gbs, per_step = training.global_batch_seqs, layout.dp * layout.micro_batch_size
     if gbs % per_step:
         raise AutoparError(
@@ -144,6 +152,11 @@ def check_plan(plan: Plan) -> None:
         raise AutoparError("precision", plan.precision.value,
                            f"use training.precision={plan.training.precision.value} (the planner writes both alike), "
                            "or re-plan", problem=f"differs from training.precision={plan.training.precision.value}")
+
+
+def expert_split(layout: ParallelLayout) -> int:
+    """Ranks one routed expert layer's weights are split over: ``ep x etp`` (``tp x ep`` with etp = tp)."""
+    return layout.expert_tp * layout.ep
 
 
 @dataclass
@@ -188,7 +201,9 @@ def dp_traffic(
     """Data-parallel collectives of one stage holding ``params`` dense and ``expert_params`` expert weights.
 
     Gradients are reduced over every rank holding the same weights: the ``dp × cp`` ranks for
-    dense weights (stride tp), ``dp × cp / ep`` for experts (stride tp·ep). ZeRO-0: all-reduce.
+    dense weights (stride tp), the expert data-parallel ranks for experts: ``edp = dp_shard·cp·tp /
+    (ep·etp)`` per replicate group (``ParallelLayout.expert_dp``; ``dp_shard·cp/ep`` when etp = tp),
+    stride ``ep·etp`` (experts are ranked (edp, ep, etp), etp innermost). ZeRO-0: all-reduce.
     ZeRO-1/2/3: reduce-scatter over the shard group, all-reduce of the shard across replicas (HSDP),
     all-gather of the 16-bit weights.
     """
@@ -198,7 +213,7 @@ def dp_traffic(
     out = DPTraffic()
     for count, shard, stride in (
         (params, layout.dp_shard * layout.cp, tp),
-        (expert_params, max(layout.dp_shard * layout.cp // layout.ep, 1), tp * layout.ep),
+        (expert_params, layout.expert_dp, layout.ep * layout.expert_tp),
     ):
         if count <= 0:
             continue
@@ -219,7 +234,7 @@ def dp_traffic(
 def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, stage: int, *,
                  dense: float, experts: float, activations: float, biggest_block: float, loss: float,
                  accumulates: bool = True) -> MemoryBreakdown:
-    """Peak device memory of pipeline rank ``stage`` holding ``dense`` and ``experts`` parameters (after TP/EP)
+    """Peak device memory of pipeline rank ``stage`` holding ``dense`` and ``experts`` parameters (after TP, EP x ETP)
     and ``activations`` bytes, with named terms beside the tensors (:data:`MEMORY_TERMS`).
 
     ``allocated = states + max(activations + loss + block buffers + kept-gathered weights, optimizer
@@ -230,7 +245,7 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     state = state_bytes_per_param(training)
     shard_n = layout.dp_shard * layout.cp
     w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer)
-    w2, g2, o2 = model_state_bytes(experts, state, zero, max(shard_n // layout.ep, 1), layout.offload_optimizer)
+    w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_optimizer)
     states = w1 + w2 + g1 + g2 + o1 + o2
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
@@ -239,7 +254,7 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
     act_phase = activations + loss + gathered + bucket + held + late_grads
-    local = dense / (shard_n if zero >= 1 else 1) + experts / (max(shard_n // layout.ep, 1) if zero >= 1 else 1)
+    local = dense / (shard_n if zero >= 1 else 1) + experts / (layout.expert_dp if zero >= 1 else 1)
     opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
     terms = {"loss": loss, "gathered_weights": gathered, "gradient_bucket": bucket, "held_gradients": held,
              "gradients_after_peak": late_grads,
@@ -318,7 +333,7 @@ class _Step:
         key = (self.kinds[i], recompute)
         if key not in self._acts:
             t, lay = self.training, self.layout
-            shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp)
+            shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp, self.mb.etp)
             self._acts[key] = layer_activation_bytes(self.model, i, shape, recompute, flash=t.flash_attention,
                                                      elt=t.precision.bytes, fp8=t.precision is Precision.fp8,
                                                      moe_imbalance=t.moe_load_imbalance)
@@ -332,7 +347,7 @@ class _Times:
     fwd_s: list[float]
     bwd_s: list[float]
     dense: list[float]  # parameters after TP
-    experts: list[float]  # expert parameters after TP and EP
+    experts: list[float]  # routed-expert parameters after EP and ETP
     ends: tuple[PassCost, PassCost, PassCost, PassCost]  # embedding forward/backward, head forward/backward
     p2p_s: float
     p2p_bytes: float
@@ -343,8 +358,7 @@ def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfil
     if training.precision is Precision.fp8 and Precision.fp8 not in profile.device.peak_tflops:
         raise AutoparError("precision", "fp8", "train in bf16 on this GPU, or use a GPU with FP8 (Hopper or later)",
                            problem=f"needs FP8 tensor cores, which {profile.device.name} does not have")
-    mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
-                    training.precision, training.flash_attention, training.moe_load_imbalance)
+    mb = MicroBatch.of(layout, training)
     return _Step(model, training, profile, layout, m, mesh_groups(layout, profile.gpus_per_node), mb,
                  [model.is_moe_layer(i) for i in range(model.num_layers)])
 
@@ -370,7 +384,7 @@ def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
         out.fwd_s.append(f + lay.virtual_stages * p2p_s)
         out.bwd_s.append(b + lay.virtual_stages * p2p_s)
         out.dense.append(dense / lay.tp)
-        out.experts.append(sum(c.params_of(i)[1] for i in st.layers) / (lay.tp * lay.ep))
+        out.experts.append(sum(c.params_of(i)[1] for i in st.layers) / expert_split(lay))
     return out
 
 
@@ -425,7 +439,7 @@ def _optimizer(c: _Step, t: _Times) -> tuple[list[float], float]:
     opt_s, offload_s = [], 0.0
     for dense, experts in zip(t.dense, t.experts):
         local = dense / (shard_n if lay.zero_stage >= 1 else 1) + experts / (
-            max(shard_n // lay.ep, 1) if lay.zero_stage >= 1 else 1)
+            lay.expert_dp if lay.zero_stage >= 1 else 1)
         if lay.offload_optimizer:
             copies = host_copy_time_s(c.profile, local * state.grads, to_device=False) + host_copy_time_s(
                 c.profile, local * state.weights, to_device=True)
@@ -450,8 +464,8 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
         full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
             activations += factor * max(c.activations_of(li, Recompute.none) for li in full)
-        # this rank's share of its biggest block (experts split over ep too)
-        biggest = max((c.params_of(li)[0] / lay.tp + c.params_of(li)[1] / (lay.tp * lay.ep) for li in st.layers),
+        # this rank's share of its biggest block (experts split over ep x etp)
+        biggest = max((c.params_of(li)[0] / lay.tp + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)
         loss = logits_bytes(model, c.mb.tokens, lay.tp, a.loss_bytes_per_logit) if st.last else 0.0
         mem = stage_memory(c.profile, c.training, lay, i, dense=t.dense[i], experts=t.experts[i],

@@ -1,7 +1,8 @@
 """The planner's search: every layout of the GPUs, pruned by bounds, inner choices solved by CP-SAT.
 
 Outer enumeration (:func:`structures`): every ``tp × cp × pp × dp`` factorisation of the GPUs, SP
-on/off, expert parallel degree (MoE), micro-batch size; then per structure the schedule (1F1B,
+on/off, expert parallel and expert tensor-parallel degrees (MoE; ep × etp folded over the
+``dp × cp × tp`` ranks), micro-batch size; then per structure the schedule (1F1B,
 GPipe, interleaved with ``v`` virtual stages, zero-bubble), ZeRO stage 0–3 with every HSDP shard
 group, optimizer offload and ZeRO-3 resharding. Each removed candidate is counted under the rule
 that removed it.
@@ -74,11 +75,16 @@ from planner.search.stages import (
     pipeline_send_s,
     recompute_bound_s,
     shared_costs,
+    expert_fold,
     state_bytes_per_param_split,
     work_floor_s,
 )
 
 GIB = 2**30
+RULE_FOLD = "ep x etp must divide dp x cp x tp (experts are folded over data/context/tensor ranks)"
+RULE_FOLD_SHARD = "ep x etp must divide dp_shard x cp x tp (HSDP shard group too small)"
+"""The two removal rules of expert folding (:meth:`ParallelLayout.expert_fold_problem` is the rule):
+over a structure's whole dp, and over a leaf's ZeRO/HSDP shard group."""
 SEED_STRUCTURES = 48
 EXPLAINED_FAMILIES = 12  # structures whose best plan is priced in full to say why it lost  # structures priced first, on one plain leaf each, to start the bound
 
@@ -162,6 +168,7 @@ class Structure:
     ep: int
     mb: int
     m: int  # micro-batches per step
+    etp: int | None = None  # the routed experts' TP degree when folded below tp (MoE); None = tp
     work_s: float = 0.0  # forward+backward of the whole model for one micro-batch (no recompute)
     p2p_s: float = 0.0
     bound_s: float = 0.0
@@ -175,7 +182,11 @@ class Structure:
 
     def __post_init__(self) -> None:
         self.family = (f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp} dp{self.dp}"
-                       + (f" ep{self.ep}" if self.ep > 1 else ""))
+                       + (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp is not None else ""))
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
 
 class Rules:
@@ -192,7 +203,7 @@ class Rules:
 
 def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
                rules: Rules, deadline: float = math.inf) -> list[Structure]:
-    """Every (tp, sp, cp, pp, dp, ep, micro-batch) that passes the divisibility and placement rules
+    """Every (tp, sp, cp, pp, dp, ep, etp, micro-batch) that passes the divisibility and placement rules
     (AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
     n, gpn, L = profile.num_gpus, profile.gpus_per_node, model.num_layers
     a, k, s, gbs = model.num_attention_heads, model.kv_heads, training.seq_length, training.global_batch_seqs
@@ -234,29 +245,39 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                     if sp and (s // cp) % tp:
                         rules.remove("sp needs tp to divide seq_length / cp", f"tp={tp}, cp={cp}, seq={s}")
                         continue
-                    eps = [1]
-                    if model.moe is not None:
-                        eps = []
-                        for ep in divisors(model.moe.num_experts):
-                            if opts.max_ep is not None and ep > opts.max_ep:
-                                rules.remove(f"ep > {opts.max_ep} (search option max_ep)", f"ep={ep}")
-                                continue
-                            if (dp * cp) % ep:
-                                rules.remove("ep must divide dp x cp (experts are folded over data/context ranks)",
-                                             f"ep={ep}, dp x cp={dp * cp}")
-                                continue
-                            eps.append(ep)
-                    for ep in eps:
+                    for ep, etp in _expert_degrees(model, opts, rules, dp, cp, tp, sp):
                         for mb in divisors(gbs // dp):
                             if mb > opts.max_micro_batch_size:
                                 rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)", f"mb={mb}")
                                 continue
-                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb)))
+                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp))
+    return out
+
+
+def _expert_degrees(model: ModelSpec, opts: SearchOptions, rules: Rules, dp: int, cp: int, tp: int,
+                    sp: bool) -> list[tuple[int, int | None]]:
+    """(ep, etp) of a (dp, cp, tp, sp) shape: (1, None) for a dense model; for an MoE model every ep
+    dividing the experts and etp dividing tp (etp = tp first, kept as None) whose ep x etp folds over the
+    ``dp x cp x tp`` ranks (:func:`~planner.search.stages.expert_fold`). Folding below tp (etp < tp) needs
+    sequence parallelism: the experts take each rank's share of the sequence."""
+    if model.moe is None:
+        return [(1, None)]
+    out = []
+    etps = [tp] + [e for e in reversed(divisors(tp)) if e < tp] if sp else [tp]
+    for etp in etps:
+        for ep in divisors(model.moe.num_experts):
+            if opts.max_ep is not None and ep > opts.max_ep:
+                rules.remove(f"ep > {opts.max_ep} (search option max_ep)", f"ep={ep}")
+                continue
+            if expert_fold(dp, cp, tp, ep, etp)[0] is not None:
+                rules.remove(RULE_FOLD, f"ep={ep}, etp={etp}, dp x cp x tp={dp * cp * tp}")
+                continue
+            out.append((ep, None if etp == tp else etp))
     return out
 
 
 def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:  # noqa: ANN003
-    fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, dp_shard=st.dp, dp_replicate=1,
+    fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, etp=st.etp, dp_shard=st.dp, dp_replicate=1,
                   micro_batch_size=st.mb, tp_comm_overlap=opts.tp_comm_overlap and st.tp > 1,
                   dp_comm_overlap=opts.dp_comm_overlap, ep_comm_overlap=opts.ep_comm_overlap and st.ep > 1,
                   pp_scatter_gather=opts.pp_scatter_gather)
@@ -272,7 +293,7 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     send only on (tp, cp, micro-batch, pp, dp) (see :func:`~planner.search.stages.shared_costs`),
     so both are memoised in ``cache`` under those keys: most structures build no layout."""
     flags = (opts.tp_comm_overlap, opts.ep_comm_overlap, opts.pp_scatter_gather, opts.dp_comm_overlap)
-    core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.mb, flags)
+    core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.etp, st.mb, flags)
     p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
     core, p2p_s = cache.get(core_key), cache.get(p2p_key)
     if core is None:
@@ -310,11 +331,11 @@ def structure_floors(structs: list[Structure], model: ModelSpec, training: Train
         if n % 1024 == 0 and time.perf_counter() > deadline:
             raise out_of_time(opts, f"while bounding the layouts ({n:,} of {len(structs):,} bounded)")
         tp, cp, mb = st.tp, st.cp, st.mb
-        wkey = (tp, st.sp, cp, st.ep, mb)
+        wkey = (tp, st.sp, cp, st.ep, st.etp, mb)
         work = works.get(wkey)
         if work is None:
             work = works[wkey] = work_floor_s(model, training, profile, tp, st.sp, cp, st.ep, mb, tp_ov and tp > 1,
-                                              ep_ov and st.ep > 1, cache)
+                                              ep_ov and st.ep > 1, cache, st.etp)
         tokens = mb * (seq // cp)
         stride = tp * cp * st.dp
         skey = (st.pp, stride, tokens, tp)
@@ -453,22 +474,23 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
 def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None) -> tuple[tuple[int, int, int, bool, bool], ...]:
     """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
     reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
-    group size whose ranks (× cp) can hold the expert groups; offload needs ZeRO >= 1."""
-    out, removed = _leaf_choices(st.dp, st.cp, st.ep, opts)
+    group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1."""
+    out, removed = _leaf_choices(st.dp, st.cp, st.tp, st.ep, st.expert_tp, opts)
     if rules is not None and removed:
-        rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
+        rules.remove(RULE_FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
     return out
 
 
 @functools.lru_cache(maxsize=4096)
-def _leaf_choices(dp: int, cp: int, ep: int, opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, bool, bool], ...], int]:
+def _leaf_choices(dp: int, cp: int, tp: int, ep: int, etp: int,
+                  opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, bool, bool], ...], int]:
     out, removed = [], 0
     for zero in opts.zero_stages:
         if zero == 0:
             splits = [(1, dp)]
         else:
             shards = divisors(dp) if opts.hsdp else [dp]
-            splits = [(dp // d, d) for d in shards if (d * cp) % ep == 0]
+            splits = [(dp // d, d) for d in shards if expert_fold(d, cp, tp, ep, etp)[0] is None]
             removed += len(shards) - len(splits)
         for rep, shard in splits:
             for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
@@ -721,7 +743,7 @@ def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
     nothing else: some rank holds at least that many, and the tail bound of :func:`leaf_bound`
     only grows with the parameters (its collective and optimizer times are affine, increasing)."""
     lay, p = sm.layout, sm.p
-    key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep)
+    key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep, lay.expert_tp)
     out = []
     for kind in sorted(set(sm.kinds)):
         held = -(-sm.kinds.count(kind) // p)
@@ -870,17 +892,17 @@ class _SearchState:
         self.no_fits = iter(range(1 << 60))
         self.priced: set[tuple] = set()
         self.leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
-        self.states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp·pp, ep, zero, shard, offload)
+        self.states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp, pp, ep, etp, zero, shard, offload)
         self.per_param: dict[tuple, tuple[float, float, bool]] = {}
         self.ids = iter(range(1, 1 << 60))
         self.prefix_ok: bool | None = None
         self.budget_hit = False
         self.minmax_of: dict[int, float] = {}
         self.scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
-        self.leaves_of: dict[tuple[int, int, int], tuple[tuple, int]] = {}  # per (dp, cp, ep): leaf_choices
+        self.leaves_of: dict[tuple, tuple[tuple, int]] = {}  # per (dp, cp, tp, ep, etp): leaf_choices
         self.frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
         self.interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
-        self.tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep): leaves' tail bounds
+        self.tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep, etp): tail bounds
         self.ordered: list[tuple[Structure, float, bool]] = []  # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
 
     # ------------------------------------------------------------------ shared bookkeeping
@@ -932,25 +954,27 @@ class _SearchState:
     def states_need_of(self, st: Structure, zero: int, shard: int, offload: bool) -> float:
         """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
         shard_n = shard * st.cp
-        key = (st.tp * st.pp, st.ep, zero, shard_n, offload)
+        key = (st.tp, st.pp, st.ep, st.expert_tp, zero, shard_n, offload)
         need = self.states_need.get(key)
         if need is None:
             dense = self.all_params_dense / (st.tp * st.pp)
-            expert = self.all_params_expert / (st.tp * st.ep * st.pp)
+            expert = self.all_params_expert / (st.expert_tp * st.ep * st.pp)
             state = self.state
             need = self.states_need[key] = self.reserved + self.least_frag * (
                 sum(model_state_bytes(dense, state, zero, shard_n, offload))
-                + sum(model_state_bytes(expert, state, zero, max(shard_n // st.ep, 1), offload)))
+                + sum(model_state_bytes(expert, state, zero, expert_fold(shard, st.cp, st.tp, st.ep, st.expert_tp)[1],
+                                        offload)))
         return need
 
     def states_per_param(self, st: Structure, zero: int, shard: int, offload: bool) -> tuple[float, float, bool]:
         """(dense, expert) model-state bytes per parameter on a GPU, and whether ZeRO-3 gathers blocks:
         what a leaf's memory bounds see of its data-parallel choice (as StageModel computes them)."""
-        key = (st.cp, st.ep, zero, shard, offload)
+        key = (st.cp, st.tp, st.ep, st.expert_tp, zero, shard, offload)
         sig = self.per_param.get(key)
         if sig is None:
-            sig = self.per_param[key] = (*state_bytes_per_param_split(self.state, zero, shard * st.cp, st.ep, offload),
-                                         zero == 3)
+            expert_shard = expert_fold(shard, st.cp, st.tp, st.ep, st.expert_tp)[1]
+            sig = self.per_param[key] = (*state_bytes_per_param_split(self.state, zero, shard * st.cp, expert_shard,
+                                                                      offload), zero == 3)
         return sig
 
     def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
@@ -961,9 +985,10 @@ class _SearchState:
             return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard)
 
-        return LeafComm.of(self.profile, self.training, make_layout, (zero, shard, rep, st.cp, st.tp, st.ep), offload,
+        return LeafComm.of(self.profile, self.training, make_layout,
+                           (zero, shard, rep, st.cp, st.tp, st.ep, st.expert_tp), offload,
                            reshard, opts.dp_comm_overlap, self.all_params_dense / (st.tp * st.pp),
-                           self.all_params_expert / (st.tp * st.ep * st.pp), self.cache)
+                           self.all_params_expert / (st.expert_tp * st.ep * st.pp), self.cache)
 
     # ------------------------------------------------------------------ one leaf
     def price_leaf(self, si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
@@ -1144,20 +1169,20 @@ class _SearchState:
 
     def _choices(self, st: Structure) -> tuple[tuple, tuple]:
         """The structure's (schedules, their rule removals) and (leaves, leaves removed), memoised per
-        (pp, m) and (dp, cp, ep) (hashing the options on every call costs more than the choices)."""
-        sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.ep)
+        (pp, m) and (dp, cp, tp, ep, etp) (hashing the options on every call costs more than the choices)."""
+        sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.tp, st.ep, st.expert_tp)
         if sched_key not in self.scheds_of:  # depends on (pp, m) only: its rule removals are replayed
             sub = Rules()
             self.scheds_of[sched_key] = (schedule_choices(st, self.model, self.opts, sub),
                                          [(r, sub.examples[r], n) for r, n in sub.counts.items()])
         if leaves_key not in self.leaves_of:
-            self.leaves_of[leaves_key] = _leaf_choices(st.dp, st.cp, st.ep, self.opts)
+            self.leaves_of[leaves_key] = _leaf_choices(*leaves_key, self.opts)
         return self.scheds_of[sched_key], self.leaves_of[leaves_key]
 
     def drain(self, si: int) -> None:
         """Every structure from the si-th on, all pruned by their bound (the top of the heap is at the
         k-th best, or the time budget is spent): counted as :meth:`price_structures` counts them, in the
-        same order, without pricing them; the rule removals summed per (pp, m, dp, cp, ep) and replayed in
+        same order, without pricing them; the rule removals summed per (pp, m, dp, cp, tp, ep, etp) and replayed in
         order of first appearance (the same counts, first examples and rule order)."""
         rest = [self.ordered[si]] + [(self.structs[i], key, exact) for key, i, exact in sorted(self.heap)]
         self.heap.clear()
@@ -1167,7 +1192,7 @@ class _SearchState:
             if self.progress:
                 self.progress(n, len(self.structs))
             (scheds, _), (leaves, _) = self._choices(st)
-            key = (st.pp, st.m, st.dp, st.cp, st.ep)
+            key = (st.pp, st.m, st.dp, st.cp, st.tp, st.ep, st.expert_tp)
             repeats[key] = repeats.get(key, 0) + 1
             count = len(leaves) * len(scheds)
             fam = self.families[st.family]
@@ -1177,12 +1202,12 @@ class _SearchState:
             if not fam["reason"]:
                 fam["reason"] = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
                                  f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread evenly)") + why
-        for (pp, m, dp, cp, ep), times in repeats.items():
+        for (pp, m, dp, cp, tp, ep, etp), times in repeats.items():
             for rule, example, count in self.scheds_of[(pp, m)][1]:
                 self.rules.remove(rule, example, count * times)
-            removed = self.leaves_of[(dp, cp, ep)][1]
+            removed = self.leaves_of[(dp, cp, tp, ep, etp)][1]
             if removed:
-                self.rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={ep}", removed * times)
+                self.rules.remove(RULE_FOLD_SHARD, f"ep={ep}, etp={etp}", removed * times)
 
     # ------------------------------------------------------------------ phase A
     def price_structures(self) -> None:
@@ -1206,7 +1231,7 @@ class _SearchState:
         for rule, example, count in sched_removed:
             self.rules.remove(rule, example, count)
         if removed:
-            self.rules.remove("ep must divide dp_shard x cp (HSDP shard group too small)", f"ep={st.ep}", removed)
+            self.rules.remove(RULE_FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
         per_sched = len(leaves)
         self.families[st.family]["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
@@ -1238,7 +1263,7 @@ class _SearchState:
     def _tails(self, st: Structure, leaves: tuple) -> tuple[list[float | None], float]:
         """Per leaf its schedule-free tail bound (None: its model states alone do not fit) and the least
         of them; they depend on the groups and the pipeline depth, not on sp or the micro-batch."""
-        tails_key = (st.tp, st.cp, st.pp, st.dp, st.ep)
+        tails_key = (st.tp, st.cp, st.pp, st.dp, st.ep, st.expert_tp)
         if tails_key not in self.tails_of:
             found = [leaf_tail_bound(self.leaf_comm(st, zero, rep, shard, offload, reshard))
                      if self.states_need_of(st, zero, shard, offload) <= self.capacity else None

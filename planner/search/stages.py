@@ -21,6 +21,7 @@ so the two cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Callable
@@ -55,8 +56,11 @@ from planner.cost.layer import (
     _mlp_gemms,
     block_cost,
     embedding_cost,
+    expert_rows,
     lm_head_cost,
+    routed_expert_gemms,
     routed_token_count,
+    tp_pairs,
 )
 from planner.cost.memory import (
     ActivationShape,
@@ -78,9 +82,19 @@ from planner.cost.memory import (
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
-from planner.cost.predict import check_layout, default_layer_split, dp_traffic
+from planner.cost.predict import check_layout, default_layer_split, dp_traffic, expert_split
 
 RECOMPUTE_KINDS = (Recompute.selective, Recompute.full)
+
+
+@functools.lru_cache(maxsize=16384)
+def expert_fold(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> tuple[str | None, int]:
+    """(why ep x etp cannot fold over these ranks or None, the expert data-parallel group size) of a
+    layout with these degrees: :meth:`ParallelLayout.expert_fold_problem` and ``expert_dp``, the one
+    home of the folding rule, asked of a layout built without validation (the search calls this per
+    candidate degree)."""
+    lay = ParallelLayout.model_construct(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
+    return lay.expert_fold_problem(), lay.expert_dp
 
 
 @dataclass(frozen=True)
@@ -91,7 +105,7 @@ class KindCost:
     backward_s: dict[Recompute, float]  # backward incl. the recompute it implies
     activations: dict[Recompute, float]  # bytes kept for backward
     dense_params: float  # per GPU (/tp)
-    expert_params: float  # per GPU (/(tp·ep))
+    expert_params: float  # per GPU (/(ep·etp))
     gather_params: float  # ZeRO-3 gather buffer of one block: all its params / tp
 
 
@@ -135,7 +149,7 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part),
     memoised in ``cache`` across the candidates of one search."""
     # fast path: the same layout fields give the same groups and micro-batch, so the same result
-    fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.pp,
+    fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp, layout.pp,
                 layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
                 layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
                 training.flash_attention, training.moe_load_imbalance,
@@ -154,8 +168,7 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
         cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
     kinds = cache[kinds_key][1]
     groups = mesh_groups(layout, profile.gpus_per_node)
-    mb = MicroBatch(layout.micro_batch_size, training.seq_length, layout.cp, layout.tp, layout.sp,
-                    training.precision, training.flash_attention, training.moe_load_imbalance)
+    mb = MicroBatch.of(layout, training)
     factor = activation_factor(profile.assumptions, training, layout.zero_stage)  # activation bytes per formula byte
     key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
            layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor)
@@ -205,7 +218,8 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         dense, expert = cache[params_key][1]
         acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, factor)
         if acts_key not in cache:
-            shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp)
+            shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp,
+                                    mb.etp)
             elt = training.precision.bytes
             cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r, flash=training.flash_attention,
                                                                   elt=elt, fp8=training.precision is Precision.fp8,
@@ -215,8 +229,8 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         cache[key] = KindCost(
             forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute},
             activations=cache[acts_key], dense_params=dense / layout.tp,
-            expert_params=expert / (layout.tp * layout.ep),
-            gather_params=dense / layout.tp + expert / (layout.tp * layout.ep),  # this rank's share of the block
+            expert_params=expert / expert_split(layout),
+            gather_params=dense / layout.tp + expert / expert_split(layout),  # this rank's share of the block
         )
     return cache[key]
 
@@ -237,11 +251,12 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
 def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
               cache: dict, key: tuple | None = None) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params``
-    (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep)``:
-    they do not depend on pp or the split. ``layout`` may be a factory, called on a cache miss."""
+    (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep, etp)``
+    (etp: the experts' TP degree, tp when not folded): they do not depend on pp or the split. ``layout``
+    may be a factory, called on a cache miss."""
     if key is None:
         lay = layout() if callable(layout) else layout
-        key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep)
+        key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep, lay.expert_tp)
     key = ("dp", *key)
     if key not in cache:
         lay = layout() if callable(layout) else layout
@@ -285,45 +300,48 @@ class LeafComm:
 
     @classmethod
     def of(cls, profile: ClusterProfile, training: TrainingConfig, make_layout: Callable[[], ParallelLayout],
-           key: tuple[int, int, int, int, int, int], offload: bool, reshard: bool, dp_comm_overlap: bool,
+           key: tuple[int, ...], offload: bool, reshard: bool, dp_comm_overlap: bool,
            dense: float, expert: float, cache: dict) -> LeafComm:
-        """``key``: (zero, dp_shard, dp_replicate, cp, tp, ep); ``make_layout`` builds the layout
-        only when the data-parallel costs of this grouping are not cached yet."""
+        """``key``: (zero, dp_shard, dp_replicate, cp, tp, ep[, etp]) (etp left out: tp); ``make_layout``
+        builds the layout only when the data-parallel costs of this grouping are not cached yet."""
+        zero, shard, rep, cp, tp, ep, *rest = key
+        key = (zero, shard, rep, cp, tp, ep, rest[0] if rest else tp)
         memo = ("leafcomm", key, offload, reshard, dp_comm_overlap, dense, expert)
         if memo in cache:
             return cache[memo]
-        zero, shard, _, cp, _, ep = key
         d, e = dp_affine(profile, training, make_layout, cache, key)
         shard_n = shard * cp
+        expert_shard = expert_fold(shard, cp, tp, ep, key[6])[1]
         out = cls(
             grad_s=d["grad"](dense) + e["grad"](expert), replica_s=d["replica"](dense) + e["replica"](expert),
             gather_s=d["gather"](dense) + e["gather"](expert),
             gathers_per_mb=(2 if reshard else 1) if zero == 3 else 0,
             grads_per_mb=zero >= 2,
-            optimizer_s=optimizer_time_s(profile, training, zero, shard_n, max(shard_n // ep, 1), offload, dense, expert),
+            optimizer_s=optimizer_time_s(profile, training, zero, shard_n, expert_shard, offload, dense, expert),
             eff=profile.assumptions.async_overlap_efficiency if dp_comm_overlap else 0.0,
         )
         cache[memo] = out
         return out
 
 
-def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int, ep: int,
+def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int, expert_shard: int,
                                 offload: bool) -> tuple[float, float]:
     """(dense, expert) model-state bytes per parameter on one GPU: dense weights sharded over the
-    ``dp_shard x cp`` ranks (``shard_n``), experts over ``shard_n / ep`` of them (at least one)."""
+    ``dp_shard x cp`` ranks (``shard_n``), experts over their ``expert_shard`` data-parallel ranks
+    (``ParallelLayout.expert_dp``: ``shard_n / ep`` with etp = tp, at least one)."""
     return (sum(model_state_bytes(1.0, state, zero_stage, shard_n, offload)),
-            sum(model_state_bytes(1.0, state, zero_stage, max(shard_n // ep, 1), offload)))
+            sum(model_state_bytes(1.0, state, zero_stage, expert_shard, offload)))
 
 
-def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, ep: int, offload: bool, reshard: bool,
-                           pp: int, m: int, temp: float) -> tuple[tuple[float, float], tuple[float, float]]:
+def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: bool,
+                           reshard: bool, pp: int, m: int,
+                           temp: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """(dense, expert) bytes per parameter a rank holds beside its activations at the backward's peak, and
     through the optimizer step (as ``predict.stage_memory`` counts them). Backward: the model states, ZeRO-3
     weights kept gathered and pipelined ZeRO-2/3's unsharded gradients as state of every block held, less
     a single micro-batch's gradients (made as its activations are freed). Optimizer step: the states and
     ``temp`` bytes of temporaries per local parameter (none when offloaded)."""
-    d, e = state_bytes_per_param_split(state, zero, shard_n, ep, offload)
-    expert_shard = max(shard_n // ep, 1)
+    d, e = state_bytes_per_param_split(state, zero, shard_n, expert_shard, offload)
     div_d, div_e = (shard_n, expert_shard) if zero >= 1 else (1, 1)
     t = 0.0 if offload else temp
     step = (d + t / div_d, e + t / div_e)
@@ -357,7 +375,7 @@ class StageModel:
         self.state = state_bytes_per_param(training)
         self.step_bytes = optimizer_step_bytes_per_param(training)
         self.shard_n = base.dp_shard * base.cp
-        self.expert_shard = max(self.shard_n // base.ep, 1)
+        self.expert_shard = base.expert_dp
         self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
         self.grads_per_mb = base.zero_stage >= 2
         self.gathers_per_mb = (2 if base.reshard_after_forward else 1) if base.zero_stage == 3 else 0
@@ -392,8 +410,8 @@ class StageModel:
             self._opt_rate = memory_time_s(profile, self.step_bytes)
         temp = a.optimizer_temp_bytes_per_param
         (self._state_dense, self._state_expert), self._step_state = phase_states_per_param(
-            self.state, zero, self.shard_n, base.ep, base.offload_optimizer, base.reshard_after_forward, base.pp,
-            self.m, temp)
+            self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer, base.reshard_after_forward,
+            base.pp, self.m, temp)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
@@ -664,8 +682,8 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     budget = sm.alloc_capacity
     for zero in zero_stages:
         for off in ({False, offload} if zero >= 1 else {False}):
-            (d, e), (sd, se) = phase_states_per_param(sm.state, zero, sm.shard_n, lay.ep, off, True, lay.pp, sm.m,
-                                                      a.optimizer_temp_bytes_per_param)
+            (d, e), (sd, se) = phase_states_per_param(sm.state, zero, sm.shard_n, sm.expert_shard, off, True, lay.pp,
+                                                      sm.m, a.optimizer_temp_bytes_per_param)
             best_d, best_e, step_d, step_e = min(best_d, d), min(best_e, e), min(step_d, sd), min(step_e, se)
         budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, a,
                                                     lay.model_copy(update={"zero_stage": zero})))
@@ -1071,7 +1089,7 @@ def _last_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
 
 
 def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, tp: int, sp: bool, cp: int,
-                 ep: int, batch: int, tp_overlap: bool, ep_overlap: bool, cache: dict) -> float:
+                 ep: int, batch: int, tp_overlap: bool, ep_overlap: bool, cache: dict, etp: int | None = None) -> float:
     """A lower bound of a structure shape's whole-model forward + backward (no recompute) for one
     micro-batch, :attr:`~planner.search.engine.Structure.work_s`, without building a layout: per
     block, the GEMMs, the attention core and the context-parallel collectives exactly as
@@ -1079,8 +1097,9 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     placement), the TP and EP collectives less the most an overlap could hide; the memory-bound
     ops, kernel launches, embedding and head (all >= 0) are left out. Lowered by 1e-9 relative
     against float re-association. Memoised in ``cache``: the parts that do not depend on sp or ep
-    once per (tp, cp, micro-batch)."""
-    key = ("work-floor", tp, sp, cp, ep, batch, tp_overlap, ep_overlap)
+    once per (tp, cp, micro-batch). ``etp``: the experts' TP degree when folded (None: tp)."""
+    etp = None if etp == tp else etp
+    key = ("work-floor", tp, sp, cp, ep, etp, batch, tp_overlap, ep_overlap)
     got = cache.get(key)
     if got is not None:
         return got
@@ -1105,7 +1124,11 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     for count, fixed, moe in base.values():
         per = fixed + tp_s
         if moe is not None:
-            gemms, a2a_s = _moe_floor_s(model, training, profile, moe, tp, sp, tokens, ep, ep_overlap, cache)
+            mb = MicroBatch(batch, training.seq_length, cp, tp, sp, training.precision, training.flash_attention,
+                            training.moe_load_imbalance, etp)
+            gemms, a2a_s = _moe_floor_s(model, training, profile, moe, mb, ep, ep_overlap, cache)
+            if etp is not None:  # folded experts: fewer TP pairs (the floor is linear in them)
+                per = fixed + tp_s * tp_pairs(model, True, mb) / 2
             per += gemms
             per += a2a_s
         total += count * per
@@ -1113,30 +1136,37 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     return cache[key]
 
 
-def _moe_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, moe: MoESpec, tp: int,
-                 sp: bool, tokens: int, ep: int, ep_overlap: bool, cache: dict) -> tuple[float, float]:
-    """(routed experts' GEMMs, exposed dispatch/combine all-to-all: 0 without EP) of an MoE block,
+def _moe_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, moe: MoESpec,
+                 mb: MicroBatch, ep: int, ep_overlap: bool, cache: dict) -> tuple[float, float]:
+    """(routed experts' GEMMs, exposed dispatch/combine all-to-all and, with folded experts, their own
+    TP all-gather/reduce-scatter less the most an overlap hides: 0 without EP) of an MoE block,
     forward + backward, as ``block_cost`` computes them, for :func:`work_floor_s`. Memoised in
-    ``cache``: the GEMMs per (tp, tokens, ep), shared by sp on and off."""
-    key = ("work-floor-moe", tp, sp, tokens, ep, ep_overlap)
+    ``cache``: the GEMMs per (tp, etp, tokens, ep), shared by sp on and off."""
+    tp, etp, sp, tokens = mb.tp, mb.etp, mb.sp, mb.tokens
+    key = ("work-floor-moe", tp, etp, sp, tokens, ep, ep_overlap)
     got = cache.get(key)
     if got is not None:
         return got
     routed = routed_token_count(moe, tokens, training.moe_load_imbalance)
-    gemm_key = ("work-floor-experts", tp, tokens, ep)
+    gemm_key = ("work-floor-experts", tp, etp, tokens, ep)
     gemms = cache.get(gemm_key)
     if gemms is None:
-        local_experts = max(moe.num_experts // ep, 1)
-        per_expert = max(int(routed / local_experts), 1)
-        gemms = cache[gemm_key] = sum(_mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, tp,
-                                                 training.precision, local_experts))
-    a2a_s = 0.0
+        gemms = cache[gemm_key] = sum(routed_expert_gemms(profile, model, moe, mb, ep))
+    a = profile.assumptions
+    hide = a.async_overlap_efficiency if ep_overlap else 0.0
+    comm_s = 0.0
+    gpn, elt = profile.gpus_per_node, training.precision.bytes
     if ep > 1:
-        a = profile.assumptions
-        size = routed * model.hidden_size * training.precision.bytes / (tp if sp else 1)
-        a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, tp, profile.gpus_per_node), size)
-        a2a_s = 2 * max(a2a - (a.async_overlap_efficiency * a2a if ep_overlap else 0.0), 0.0)
-    cache[key] = (gemms, a2a_s)
+        size = routed * model.hidden_size * elt / (tp if sp else 1)
+        a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, mb.expert_tp, gpn), size)
+        comm_s = 2 * max(a2a - hide * a2a, 0.0)
+    if mb.folded and mb.expert_tp > 1:
+        size = expert_rows(moe, mb) * model.hidden_size * elt
+        group = placement(mb.expert_tp, 1, gpn)
+        pair = (collective_time_s(profile, Collective.all_gather, group, size)
+                + collective_time_s(profile, Collective.reduce_scatter, group, size))
+        comm_s += 2 * max(pair - hide * pair, 0.0)
+    cache[key] = (gemms, comm_s)
     return cache[key]
 
 
