@@ -153,7 +153,7 @@ def _read(path: Path, flag: str) -> str:
 def _layout(
     num_gpus: int, tp: int, pp: int, cp: int, ep: int, dp: int | None, dp_replicate: int | None, sp: bool, zero: int,
     reshard: bool, micro_batch: int, schedule: Schedule, vp: int, layers_per_stage: str | None, recompute: Recompute,
-    offload: bool, tp_overlap: bool, dp_overlap: bool,
+    offload: bool, tp_overlap: bool, dp_overlap: bool, etp: int | None = None,
 ) -> ParallelLayout:
     if dp is None:
         if num_gpus % (tp * pp * cp):
@@ -181,7 +181,7 @@ def _layout(
             raise AutoparError("--layers-per-stage", layers_per_stage, "give comma-separated integers, e.g. 9,10,10,9",
                                problem="is not a list of integers") from None
     return ParallelLayout(
-        dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, zero_stage=zero,
+        dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp, zero_stage=zero,
         reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, virtual_stages=vp,
         layers_per_stage=counts, recompute=recompute, offload_optimizer=offload, tp_comm_overlap=tp_overlap,
         dp_comm_overlap=dp_overlap,
@@ -201,7 +201,7 @@ def describe_recompute(lay: ParallelLayout) -> str:
 def layout_summary(lay: ParallelLayout) -> str:
     return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
             f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
-            f"{f' ep{lay.ep}' if lay.ep > 1 else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
+            f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp is not None else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
             f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''} mb{lay.micro_batch_size}"
             f" {lay.schedule.value if lay.pp > 1 else ''} rc:{describe_recompute(lay)}"
             f"{f' split{lay.layers_per_stage}' if lay.layers_per_stage else ''}")
@@ -249,7 +249,8 @@ def render_prediction(plan: Plan) -> None:
                          f"global batch {plan.training.global_batch_seqs} x {plan.training.seq_length} tokens, "
                          f"{plan.precision.value}"))
     console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
-                  f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep} | micro-batch "
+                  f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep}"
+                  f"{f' etp={lay.etp}' if lay.etp is not None else ''} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
                   f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
@@ -314,6 +315,8 @@ def predict(
     pp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="context parallel degree")] = 1,
     ep: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="expert parallel degree")] = 1,
+    etp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="expert tensor parallel degree: the routed "
+                                            "experts' TP degree, dividing tp (MoE parallel folding; default: tp)")] = None,
     dp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
     dp_replicate: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
     sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
@@ -337,7 +340,7 @@ def predict(
     training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
                              moe_imbalance)
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
-                     layers_per_stage, recompute, offload, tp_overlap, dp_overlap)
+                     layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
     prediction: Prediction = run_prediction(spec, training, prof, layout)
     plan = Plan(model=spec, training=training, cluster=prof.name, num_gpus=prof.num_gpus, layout=layout,
                 precision=training.precision, prediction=prediction)

@@ -240,3 +240,22 @@ def test_explicit_etp_equal_to_tp_is_unset_etp():
     a = predict(model, tr, prof, ParallelLayout(tp=2, sp=True, dp_shard=4, ep=2, zero_stage=1))
     b = predict(model, tr, prof, ParallelLayout(tp=2, sp=True, dp_shard=4, ep=2, etp=2, zero_stage=1))
     assert a.model_dump() == b.model_dump()
+
+
+# ------------------------------------------------------------------ autopar predict --etp
+def test_cli_predict_takes_etp():
+    from typer.testing import CliRunner
+
+    from planner import cli
+    from planner.contracts import Plan
+
+    base = ["predict", "--model", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "64",
+            "--tp", "4", "--ep", "8", "--zero", "1"]
+    result = CliRunner().invoke(cli.app, [*base, "--sp", "--etp", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = Plan.model_validate_json(result.stdout)
+    assert (plan.layout.tp, plan.layout.ep, plan.layout.etp, plan.layout.expert_dp) == (4, 8, 1, 2)
+    refused = CliRunner().invoke(cli.app, [*base, "--etp", "1"])  # no --sp
+    assert refused.exit_code != 0  # the entry point prints the AutoparError and exits 2
+    assert isinstance(refused.exception, AutoparError) and refused.exception.field == "sp"
+    assert "--sp" in str(refused.exception)
