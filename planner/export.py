@@ -105,7 +105,7 @@ def _header(plan: Plan, target: str) -> list[str]:
     layout_line = (
         f"Layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}), tp={lay.tp}, "
         f"sp={'on' if lay.sp else 'off'}, cp={lay.cp}, pp={lay.pp}{chunks} ({lay.schedule.value}), "
-        f"ep={lay.ep}, "
+        f"ep={lay.ep}{f', etp={lay.etp}' if lay.etp is not None else ''}, "
         f"zero_stage={lay.zero_stage}, micro_batch={lay.micro_batch_size}, recompute={recompute_text(lay)}"
     )
     predicted = (
@@ -303,7 +303,7 @@ def _megatron_moe(plan: Plan, a: _Command) -> list[str]:
         vnotes.append("  --moe-layer-freq patterns and --moe-ffn-hidden-size: Megatron Core >= 0.10.")
     if moe.capacity_factor is not None:
         a.add("--moe-expert-capacity-factor", moe.capacity_factor)
-    if plan.layout.ep > 1:
+    if plan.layout.ep > 1 or plan.layout.expert_tp != plan.layout.tp:  # the dispatcher the plan priced
         a.add("--moe-token-dispatcher-type", "alltoall")
     return vnotes
 
@@ -350,6 +350,9 @@ def _megatron_tp_cp_ep(plan: Plan, a: _Command) -> list[str]:
         a.add("--cp-comm-type", "p2p")  # ring attention, as the planner models it
     if lay.ep > 1:
         a.add("--expert-model-parallel-size", lay.ep)
+    if plan.model.moe is not None and (lay.ep > 1 or lay.expert_tp != lay.tp):
+        # the routed experts' TP degree (MoE parallel folding); Megatron's default is tp
+        a.add("--expert-tensor-parallel-size", lay.expert_tp)
     if lay.ep_comm_overlap and plan.model.moe is not None and lay.ep > 1:
         a.add("--overlap-moe-expert-parallel-comm")
         vnotes.append(
@@ -646,6 +649,8 @@ def _ds_moe(plan: Plan, a: _Command) -> list[str]:
     a.add("--topk", moe.top_k)
     a.add("--expert-interval", moe.layer_frequency)
     a.add("--moe-expert-parallel-size", lay.ep)
+    if lay.tp > 1:  # experts split over the TP group as planned (etp = tp; the table refuses other etp)
+        a.add("--enable-expert-tensor-parallelism")
     if moe.capacity_factor is None:
         a.add("--disable-moe-token-dropping")
     else:
@@ -789,8 +794,8 @@ def _torchtitan(plan: Plan) -> dict[str, str]:
         )
     if plan.layout.ep > 1 and plan.layout.tp > 1:
         notes.append(
-            f"{TORCHTITAN_RELEASE} has no expert_tensor_parallel_degree option; "
-            "how it splits experts under TP was not checked by autopar."
+            f"{TORCHTITAN_RELEASE} runs expert-parallel experts whole (etp=1, as planned), folded over the "
+            "dp_shard x cp x tp ranks (efsdp = dp_shard*cp*tp/ep, distributed/parallel_dims.py)."
         )
     return {
         "torchtitan_train.sh": _script(plan, "torchtitan", notes, ["# no environment needed"], [cmd.render()])

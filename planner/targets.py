@@ -364,6 +364,18 @@ _MEGATRON = (
         fix="plan with sp=True",
     ),
     Limit(
+        # megatron/core/transformer/transformer_config.py: "Bias in Moe is only supported when ETP==1"
+        feature="MoE linear biases with expert tensor parallelism",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.model.linear_bias and j.layout.expert_tp > 1,
+        field="etp",
+        value=lambda j: j.layout.expert_tp,
+        problem="cannot be expressed with linear biases: Megatron-Core supports biases in MoE layers only with "
+        "expert tensor parallelism 1 (--expert-tensor-parallel-size 1)",
+        fix="plan with etp=1 (the experts folded over the tensor-parallel ranks), or use a model without "
+        "linear biases",
+    ),
+    Limit(
         feature="TP communication overlap without sequence parallelism",
         scope="layout",
         refuses=lambda j: j.layout.tp_comm_overlap and j.layout.tp > 1 and not j.layout.sp,
@@ -559,6 +571,21 @@ _DEEPSPEED = (
         value=lambda j: True,
         problem="cannot be expressed: DeepSpeed MoE does not overlap the expert all-to-all",
         fix="plan with ep_comm_overlap=False, or use --to megatron",
+    ),
+    Limit(
+        # megatron/arguments.py --enable-expert-tensor-parallelism; deepspeed/moe/sharded_moe.py,
+        # deepspeed/utils/groups.py _get_expert_parallel_ranks (EP over data-parallel ranks, stride tp)
+        feature="expert tensor parallelism other than tp",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.layout.expert_tp != j.layout.tp,
+        field="etp",
+        value=lambda j: j.layout.etp,
+        problem=lambda j: (
+            f"is not tp={j.layout.tp}: Megatron-DeepSpeed splits the experts over the whole tensor-parallel "
+            "group (--enable-expert-tensor-parallelism) or not at all, and forms expert-parallel groups over "
+            "data-parallel ranks only; it cannot fold experts over the tensor-parallel ranks"
+        ),
+        fix="plan with etp unset (= tp), or use --to megatron (--expert-tensor-parallel-size)",
     ),
     Limit(
         feature="gradient reduction overlapped with a pipeline's backward",
@@ -789,6 +816,32 @@ _TORCHTITAN = (
         value=lambda j: True,
         problem="is not a torchtitan job-config option",
         fix="plan with ep_comm_overlap=False, or use --to megatron",
+    ),
+    Limit(
+        # torchtitan/distributed/parallel_dims.py: sparse mesh (pp, dp_replicate, efsdp, ep), efsdp =
+        # dp_shard x cp x tp / ep; models/common/moe_sharding.py: expert weights sharded on EP only
+        feature="tensor-parallel experts with expert parallelism",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.layout.ep > 1 and j.layout.expert_tp != 1,
+        field="etp",
+        value=lambda j: j.layout.expert_tp,
+        problem="cannot be expressed: with expert parallelism torchtitan runs every routed expert whole "
+        "(expert tensor parallelism 1), its expert-parallel ranks folded over dp_shard x cp x tp "
+        "(parallelism.expert_parallel_degree; no expert_tensor_parallel_degree option)",
+        fix="plan with etp=1, or ep=1, or use --to megatron",
+    ),
+    Limit(
+        # models/common/moe_sharding.py expert_param_placement_dense: EP disabled -> experts on the TP axis
+        feature="experts outside the tensor-parallel group without expert parallelism",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.layout.ep == 1 and j.layout.expert_tp != j.layout.tp,
+        field="etp",
+        value=lambda j: j.layout.etp,
+        problem=lambda j: (
+            f"is not tp={j.layout.tp}: without expert parallelism torchtitan shards the routed experts "
+            "over the whole tensor-parallel group"
+        ),
+        fix="plan with etp unset (= tp), or ep > 1 with etp=1, or use --to megatron",
     ),
     Limit(
         feature="optimizer-only CPU offload",

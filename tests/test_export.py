@@ -286,6 +286,24 @@ class TestMegatron:
         assert one(f, "--expert-model-parallel-size") == "8" and one(f, "--moe-ffn-hidden-size") == "14336"
         assert one(f, "--moe-token-dispatcher-type") == "alltoall" and "--moe-layer-freq" not in f
         assert one(f, "--vocab-size") == str(32000 - 1)
+        assert one(f, "--expert-tensor-parallel-size") == "2"  # etp unset: the experts split over tp, stated
+
+    def test_expert_tensor_parallel_size(self, tmp_path):
+        # MoE parallel folding: ep=8 x etp=1 over the dp=8 x tp=2 ranks (ep=8 does not divide dp x cp alone)
+        folded = make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, etp=1, zero_stage=1)
+        f = megatron_flags(folded, tmp_path)
+        assert one(f, "--expert-tensor-parallel-size") == "1" and one(f, "--expert-model-parallel-size") == "8"
+        assert one(f, "--tensor-model-parallel-size") == "2" and f["--sequence-parallel"] == []
+        # without EP the experts fold too (whole experts on every rank of the TP group), through the
+        # all-to-all dispatcher the plan priced
+        f = megatron_flags(make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, etp=1, zero_stage=1), tmp_path)
+        assert one(f, "--expert-tensor-parallel-size") == "1" and "--expert-model-parallel-size" not in f
+        assert one(f, "--moe-token-dispatcher-type") == "alltoall"
+        # a dense model writes none
+        assert "--expert-tensor-parallel-size" not in megatron_flags(make_plan(tp=2, sp=True, dp_shard=8), tmp_path)
+        # Megatron-Core keeps MoE biases to ETP 1
+        biased = get_preset("mixtral-8x7b").model_copy(update={"linear_bias": True})
+        raises(make_plan(biased, tp=2, sp=True, dp_shard=8, ep=8, zero_stage=1), "megatron", "etp", "2")
 
     def test_moe_layer_pattern_and_shared_experts(self, tmp_path):
         spec = ModelSpec(
@@ -465,6 +483,12 @@ class TestDeepSpeed:
             one(f, "--num-experts") == "8" and one(f, "--topk") == "2" and one(f, "--expert-interval") == "1"
         )
         assert one(f, "--moe-expert-parallel-size") == "8" and f["--disable-moe-token-dropping"] == []
+        assert f["--enable-expert-tensor-parallelism"] == []  # experts split over tp=2, as planned (etp = tp)
+        _, f = deepspeed_files(make_plan("mixtral-8x7b", dp_shard=16, ep=8, zero_stage=1), tmp_path)
+        assert "--enable-expert-tensor-parallelism" not in f
+        message = raises(make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, etp=1, zero_stage=1),
+                         "deepspeed", "etp", "1")
+        assert "tp=2" in message and "--to megatron" in message
         raises(
             make_plan(
                 "mixtral-8x7b", tp=2, sp=True, pp=2, dp_shard=4, ep=4, zero_stage=1, dp_comm_overlap=False
@@ -614,9 +638,13 @@ class TestTorchtitan:
     def test_context_and_expert_parallel(self):
         f = titan(make_plan(tp=4, sp=True, cp=2, dp_shard=2, zero_stage=3))
         assert one(f, "--parallelism.context_parallel_degree") == "2"
-        plan = make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3)
+        plan = make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, ep=8, etp=1, zero_stage=3)
         f = titan(plan)
         assert one(f, "--parallelism.expert_parallel_degree") == "8"
+        # torchtitan runs expert-parallel experts whole: experts split over tp=2 (etp unset) are refused
+        message = raises(plan.model_copy(update={"layout": plan.layout.model_copy(update={"etp": None})}),
+                         "torchtitan", "etp", "2")
+        assert "etp=1" in message
         assert f["--training.disable_cuda_graphs"] == []  # CUDA graphs refuse EP's token dispatcher
         assert one(f, "--module") == "deepseek_v3" and one(f, "--config") == "autopar_mixtral_8x7b"
         text = export_plan(plan, "torchtitan")["torchtitan_train.sh"]

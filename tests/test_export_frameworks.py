@@ -49,7 +49,8 @@ TITAN_PLANS = {
         {"tp": 8, "sp": True, "dp_shard": 2, "zero_stage": 0, "tp_comm_overlap": True},
     ),
     "cp": ("llama3-8b", 16, {"tp": 4, "sp": True, "cp": 2, "dp_shard": 2, "zero_stage": 3}),
-    "moe ep": ("deepseek-v3", 256, {"tp": 8, "sp": True, "pp": 8, "dp_shard": 4, "ep": 4, "zero_stage": 3}),
+    # experts folded over the dp_shard x tp = 32 ranks: ep=32, etp=1 (torchtitan's efsdp = 32/32 = 1)
+    "moe ep": ("deepseek-v3", 256, {"tp": 8, "sp": True, "pp": 8, "dp_shard": 4, "ep": 32, "etp": 1, "zero_stage": 3}),
 }
 
 
@@ -86,7 +87,10 @@ def test_torchtitan_config_manager_parses_the_export(name):
         "FullAC.Config" if lay.recompute.value == "full" else "NoneType"
     )
     assert cfg.compile.enable_async_tensor_parallel == (lay.tp_comm_overlap and lay.tp > 1)
-    assert ParallelDims.from_config(par, world_size=plan.num_gpus).world_size == plan.num_gpus
+    dims = ParallelDims.from_config(par, world_size=plan.num_gpus)
+    assert dims.world_size == plan.num_gpus
+    if lay.ep > 1:  # torchtitan's expert data-parallel degree (its sparse mesh) is the plan's expert_dp
+        assert dims.dp_shard * dims.cp * dims.tp // dims.ep == lay.expert_dp and lay.expert_tp == 1
 
 
 def test_torchtitan_config_manager_refuses_a_2025_toml_style_key():

@@ -80,6 +80,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(MIXTRAL, tp=2, dp_shard=8, ep=8),
             job(MIXTRAL, tp=2, sp=True, dp_shard=8, ep=8),
         ),
+        "MoE linear biases with expert tensor parallelism": (
+            job(MIXTRAL.model_copy(update={"linear_bias": True}), tp=2, sp=True, dp_shard=8, ep=8),
+            job(MIXTRAL.model_copy(update={"linear_bias": True}), tp=2, sp=True, dp_shard=8, ep=8, etp=1),
+        ),
         "TP communication overlap without sequence parallelism": (
             job(tp=8, tp_comm_overlap=True),
             job(tp=8, sp=True, tp_comm_overlap=True),
@@ -136,6 +140,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=1, ep_comm_overlap=True),
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=1),
         ),
+        "expert tensor parallelism other than tp": (
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, ep=8, zero_stage=1, etp=1),
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, ep=8, zero_stage=1),
+        ),
         "gradient reduction overlapped with a pipeline's backward": (
             job(pp=2, dp_shard=2, zero_stage=1),
             job(pp=2, dp_shard=2, zero_stage=1, dp_comm_overlap=False),
@@ -173,6 +181,14 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         "expert all-to-all overlap": (
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=3, ep_comm_overlap=True),
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=3),
+        ),
+        "tensor-parallel experts with expert parallelism": (
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3),
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, ep=8, zero_stage=3, etp=1),
+        ),
+        "experts outside the tensor-parallel group without expert parallelism": (
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, zero_stage=3, etp=1),
+            job(MIXTRAL, tp=2, sp=True, dp_shard=8, zero_stage=3),
         ),
         "optimizer-only CPU offload": (job(offload_optimizer=True), job()),
         "zero-bubble schedule with one stage per rank (ZB-H1)": (
