@@ -48,8 +48,13 @@ COLUMNS = (
     "hfu_pct_reported", "tokens_per_sec_per_gpu_reported", "tokens_per_sec_total_reported",
     "iteration_time_s_reported", "aggregate_pflops_reported", "other_throughput_reported",
     "tokens_per_sec_per_gpu_derived", "flop_convention", "framework", "config_completeness", "missing_fields", "notes",
+    "etp",
 )
 """Columns of published_runs.csv, the format ``autopar validate`` reads."""
+ADDED_COLUMNS = ("etp",)
+"""Columns appended to the format after its first release (``shared/data/published_runs.csv`` ends before
+them): a file may leave them out, and their cells then read as unstated. ``etp``: the expert
+tensor-parallel degree (Megatron-Core --expert-tensor-parallel-size; blank: not stated)."""
 PUBLISHED_RUNS = Path(__file__).resolve().parent / "data" / "published_runs.csv"
 """The published-runs set shipped with the planner (sources: ``published_runs_SOURCES.md`` beside it);
 ``autopar validate`` reads it when no file is given."""
@@ -201,7 +206,7 @@ COUNT_COLUMNS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "seq_length",
     "moe_num_experts", "moe_top_k", "moe_expert_ffn_hidden_size", "num_gpus", "gpus_per_node",
     "global_batch_size_seqs", "global_batch_size_seqs_derived", "global_batch_tokens", "micro_batch_size",
-    "tp", "pp", "dp", "dp_derived", "cp", "ep",
+    "tp", "pp", "dp", "dp_derived", "cp", "ep", "etp",
 )
 """Columns read as whole numbers above 0 (blank: not stated). ``moe_shared_experts`` may also be 0."""
 FIGURE_COLUMNS = (
@@ -553,11 +558,13 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if era2021 and dp > 1:
         defaults.append("dp_comm_overlap=off (Megatron-LM 2021-22 reduced gradients after backward)")
 
+    etp = _expert_tp(n["etp"], mcore, tp=tp, cp=cp, ep=ep, dp_shard=dp if zero else 1, defaults=defaults)
+
     deepspeed_pipeline = "deepspeed" in (row.get("framework") or "").lower() and pp > 1
     if deepspeed_pipeline:
         defaults.append("pp_scatter_gather=off (DeepSpeed's pipeline engine sends whole activations)")
     layout_kwargs = dict(
-        dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
+        dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp,
         zero_stage=zero,
         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
         ep_comm_overlap="dualpipe" in vp_text.lower(),
@@ -598,6 +605,27 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     primary = not (row.get("source_quality") or "").strip().lower().startswith("secondary")
     return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
                    flop_convention, defaults, primary)
+
+
+def _expert_tp(stated: int | None, mcore: bool, *, tp: int, cp: int, ep: int, dp_shard: int,
+               defaults: list[str]) -> int | None:
+    """The layout's ``etp`` (None: tp): the row's, else 1 for a Megatron-Core row whose ep does not fold
+    over its ``dp_shard x cp`` ranks with the experts split over tp but does over ``dp_shard x cp x tp``
+    with whole experts (:meth:`ParallelLayout.expert_fold_problem`; Megatron-Core's
+    --expert-tensor-parallel-size 1, what its MoE recipes set), stated in ``defaults``."""
+    if stated is not None:
+        return None if stated == tp else stated
+    if not mcore or ep == 1 or tp == 1:
+        return None
+
+    def fold(etp: int | None) -> str | None:
+        return ParallelLayout.model_construct(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp).expert_fold_problem()
+
+    unfolded = fold(None)
+    if unfolded is None or fold(1) is not None:
+        return None
+    defaults.append(f"etp=1 (not stated; with the experts split over tp={tp}, {unfolded})")
+    return 1
 
 
 def _fill_unstated(

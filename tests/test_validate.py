@@ -375,7 +375,8 @@ KORTH = [f"korth_{size}_{kind}" for size in ("22B", "175B", "530B", "1T") for ki
 @needs_real_csv
 def test_published_runs_csv():
     header = REAL_CSV.read_text().splitlines()[0]
-    assert header == HEADER, "planner.validate.COLUMNS no longer matches published_runs.csv"
+    first_release = ",".join(COLUMNS[: len(COLUMNS) - len(v.ADDED_COLUMNS)])  # the shared copy predates etp
+    assert header in (HEADER, first_release), "planner.validate.COLUMNS no longer matches published_runs.csv"
 
     rows = v.load_rows(REAL_CSV)
     cases, skipped = v.build_cases(rows)
@@ -598,6 +599,49 @@ def test_packaged_published_runs_reads_and_groups_by_its_fourteen_sources():
     assert len(cases) + len(skipped) == len(rows) and len(cases) >= 350
     assert {c.source for c in cases} == PREFIXES - {"nemolongseq"}
     assert all(c.source == v.source_key(c.run_id) for c in cases)
+
+
+QWEN3_235B = ("mbridge_26.04.01_dgx-h100_qwen3_235b_a22b_256gpu_fp8", "mbridge_25.11_dgx-h100_qwen3_235b_a22b_256gpu_fp8-cs")
+
+
+def test_packaged_qwen3_235b_h100_rows_are_judged_with_the_etp_their_source_states():
+    """TP 2, PP 8, EP 32 on 256 H100: EP 32 folds over the DP 16 x TP 2 ranks only with ETP 1 (the
+    Megatron-Bridge configs' expert_tensor_parallel_size, the rows' etp cell); without the cell the same
+    etp=1 is the stated default, and a cell saying 2 makes the row unjudgeable (the fold fails)."""
+    rows = {r["run_id"]: r for r in v.load_rows(v.PUBLISHED_RUNS)}
+    for run_id in QWEN3_235B:
+        r = rows[run_id]
+        assert r["etp"] == "1" and "expert_tensor_parallel_size" in r["notes"]
+        case = v.build_case(r)
+        assert isinstance(case, v.RowCase), case
+        assert (case.layout.tp, case.layout.ep, case.layout.etp, case.layout.expert_dp) == (2, 32, 1, 1)
+        assert not any(d.startswith("etp=") for d in case.defaults)
+        assert 0.5 < v.evaluate(case).predicted / case.reported < 2.0
+        unstated = v.build_case({**r, "etp": ""})
+        assert unstated.layout == case.layout and "etp=1" in " ".join(unstated.defaults)
+        refused = v.build_case({**r, "etp": "2"})
+        assert isinstance(refused, v.Skipped) and "ep=32 x etp=2 must divide" in refused.reason
+
+
+def test_unstated_etp_stays_tp_where_the_experts_fold_without_it():
+    """A Megatron-Core row whose ep divides dp x cp keeps the experts split over tp (Megatron's default);
+    a row of another framework gets no etp default; an old-format CSV without the column reads as unstated."""
+    mixtral = dict(model="Mixtral 8x7B", arch_type="MoE", num_layers="32", hidden_size="4096", num_attention_heads="32",
+                   num_kv_heads="8", ffn_hidden_size="14336", vocab_size="32000", moe_num_experts="8", moe_top_k="2",
+                   moe_expert_ffn_hidden_size="14336",
+                   gpu_type="H100 (DGX-H100)", num_gpus="64", gpus_per_node="8", seq_length="4096",
+                   global_batch_size_seqs="256", micro_batch_size="1", tp="2", pp="1", cp="1",
+                   tokens_per_sec_per_gpu_reported="3000", config_completeness="complete")
+    ok = v.build_case(row(run_id="m_a", framework="NeMo / Megatron-Bridge + Megatron-Core", ep="8", **mixtral))
+    assert isinstance(ok, v.RowCase) and ok.layout.etp is None and ok.layout.expert_tp == 2
+    folded = row(run_id="m_b", framework="NeMo / Megatron-Bridge + Megatron-Core", **{**mixtral, "tp": "4"}, ep="8")
+    case = v.build_case(folded)  # dp = 16: ep 8 divides it: no default needed
+    assert isinstance(case, v.RowCase) and case.layout.etp is None
+    other = v.build_case(row(run_id="m_c", framework="torchtitan", ep="8", **{**mixtral, "num_gpus": "8", "tp": "2",
+                                                                              "global_batch_size_seqs": "64"}))
+    assert isinstance(other, v.Skipped) and "ep=8 x etp=2" in other.reason  # 4 dp x 2 tp ranks: no default
+    old = {k: val for k, val in folded.items() if k != "etp"}
+    assert v.build_case(old).layout == case.layout
 
 
 def test_cli_validate_reads_the_packaged_csv_when_no_file_is_given(tmp_path):
