@@ -154,5 +154,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, positions)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return x + ffn(self.ffn_norm(x))
+        if hasattr(self, "moe"):  # routing statistics of a split micro-batch need the rows' positions
+            return x + self.moe(self.ffn_norm(x), positions)
+        return x + self.feed_forward(self.ffn_norm(x))

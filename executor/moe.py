@@ -32,6 +32,22 @@ never which assignments drop or the loss. Consequently the gradient of a local e
 sum of the gradients from the tokens of *every* rank of its EP group (their rows were computed here
 and their output gradients come back through the reverse all-to-all), while the router and shared
 experts get only the rank's own tokens' gradient — the data-parallel reduction does the rest.
+
+Token groups (:func:`apply_token_split`): under context parallelism (and tensor parallelism, whose
+sequence-parallel shard each TP rank routes on its own) one micro-batch of the reference is spread
+over a group of ranks, each routing its own rows. Its statistics are then those of the whole
+micro-batch, as in the single-process run: the per-expert assignment counts and router-probability
+sums are all-reduced over the group (so f and P cover every token; each rank's ``aux_loss`` carries
+the gradient of its own tokens' share ``coef E sum_e f_e P_e^(rank)``, the shares summing to the
+micro-batch's aux loss), and with a capacity the top-k choices of the group are all-gathered, so
+the same assignments drop, first come first served in (row, global position, k) order.
+
+Expert tensor parallelism (``etp`` > 1, :func:`apply_expert_parallel` on a 2-D (ep, etp) mesh): each
+expert's FFN dimension is split over the etp ranks (``w1``/``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``).
+After the EP all-to-all the rows received by the etp ranks of one expert group are gathered (each
+rank sends its rows to every peer), every rank runs its FFN slice on all of them, and the partial
+outputs go back to the rank whose rows they are, summed (a reduce-scatter written as an
+all-to-all). The routing stays per rank, as with etp = 1.
 """
 
 from __future__ import annotations
@@ -64,10 +80,11 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim)) if kind == "swiglu" else None
 
-    def local(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(w1, w2, w3) of the experts held here: the local shard under expert parallelism."""
+    def local(self, keep_dtensor: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(w1, w2, w3) of the experts held here: the local shard under expert parallelism. With
+        ``keep_dtensor`` (the input is a DTensor: shared experts replicated over TP) as they are."""
         def loc(w: torch.Tensor | None) -> torch.Tensor | None:
-            return w.to_local() if isinstance(w, DTensor) else w
+            return w.to_local() if isinstance(w, DTensor) and not keep_dtensor else w
         return loc(self.w1), loc(self.w2), loc(self.w3)
 
     @staticmethod
@@ -87,9 +104,13 @@ class GroupedExperts(nn.Module):
                 for e, rows in enumerate(x.split(counts))]
         return torch.cat(outs)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' call: :meth:`forward_all` (through ``__call__``, so TP styles apply)."""
+        return self.forward_all(x)
+
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every expert applied to all rows x [T, D] (the shared experts)."""
-        w1, w2, w3 = self.local()
+        w1, w2, w3 = self.local(keep_dtensor=isinstance(x, DTensor))
         y = self.run(x, w1[0], w2[0], None if w3 is None else w3[0], self.kind)
         for e in range(1, w1.shape[0]):
             y = y + self.run(x, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
@@ -143,6 +164,10 @@ class MoE(nn.Module):
         self.shared_experts = (GroupedExperts(moe.num_shared_experts, hidden_size, moe.shared_ffn, ffn_kind)
                                if moe.num_shared_experts else None)
         self.ep_group: dist.ProcessGroup | None = None
+        self.etp_group: dist.ProcessGroup | None = None  # expert TP: ranks holding FFN slices of my experts
+        self.token_group: dist.ProcessGroup | None = None  # ranks routing the other rows of my micro-batch
+        self.seq_shard: tuple[int, int] | None = None  # (index, count): my rows are this chunk of positions
+        self.aux_value_scale = 1.0  # see apply_token_split
         self.aux_loss: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,18 +198,19 @@ class MoE(nn.Module):
         place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         return (place < cap).reshape(ids.shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D] -> [B, S, D]; sets ``self.aux_loss``."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]; sets ``self.aux_loss``. ``positions`` [S] (or, under sequence
+        parallelism, the positions of every TP rank's rows, of which mine are chunk ``seq_shard``): the
+        global sequence positions of the rows, needed with a capacity under a token group."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights, probs = self.route(x)
-        frac = torch.bincount(ids.reshape(-1), minlength=self.num_experts).float() / ids.numel()
-        self.aux_loss = self.aux_loss_coef * self.num_experts * (frac * probs.mean(0)).sum()
+        self.aux_loss = self._aux(ids, probs)
         # kept assignments, sorted by expert (stable: by token within an expert)
         flat_ids = ids.reshape(-1)
         tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
         w = weights.reshape(-1)
-        keep = self._keep_mask(ids)
+        keep = self._keep(ids, shape, positions)
         if keep is not None:
             m = keep.reshape(-1)
             flat_ids, tok, w = flat_ids[m], tok[m], w[m]
@@ -192,13 +218,57 @@ class MoE(nn.Module):
         flat_ids, tok, w = flat_ids[order], tok[order], w[order]
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
         if self.ep_group is None:
-            out = self.experts.forward_grouped(x[tok], counts.tolist())
+            out = self._run_local(x[tok], counts)
         else:
             out = self._dispatch_combine(x[tok], counts)
         y = torch.zeros_like(x).index_add(0, tok, out * w[:, None])
         if self.shared_experts is not None:
-            y = y + self.shared_experts.forward_all(x)
+            y = y + self.shared_experts(x)
         return y.reshape(shape)
+
+    def _aux(self, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of ids [T, k], probs [T, E]. Under a token group: this rank's share
+        (gradient) of the micro-batch's loss from the group's all-reduced counts and probability sums,
+        its value replaced by ``aux_value_scale`` x the whole micro-batch's loss (module docstring)."""
+        coef = self.aux_loss_coef * self.num_experts
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+        psum = probs.sum(0)
+        if self.token_group is None:
+            return coef * (counts / ids.numel() * probs.mean(0)).sum()
+        stats = torch.cat([counts, psum.detach()])
+        dist.all_reduce(stats, group=self.token_group)
+        tokens = ids.shape[0] * dist.get_world_size(self.token_group)
+        frac = stats[:self.num_experts] / (tokens * self.top_k)
+        part = coef * (frac * psum).sum() / tokens
+        whole = coef * (frac * stats[self.num_experts:]).sum() / tokens
+        return part + (whole * self.aux_value_scale - part).detach()
+
+    def _keep(self, ids: torch.Tensor, shape: torch.Size, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """:meth:`_keep_mask` of this rank's ids [T, k]; under a token group decided on the whole
+        micro-batch (ids and positions all-gathered, ordered by (row, global position))."""
+        if self.capacity(1) is None or self.token_group is None:
+            return self._keep_mask(ids)
+        if positions is None:
+            raise AutoparError("positions", None, "pass the rows' global sequence positions to MoE.forward",
+                               problem="are needed to drop by capacity across a token group")
+        if self.seq_shard is not None:
+            index, count = self.seq_shard
+            positions = positions.reshape(count, -1)[index]
+        rows, seq, k = shape[0], shape[1], self.top_k
+        group, size = self.token_group, dist.get_world_size(self.token_group)
+        pos = positions.to(ids.device, torch.long).contiguous()
+        all_ids = [torch.empty_like(ids) for _ in range(size)]
+        all_pos = [torch.empty_like(pos) for _ in range(size)]
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        dist.all_gather(all_pos, pos, group=group)
+        total = seq * size
+        if not torch.equal(torch.cat(all_pos).sort().values, torch.arange(total, device=pos.device)):
+            raise AutoparError("positions", "of the token group", "give each rank its own share of 0..S-1",
+                               problem=f"do not cover the {total} positions of the sequence exactly once")
+        whole = ids.new_empty(rows, total, k)
+        for got, p in zip(all_ids, all_pos):
+            whole[:, p] = got.view(rows, seq, k)
+        return self._keep_mask(whole.reshape(-1, k)).view(rows, total, k)[:, pos].reshape(-1, k)
 
     def _dispatch_combine(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallel: rows [N, D] sorted by global expert (``counts`` [E] per expert) -> each
@@ -212,11 +282,25 @@ class MoE(nn.Module):
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         got = all_to_all(rows, out_splits, in_splits, group)
         # received: by source rank, each block sorted by my local expert -> regroup by local expert
-        local_ids = torch.arange(local_e, device=rows.device)
-        expert_of_row = local_ids.repeat(ep).repeat_interleave(recv.reshape(-1))
-        by_expert = expert_of_row.argsort(stable=True)
-        out = self.experts.forward_grouped(got[by_expert], recv.sum(0).tolist())
+        by_expert = _by_expert(recv)
+        out = self._run_local(got[by_expert], recv.sum(0))
         return all_to_all(out[by_expert.argsort()], in_splits, out_splits, group)
+
+    def _run_local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows [N, D] sorted by local expert (``counts`` per local expert); with
+        expert TP on the rows of every etp peer, outputs summed over the FFN slices (module docstring)."""
+        if self.etp_group is None:
+            return self.experts.forward_grouped(rows, counts.tolist())
+        group, etp, n = self.etp_group, dist.get_world_size(self.etp_group), rows.shape[0]
+        peers = [torch.empty_like(counts) for _ in range(etp)]
+        dist.all_gather(peers, counts.contiguous(), group=group)
+        peer_counts = torch.stack(peers)  # [peer, local expert]
+        sizes = peer_counts.sum(1).tolist()
+        gathered = all_to_all(rows.repeat(etp, 1), sizes, [n] * etp, group)  # by peer, sorted by expert
+        by_expert = _by_expert(peer_counts)
+        partial = self.experts.forward_grouped(gathered[by_expert], peer_counts.sum(0).tolist())
+        back = all_to_all(partial[by_expert.argsort()], [n] * etp, sizes, group)  # my rows' partials
+        return back.view(etp, n, rows.shape[-1]).sum(0)
 
     def init_weights(self, gen_for: Callable[[str], torch.Generator]) -> None:
         """Fill every parameter with N(0, 0.02) drawn from ``gen_for(local name)``. The FULL tensor is
@@ -231,30 +315,68 @@ class MoE(nn.Module):
                 p.copy_(full)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard the routed experts of every :class:`MoE` in ``model`` over the 1-D ``ep_mesh``.
+def _by_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Rows laid out by source, each source's block sorted by local expert (``counts`` [source,
+    local expert]) -> the permutation that sorts them by local expert (stable: by source within one)."""
+    sources, local_e = counts.shape
+    expert_of_row = torch.arange(local_e, device=counts.device).repeat(sources).repeat_interleave(
+        counts.reshape(-1))
+    return expert_of_row.argsort(stable=True)
 
-    ``experts.w1/w2/w3`` become ``Shard(0)`` DTensors (distributed from the full replicated values,
-    same parameter names) and the forward switches to all-to-all dispatch over ``ep_mesh``'s group.
-    The router and the shared experts stay replicated. Works on meta tensors (materialise later).
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard the routed experts of every :class:`MoE` in ``model`` over ``ep_mesh``: 1-D (ep), or 2-D
+    (ep, etp) for expert tensor parallelism (the FFN dimension split over etp).
+
+    ``experts.w1/w2/w3`` become ``Shard(0)`` DTensors over ep (and ``Shard(1)`` / ``Shard(2)`` over
+    etp; distributed from the full replicated values, same parameter names) and the forward switches
+    to all-to-all dispatch over the ep group (none when ep = 1). The router and the shared experts
+    stay replicated. Works on meta tensors (materialise later).
     """
-    if ep_mesh.ndim != 1:
+    if ep_mesh.ndim not in (1, 2):
         raise AutoparError("ep_mesh", tuple(ep_mesh.shape),
-                           "pass the 1-D expert-parallel sub-mesh, e.g. mesh['ep']",
-                           problem="is not a 1-D device mesh")
-    ep = ep_mesh.size()
+                           "pass the expert-parallel sub-mesh, e.g. mesh['ep'] or mesh['ep', 'etp']",
+                           problem="is not a 1-D (ep) or 2-D (ep, etp) device mesh")
+    ep, etp = ep_mesh.size(0), (ep_mesh.size(1) if ep_mesh.ndim == 2 else 1)
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        if module.num_experts % ep:
-            divisors = [d for d in range(1, module.num_experts + 1) if module.num_experts % d == 0]
-            raise AutoparError(
-                "layout.ep", ep, f"choose an ep that divides moe.num_experts={module.num_experts} "
-                f"(one of {divisors}) or change moe.num_experts to a multiple of {ep}",
-                problem=f"does not divide moe.num_experts={module.num_experts}, "
-                "so the experts cannot be split evenly over the EP ranks")
+        _check_split(module, ep, etp)
         for name in ("w1", "w2", "w3"):
             w = getattr(module.experts, name)
-            if w is not None:
-                setattr(module.experts, name, nn.Parameter(distribute_tensor(w.data, ep_mesh, [Shard(0)])))
-        module.ep_group = ep_mesh.get_group()
+            if w is None:
+                continue
+            placements = [Shard(0)] if ep_mesh.ndim == 1 else [Shard(0), Shard(2 if name == "w2" else 1)]
+            setattr(module.experts, name, nn.Parameter(distribute_tensor(w.data, ep_mesh, placements)))
+        module.ep_group = ep_mesh.get_group(0) if ep > 1 else None
+        module.etp_group = ep_mesh.get_group(1) if etp > 1 else None
+
+
+def _check_split(module: MoE, ep: int, etp: int) -> None:
+    """AutoparError unless ep divides the experts and etp their FFN width."""
+    if module.num_experts % ep:
+        divisors = [d for d in range(1, module.num_experts + 1) if module.num_experts % d == 0]
+        raise AutoparError(
+            "layout.ep", ep, f"choose an ep that divides moe.num_experts={module.num_experts} "
+            f"(one of {divisors}) or change moe.num_experts to a multiple of {ep}",
+            problem=f"does not divide moe.num_experts={module.num_experts}, "
+            "so the experts cannot be split evenly over the EP ranks")
+    hidden = module.spec.expert_ffn_hidden_size
+    if hidden % etp:
+        raise AutoparError("layout.etp", etp, f"choose an etp that divides moe.expert_ffn_hidden_size={hidden}",
+                           problem=f"does not divide moe.expert_ffn_hidden_size={hidden}")
+
+
+def apply_token_split(model: nn.Module, group: dist.ProcessGroup | None, seq_shard: tuple[int, int] | None,
+                      aux_value_scale: float) -> None:
+    """Every :class:`MoE` of ``model`` routes its rows as part of a micro-batch spread over ``group``
+    (context parallel ranks, times the TP ranks under sequence parallelism): statistics over the group
+    (module docstring). ``seq_shard`` (index, count): the rows are chunk ``index`` of ``count`` of the
+    positions the block passes (the TP rank's sequence-parallel share), or None. ``aux_value_scale``:
+    each rank's ``aux_loss`` value is the micro-batch's loss times this (its gradient is its share),
+    so that the executor's loss accounting (a sum over data and context ranks, averaged over TP
+    ranks) counts the micro-batch's aux loss once: 1 / cp."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.token_group, module.seq_shard = group, seq_shard
+            module.aux_value_scale = aux_value_scale

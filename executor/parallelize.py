@@ -8,7 +8,9 @@ Order (:func:`parallelize`; each step sees the result of the previous one):
    its TP rank's share inside attention/MLP (Qwen3's q/k norms), so each of their gradients is summed
    over exactly the TP ranks that hold a share of it;
 2. context parallel — every attention all-gathers K/V over the ``cp`` group (:mod:`executor.cp`);
-3. expert parallel — routed experts ``Shard(0)`` over the ``ep`` mesh (:mod:`executor.moe`);
+3. Mixture-of-Experts (:func:`apply_moe`) — routed experts ``Shard(0)`` over the ``ep`` mesh (and their
+   FFN dimension over ``etp``, :mod:`executor.moe`), routing statistics over the ranks that split a
+   micro-batch (cp x tp);
 4. activation recompute — the plan's kind on the first N blocks of the stage (:func:`apply_recompute`);
 5. data parallel — ZeRO-0: DDP (composable ``replicate``; with DTensor parameters (TP/EP) or a
    pipeline stage, :class:`GradAllReduce`); ZeRO-1: the same + ``ZeroRedundancyOptimizer``
@@ -21,18 +23,26 @@ Order (:func:`parallelize`; each step sees the result of the previous one):
    scaling) and fp8 (needs Transformer Engine / torchao float8 kernels) are refused. Optimizer offload is FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
 
 Mesh (:func:`build_mesh`): dims ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost first, every dim
-kept even at size 1 (so every named sub-mesh exists under every plan). With expert parallelism
-``dp_shard`` is itself split into ``(edp, ep)`` (ep innermost): EP folds over the sharded
-data-parallel ranks, as in torchtitan/Megatron. (Real systems fold EP over dp_shard x cp; here MoE
-with cp > 1 is refused — routing statistics would cover part of a sequence, see
-:func:`check_supported` — so dp_shard x cp = dp_shard.) Expert weights are ``Shard(0)`` over ``ep``
-and data-parallel (FSDP or all-reduce) over the ``dp_replicate x edp`` ranks that hold the same shard.
+kept even at size 1 (so every named sub-mesh exists under every plan). The routed experts of a MoE
+model live on a second mesh over the same ranks, MoE parallel folding (Liu et al. 2025, Megatron-Core's
+``--expert-tensor-parallel-size``): the dp_shard x cp x tp ranks of each (pp, dp_replicate) block,
+refactored as ``(edp, ep, etp)`` with etp innermost (:meth:`Meshes.add_moe`; the folding rule is
+:meth:`ParallelLayout.expert_fold_problem`). An EP group is ep ranks at stride etp (it may cross data,
+context and tensor-parallel ranks: each rank dispatches the rows it routed), an ETP group etp
+consecutive ranks (etp = tp: the TP group), and the ranks holding the same expert shard — the
+``expert_dp`` group, data parallel for the experts (all-reduce or FSDP) — are the dp_replicate x
+edp ranks at stride ep x etp. With tp > 1 the MoE input is the TP rank's sequence-parallel share
+(SP is required, as in Megatron); the router and the shared experts are whole on every TP rank and
+see only its rows, so their gradients are summed over TP like the other weights a TP plan leaves
+whole (:func:`_rank_share_style`).
 
 Gradient convention (:func:`loss_scale`): each rank's loss is its token-loss sum / the step's global
 token count, times N = dp_replicate x dp_shard x cp (the ranks DDP/FSDP average over). Averaging N
 copies of N x (local share) gives the sum of the shares: the single-process gradient of the mean loss
 over the global batch. Expert shards under EP already receive the gradient of every rank of their EP
-group through the all-to-all, so their reduction over the N / ep holders divides by N, not N / ep.
+group (and, with etp > 1, of every rank of their ETP group) through the all-to-all, so their reduction
+over the expert_dp holders divides by N too, not by the number of holders: the sum over the
+holders covers every rank of the fold once, each contributing N x its share.
 """
 
 from __future__ import annotations
@@ -57,17 +67,19 @@ from planner.targets import Job, Target, check
 class Meshes:
     """The one mesh authority: the world ``DeviceMesh`` and its named (flattened) sub-meshes.
 
-    ``meshes[name]`` gives a dim of the world mesh (``pp``, ``dp_replicate``, ``dp_shard`` (or
-    ``edp``, ``ep``), ``cp``, ``tp``) or one of the sub-meshes :func:`build_mesh` flattens:
-    ``dp`` (ranks reading different data), ``dp_shard_cp`` (the FSDP shard group), ``dp_cp`` (every
-    rank holding the same dense parameters), ``expert_dp`` (every rank holding the same expert
-    shard), and, with dp_replicate > 1 under ZeRO-2/3, the 2-D HSDP meshes ``hsdp`` / ``expert_hsdp``.
+    ``meshes[name]`` gives a dim of the world mesh (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``,
+    ``tp``) or one of the sub-meshes :func:`build_mesh` flattens: ``dp`` (ranks reading different
+    data), ``dp_shard_cp`` (the FSDP shard group), ``dp_cp`` (every rank holding the same dense
+    parameters), with dp_replicate > 1 under ZeRO-2/3 the 2-D HSDP mesh ``hsdp``; for a MoE model
+    (:meth:`add_moe`) the expert mesh's ``edp``, ``ep``, ``etp``, ``ep_etp`` and ``expert_dp`` (every
+    rank holding the same expert shard; ``expert_hsdp`` for HSDP) and the token group ``cp_tp``.
     :func:`build_mesh` returns this rather than the bare DeviceMesh so that the flattened meshes are
     book-kept in one place (torch deprecates slicing flattened dims off the root mesh)."""
 
     world: DeviceMesh
     layout: ParallelLayout
     _named: dict[str, DeviceMesh] = field(default_factory=dict)
+    _moe_added: bool = False
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self._named[name] if name in self._named else self.world[name]
@@ -80,30 +92,62 @@ class Meshes:
         m = self[name]
         return m.get_local_rank(), m.size()
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether the routed experts are sharded on the folded expert mesh (:meth:`add_moe`)."""
+        return "expert_dp" in self._named
+
     def fsdp(self) -> DeviceMesh:
         """FSDP mesh of dense parameters: 1-D ``dp_shard_cp``, or 2-D ``hsdp`` when dp_replicate > 1."""
         return self["hsdp"] if self.layout.dp_replicate > 1 else self["dp_shard_cp"]
 
     def expert_fsdp(self) -> DeviceMesh:
-        """FSDP mesh of EP-sharded expert weights: 1-D ``edp``, or 2-D ``expert_hsdp``."""
+        """FSDP mesh of the sharded expert weights: 1-D ``edp``, or 2-D ``expert_hsdp``."""
         return self["expert_hsdp"] if self.layout.dp_replicate > 1 else self["edp"]
+
+    def add_moe(self) -> None:
+        """The meshes of a MoE model, once (collective: every rank calls it at the same point). With
+        ep > 1 or tp > 1 the folded expert mesh (pp, dp_replicate, edp, ep, etp): the flat block of
+        dp_shard x cp x tp ranks refactored with etp innermost (module docstring); with cp x tp > 1
+        the token group ``cp_tp`` (the ranks splitting one micro-batch's positions)."""
+        lay = self.layout
+        if self._moe_added:
+            return
+        self._moe_added = True
+        if lay.cp * lay.tp > 1:
+            self._flatten("cp_tp", ("cp", "tp"))
+        if lay.ep == 1 and lay.tp == 1:
+            return
+        fold = self.world[("dp_shard", "cp", "tp")]._flatten("expert_fold")
+        sizes, names = expert_mesh_shape(lay)
+        inner = fold._unflatten(0, sizes[2:], names[2:])
+        mesh = DeviceMesh._concatenate([self.world[("pp", "dp_replicate")], inner])
+        for name in ("edp", "ep", "etp"):
+            self._named[name] = mesh[name]
+        self._named["ep_etp"] = mesh[("ep", "etp")]
+        self._named["expert_dp"] = mesh[("dp_replicate", "edp")]._flatten("expert_dp")
+        if lay.dp_replicate > 1 and lay.zero_stage >= 2:
+            self._named["expert_hsdp"] = mesh[("dp_replicate", "edp")]
 
 
 def mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Sizes and names of the world mesh, outermost first (TP innermost: neighbouring ranks)."""
-    if layout.ep > 1:
-        edp = layout.dp_shard // layout.ep
-        return ((layout.pp, layout.dp_replicate, edp, layout.ep, layout.cp, layout.tp),
-                ("pp", "dp_replicate", "edp", "ep", "cp", "tp"))
     return ((layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
             ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
-def build_mesh(layout: ParallelLayout, world_size: int, device_type: str) -> Meshes:
-    """The world mesh of ``layout`` with every sub-mesh the executor uses, flattened once.
+def expert_mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Sizes and names of the folded expert mesh over the same ranks (etp innermost)."""
+    return ((layout.pp, layout.dp_replicate, layout.expert_dp, layout.ep, layout.expert_tp),
+            ("pp", "dp_replicate", "edp", "ep", "etp"))
+
+
+def build_mesh(layout: ParallelLayout, world_size: int, device_type: str, *, moe: bool = False) -> Meshes:
+    """The world mesh of ``layout`` with every sub-mesh the executor uses, flattened once; with ``moe``
+    the MoE meshes too (:meth:`Meshes.add_moe`; else :func:`parallelize` adds them for a MoE model).
 
     Raises AutoparError when pp x dp_replicate x dp_shard x cp x tp differs from ``world_size`` or
-    ep does not divide dp_shard. Collective: every rank calls it with the same layout."""
+    ep x etp does not fold over dp_shard x cp x tp. Collective: every rank calls it with the same layout."""
     shape, names = mesh_shape(layout)
     total = layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp
     if total != world_size:
@@ -112,22 +156,19 @@ def build_mesh(layout: ParallelLayout, world_size: int, device_type: str) -> Mes
             f"x cp={layout.cp} x tp={layout.tp} = {total}",
             f"launch {total} processes, or use a layout whose degrees multiply to {world_size}",
             problem=f"does not equal the {world_size} processes of this run")
-    if layout.ep > 1 and layout.dp_shard % layout.ep:
-        raise AutoparError("layout.ep", layout.ep, "use an ep that divides dp_shard (EP folds over dp_shard)",
-                           problem=f"does not divide dp_shard={layout.dp_shard}")
+    fold = layout.expert_fold_problem()
+    if fold is not None and (moe or layout.ep > 1):
+        raise AutoparError("layout.ep", layout.ep, "use ep and etp whose product divides dp_shard x cp x tp",
+                           problem=fold)
     meshes = Meshes(init_device_mesh(device_type, shape, mesh_dim_names=names), layout)
     # flattening creates process groups (collective): same order on every rank
-    shard = ("edp", "ep") if layout.ep > 1 else ("dp_shard",)
-    if layout.ep > 1:
-        meshes._flatten("dp_shard", shard)
-        meshes._flatten("expert_dp", ("dp_replicate", "edp"))
-    meshes._flatten("dp", ("dp_replicate", *shard))
-    meshes._flatten("dp_shard_cp", (*shard, "cp"))
-    meshes._flatten("dp_cp", ("dp_replicate", *shard, "cp"))
+    meshes._flatten("dp", ("dp_replicate", "dp_shard"))
+    meshes._flatten("dp_shard_cp", ("dp_shard", "cp"))
+    meshes._flatten("dp_cp", ("dp_replicate", "dp_shard", "cp"))
     if layout.dp_replicate > 1 and layout.zero_stage >= 2:  # slicing a flattened dim: only where needed
         meshes._named["hsdp"] = meshes.world[("dp_replicate", "dp_shard_cp")]
-        if layout.ep > 1:
-            meshes._named["expert_hsdp"] = meshes.world[("dp_replicate", "edp")]
+    if moe:
+        meshes.add_moe()
     return meshes
 
 
@@ -206,11 +247,12 @@ def _adapter(model: nn.Module) -> ModelAdapter:
     return hf_adapter(model)
 
 
-def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
+def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool, moe: nn.Module | None = None) -> dict:
     """Megatron TP plan of one decoder layer's projections (module path -> style). Without SP the layer's
     input and output are replicated; with SP they are sequence-sharded (Shard(1)): the attention/MLP
     inputs are all-gathered and o_proj/down_proj reduce-scatter their outputs. The norms and any other
-    module with weights get their style from :func:`_unsharded_styles`."""
+    module with weights get their style from :func:`_unsharded_styles`. ``moe``: the layer's built-in
+    MoE block, planned by :func:`_moe_plan` instead of the dense MLP."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
@@ -219,11 +261,14 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
     attn, mlp = a.attention, a.mlp
     plan: dict = {f"{attn}.{a.q_proj}": ColwiseParallel(), f"{attn}.{a.k_proj}": ColwiseParallel(),
                   f"{attn}.{a.v_proj}": ColwiseParallel(),
-                  f"{attn}.{a.o_proj}": RowwiseParallel(output_layouts=out, use_local_output=local),
-                  f"{mlp}.{a.gate_proj}": ColwiseParallel(),
-                  f"{mlp}.{a.down_proj}": RowwiseParallel(output_layouts=out, use_local_output=local)}
-    if a.up_proj is not None:  # SwiGLU's second input projection
-        plan[f"{mlp}.{a.up_proj}"] = ColwiseParallel()
+                  f"{attn}.{a.o_proj}": RowwiseParallel(output_layouts=out, use_local_output=local)}
+    if moe is not None:
+        plan |= _moe_plan(layout, a, moe)
+    else:
+        plan[f"{mlp}.{a.gate_proj}"] = ColwiseParallel()
+        plan[f"{mlp}.{a.down_proj}"] = RowwiseParallel(output_layouts=out, use_local_output=local)
+        if a.up_proj is not None:  # SwiGLU's second input projection
+            plan[f"{mlp}.{a.up_proj}"] = ColwiseParallel()
     if layout.sp:
         if hf:  # self_attn(hidden_states=..., ...)
             plan[attn] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -231,7 +276,29 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool) -> dict:
         else:  # Attention.forward(x, cos, sin, positions)
             plan[attn] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None))
-        plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if moe is None:
+            plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def _moe_plan(layout: ParallelLayout, a: ModelAdapter, moe: nn.Module) -> dict:
+    """TP plan of a built-in MoE block (sequence parallel required: :data:`planner.targets.TARGETS`):
+    the block takes the TP rank's sequence share as a plain tensor (``MoE.forward(x, positions)``) and
+    routes it itself; the router and the shared experts are whole on every TP rank and see its rows
+    only (:func:`_rank_share_style`: gradients summed over TP); the routed experts are left to
+    :func:`apply_moe` (the expert mesh)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if not layout.sp:
+        raise AutoparError("layout.sp", False, "set sp=True for a MoE model with tp > 1",
+                           problem="is needed by the MoE layers under tensor parallelism (each TP rank "
+                           "routes its sequence-parallel share of the tokens)")
+    plan: dict = {a.moe: PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Shard(1), None), use_local_output=True),
+                  f"{a.moe}.gate": _rank_share_style()}
+    if moe.shared_experts is not None:
+        plan[f"{a.moe}.shared_experts"] = _rank_share_style()
     return plan
 
 
@@ -303,8 +370,10 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
     if top:
         parallelize_module(model, tp_mesh, top)
     for _, block in a.layer_items(model):
-        plan = _block_plan(layout, a, hf)
-        plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp)
+        moe = a.ffn_of(block) if not hf and a.is_moe(block) else None
+        plan = _block_plan(layout, a, hf, moe)
+        skip = (f"{a.moe}.",) if moe is not None else ()  # the experts: apply_moe
+        plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp, skip=skip)
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -327,12 +396,42 @@ def loss_context(layout: ParallelLayout) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def add_aux_loss(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``loss + aux`` where ``loss`` may be the replicated DTensor of the loss-parallel cross-entropy
+    (tp > 1) and ``aux`` is this rank's plain MoE load-balancing term: ``aux`` joins as the local value
+    of a DTensor of the loss's placements, so the backward hands it the plain gradient of its own term."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(loss, DTensor):
+        aux = DTensor.from_local(aux, loss.device_mesh, loss.placements, run_check=False)
+    return loss + aux
+
+
 # ---------------------------------------------------------------- context / expert parallel
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Every attention of the built-in model attends over the whole sequence of the cp group
     (:func:`executor.cp.cp_attention`); the caller feeds each rank its positions (:func:`cp_shard_batch`)."""
     for block in model.layers.values():
         block.attention.cp_group = cp_mesh.get_group()
+
+
+def apply_moe(model: nn.Module, layout: ParallelLayout, meshes: Meshes) -> None:
+    """The MoE blocks of the built-in ``model`` on the folded expert mesh (module docstring): experts
+    sharded over ``ep`` (and ``etp``) when the expert mesh exists, and with cp x tp > 1 routing
+    statistics over the token group ``cp_tp`` (the TP rank's rows are its sequence-parallel chunk)."""
+    from executor.moe import apply_expert_parallel, apply_token_split
+
+    meshes.add_moe()
+    if meshes.has_experts:
+        apply_expert_parallel(model, meshes["ep"] if layout.expert_tp == 1 else meshes["ep_etp"])
+    if layout.cp * layout.tp > 1:
+        shard = (meshes["tp"].get_local_rank(), layout.tp) if layout.tp > 1 else None
+        apply_token_split(model, meshes["cp_tp"].get_group(), shard, 1.0 / layout.cp)
+
+
+def _is_builtin_moe(model: nn.Module) -> bool:
+    spec = getattr(model, "spec", None)
+    return isinstance(spec, ModelSpec) and spec.moe is not None
 
 
 # ---------------------------------------------------------------- recompute
@@ -397,7 +496,7 @@ def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
     mesh = meshes.fsdp()
     a = _adapter(model)
     for _, block in a.layer_items(model):
-        if layout.ep > 1 and a.is_moe(block):
+        if meshes.has_experts and a.is_moe(block):
             experts = fully_shard(a.ffn_of(block).experts, mesh=meshes.expert_fsdp(), **kw)
             experts.set_gradient_divide_factor(float(grad_scale(layout)))  # see the module docstring
             if meshes["edp"].size() > 1 and meshes.world.device_type != "cuda":
@@ -419,7 +518,7 @@ class GradAllReduce(nn.Module):
         super().__init__()
         self.module = module
         self.scale = grad_scale(meshes.layout)
-        expert_mesh = meshes["expert_dp"] if meshes.layout.ep > 1 else None
+        expert_mesh = meshes["expert_dp"] if meshes.has_experts else None
         dense = meshes["dp_cp"]
         self._meshes = {name: expert_mesh if expert_mesh is not None and ".experts." in name else dense
                         for name, _ in module.named_parameters()}
@@ -513,16 +612,14 @@ def no_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
 # ---------------------------------------------------------------- everything, in order
 def parallelize(model: nn.Module, layout: ParallelLayout, meshes: Meshes, *, training: TrainingConfig | None,
                 stage_recompute: StageRecompute | None = None) -> nn.Module:
-    """TP(+SP) -> CP -> EP -> recompute -> DDP/ZeRO/FSDP on ``model`` (best on the meta device; then
+    """TP(+SP) -> CP -> MoE -> recompute -> DDP/ZeRO/FSDP on ``model`` (best on the meta device; then
     :func:`load_full_state`). Returns the module to call (``model`` or its :class:`GradAllReduce`)."""
     if layout.tp > 1:
         apply_tp(model, layout, meshes["tp"])
     if layout.cp > 1:
         apply_cp(model, meshes["cp"])
-    if layout.ep > 1:
-        from executor.moe import apply_expert_parallel
-
-        apply_expert_parallel(model, meshes["ep"])
+    if _is_builtin_moe(model):
+        apply_moe(model, layout, meshes)
     apply_recompute(model, stage_recompute, layout)
     return apply_data_parallel(model, layout, meshes, training)
 

@@ -262,7 +262,7 @@ class Runtime:
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | torch.Tensor:
         """All micro-batches of one step (pipelined or accumulated); this rank's share of the loss (a
         float64 tensor on the device when accumulated here: read once, after the step's collectives)."""
-        from executor.parallelize import loss_context, no_sync
+        from executor.parallelize import add_aux_loss, loss_context, no_sync
         from executor.pipeline import pipeline_step
         from executor.reference import lm_loss
 
@@ -280,7 +280,7 @@ class Runtime:
                     logits = out.logits if hasattr(out, "logits") else out
                     loss = lm_loss(logits, y, self.global_tokens)
                     if self.moe:
-                        loss = loss + self.parts[0].aux_loss() / self.n_micro_global
+                        loss = add_aux_loss(loss, self.parts[0].aux_loss() / self.n_micro_global)
                     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                     # summed on the device, read once after the last backward: an .item() here made
                     # the host wait for each forward before queueing its backward (the GPU idled)

@@ -993,13 +993,15 @@ _AUTOPAR = (
         fix="use ep=1 for a dense model",
     ),
     Limit(
-        feature="expert parallelism that does not divide dp_shard",
+        feature="expert parallelism that does not fold over dp_shard x cp x tp",
         scope="layout",
-        refuses=lambda j: j.layout.ep > 1 and j.layout.dp_shard % j.layout.ep != 0,
+        refuses=lambda j: (
+            (j.layout.ep > 1 or j.model.moe is not None) and j.layout.expert_fold_problem() is not None
+        ),
         field="layout.ep",
         value=lambda j: j.layout.ep,
-        problem=lambda j: f"does not divide dp_shard={j.layout.dp_shard}",
-        fix="use an ep dividing dp_shard (EP folds over the sharded data-parallel ranks)",
+        problem=lambda j: j.layout.expert_fold_problem(),
+        fix="use ep and etp whose product divides dp_shard x cp x tp (the experts fold over those ranks)",
     ),
     Limit(
         feature="expert parallelism that does not split the experts evenly",
@@ -1011,17 +1013,6 @@ _AUTOPAR = (
         value=lambda j: j.layout.ep,
         problem="does not split the experts evenly",
         fix=lambda j: f"use an ep dividing num_experts={j.model.moe.num_experts}",
-    ),
-    Limit(
-        feature="context parallelism on a Mixture-of-Experts model",
-        scope="layout",
-        refuses=lambda j: j.model.moe is not None and j.layout.cp > 1,
-        field="layout.cp",
-        value=lambda j: j.layout.cp,
-        problem="splits each sequence, but MoE capacity and load-balancing statistics are per forward: a "
-        "rank "
-        "would route half a sequence and the loss would differ from the plan's model",
-        fix="use cp=1 for Mixture-of-Experts models",
     ),
     Limit(
         feature="tensor parallelism over more ranks than (key/value) heads",
@@ -1063,13 +1054,45 @@ _AUTOPAR = (
         fix="use tp=1 or untied embeddings",
     ),
     Limit(
-        feature="tensor parallelism on MoE experts",
+        feature="tensor parallelism on a Hugging Face MoE model",
         scope="layout",
-        refuses=lambda j: j.layout.tp > 1 and j.model.moe is not None,
+        refuses=lambda j: j.hf and j.layout.tp > 1 and j.model.moe is not None,
         field="layout.tp",
         value=lambda j: j.layout.tp,
-        problem="is not implemented for MoE experts (they are not tensor-parallel sharded)",
-        fix="use ep (and tp=1) for MoE models",
+        problem="is implemented for the built-in model's MoE layers only",
+        fix="use tp=1 for Hugging Face MoE models, or the built-in model",
+    ),
+    Limit(
+        feature="tensor parallelism on a MoE model without sequence parallelism",
+        scope="layout",
+        refuses=lambda j: j.layout.tp > 1 and j.model.moe is not None and not j.layout.sp,
+        field="layout.sp",
+        value=lambda j: False,
+        problem=lambda j: f"with tp={j.layout.tp} on a MoE model: the MoE layers need sequence parallelism "
+        "(each TP rank routes its sequence-parallel share of the tokens; Megatron-Core requires it too)",
+        fix="set sp=true",
+    ),
+    Limit(
+        feature="expert tensor parallelism between 1 and tp",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and 1 < j.layout.expert_tp < j.layout.tp,
+        field="layout.etp",
+        value=lambda j: j.layout.etp,
+        problem=lambda j: f"is neither 1 nor tp={j.layout.tp}: the executor splits the routed experts over "
+        "no TP ranks or over the whole TP group",
+        fix=lambda j: f"use etp=1 or etp={j.layout.tp} (or leave it unset)",
+    ),
+    Limit(
+        feature="expert tensor parallelism that does not split the expert FFN",
+        scope="layout",
+        refuses=lambda j: (
+            j.model.moe is not None and j.layout.expert_tp > 1
+            and j.model.moe.expert_ffn_hidden_size % j.layout.expert_tp != 0
+        ),
+        field="layout.etp",
+        value=lambda j: j.layout.expert_tp,
+        problem=lambda j: f"does not divide moe.expert_ffn_hidden_size={j.model.moe.expert_ffn_hidden_size}",
+        fix="use an etp (or a tp, when etp is unset) dividing the expert FFN width",
     ),
     Limit(
         feature="ZeRO-1 with tensor or expert parallelism",

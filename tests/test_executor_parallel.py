@@ -24,6 +24,7 @@ from executor.parallelize import (
     build_mesh,
     check_supported,
     clean_fqn,
+    expert_mesh_shape,
     grad_scale,
     mesh_shape,
 )
@@ -44,11 +45,12 @@ MOE = DENSE.model_copy(update={"moe": MoESpec(num_experts=4, top_k=2, expert_ffn
 
 
 # ---------------------------------------------------------------- one process
-def test_mesh_shape_keeps_every_dim_and_folds_ep_into_dp_shard() -> None:
+def test_mesh_shape_keeps_every_dim_and_folds_ep_on_a_second_mesh() -> None:
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert mesh_shape(ParallelLayout(dp_shard=4, tp=2)) == ((1, 1, 4, 1, 2), names)
-    assert mesh_shape(ParallelLayout(dp_replicate=2, dp_shard=4, ep=2)) == (
-        (1, 2, 2, 2, 1, 1), ("pp", "dp_replicate", "edp", "ep", "cp", "tp"))
+    assert mesh_shape(ParallelLayout(dp_replicate=2, dp_shard=4, ep=2)) == ((1, 2, 4, 1, 1), names)
+    assert expert_mesh_shape(ParallelLayout(dp_replicate=2, dp_shard=4, ep=2)) == (
+        (1, 2, 2, 2, 1), ("pp", "dp_replicate", "edp", "ep", "etp"))
 
 
 def test_grad_scale_counts_the_ranks_the_reduction_averages_over() -> None:
@@ -67,11 +69,10 @@ def test_build_mesh_names_every_degree_when_the_product_is_wrong() -> None:
     (ParallelLayout(tp=4), DENSE.model_copy(update={"num_kv_heads": 2}), "layout.tp=4", "num_kv_heads=2"),
     (ParallelLayout(tp=3), DENSE, "layout.tp=3", "num_attention_heads=8"),
     (ParallelLayout(tp=2), DENSE.model_copy(update={"tied_embeddings": True}), "layout.tp=2", "tied"),
-    (ParallelLayout(tp=2), MOE, "layout.tp=2", "MoE experts"),
+    (ParallelLayout(tp=2), MOE, "layout.sp=False", "sequence parallelism"),
     (ParallelLayout(dp_shard=4, ep=2), DENSE, "layout.ep=2", "Mixture-of-Experts"),
-    (ParallelLayout(dp_shard=2, ep=4), MOE, "layout.ep=4", "dp_shard=2"),
+    (ParallelLayout(dp_shard=2, ep=4), MOE, "layout.ep=4", "dp_shard x cp x tp = 2"),
     (ParallelLayout(dp_shard=3, ep=3), MOE, "layout.ep=3", "experts evenly"),
-    (ParallelLayout(dp_shard=2, cp=2), MOE, "layout.cp=2", "per forward"),
     (ParallelLayout(dp_shard=2, tp=2, zero_stage=1), DENSE, "layout.zero_stage=1", "ZeroRedundancyOptimizer"),
     (ParallelLayout(dp_shard=4, offload_optimizer=True), DENSE, "layout.offload_optimizer=True", "FSDP2"),
 ])

@@ -221,22 +221,36 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(dp_shard=2, ep=2),
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=2),
         ),
-        "expert parallelism that does not divide dp_shard": (
+        "expert parallelism that does not fold over dp_shard x cp x tp": (
             job(MIXTRAL, dp_shard=2, ep=4),
-            job(MIXTRAL, dp_shard=4, ep=4),
+            job(MIXTRAL, dp_shard=2, cp=2, ep=4),
         ),
         "expert parallelism that does not split the experts evenly": (
             job(MIXTRAL, dp_shard=3, ep=3),
             job(MIXTRAL, dp_shard=4, ep=4),
         ),
-        "context parallelism on a Mixture-of-Experts model": (job(MIXTRAL, cp=2), job(cp=2)),
         "tensor parallelism over more ranks than (key/value) heads": (job(tp=16), job(tp=8)),
         "tensor parallelism that does not split the vocabulary and FFN": (
             job(LLAMA.model_copy(update={"vocab_size": 128257}), tp=2),
             job(tp=2),
         ),
         "tensor parallelism with tied embeddings": (job(TIED, tp=2), job(tp=2)),
-        "tensor parallelism on MoE experts": (job(MIXTRAL, tp=2), job(MIXTRAL)),
+        "tensor parallelism on a Hugging Face MoE model": (
+            job(MIXTRAL, tp=2, sp=True, hf=True),
+            job(MIXTRAL, tp=2, sp=True),
+        ),
+        "tensor parallelism on a MoE model without sequence parallelism": (
+            job(MIXTRAL, tp=2),
+            job(MIXTRAL, tp=2, sp=True),
+        ),
+        "expert tensor parallelism between 1 and tp": (
+            job(MIXTRAL, tp=4, sp=True, etp=2),
+            job(MIXTRAL, tp=4, sp=True, etp=1),
+        ),
+        "expert tensor parallelism that does not split the expert FFN": (
+            job(moe(expert_ffn_hidden_size=1001), tp=2, sp=True),
+            job(MIXTRAL, tp=2, sp=True),
+        ),
         "ZeRO-1 with tensor or expert parallelism": (
             job(dp_shard=2, tp=2, zero_stage=1),
             job(dp_shard=2, tp=2, zero_stage=2),

@@ -28,6 +28,7 @@ from executor.data import SyntheticTokens, split_batch
 from executor.model import build_model, full_state_dict
 from executor.parallelize import (
     GradAllReduce,
+    add_aux_loss,
     build_mesh,
     build_optimizer,
     check_supported,
@@ -119,8 +120,8 @@ def run_case(name: str, out: Path) -> None:
             with no_sync(wrapped, i == len(micro) - 1), loss_context(layout):
                 logits = wrapped(tokens).logits if hf else wrapped(tokens, positions)
                 loss = lm_loss(logits, targets, gbs * SEQ)
-                if kind == "moe":
-                    loss = loss + model.aux_loss() / (gbs // MBS)
+                if kind != "hf" and SPECS[kind].moe is not None:
+                    loss = add_aux_loss(loss, model.aux_loss() / (gbs // MBS))
                 value = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 local += float(value.detach())
                 (loss * loss_scale(meshes)).backward()
