@@ -159,3 +159,34 @@ def test_folded_moe_matches_the_single_process_reference(fold_run: Path, name: s
     bad = {k: v for k, v in worst.items() if v > GRAD_REL}
     assert not bad, f"{name}: gradients off by more than {GRAD_REL} x max|ref|: {bad}"
     assert ref_losses[0] != ref_losses[-1]
+
+
+@pytest.mark.slow
+def test_folded_expert_checkpoint_resumes_under_another_plan(tmp_path: Path) -> None:
+    """Expert weights keep their names: a checkpoint of cp2 x tp2 with the experts split over ep x etp
+    (2-D DTensors) resumes under ZeRO-3 with ep=4 over dp_shard and continues the reference loss curve."""
+    import shutil
+
+    from run_plans import GBS, SEQ, TRAINING, profile_for, torchrun_worker
+
+    from executor.train import plan_for
+    from planner.contracts import RunReport
+
+    spec = fold.SPECS["moe_cap"].model_copy(update={"vocab_size": 64})
+    ref = reference_run(spec, SyntheticTokens(spec.vocab_size, SEQ, 0), steps=4, global_batch=GBS,
+                        micro_batch_size=1).losses
+
+    def run(name: str, ckpt: Path, *args: str, **fields) -> list[float]:
+        lay = ParallelLayout(**fields, micro_batch_size=1)
+        (tmp_path / f"{name}.json").write_text(plan_for(spec, TRAINING, lay, profile_for(4)).model_dump_json())
+        torchrun_worker(tmp_path / f"{name}.json", 4, "--steps", "4", "--warmup", "0", "--checkpoint-dir",
+                        str(ckpt), "--out", str(tmp_path / f"{name}.out.json"), *args)
+        report = RunReport.model_validate_json((tmp_path / f"{name}.out.json").read_text())
+        return [s.loss for s in report.steps]
+
+    saved = run("fold", tmp_path / "a", "--checkpoint-every", "2", cp=2, tp=2, sp=True, ep=2)
+    assert saved == pytest.approx(ref, rel=1e-5)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step_2", tmp_path / "b" / "step_2")
+    resumed = run("fsdp", tmp_path / "b", "--resume", dp_shard=4, ep=4, zero_stage=3)
+    assert resumed[:2] == saved[:2] and resumed[2:] == pytest.approx(ref[2:], rel=1e-5)
