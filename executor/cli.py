@@ -338,7 +338,8 @@ def run(
                          worker_args=args)
     layout = plan.layout
     err.print(f"starting {nproc} worker(s) x {nnodes} node(s): pp={layout.pp} dp={layout.dp_replicate}x{layout.dp_shard} "
-              f"cp={layout.cp} tp={layout.tp}{' sp' if layout.sp else ''} ep={layout.ep} zero={layout.zero_stage} "
+              f"cp={layout.cp} tp={layout.tp}{' sp' if layout.sp else ''} ep={layout.ep}"
+              f"{f' etp={layout.etp}' if layout.etp is not None else ''} zero={layout.zero_stage} "
               f"micro-batch {layout.micro_batch_size}, {steps} steps")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                    os.environ.get("PYTHONPATH")]))}
