@@ -2,9 +2,19 @@
 
 Forward = GEMMs + attention core + bandwidth-bound ops + the exposed part of the block's own
 collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gather, EP
-all-to-all, and with MoE parallel folding the experts' own TP all-gather/reduce-scatter). Backward runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention backward,
-1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward (full) or
-the attention-core forward (selective).
+all-to-all, and with MoE parallel folding the experts' own TP all-gather/reduce-scatter). Backward
+runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention
+backward, 1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward
+(full) or the attention-core forward (selective).
+
+MoE parallel folding (``ParallelLayout.etp`` < tp; Liu et al. 2025, Megatron-Core's alltoall token
+dispatcher: permute, all-to-all over ep, all-gather over etp, grouped GEMMs, then the mirror): a rank
+routes its ``T/(cp·tp)`` sequence-parallel tokens (``T = b·s``), its experts compute
+``T·k·etp/(cp·tp)`` rows (:func:`expert_rows`) over ``E/ep`` local experts at width ``f/etp``, the
+all-to-all moves ``T·k·h/(cp·tp)`` elements per rank over ep ranks spaced etp apart, the experts'
+all-gather/reduce-scatter moves the gathered rows over etp consecutive ranks, and only the
+attention (and shared experts) keep the TP pair (:func:`tp_pairs`). With etp = tp every formula is
+the unfolded one.
 """
 
 from __future__ import annotations
