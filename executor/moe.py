@@ -23,7 +23,7 @@ over a 1-D EP mesh (names unchanged, so checkpoints move between plans); rank r 
 experts [r E/ep, (r+1) E/ep). Each rank routes its own tokens, all-to-alls the per-expert counts,
 sends every kept assignment's row to the owner of its expert (differentiable all-to-all), runs its
 local experts and sends the results back with the reverse all-to-all. The router and shared experts
-stay replicated.
+are not expert-parallel.
 
 Statistics under EP are per rank: capacity and the aux loss use the T tokens of the rank's own
 forward, exactly as the same rank computes them without EP (a data-parallel rank is one micro-batch
@@ -48,6 +48,13 @@ After the EP all-to-all the rows received by the etp ranks of one expert group a
 rank sends its rows to every peer), every rank runs its FFN slice on all of them, and the partial
 outputs go back to the rank whose rows they are, summed (a reduce-scatter written as an
 all-to-all). The routing stays per rank, as with etp = 1.
+
+Shared experts under tensor parallelism (:func:`shard_shared_experts`, the TP plan's
+:class:`SharedExpertsParallel`): a TP-split MLP as in Megatron-Core, ``w1``/``w3`` ``Shard(1)`` and
+``w2`` ``Shard(2)`` over the TP mesh. The MoE input under TP is the rank's sequence-parallel rows; the
+shared experts all-gather the TP group's rows, run their FFN slice on all of them and reduce-scatter
+the partial outputs back to their rows (backward: the reverse pair). The router stays whole on every
+TP rank (its gradient, from the rank's rows, is summed over TP by the TP plan).
 """
 
 from __future__ import annotations
@@ -61,7 +68,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
+from executor.cp import _all_gather_single, _reduce_scatter_single
 from planner.contracts import MoESpec
 from planner.errors import AutoparError
 
@@ -79,12 +88,12 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim)) if kind == "swiglu" else None
+        self.tp_group: dist.ProcessGroup | None = None  # shared experts split over TP: shard_shared_experts
 
-    def local(self, keep_dtensor: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(w1, w2, w3) of the experts held here: the local shard under expert parallelism. With
-        ``keep_dtensor`` (the input is a DTensor: shared experts replicated over TP) as they are."""
+    def local(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(w1, w2, w3) held here: the local shard under expert or tensor parallelism."""
         def loc(w: torch.Tensor | None) -> torch.Tensor | None:
-            return w.to_local() if isinstance(w, DTensor) and not keep_dtensor else w
+            return w.to_local() if isinstance(w, DTensor) else w
         return loc(self.w1), loc(self.w2), loc(self.w3)
 
     @staticmethod
@@ -105,16 +114,62 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared experts' call: :meth:`forward_all` (through ``__call__``, so TP styles apply)."""
+        """The shared experts' call: :meth:`forward_all` (through ``__call__``, so FSDP's hooks run)."""
         return self.forward_all(x)
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of every expert applied to all rows x [T, D] (the shared experts)."""
-        w1, w2, w3 = self.local(keep_dtensor=isinstance(x, DTensor))
+        """Sum of every expert applied to all rows x [T, D] (the shared experts). Split over TP
+        (``tp_group``, :func:`shard_shared_experts`) x is this rank's sequence-parallel rows: the TP
+        group's rows are all-gathered, every rank runs its FFN slice of every expert on all of them, and
+        the partial sums are reduce-scattered back to the ranks whose rows they are (one collective
+        each way for all the shared experts; backward: the reverse pair)."""
+        if self.tp_group is not None:
+            x = _GatherRows.apply(x, self.tp_group)
+        w1, w2, w3 = self.local()
         y = self.run(x, w1[0], w2[0], None if w3 is None else w3[0], self.kind)
         for e in range(1, w1.shape[0]):
             y = y + self.run(x, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
-        return y
+        return y if self.tp_group is None else _ReduceScatterRows.apply(y, self.tp_group)
+
+
+def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows x [n, ...] of every rank of ``group`` -> [size n, ...], in rank order."""
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """x [size n, ...] on every rank of ``group`` -> rows [r n, (r+1) n) summed over the group, on rank r."""
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """The sequence-parallel all-gather of rows; the gradient is reduce-scattered back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Partial sums of every rank's rows summed onto the rank owning them; the gradient is all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_rows(grad, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -331,7 +386,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     ``experts.w1/w2/w3`` become ``Shard(0)`` DTensors over ep (and ``Shard(1)`` / ``Shard(2)`` over
     etp; distributed from the full replicated values, same parameter names) and the forward switches
     to all-to-all dispatch over the ep group (none when ep = 1). The router and the shared experts
-    stay replicated. Works on meta tensors (materialise later).
+    are left as they are (the TP plan's). Works on meta tensors (materialise later).
     """
     if ep_mesh.ndim not in (1, 2):
         raise AutoparError("ep_mesh", tuple(ep_mesh.shape),
@@ -365,6 +420,36 @@ def _check_split(module: MoE, ep: int, etp: int) -> None:
     if hidden % etp:
         raise AutoparError("layout.etp", etp, f"choose an etp that divides moe.expert_ffn_hidden_size={hidden}",
                            problem=f"does not divide moe.expert_ffn_hidden_size={hidden}")
+
+
+class SharedExpertsParallel(ParallelStyle):
+    """TP style of a MoE block's ``shared_experts`` (:func:`shard_shared_experts`), for ``parallelize_module``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, GroupedExperts):
+            raise AutoparError("tp plan", type(module).__name__, "apply SharedExpertsParallel to MoE.shared_experts",
+                               problem="is not the GroupedExperts of a MoE block")
+        shard_shared_experts(module, device_mesh, self.src_data_rank)
+        return module
+
+
+def shard_shared_experts(experts: GroupedExperts, tp_mesh: DeviceMesh, src_data_rank: int | None = 0) -> None:
+    """Split the shared experts over the 1-D ``tp_mesh`` as a TP MLP (Megatron-Core's shared experts are
+    its TP-split MLP): ``w1``/``w3`` [S, F, D] column-split (``Shard(1)``, FFN rows), ``w2`` [S, D, F]
+    row-split (``Shard(2)``), names unchanged; the forward gathers the sequence-parallel rows and
+    reduce-scatters the output (:meth:`GroupedExperts.forward_all`). Each rank holds 1/tp of the weights
+    and their whole gradient over its slice: nothing to sum over TP. Works on meta tensors."""
+    tp, hidden = tp_mesh.size(), experts.w1.shape[1]
+    if hidden % tp:
+        raise AutoparError("layout.tp", tp, f"use a tp that divides the shared experts' FFN width {hidden} "
+                           "(moe.shared_expert_ffn_hidden_size, else moe.expert_ffn_hidden_size)",
+                           problem=f"does not divide the shared experts' FFN width {hidden}")
+    for name in ("w1", "w2", "w3"):
+        w = getattr(experts, name)
+        if w is not None:
+            dt = distribute_tensor(w.data, tp_mesh, [Shard(2 if name == "w2" else 1)], src_data_rank=src_data_rank)
+            setattr(experts, name, nn.Parameter(dt))
+    experts.tp_group = tp_mesh.get_group() if tp > 1 else None
 
 
 def apply_token_split(model: nn.Module, group: dist.ProcessGroup | None, seq_shard: tuple[int, int] | None,

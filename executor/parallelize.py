@@ -32,9 +32,10 @@ context and tensor-parallel ranks: each rank dispatches the rows it routed), an 
 consecutive ranks (etp = tp: the TP group), and the ranks holding the same expert shard — the
 ``expert_dp`` group, data parallel for the experts (all-reduce or FSDP) — are the dp_replicate x
 edp ranks at stride ep x etp. With tp > 1 the MoE input is the TP rank's sequence-parallel share
-(SP is required, as in Megatron); the router and the shared experts are whole on every TP rank and
-see only its rows, so their gradients are summed over TP like the other weights a TP plan leaves
-whole (:func:`_rank_share_style`).
+(SP is required, as in Megatron); the router is whole on every TP rank and sees only its rows, so its
+gradient is summed over TP like the other weights a TP plan leaves whole (:func:`_rank_share_style`);
+the shared experts are split over TP like the dense MLP (w1/w3 by FFN rows, w2 by FFN columns: 1/tp of
+their weights per rank, on the all-gathered rows, output reduce-scattered; no TP sum).
 
 Gradient convention (:func:`loss_scale`): each rank's loss is its token-loss sum / the step's global
 token count, times N = dp_replicate x dp_shard x cp (the ranks DDP/FSDP average over). Averaging N
@@ -284,11 +285,14 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool, moe: nn.Modul
 def _moe_plan(layout: ParallelLayout, a: ModelAdapter, moe: nn.Module) -> dict:
     """TP plan of a built-in MoE block (sequence parallel required: :data:`planner.targets.TARGETS`):
     the block takes the TP rank's sequence share as a plain tensor (``MoE.forward(x, positions)``) and
-    routes it itself; the router and the shared experts are whole on every TP rank and see its rows
-    only (:func:`_rank_share_style`: gradients summed over TP); the routed experts are left to
-    :func:`apply_moe` (the expert mesh)."""
+    routes it itself; the router is whole on every TP rank and sees its rows only
+    (:func:`_rank_share_style`: gradient summed over TP); the shared experts are a TP-split MLP
+    (:class:`executor.moe.SharedExpertsParallel`: their rows all-gathered, output reduce-scattered); the
+    routed experts are left to :func:`apply_moe` (the expert mesh)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from executor.moe import SharedExpertsParallel
 
     if not layout.sp:
         raise AutoparError("layout.sp", False, "set sp=True for a MoE model with tp > 1",
@@ -298,7 +302,7 @@ def _moe_plan(layout: ParallelLayout, a: ModelAdapter, moe: nn.Module) -> dict:
                                             desired_input_layouts=(Shard(1), None), use_local_output=True),
                   f"{a.moe}.gate": _rank_share_style()}
     if moe.shared_experts is not None:
-        plan[f"{a.moe}.shared_experts"] = _rank_share_style()
+        plan[f"{a.moe}.shared_experts"] = SharedExpertsParallel()
     return plan
 
 

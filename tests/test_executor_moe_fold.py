@@ -154,8 +154,11 @@ def test_folded_moe_matches_the_single_process_reference(fold_run: Path, name: s
         assert scale > 0, f"{name}: reference gradient of {pname} is zero, the comparison would be vacuous"
         worst[pname] = (grads[pname] - ref).abs().max().item() / scale
     top = max(worst, key=worst.get)
-    print(f"\n{name}: worst per-parameter relative error {worst[top]:.2e} ({top}); experts "
-          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items() if ".experts." in k))
+    routed = max(v for k, v in worst.items() if ".moe.experts." in k)
+    shared = max((v for k, v in worst.items() if ".shared_experts." in k), default=0.0)
+    router = max(v for k, v in worst.items() if ".moe.gate." in k)
+    print(f"\n{name}: worst per-parameter relative error {worst[top]:.2e} ({top}); routed experts "
+          f"{routed:.1e}, shared experts {shared:.1e}, router {router:.1e}")
     bad = {k: v for k, v in worst.items() if v > GRAD_REL}
     assert not bad, f"{name}: gradients off by more than {GRAD_REL} x max|ref|: {bad}"
     assert ref_losses[0] != ref_losses[-1]
@@ -190,3 +193,67 @@ def test_folded_expert_checkpoint_resumes_under_another_plan(tmp_path: Path) -> 
     shutil.copytree(tmp_path / "a" / "step_2", tmp_path / "b" / "step_2")
     resumed = run("fsdp", tmp_path / "b", "--resume", dp_shard=4, ep=4, zero_stage=3)
     assert resumed[:2] == saved[:2] and resumed[2:] == pytest.approx(ref[2:], rel=1e-5)
+
+
+def _hand_counts(spec: ModelSpec, layout: ParallelLayout) -> dict[str, float]:
+    """Parameters one rank holds per part, written out from the shapes: attention, the shared experts
+    (a TP-split MLP: 1/tp), the routed experts (1/(ep x etp)), embedding and head (vocabulary over tp);
+    ``replicated``: the norms and the router, whole on every TP rank."""
+    h, a, k, d, v, n = (spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size,
+                        spec.vocab_size, spec.num_layers)
+    moe, tp = spec.moe, layout.tp
+    mats = 3 if spec.ffn_kind == "swiglu" else 2
+    layers = spec.num_moe_layers
+    assert layers == n, "every layer is a MoE layer in these cases"
+    return {"attention": n * (h * a * d + 2 * h * k * d + a * d * h) / tp,
+            "shared": layers * moe.num_shared_experts * mats * h * moe.shared_ffn / tp,
+            "routed": layers * moe.num_experts * mats * h * moe.expert_ffn_hidden_size / (layout.ep * layout.expert_tp),
+            "vocab": 2 * v * h / tp,
+            "replicated": (2 * n + 1) * h + layers * moe.num_experts * h}
+
+
+def _part(name: str) -> str:
+    if ".shared_experts." in name:
+        return "shared"
+    if ".moe.experts." in name:
+        return "routed"
+    if ".attention." in name:
+        return "attention"
+    if name.startswith(("tok_embeddings.", "output.")):
+        return "vocab"
+    assert name.endswith("norm.weight") or ".moe.gate." in name, name
+    return "replicated"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", fold.PARAM_CASES)
+def test_each_ranks_parameters_are_the_cost_models(fold_run: Path, name: str) -> None:
+    """The shards the executor gives each rank (local element count x element size, fp32, ZeRO-0)
+    against hand counts per part and against the cost model's parameter memory of the rank
+    (``predict(...).memory.params_bytes``). The cost model divides every non-expert weight by tp,
+    the norms and the router too, which stay whole on every TP rank (in Megatron-Core as here): the
+    executor holds exactly (1 - 1/tp) x their bytes more, and nothing else differs — so shared
+    experts held whole on every TP rank (tp x their memory) fail this test."""
+    from run_plans import profile_for
+
+    from planner.cost.predict import predict
+
+    kind, fields, _ = fold.CASES[name]
+    spec, layout = fold.SPECS[kind], ParallelLayout(**fields)
+    hand = _hand_counts(spec, layout)
+    training = TrainingConfig(seq_length=pc.SEQ, global_batch_size=pc.global_batch(layout), precision="fp32")
+    predicted = predict(spec, training, profile_for(4), layout).memory.params_bytes
+    expected = 4 * sum(hand.values()) - 4 * hand["replicated"] * (1 - 1 / layout.tp)
+    assert predicted == expected, f"{name}: cost model {predicted} B, hand count {expected} B"
+    for rank in range(4):
+        local = json.loads((fold_run / name / f"params_rank{rank}.json").read_text())
+        got = dict.fromkeys(hand, 0)
+        for pname, (numel, size) in local.items():
+            assert size == 4, f"{name}: {pname} is not fp32"
+            got[_part(pname)] += numel
+        assert got == hand, f"{name} rank {rank}: per-part parameters {got}, by hand {hand}"
+        actual = 4 * sum(got.values())
+        gap = actual - predicted
+        print(f"\n{name} rank {rank}: executor {actual} B, cost model {predicted} B, gap {gap} B "
+              f"= (1 - 1/tp) x the {hand['replicated']} norm and router parameters x 4 B")
+        assert gap == 4 * hand["replicated"] * (1 - 1 / layout.tp), name

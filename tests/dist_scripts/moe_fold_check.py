@@ -6,19 +6,24 @@ Each case of :data:`CASES` runs through :func:`parallel_check.run_case` (the sam
 other layouts: 3 AdamW steps of 2 micro-batches per data-parallel rank, fp32, loss x loss_scale, the
 first step's reduced gradients as full tensors in OUT_DIR/<case>/grads.pt) on the MoE models of
 :data:`SPECS`; tests/test_executor_moe_fold.py compares every parameter's gradient and the losses with
-:func:`executor.reference.reference_run` on one process.
+:func:`executor.reference.reference_run` on one process. For the cases of :data:`PARAM_CASES` each rank
+also writes OUT_DIR/<case>/params_rank<r>.json: every parameter's local (shard) element count and
+element size after :func:`parallelize`, which the test holds against the cost model's memory.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import parallel_check
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from planner.contracts import ModelSpec, MoESpec
+from executor.parallelize import build_mesh, clean_fqn, parallelize
+from planner.contracts import ModelSpec, MoESpec, ParallelLayout
 
 # 2 MoE layers with a shared expert (parallel_check's "moe"); 3 layers, the first dense, capacity 0.75
 # (ceil(0.75 x 16 tokens x top-2 / 4 experts) = 6 of the 32 assignments per expert: some drop)
@@ -29,6 +34,11 @@ SPECS: dict[str, ModelSpec] = {
                          moe=MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=32, num_shared_experts=1,
                                      first_dense_layers=1, capacity_factor=0.75)),
 }
+# two shared experts of their own width (48, not the routed 32), SwiGLU and GeLU
+_SHARED2 = MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=32, num_shared_experts=2,
+                   shared_expert_ffn_hidden_size=48)
+SPECS["moe_shared2"] = parallel_check.MOE.model_copy(update={"name": "tiny-moe-shared2", "moe": _SHARED2})
+SPECS["moe_gelu"] = SPECS["moe_shared2"].model_copy(update={"name": "tiny-moe-gelu", "ffn_kind": "gelu"})
 TP_SP = {"tp": 2, "sp": True}
 # name -> (model, layout fields, per-stage recompute)
 CASES: dict[str, tuple[str, dict, None]] = {
@@ -54,7 +64,24 @@ CASES: dict[str, tuple[str, dict, None]] = {
     "tp2_ep1_etp2": ("moe", {"dp_shard": 2, **TP_SP}, None),
     "zero3_tp2_ep2_etp2": ("moe", {"dp_shard": 2, **TP_SP, "ep": 2, "zero_stage": 3}, None),
     "cap_cp2_tp2_ep2_etp2": ("moe_cap", {"cp": 2, **TP_SP, "ep": 2}, None),
+    # (f) shared experts split over TP: two of their own width, SwiGLU under ZeRO-3, GeLU under ZeRO-0
+    "shared2_zero3_tp2_ep2_etp2": ("moe_shared2", {"dp_shard": 2, **TP_SP, "ep": 2, "zero_stage": 3}, None),
+    "gelu_shared2_tp2_ep4_etp1": ("moe_gelu", {"dp_shard": 2, **TP_SP, "ep": 4, "etp": 1}, None),
 }
+# ZeRO-0 cases whose per-rank parameter shards are recorded (params_rank<r>.json)
+PARAM_CASES = ("tp2_ep2_etp1", "tp2_ep1_etp2", "gelu_shared2_tp2_ep4_etp1")
+
+
+def local_params(name: str) -> dict[str, list[int]]:
+    """Each parameter's [local element count, element size] on this rank once the case's layout is
+    applied (on the meta device: no data, no collectives beyond the mesh's)."""
+    kind, fields, _ = CASES[name]
+    layout = ParallelLayout(**fields)
+    meshes = build_mesh(layout, dist.get_world_size(), "cpu")
+    model, _ = parallel_check.build(kind, "meta")
+    parallelize(model, layout, meshes, training=None)
+    return {clean_fqn(n): [(p.to_local() if isinstance(p, DTensor) else p).numel(), p.element_size()]
+            for n, p in model.named_parameters()}
 
 
 def main() -> None:
@@ -66,6 +93,9 @@ def main() -> None:
     torch.manual_seed(parallel_check.SEED)
     for name in names:
         parallel_check.run_case(name, out)
+        if name in PARAM_CASES:
+            path = out / name / f"params_rank{dist.get_rank()}.json"
+            path.write_text(json.dumps(local_params(name)))
     dist.destroy_process_group()
 
 
