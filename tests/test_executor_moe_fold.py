@@ -101,6 +101,18 @@ def test_expert_ffn_must_split_over_etp_and_hf_moe_keeps_tp_refused() -> None:
         check_supported(ParallelLayout(cp=2), MOE, hf=True)
 
 
+def test_shared_experts_must_split_over_tp() -> None:
+    """The shared experts' FFN width must split over the TP ranks (checked before any weight moves)."""
+    from executor.moe import GroupedExperts, shard_shared_experts
+
+    class TwoRanks:  # the one call made before the check passes: the mesh's size
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(AutoparError, match=r"layout\.tp=2 does not divide the shared experts' FFN width 25"):
+        shard_shared_experts(GroupedExperts(1, 32, 25), TwoRanks())
+
+
 # ---------------------------------------------------------------- torchrun, 4 ranks
 @pytest.fixture(scope="module")
 def fold_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
