@@ -36,6 +36,7 @@ from planner.errors import AutoparError, validation_problems
 from planner.files import read_input
 from planner.presets import PRESETS
 from planner.reference import reference_profile, system_family
+from planner.targets import recompute_text
 
 COLUMNS = (
     "run_id", "source", "source_location", "source_ref", "source_quality", "model", "arch_type", "num_layers",
@@ -588,7 +589,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute)
     if isinstance(found, AutoparError):
         return Skipped(run_id, source, f"layout not valid: {found}")
-    layout, chosen_recompute = found
+    layout = found
     if schedule is Schedule.interleaved_1f1b and layout.schedule is not schedule:
         defaults.append("schedule=1f1b (no interleaving depth divides the layers and micro-batches)")
     elif schedule is Schedule.interleaved_1f1b and v <= 1:
@@ -596,7 +597,9 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     if not mbs:
         defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
     if recompute is None:
-        defaults.append(f"recompute={chosen_recompute.value} (cheapest that fits in memory)")
+        per = layout.recompute_per_stage
+        text = recompute_text(layout) if per is None else f"full on {per[0].num_layers} layers of each stage"
+        defaults.append(f"recompute={text} (the least that fits in memory)")
 
     comparison = _comparison(row, precision, n)
     if comparison is None:
@@ -631,9 +634,9 @@ def _expert_tp(stated: int | None, mcore: bool, *, tp: int, cp: int, ep: int, dp
 def _fill_unstated(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout_kwargs: dict,
     schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None,
-) -> tuple[ParallelLayout, Recompute] | AutoparError:
+) -> ParallelLayout | AutoparError:
     """The layout for the knobs a source left unstated: interleaving depth and micro-batch size by
-    fastest prediction, recompute the cheapest that fits. A stated v or micro-batch is kept; plain
+    fastest prediction, recompute the least that fits (:func:`_least_recompute`). A stated v or micro-batch is kept; plain
     1F1B is the fallback when no interleaving depth is valid. Returns the last error if none is."""
     if schedule is Schedule.interleaved_1f1b:
         depths = [v] if v > 1 else range(2, model.num_layers // layout_kwargs["pp"] + 1)
@@ -641,25 +644,50 @@ def _fill_unstated(
         fallback = [((Schedule.one_f_one_b, 1), b) for b in mbs_options]
     else:
         combos, fallback = [((schedule, 1), b) for b in mbs_options], []
-    best: tuple[float, ParallelLayout, Recompute] | None = None
+    best: tuple[float, ParallelLayout] | None = None
     last_error = AutoparError("layout", "none", "check the row's degrees", problem="found no valid combination")
     for options in (combos, fallback):
         for (sched_try, v_try), mbs_try in options:
             kwargs = {**layout_kwargs, "schedule": sched_try, "virtual_stages": v_try, "micro_batch_size": mbs_try}
-            for candidate in [recompute] if recompute else [Recompute.none, Recompute.selective, Recompute.full]:
-                try:
-                    layout = ParallelLayout(**kwargs, recompute=candidate)
-                    pred = predict(model, training, profile, layout)
-                except AutoparError as exc:
-                    last_error = exc
-                    break
-                if pred.memory.fits or recompute or candidate is Recompute.full:
-                    if best is None or pred.step_time_s < best[0]:
-                        best = (pred.step_time_s, layout, candidate)
-                    break
+            try:
+                step, layout = _least_recompute(model, training, profile, kwargs, recompute)
+            except AutoparError as exc:
+                last_error = exc
+                continue
+            if best is None or step < best[0]:
+                best = (step, layout)
         if best is not None:
-            return best[1], best[2]
+            return best[1]
     return last_error
+
+
+def _least_recompute(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, kwargs: dict,
+                     recompute: Recompute | None) -> tuple[float, ParallelLayout]:
+    """(step time, layout) with the row's recompute, or, where the source does not say, the least
+    recompute that fits: none, selective, full recompute of the first N layers of every stage for the
+    smallest N that fits (Megatron's ``--recompute-method block --recompute-num-layers N``; memory
+    falls as N grows, so N is bisected), else full. AutoparError when the layout is not valid."""
+    def priced(**rc) -> tuple[float, ParallelLayout, bool]:
+        layout = ParallelLayout(**kwargs, **rc)
+        pred = predict(model, training, profile, layout)
+        return pred.step_time_s, layout, pred.memory.fits
+
+    if recompute is not None:
+        return priced(recompute=recompute)[:2]
+    for kind in (Recompute.none, Recompute.selective):
+        step, layout, fits = priced(recompute=kind)
+        if fits:
+            return step, layout
+    pp = kwargs["pp"]
+    lo, hi, found = 1, -(-model.num_layers // pp) - 1, None
+    while lo <= hi:
+        n = (lo + hi) // 2
+        step, layout, fits = priced(recompute_per_stage=[StageRecompute(kind=Recompute.full, num_layers=n)] * pp)
+        if fits:
+            found, hi = (step, layout), n - 1
+        else:
+            lo = n + 1
+    return found if found is not None else priced(recompute=Recompute.full)[:2]
 
 
 def _comparison(row: dict[str, str], precision: Precision, n: dict[str, float | int | None] | None = None,

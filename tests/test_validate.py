@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from planner import validate as v
-from planner.contracts import Precision, Recompute
+from planner.contracts import Precision, Recompute, StageRecompute
 from planner.cost.flops import hardware_flops_per_step, model_flops_per_step
+from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.validate import COLUMNS
 
@@ -199,6 +200,27 @@ def test_stated_fields_are_used_and_not_listed_as_defaults():
     assert "micro_batch_size=" not in defaults
     assert "recompute=" not in defaults
     assert "sequence_parallel=" not in defaults
+
+
+def test_unstated_recompute_is_the_least_that_fits_full_recompute_of_n_layers_included():
+    """GPT 22B, TP 8 + SP, seq 4096, 4 sequences a micro-batch on 80 GB: neither no recompute nor
+    selective fits, full recompute of all 48 layers does, and so does full recompute of the first N
+    for some N < 48 (Megatron's --recompute-method block): the default is the smallest such N."""
+    case = v.build_case(megatron_row(seq_length="4096", micro_batch_size="4", sequence_parallel="on"))
+    assert isinstance(case, v.RowCase), case
+    per = case.layout.recompute_per_stage
+    assert per is not None and per[0].kind is Recompute.full
+    n = per[0].num_layers
+    assert 0 < n < 48
+    assert f"recompute=full on {n} layers of each stage (the least that fits in memory)" in case.defaults
+
+    def fits(**rc) -> bool:
+        layout = case.layout.model_copy(update={"recompute_per_stage": None, **rc})
+        return predict(case.model, case.training, case.profile, layout).memory.fits
+
+    assert not fits(recompute=Recompute.none) and not fits(recompute=Recompute.selective)
+    assert fits(recompute_per_stage=[StageRecompute(kind=Recompute.full, num_layers=n)])
+    assert not fits(recompute_per_stage=[StageRecompute(kind=Recompute.full, num_layers=n - 1)])
 
 
 @pytest.mark.parametrize("field", ["num_layers", "hidden_size", "tp"])
