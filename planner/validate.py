@@ -259,6 +259,10 @@ def _one_line(exc: Exception) -> str:
 _H100_HBM2E = re.compile(r"\b9[4-6]\s*GB|HBM2E|LOWER[-\s]TDP|\b500\s*W")
 
 
+# what tells one part of a GPU name from another: memory size, SXM/PCIe/NVL, the DGX/HGX/Grand Teton system
+_PART_NAMED = re.compile(r"\d+\s*GB|SXM|PCIE|NVL|HBM|DGX|HGX|Grand Teton|\d+\s*W\b", re.IGNORECASE)
+
+
 def _system(gpu_type: str) -> str | None:
     """The reference system (:data:`planner.reference.SYSTEMS`) of a gpu_type cell; None when none fits.
 
@@ -507,6 +511,8 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     system = _system(row["gpu_type"])
     if system is None:
         return Skipped(run_id, source, f"no reference profile for gpu_type '{row['gpu_type']}'")
+    if not _PART_NAMED.search(row["gpu_type"]):
+        defaults.append(f"gpu={system} (the cell names no memory size, form factor or system)")
     gpus = n["num_gpus"]
     gpn = n["gpus_per_node"] or 8
     nic = _nic_gbit_per_gpu(_text(row, "inter_node_interconnect"), gpn)

@@ -697,3 +697,13 @@ def test_a_held_out_source_does_not_move_its_own_prediction_but_moves_the_in_sam
     fit_near = predicted(near, calibrate.in_sample(near, rounds=1, tol=1e-2)[1])
     fit_far = predicted(far, calibrate.in_sample(far, rounds=1, tol=1e-2)[1])
     assert fit_far > fit_near * 1.01
+
+
+@pytest.mark.parametrize(("gpu_type", "stated"), [("H100", "dgx-h100"), ("H100 (variant not stated)", "dgx-h100"),
+                                                  ("A100", "dgx-a100-80gb"), ("H100 SXM5 80GB", None),
+                                                  ("A100-SXM4-80GB", None)])
+def test_an_unstated_gpu_part_is_a_stated_default(gpu_type, stated):
+    case = v.build_case(megatron_row(gpu_type=gpu_type, micro_batch_size="1", activation_recompute="none"))
+    assert isinstance(case, v.RowCase), case
+    named = [d for d in case.defaults if d.startswith("gpu=")]
+    assert named == ([f"gpu={stated} (the cell names no memory size, form factor or system)"] if stated else [])
