@@ -1095,6 +1095,19 @@ _AUTOPAR = (
         fix="use an etp (or a tp, when etp is unset) dividing the expert FFN width",
     ),
     Limit(
+        feature="tensor parallelism that does not split the shared experts",
+        scope="layout",
+        refuses=lambda j: (
+            j.model.moe is not None and j.model.moe.num_shared_experts > 0 and j.layout.tp > 1
+            and j.model.moe.shared_ffn % j.layout.tp != 0
+        ),
+        field="layout.tp",
+        value=lambda j: j.layout.tp,
+        problem=lambda j: f"does not divide the shared experts' FFN width {j.model.moe.shared_ffn}, which the "
+        "executor splits over the TP ranks like a dense MLP",
+        fix="use a tp dividing the shared experts' FFN width",
+    ),
+    Limit(
         feature="ZeRO-1 with tensor or expert parallelism",
         scope="layout",
         refuses=lambda j: j.layout.zero_stage == 1 and (j.layout.tp > 1 or j.layout.ep > 1),

@@ -251,6 +251,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(moe(expert_ffn_hidden_size=1001), tp=2, sp=True),
             job(MIXTRAL, tp=2, sp=True),
         ),
+        "tensor parallelism that does not split the shared experts": (
+            job(moe(num_shared_experts=1, shared_expert_ffn_hidden_size=1001), tp=2, sp=True, etp=1),
+            job(moe(num_shared_experts=1, shared_expert_ffn_hidden_size=1002), tp=2, sp=True, etp=1),
+        ),
         "ZeRO-1 with tensor or expert parallelism": (
             job(dp_shard=2, tp=2, zero_stage=1),
             job(dp_shard=2, tp=2, zero_stage=2),
