@@ -47,11 +47,7 @@ def layer_kind_prefix(sm: StageModel) -> tuple[bool, int] | None:
     return first, d
 
 
-Hint = tuple[list[int], list[tuple[Recompute, int]]]
-
-
-def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: Hint | None = None,
-                 workers: int = 2, upper_bound_s: float | None = None, *, even_split: bool = False,
+def solve_stages(sm: StageModel, time_limit_s: float = 2.0, workers: int = 2, upper_bound_s: float | None = None, *, even_split: bool = False,
                  uniform_recompute: bool = False) -> StageSolution:
     """Best split and per-stage recompute of ``sm``'s candidate; INFEASIBLE if no split fits memory.
     ``even_split``: only the default split; ``uniform_recompute``: one kind and count on every rank (what a
@@ -64,13 +60,7 @@ def solve_stages(sm: StageModel, time_limit_s: float = 2.0, hint: Hint | None = 
         _rank_time(cx, rk)
         _rank_memory(cx, rk)
         ranks.append(rk)
-    if hint is not None:
-        for rk in ranks:
-            _hint_recompute(cx, rk, hint[1][rk.r])
     _restrict(cx, chunks, ranks, even_split=even_split, uniform_recompute=uniform_recompute)
-    if hint is not None:
-        for var, value in zip(chunks, _chunk_values(cx, hint[0])):
-            cx.mdl.AddHint(var, value)
     objective, scale = _objective(cx, chunks, ranks)
     if upper_bound_s is not None:
         cx.mdl.Add(objective <= int(upper_bound_s / cx.unit * S * scale) + 1)
@@ -371,13 +361,6 @@ def _rank_memory(cx: _Context, rk: _Rank) -> None:
     mdl.Add(mem <= budget)
     od, oe = sm._step_state
     mdl.Add(_mq(od * pda + oe * pea) * na + _mq(od * pdb + oe * peb) * nb + _mq(od * const_dense) <= budget)
-
-
-def _hint_recompute(cx: _Context, rk: _Rank, choice: tuple[Recompute, int]) -> None:
-    kind, count = choice
-    cx.mdl.AddHint(rk.zsel, kind is Recompute.selective)
-    cx.mdl.AddHint(rk.rs, count if kind is Recompute.selective else 0)
-    cx.mdl.AddHint(rk.rf, count if kind is Recompute.full else 0)
 
 
 def _chunk_values(cx: _Context, chunks: list[int]) -> list[int]:

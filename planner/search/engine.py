@@ -1112,7 +1112,7 @@ class _SearchState:
         if self.prefix_ok:
             slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
             self.pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
-                                 greedy[2] if greedy else None, (sched, v, stage_lb, rec_s, comm, slowest)))
+                                 (sched, v, stage_lb, rec_s, comm, slowest)))
         elif greedy is None and leaf_id not in self.results:
             self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
@@ -1326,7 +1326,7 @@ class _SearchState:
     def solve_pending(self) -> None:
         """Phase B: CP-SAT on the leaves whose bound can still beat the k-th best, best bound first."""
         self.pending.sort(key=lambda x: (x[0], x[1]))
-        for lb, leaf, sm, st, label, greedy_val, chunks, greedy_rec, bounds in self.pending:
+        for lb, leaf, sm, st, label, greedy_val, chunks, bounds in self.pending:
             if lb >= self.kth():
                 self.report["pruned"] += 1
                 continue
@@ -1341,7 +1341,7 @@ class _SearchState:
                 else:
                     self.report["pruned"] += 1
                 continue
-            self._solve(leaf, sm, st, label, greedy_val, chunks, greedy_rec, cutoff)
+            self._solve(leaf, sm, st, label, greedy_val, chunks, cutoff)
 
     def _split_settles(self, sm: StageModel, st: Structure, cutoff: float, bounds: tuple) -> bool:
         """Before proving it with CP-SAT: every split with each rank at its fastest recompute that fits
@@ -1356,13 +1356,15 @@ class _SearchState:
         return leaf_bound(st, sched, v, split_stage, rec_s, comm, pigeonhole_comms(sm, self.cache)) >= cutoff
 
     def _solve(self, leaf: int, sm: StageModel, st: Structure, label: _LeafLabel, greedy_val: float | None,
-               chunks: list, greedy_rec: list | None, cutoff: float) -> None:
-        """CP-SAT on one leaf's split and per-stage recompute, below ``cutoff``; its outcome recorded."""
+               chunks: list, cutoff: float) -> None:
+        """CP-SAT on one leaf's split and per-stage recompute, below ``cutoff``; its outcome recorded. No
+        solution hint: with the default split and greedy recompute as a hint, one CP-SAT worker stopped at
+        FEASIBLE on zero-bubble leaves it proves OPTIMAL in 0.01 s without (12 benchmark and test searches:
+        2.58 s of CP-SAT with hints, 0.53 s without, the same plans)."""
         opts = self.opts
         self.report["solved"] += 1
         sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(self.deadline - time.perf_counter(), 0.01)),
                            workers=opts.workers,
-                           hint=(chunks, greedy_rec) if greedy_rec else None,
                            upper_bound_s=cutoff if math.isfinite(cutoff) else None,
                            even_split=not self.spec.uneven_split, uniform_recompute=not self.spec.per_stage_recompute)
         self.status_counts[sol.status] += 1
