@@ -443,12 +443,15 @@ class TestBlockMoE:
 
     def test_expert_parallel_all_to_alls(self):
         # dispatch + combine of tokens * top_k * h * 2 B = 2048 * 2 * 1024 * 2 = 8,388,608 B over 2 ranks:
-        # each 1/2 * 8,388,608 / 100e9 = 4.194304e-5 s; 2 per pass = 8.388608e-5 s, all exposed
+        # each 1/2 * 8,388,608 / 100e9 = 4.194304e-5 s; 2 per pass = 8.388608e-5 s, all exposed; the
+        # routing probabilities' all-to-all, 4096 copies x 4 B = 16,384 B: 1/2 * 16,384 / 100e9 = 8.192e-8 s;
+        # forward only, the tokens-per-expert all-gather over the 2 ranks: 4 experts x 8 B x 2 = 64 B,
+        # 1/2 * 64 / 100e9 = 3.2e-10 s
         bc = self._block()
-        for pc in (bc.forward, bc.backward):
-            assert pc.comm_s["ep"] == pytest.approx(8.388608e-5)
-            assert pc.exposed_comm_s["ep"] == pytest.approx(8.388608e-5)
-            assert pc.comm_bytes["ep"] == pytest.approx(2 * 8_388_608)
+        for pc, gather, meta in ((bc.forward, 3.2e-10, 64), (bc.backward, 0.0, 0)):
+            assert pc.comm_s["ep"] == pytest.approx(8.388608e-5 + 8.192e-8 + gather)
+            assert pc.exposed_comm_s["ep"] == pytest.approx(8.388608e-5 + 8.192e-8 + gather)
+            assert pc.comm_bytes["ep"] == pytest.approx(2 * 8_388_608 + 16_384 + meta)
 
     def test_no_ep_no_all_to_all(self):
         assert "ep" not in self._block(ep=1).forward.comm_s
@@ -458,8 +461,10 @@ class TestBlockMoE:
         #   norms 4*2*E + residual adds 2*3*2*E = 20E B = 41,943,040
         #   SwiGLU over the routed copies: 3 * 2 * 2048 * (512 * 2) = 12,582,912
         #   RoPE on 8 query + 2 key heads: 2 * 2 * 2048 * 10 * 128 = 10,485,760
-        #   permute/unpermute/weighting: 5 * 2 * 4096 * 1024 = 41,943,040
-        total = 41_943_040 + 12_582_912 + 10_485_760 + 41_943_040  # 106,954,752 B
+        #   dispatch (2 local experts): router 22 B x 2048 tokens x 4 experts = 180,224; permute (1 + 2) *
+        #   2048 * 1024 * 2 = 12,582,912; sort and unsort the 4096 received rows 2 * (2 * 4096 * 1024 * 2)
+        #   = 33,554,432; unpermute (2 + 1) * 2048 * 1024 * 2 = 12,582,912: 58,900,480
+        total = 41_943_040 + 12_582_912 + 10_485_760 + 58_900_480  # 123,912,192 B
         bc = self._block()
         assert bc.forward.memory_s == pytest.approx(total / 1e12)
         assert bc.backward.memory_s == pytest.approx(1.25 * total / 1e12)
@@ -594,18 +599,19 @@ class TestKernelCount:
         assert self._count(llama(), micro(flash=False, cp=2)) == 15
 
     def test_moe_with_ep(self):
-        # 2 norms + 2 adds + RoPE + 2 projections + flash = 8;
-        # router GEMM 1 + softmax/top-k/aux-loss 3 + permute/unpermute 4 + grouped GEMMs and activation 3
-        # + all-to-all 2 = 13 -> 21
-        assert self._count(small_moe(), micro(), dp_shard=2, ep=2) == 8 + 1 + 3 + 4 + 3 + 2 == 21
+        # 2 norms + 2 adds + RoPE + 2 projections + flash = 8; router GEMM 1 + score/top-k/aux-loss 3 +
+        # permute/unpermute 2 + sort/unsort 2 (2 local experts) + one GEMM per local expert in each of the
+        # 2 grouped GEMMs 4 + activation 1 + tokens' and probabilities' all-to-alls 3 + counts' all-gather 1
+        assert self._count(small_moe(), micro(), dp_shard=2, ep=2) == 8 + 1 + 3 + 2 + 2 + 4 + 1 + 3 + 1 == 25
 
     def test_moe_without_ep(self):
-        assert self._count(small_moe(), micro()) == 19
+        # 4 local experts: 8 GEMM launches; no all-to-all, no all-gather: 8 + 1 + 3 + 2 + 2 + 8 + 1 = 25
+        assert self._count(small_moe(), micro()) == 25
 
     def test_moe_shared_expert_adds_three(self):
-        # docstring: shared experts 3 each (2 GEMMs + activation): 21 + 3 = 24
+        # docstring: shared experts 3 each (2 GEMMs + activation): 25 + 3 = 28
         model = small_moe(num_shared_experts=1)
-        assert self._count(model, micro(), dp_shard=2, ep=2) == 24
+        assert self._count(model, micro(), dp_shard=2, ep=2) == 28
 
 
 # ============================================================================================

@@ -297,6 +297,22 @@ class Assumptions(Contract):
     tp_overlap_efficiency: float = Field(
         0.6, ge=0, le=1, description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)"
     )
+    # -- MoE token dispatch (planner.cost.layer) ----------------------------------------------------------
+    moe_host_sync_s: float = Field(
+        26e-6, ge=0, description="GPU idle time of the device-to-host synchronisation a dropless MoE layer makes "
+        "once per forward (and again in its recompute): the dispatcher needs the tokens-per-expert counts on the "
+        "host to size the all-to-all and the grouped GEMM (Megatron-Core MoEAlltoAllTokenDispatcher."
+        "_maybe_dtoh_and_synchronize, core_v0.15.0; the allgather dispatcher's .cpu(), DeepEP's and HybridEP's "
+        "blocking dispatch likewise), none when padded to capacity (--moe-pad-expert-input-to-capacity). 26 us: "
+        "a PyTorch device->host round trip measured on bare-metal Linux (github.com/jingyaogong/minimind/pull/837; "
+        "45 us in github.com/kekzl/imp/pull/1357). The launch lead it costs is already priced: every kernel's "
+        "kernel_overhead_s is charged as if never hidden")
+    grouped_gemm_streams: int = Field(
+        4, ge=1, description="GEMMs of a grouped expert GEMM that run at once: Transformer Engine's GroupedLinear "
+        "(Megatron-Core TEGroupedMLP, --moe-grouped-gemm) issues one cuBLAS GEMM per local expert, round-robin on "
+        "num_compute_streams = 4 streams (transformer_engine/common/util/multi_stream.cpp and gemm/cublaslt_gemm.cu "
+        "multi_stream_cublas_gemm, v2.8 to v2.18; a CUTLASS grouped GEMM only with NVTE_USE_CUTLASS_GROUPED_GEMM=1 "
+        "on Hopper); 1 for a loop over the experts on one stream (this project's executor)")
     # -- memory beside the tensors (planner.cost.memory.overhead_terms adds them up) -------------------
     runtime_bytes: int = Field(
         1_397_555_200, ge=0, description="device memory a rank uses outside the caching allocator: CUDA context, "

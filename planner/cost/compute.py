@@ -37,19 +37,21 @@ def peak_flops(profile: ClusterProfile, precision: Precision) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def wave_efficiency(m: int, n: int, sm_count: int | None, tiles: tuple[tuple[int, int], ...]) -> float:
+def wave_efficiency(m: int, n: int, sm_count: int | None, tiles: tuple[tuple[int, int], ...],
+                    copies: int = 1) -> float:
     """Useful fraction of the GPU's tile slots for an (m×n) output, best over the library's tiles.
 
     ``(m·n) / (waves · sm_count · tile_m · tile_n)`` with ``waves = ceil(ceil(m/tm)·ceil(n/tn) / sms)``:
-    partial tiles and a last partial wave leave SMs idle.
+    partial tiles and a last partial wave leave SMs idle. ``copies`` GEMMs of that output running at
+    once (a grouped GEMM's experts on concurrent streams) share the waves: ``copies`` times the tiles.
     """
     if not sm_count:
         return 1.0
     best = 0.0
     for tm, tn in tiles:
-        count = math.ceil(m / tm) * math.ceil(n / tn)
+        count = copies * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(count / sm_count)
-        best = max(best, (m * n) / (waves * sm_count * tm * tn))
+        best = max(best, (copies * m * n) / (waves * sm_count * tm * tn))
     return best
 
 
@@ -269,15 +271,59 @@ def linear_gemms_s(
             gemm_time_s(profile, n, k, m, precision, count, GemmLayout.tn))
 
 
+def grouped_gemm_time_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, count: int,
+                        concurrent: int, layout: GemmLayout = GemmLayout.nn) -> float:
+    """Time of ``count`` GEMMs of (m×k)·(k×n), each on its own operands (the local experts of a grouped
+    GEMM), issued round-robin on ``concurrent`` streams, so up to that many run at once and share the
+    GPU's tile slots (Transformer Engine's GroupedLinear: ``Assumptions.grouped_gemm_streams``).
+
+    Rounds of ``c = min(concurrent, count)`` GEMMs (the last one of what remains). A round fills the waves
+    with ``c`` times one GEMM's output tiles (:func:`wave_efficiency` with ``copies=c``): a reference
+    profile prices its compute at that fill and its traffic as ``c`` GEMMs' bytes; a measured table gives
+    one GEMM at the per-expert shape (its tail effects included), scaled by the fill of one GEMM over that
+    of ``c`` (the profile's ``sm_count`` and ``gemm_tiles``; no change where ``sm_count`` is unknown). One
+    stream, or one GEMM: ``count`` × :func:`gemm_time_s`. At the slowest checked device's pace."""
+    c = max(1, min(concurrent, count))
+    if c == 1 or m <= 0 or n <= 0 or k <= 0:
+        return gemm_time_s(profile, m, n, k, precision, count, layout)
+    memo = memo_for(profile)
+    key = ("grouped", m, n, k, precision, count, c, layout)
+    if memo is not None and key in memo:
+        return memo[key]
+    rounds, rest = divmod(count, c)
+    total = rounds * _concurrent_gemms_s(profile, m, n, k, precision, c, layout)
+    if rest:
+        total += _concurrent_gemms_s(profile, m, n, k, precision, rest, layout)
+    if memo is not None:
+        memo[key] = total
+    return total
+
+
+def _concurrent_gemms_s(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, copies: int,
+                        layout: GemmLayout) -> float:
+    """One round of :func:`grouped_gemm_time_s`: ``copies`` GEMMs running at once."""
+    one = gemm_time_s(profile, m, n, k, precision, 1, layout)
+    if copies == 1:
+        return one
+    table, _ = _sibling_table(profile.compute.gemm, precision, profile)
+    if not table:
+        pace = device_pace(profile) if profile.device_checks else _NO_PACE
+        return _roofline_gemm_time(profile, m, n, k, precision, pace, copies)
+    sm, tiles = profile.device.sm_count, tuple(tuple(t) for t in profile.assumptions.gemm_tiles)
+    return copies * one * wave_efficiency(m, n, sm, tiles) / wave_efficiency(m, n, sm, tiles, copies)
+
+
 def _roofline_gemm_time(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision,
-                        pace: DevicePace = _NO_PACE) -> float:
+                        pace: DevicePace = _NO_PACE, copies: int = 1) -> float:
+    """``copies`` such GEMMs at once, each on its own operands (:func:`grouped_gemm_time_s`): their tiles
+    share the waves, their bytes add up."""
     a = profile.assumptions
-    flops = 2.0 * m * n * k
-    waves = wave_efficiency(m, n, profile.device.sm_count, tuple(tuple(t) for t in a.gemm_tiles))
+    flops = 2.0 * m * n * k * copies
+    waves = wave_efficiency(m, n, profile.device.sm_count, tuple(tuple(t) for t in a.gemm_tiles), copies)
     compute = flops / (_matmul_rate(profile, precision) * waves * k_efficiency(k, a.gemm_k_overhead))
     elt = 1 if precision is Precision.fp8 else precision.bytes
     out = 4 if precision is Precision.fp32 else 2  # FP8 GEMMs write 16-bit outputs
-    traffic = (elt * (m * k + k * n) + out * m * n) / _bandwidth(profile)
+    traffic = copies * (elt * (m * k + k * n) + out * m * n) / _bandwidth(profile)
     # FP8 input casts are fused into the producing norm / activation kernels (Transformer Engine),
     # so they add no separate HBM pass here.
     return max(compute * pace.compute, traffic * pace.memory)

@@ -13,8 +13,16 @@ routes its ``T/(cp·tp)`` sequence-parallel tokens (``T = b·s``), its experts c
 ``T·k·etp/(cp·tp)`` rows (:func:`expert_rows`) over ``E/ep`` local experts at width ``f/etp``, the
 all-to-all moves ``T·k·h/(cp·tp)`` elements per rank over ep ranks spaced etp apart, the experts'
 all-gather/reduce-scatter moves the gathered rows over etp consecutive ranks, and only the
-attention (and shared experts) keep the TP pair (:func:`tp_pairs`). With etp = tp every formula is
-the unfolded one.
+attention (and shared experts) keep the TP pair (:func:`tp_pairs`). With etp = tp the same formulas
+hold: the dispatcher all-gathers the ``T·k/cp`` routed rows over the TP group (k times the hidden
+states), and the FFN's own TP pair is gone.
+
+The rest of an MoE layer's dispatch, each a named term: the router's fp32 score kernels
+(:data:`ROUTER_BYTES_PER_SCORE`), the token permutation, sorting by local expert and unpermutation
+(:func:`dispatch_traffic`), the routing probabilities' all-to-all beside the tokens', the
+tokens-per-expert all-gather over the TP×EP group and the host synchronisation that waits for it
+(``Assumptions.moe_host_sync_s``, :func:`_dispatch_sync`), and the grouped GEMM as Transformer Engine runs
+it: one GEMM per local expert on concurrent streams (:func:`routed_expert_gemms`, one launch each).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass, field
 from planner.contracts import (
     ClusterProfile,
     Collective,
+    GemmLayout,
     ModelSpec,
     MoESpec,
     ParallelLayout,
@@ -31,12 +40,13 @@ from planner.contracts import (
     Recompute,
     TrainingConfig,
 )
-from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s
+from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s, placement
 from planner.cost.compute import (
     attention_time_s,
     cross_entropy_bytes,
     elementwise_time_s,
     gemm_fwd_bwd_s,
+    grouped_gemm_time_s,
     linear_gemms_s,
     memory_time_s,
 )
@@ -54,7 +64,7 @@ class PassCost:
     gemm_s: float = 0.0
     attention_s: float = 0.0
     memory_s: float = 0.0
-    overhead_s: float = 0.0  # kernel launches: count x kernel_overhead_s
+    overhead_s: float = 0.0  # kernel launches (count x kernel_overhead_s) and, MoE, the exposed host sync
     comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
     exposed_comm_s: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)  # buffer bytes by kind
@@ -165,22 +175,99 @@ def _mlp_gemms(profile: ClusterProfile, model: ModelSpec, tokens: int, ffn: int,
                 linear_gemms_s(profile, tokens, h, ffn // split, precision, count))
 
 
+def local_experts(moe: MoESpec, ep: int) -> int:
+    """Routed experts on one rank: ``E/ep``, at least 1."""
+    return max(moe.num_experts // ep, 1)
+
+
 def routed_expert_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec, mb: MicroBatch,
                         ep: int) -> Gemms:
     """(fwd, dgrad, wgrad) of one rank's routed experts: its ``E/ep`` local experts (at least 1), each
-    on an even share of :func:`expert_rows` (``int(rows / (E/ep))``, at least 1), at FFN width ``f/etp``."""
-    local_experts = max(moe.num_experts // ep, 1)
-    per_expert = max(int(expert_rows(moe, mb) / local_experts), 1)
-    return _mlp_gemms(profile, model, per_expert, moe.expert_ffn_hidden_size, mb.expert_tp, mb.precision,
-                      local_experts)
+    on an even share of :func:`expert_rows` (``int(rows / (E/ep))``, at least 1), at FFN width ``f/etp``.
+
+    Each of the experts' linear layers (up, fused gate+up for SwiGLU; down) is one grouped GEMM as
+    Megatron-Core's TEGroupedMLP runs it (--moe-grouped-gemm): Transformer Engine's GroupedLinear launches
+    one cuBLAS GEMM per local expert, round-robin on ``Assumptions.grouped_gemm_streams`` streams, so that
+    many run at once and fill each other's last wave (:func:`planner.cost.compute.grouped_gemm_time_s`:
+    the profile's GEMM at the per-expert shape, its tail shared). Its launches: one per expert GEMM
+    (:func:`forward_kernel_count`)."""
+    h, f, etp = model.hidden_size, moe.expert_ffn_hidden_size, mb.expert_tp
+    experts = local_experts(moe, ep)
+    rows = max(int(expert_rows(moe, mb) / experts), 1)
+    up = (2 if model.ffn_kind == "swiglu" else 1) * f // etp
+    streams = profile.assumptions.grouped_gemm_streams
+    return _sum(_grouped_linear(profile, rows, up, h, mb.precision, experts, streams),
+                _grouped_linear(profile, rows, h, f // etp, mb.precision, experts, streams))
+
+
+def _grouped_linear(profile: ClusterProfile, m: int, n: int, k: int, precision: Precision, experts: int,
+                    streams: int) -> Gemms:
+    """(fwd, dgrad, wgrad) of a grouped linear ``Y[m×n] = X[m×k]·W[k×n]`` per expert, ``experts`` of them
+    (the shapes and layouts of :func:`planner.cost.compute.linear_gemms_s`, each GEMM grouped)."""
+    g = grouped_gemm_time_s
+    return (g(profile, m, n, k, precision, experts, streams, GemmLayout.nt),
+            g(profile, m, k, n, precision, experts, streams, GemmLayout.nn),
+            g(profile, n, k, m, precision, experts, streams, GemmLayout.tn))
+
+
+ROUTER_BYTES_PER_SCORE = 22
+"""HBM bytes the router moves per (token, expert) score in forward, its GEMM aside: Megatron-Core's
+TopKRouter with Transformer Engine's fused router kernels (--moe-router-fusion, set by Megatron-Bridge's
+MoE performance recipes), fp32 scores. The top-k kernel reads the fp32 logits and writes the dense
+routing probabilities (fp32) and map (bool): 4 + 4 + 1; the aux-loss scores kernel the same again
+(compute_routing_scores_for_aux_loss): 4 + 4 + 1; the load-balancing loss reads those scores: 4."""
+
+PROB_BYTES = 4
+"""Bytes of one routed copy's router probability, all-to-all'd beside the token (fp32; Megatron-Core's
+alltoall dispatcher since core_v0.13.0, token_dispatch)."""
+
+COUNT_BYTES = 8
+"""Bytes of one tokens-per-expert count (int64) in the dispatcher's metadata all-gather."""
+
+
+@dataclass(frozen=True)
+class DispatchTraffic:
+    """HBM bytes of one MoE layer's token dispatch on one rank in forward, by kernel (:func:`dispatch_traffic`)."""
+
+    router: float  # score function, top-k and aux-loss kernels
+    permute: float  # tokens into expert order before the all-to-all
+    sort_chunks: float  # each of the sort by local expert after the all-to-all and the unsort before the combine
+    unpermute: float  # the k copies back into token order, summed
+
+
+def dispatch_traffic(model: ModelSpec, moe: MoESpec, mb: MicroBatch, ep: int) -> DispatchTraffic:
+    """Bytes one rank's dispatcher moves per forward: Megatron-Core's MoEAlltoAllTokenDispatcher with fused
+    permutation (--moe-permute-fusion; Transformer Engine's moe_permute, moe_sort_chunks_by_index and
+    moe_unpermute kernels). The rank routes ``T_r`` tokens (``T/(cp·tp)`` with SP, else ``T/cp``), each to
+    ``k`` experts (``k·capacity_factor`` copies when padded to capacity):
+
+    - router: :data:`ROUTER_BYTES_PER_SCORE` per score, ``T_r × E`` of them;
+    - permute: each token read once, its copies written: ``(1 + k)·T_r·h`` elements;
+    - sort (and, before the combine, unsort) by local expert, when the rank holds more than one expert:
+      read and write the :func:`expert_rows` ``R`` it computes: ``2·R·h`` each;
+    - unpermute: the copies read back and summed into their token: ``(k + 1)·T_r·h`` (the routing
+      probabilities are applied in the experts' activation, so no separate weighting pass).
+
+    Backward moves the same in reverse (priced as every bandwidth-bound op, x ``ELEMENTWISE_BACKWARD_RATIO``)."""
+    h, elt = model.hidden_size, mb.elt
+    routed = mb.tokens / (mb.tp if mb.sp else 1)
+    copies = routed_token_count(moe, 1, 1.0)
+    sort = 2 * expert_rows(moe, mb) * h * elt if local_experts(moe, ep) > 1 else 0.0
+    return DispatchTraffic(router=ROUTER_BYTES_PER_SCORE * routed * moe.num_experts,
+                           permute=(1 + copies) * routed * h * elt, sort_chunks=sort,
+                           unpermute=(copies + 1) * routed * h * elt)
 
 
 def tp_pairs(model: ModelSpec, is_moe: bool, mb: MicroBatch) -> int:
     """(all-gather, reduce-scatter) pairs (all-reduces without SP) a block runs on the attention's TP
-    group per pass: the attention's and the FFN's, 2. With folded experts (etp < tp) the routed experts
-    leave the TP group (their rows come by the EP all-to-all and the ETP all-gather instead): the
-    attention's pair, and one more for the shared experts, which Megatron-Core runs as a TP-split MLP."""
-    if not (is_moe and mb.folded):
+    group per pass: a dense block's attention and FFN, 2. An MoE block with SP: the attention's pair,
+    and one more for the shared experts, which Megatron-Core runs as a TP-split MLP; the routed experts'
+    rows come by the EP all-to-all and the all-gather over their own TP group (:func:`_expert_tp_comm`),
+    for every etp <= tp: with etp = tp Megatron-Core's alltoall dispatcher all-gathers the routed rows
+    over the TP group (dispatch_postprocess, core_v0.15.0), k times the hidden states, in place of the
+    FFN's pair. Without SP (etp = tp; Megatron-Core refuses MoE with TP but no SP in training,
+    MoELayer.forward): 2 all-reduces, as a dense block."""
+    if not (is_moe and mb.sp):
         return 2
     moe = model.moe
     assert moe is not None
@@ -264,16 +351,16 @@ def block_cost(
     act = (3 if swiglu else 2) * elt * tokens * ffn / t
     # RoPE rotates the local query and key heads (read + write)
     rope = 2 * elt * tokens * (heads + kv_heads) * model.head_size if model.position_embedding == "rope" else 0
-    # MoE token dispatcher: permute the T·k routed copies into expert order and back (read + write
-    # each), and weight them by the router probabilities on the way back
-    permute = 0.0
-    if moe is not None:
-        permute = (2 * 2 + 1) * elt * routed_token_count(moe, tokens, mb.moe_imbalance) * h / rep
     p = mb.precision
     fwd.memory_s = (2 * elementwise_time_s(profile, "rmsnorm", norm, p)
                     + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
                     + 2 * elementwise_time_s(profile, "add", add, p)
-                    + elementwise_time_s(profile, "add", rope, p) + elementwise_time_s(profile, "add", permute, p))
+                    + elementwise_time_s(profile, "add", rope, p))
+    if moe is not None:  # the token dispatcher's kernels, each at its own size
+        d = dispatch_traffic(model, moe, mb, layout.ep)
+        fwd.memory_s += (elementwise_time_s(profile, "add", d.router, p) + elementwise_time_s(profile, "add", d.permute, p)
+                         + 2 * elementwise_time_s(profile, "add", d.sort_chunks, p)
+                         + elementwise_time_s(profile, "add", d.unpermute, p))
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
 
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
@@ -312,22 +399,47 @@ def block_cost(
         fwd.add_comm("cp", gather, gather, size)  # not overlapped: attention needs all of K and V
         bwd.add_comm("cp", scatter, scatter, size)
 
-    # expert parallel: dispatch and combine all-to-all per pass
+    # expert parallel: dispatch and combine all-to-all of the tokens per pass, and the dispatch of their
+    # routing probabilities (backward: their gradients)
     if moe is not None and layout.ep > 1:
-        size = routed_token_count(moe, tokens, mb.moe_imbalance) * h * elt / rep
-        a2a = 2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
+        copies = routed_token_count(moe, tokens, mb.moe_imbalance) / rep
+        size, probs = copies * h * elt, copies * PROB_BYTES
+        a2a = (2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
+               + collective_time_s(profile, Collective.all_to_all, groups["ep"], probs))
         for p in (fwd, bwd):
             # with ep_comm_overlap the dispatch/combine of one micro-batch runs beside another's compute
             hidden = hidden_time_s(a2a, p.compute_s, async_eff) if layout.ep_comm_overlap else 0.0
-            p.add_comm("ep", a2a, a2a - hidden, 2 * size)
-    if moe is not None and mb.folded and mb.expert_tp > 1:
+            p.add_comm("ep", a2a, a2a - hidden, 2 * size + probs)
+    if moe is not None and mb.sp and mb.expert_tp > 1:
         _expert_tp_comm(profile, fwd, bwd, expert_rows(moe, mb) * h * elt, groups["etp"],
                         async_eff if layout.ep_comm_overlap else 0.0)
 
     kernels = forward_kernel_count(model, moe is not None, mb, layout)
     fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
     bwd.overhead_s = 2 * fwd.overhead_s
+    if moe is not None:
+        _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
     return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+
+
+def _dispatch_sync(profile: ClusterProfile, fwd: PassCost, moe: MoESpec, mb: MicroBatch, layout: ParallelLayout,
+                   eff: float) -> None:
+    """The dispatcher's metadata and host synchronisation, forward only (backward reuses the counts).
+
+    Megatron-Core's alltoall dispatcher (preprocess, core_v0.15.0) all-gathers each rank's tokens-per-expert
+    counts (``E`` int64) over the TP×EP group (``ep·etp`` consecutive ranks) when ``ep·etp > 1`` (kind "ep",
+    or "tp" without EP), then copies them to the host and waits (``Assumptions.moe_host_sync_s``, under
+    ``overhead_s``): the GPU idles until the host has sized and launched the all-to-all. Not when padded
+    to a capacity (``capacity_factor``; --moe-pad-expert-input-to-capacity: sizes known on the host). With
+    ``ep_comm_overlap`` both run beside another micro-batch's compute (``eff``), as the all-to-all."""
+    group = placement(layout.ep * mb.expert_tp, 1, profile.gpus_per_node)
+    if group.size > 1:
+        size = COUNT_BYTES * moe.num_experts * group.size
+        gather = collective_time_s(profile, Collective.all_gather, group, size)
+        fwd.add_comm("ep" if layout.ep > 1 else "tp", gather, gather - hidden_time_s(gather, fwd.compute_s, eff), size)
+    if moe.capacity_factor is None:
+        sync = profile.assumptions.moe_host_sync_s
+        fwd.overhead_s += sync - hidden_time_s(sync, fwd.compute_s, eff)
 
 
 def _expert_tp_comm(profile: ClusterProfile, fwd: PassCost, bwd: PassCost, size: float, group: GroupPlacement,
@@ -349,19 +461,23 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
 
     2 norms, 2 residual adds (dropout fused), RoPE, the attention projections (2; MLA 5), the
     attention core (flash 1; unfused: 2 batched GEMMs, softmax, dropout), the FFN (2 GEMMs and the
-    activation; MoE: router GEMM, softmax/top-k/aux-loss 3, permute and unpermute 4, grouped
-    expert GEMMs and their activation 3, shared experts 3 each (2 GEMMs and the activation),
-    all-to-all 2 with EP), TP collectives (2, or 4 with SP; folded experts: 2 per :func:`tp_pairs` pair
-    and 2 for the experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts
-    are fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
+    activation; MoE: router GEMM, score/top-k/aux-loss 3, permute and unpermute 2, sort and unsort by
+    local expert 2 when a rank holds more than one, the grouped expert GEMMs one launch per local expert
+    each (2·E/ep) and their activation 1, shared experts 3 each (2 GEMMs and the activation), with EP the
+    tokens' dispatch and combine all-to-all and the probabilities' 3, with ep·etp > 1 the counts'
+    all-gather 1), TP collectives (2 per :func:`tp_pairs` pair, 1 without SP; MoE with SP: 2 for the
+    experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts are
+    fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
     """
     gemms = 5 if model.mla is not None else 2
     count = 4 + (1 if model.position_embedding == "rope" else 0) + (1 if mb.flash else 4)
     if is_moe:
         moe = model.moe
         assert moe is not None
-        ffn_gemms = 1 + 2 + 2 * moe.num_shared_experts
-        count += 3 + 4 + moe.num_shared_experts + 1 + (2 if layout.ep > 1 else 0)  # + shared activations
+        experts = local_experts(moe, layout.ep)
+        ffn_gemms = 1 + 2 * experts + 2 * moe.num_shared_experts
+        count += 3 + 2 + (2 if experts > 1 else 0) + 1 + moe.num_shared_experts  # + shared activations
+        count += (3 if layout.ep > 1 else 0) + (1 if layout.ep * mb.expert_tp > 1 else 0)
     else:
         ffn_gemms = 2
         count += 1
@@ -369,7 +485,7 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     count += gemms
     if mb.tp > 1:
         count += (2 if mb.sp else 1) * tp_pairs(model, is_moe, mb)
-    if is_moe and mb.folded and mb.expert_tp > 1:
+    if is_moe and mb.sp and mb.expert_tp > 1:
         count += 2  # the experts' all-gather and reduce-scatter
     if mb.cp > 1:
         count += 1

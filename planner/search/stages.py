@@ -1127,8 +1127,8 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
             mb = MicroBatch(batch, training.seq_length, cp, tp, sp, training.precision, training.flash_attention,
                             training.moe_load_imbalance, etp)
             gemms, a2a_s = _moe_floor_s(model, training, profile, moe, mb, ep, ep_overlap, cache)
-            if etp is not None:  # folded experts: fewer TP pairs (the floor is linear in them)
-                per = fixed + tp_s * tp_pairs(model, True, mb) / 2
+            # the routed experts leave the attention's TP pairs (the floor is linear in them)
+            per = fixed + tp_s * tp_pairs(model, True, mb) / 2
             per += gemms
             per += a2a_s
         total += count * per
@@ -1160,7 +1160,7 @@ def _moe_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
         size = routed * model.hidden_size * elt / (tp if sp else 1)
         a2a = 2 * collective_time_s(profile, Collective.all_to_all, placement(ep, mb.expert_tp, gpn), size)
         comm_s = 2 * max(a2a - hide * a2a, 0.0)
-    if mb.folded and mb.expert_tp > 1:
+    if mb.sp and mb.expert_tp > 1:
         size = expert_rows(moe, mb) * model.hidden_size * elt
         group = placement(mb.expert_tp, 1, gpn)
         pair = (collective_time_s(profile, Collective.all_gather, group, size)
