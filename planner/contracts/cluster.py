@@ -313,6 +313,15 @@ class Assumptions(Contract):
         "num_compute_streams = 4 streams (transformer_engine/common/util/multi_stream.cpp and gemm/cublaslt_gemm.cu "
         "multi_stream_cublas_gemm, v2.8 to v2.18; a CUTLASS grouped GEMM only with NVTE_USE_CUTLASS_GROUPED_GEMM=1 "
         "on Hopper); 1 for a loop over the experts on one stream (this project's executor)")
+    # -- ring latency of large groups (planner.cost.comm.ring_latency_s) ----------------------------------
+    ring_step_intra_node_s: float = Field(
+        1.9e-6, ge=0, description="latency of one step of a ring all-gather / reduce-scatter between two GPUs of a "
+        "node: NCCL's tuning model, hwLat[NVLINK][RING][LL128] = 1.9 us (src/graph/tuning.cc, unchanged v2.10 to "
+        "v2.30); LL128, the protocol NCCL's tuner picks for FSDP-sized messages (MBs to GBs) at hundreds of ranks, "
+        "where the latency matters (Simple: 3.4 us)")
+    ring_step_inter_node_s: float = Field(
+        4.0e-6, ge=0, description="as ring_step_intra_node_s for a step that crosses nodes: "
+        "hwLat[NET][RING][LL128] = 4.0 us (Simple: 9.6 us to v2.17, 14 us from v2.18)")
     # -- memory beside the tensors (planner.cost.memory.overhead_terms adds them up) -------------------
     runtime_bytes: int = Field(
         1_397_555_200, ge=0, description="device memory a rank uses outside the caching allocator: CUDA context, "

@@ -7,6 +7,12 @@ RankGenerator): the ETP group is etp consecutive ranks, the EP group has stride 
 data-parallel group (``ParallelLayout.expert_dp``) stride ep·etp; with etp = tp that is EP over the
 ``dp_shard × cp`` ranks at stride tp. A group whose ranks are ``stride`` apart has
 ``min(n, gpus_per_node // stride)`` members on each node.
+
+Latency at scale: NCCL runs all-gather and reduce-scatter as a ring (its tree is for all-reduce only;
+PAT, NCCL >= 2.23, only with one rank per node), n - 1 steps in a row, each paying a step latency
+(:func:`ring_latency_s`). A link's ``alpha_s`` is its latency at the group it was measured on; a larger
+group pays the steps it has beyond that group (:func:`extra_ring_latency_s`): at 512 ranks on 64 nodes
+about 1 ms per call, more than the bytes of a 1B model's layer take.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
+from planner.contracts import Assumptions, ClusterProfile, Collective, LinkLevel, LinkProfile, ParallelLayout
 from planner.cost.memo import memo_for
 from planner.errors import AutoparError
 
@@ -145,12 +151,57 @@ def _segments_of(candidates: list[LinkProfile], chosen: LinkProfile) -> list[Lin
     return sorted(segs, key=lambda s: -1 if s.min_bytes is None else s.min_bytes)
 
 
+RING_COLLECTIVES = (Collective.all_gather, Collective.reduce_scatter)
+"""Collectives NCCL runs only as a ring on groups spanning nodes with several ranks per node (its tuning
+model, src/graph/tuning.cc: all-gather and reduce-scatter have no tree; PAT, added in 2.23.4 with
+"logarithmic number of network steps for small sizes at scale", "only supports one rank per node",
+release notes of v2.23.4-1). All-reduce switches to a tree at scale (latency logarithmic in the nodes):
+its ``alpha_s`` stands."""
+
+
+def ring_latency_s(assumptions: Assumptions, size: int, per_node: int) -> float:
+    """Step latencies of one ring all-gather / reduce-scatter over ``size`` ranks, ``per_node`` of them
+    on each node: ``size - 1`` steps, ``nodes - 1`` of them crossing nodes (NCCL's tuning model:
+    ``(nsteps - nInterSteps)·intraLat + nInterSteps·interLat``, nsteps = n - 1, nInterSteps = nodes - 1)."""
+    if size <= 1:
+        return 0.0
+    inter = -(-size // max(per_node, 1)) - 1
+    return (size - 1 - inter) * assumptions.ring_step_intra_node_s + inter * assumptions.ring_step_inter_node_s
+
+
+def measured_group(link: LinkProfile, gpus_per_node: int) -> GroupPlacement:
+    """The group a link's ``alpha_s`` was measured on: its ``group_size`` and ``ranks_per_node``; for
+    an entry of any size (reference profiles' "typical NCCL small-message times", nccl-tests on whole
+    nodes) one node's GPUs within a node, two nodes' across."""
+    per = link.ranks_per_node
+    if link.group_size:
+        n = link.group_size
+        if per is None:
+            per = min(n, gpus_per_node) if link.level is LinkLevel.intra_node else max(1, min(gpus_per_node, n // 2))
+        return GroupPlacement(n, per)
+    n = gpus_per_node if link.level is LinkLevel.intra_node else 2 * gpus_per_node
+    return GroupPlacement(n, gpus_per_node)
+
+
+def extra_ring_latency_s(profile: ClusterProfile, collective: Collective, group: GroupPlacement,
+                         link: LinkProfile) -> float:
+    """Latency a ring all-gather / reduce-scatter over ``group`` pays beyond ``link.alpha_s``: the step
+    latencies of its ring less those of the group the link was measured on, never below 0 (a smaller
+    group keeps the measured latency). 0 for other collectives (:data:`RING_COLLECTIVES`)."""
+    if collective not in RING_COLLECTIVES or group.size <= 1:
+        return 0.0
+    base = measured_group(link, profile.gpus_per_node)
+    a = profile.assumptions
+    return max(0.0, ring_latency_s(a, group.size, group.per_node) - ring_latency_s(a, base.size, base.per_node))
+
+
 def collective_time_s(
     profile: ClusterProfile, collective: Collective, group: GroupPlacement, nbytes: float
 ) -> float:
     """α-β time of one collective on ``nbytes`` (the full buffer: all-gather output, all-reduce input).
 
-    ``t = alpha + ring_factor · bytes / busbw``. A group spanning nodes with g members per node runs
+    ``t = alpha + ring_factor · bytes / busbw``, all-gather and reduce-scatter adding the ring steps a
+    group larger than the link's measured one pays (:func:`extra_ring_latency_s`). A group spanning nodes with g members per node runs
     g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``. All-to-all
     has no such sharing: each rank pushes its own ``(n - g)/n`` of the buffer through its own NIC,
     ``t = alpha + max(bytes·(n-g)/n / nic, bytes·(g-1)/n / nvlink)``.
@@ -168,7 +219,8 @@ def collective_time_s(
     factor = ring_factor(collective, n)
     if group.level is LinkLevel.intra_node:
         link = find_link(profile, LinkLevel.intra_node, collective, n, nbytes)
-        return link.alpha_s + factor * nbytes / link.busbw_bytes_per_s
+        latency = link.alpha_s + extra_ring_latency_s(profile, collective, group, link)
+        return latency + factor * nbytes / link.busbw_bytes_per_s
     net = find_link(profile, LinkLevel.inter_node, collective, n, nbytes)
     as_measured = net.collective is collective and net.group_size == n and net.ranks_per_node == group.per_node
     if collective is Collective.all_to_all:
@@ -184,7 +236,17 @@ def collective_time_s(
     if group.per_node > 1 and not as_measured:
         intra = find_link(profile, LinkLevel.intra_node, collective, group.per_node, nbytes)
         busbw = min(busbw, intra.busbw_bytes_per_s)
-    return net.alpha_s + factor * nbytes / busbw
+    return net.alpha_s + extra_ring_latency_s(profile, collective, group, net) + factor * nbytes / busbw
+
+
+def call_latency_s(profile: ClusterProfile, collective: Collective, group: GroupPlacement, nbytes: float) -> float:
+    """The latency part of :func:`collective_time_s` (``alpha`` plus the ring's extra steps) on the link
+    segment covering ``nbytes``: what each further call pays when the same bytes go in several calls."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    size = 2 if collective is Collective.p2p else group.size
+    link = find_link(profile, group.level, collective, size, nbytes)
+    return link.alpha_s + extra_ring_latency_s(profile, collective, group, link)
 
 
 def host_copy_time_s(profile: ClusterProfile, nbytes: float, to_device: bool) -> float:
