@@ -24,7 +24,14 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.contracts.cluster import slow_device_limit
-from planner.cost.comm import collective_time_s, hidden_time_s, host_copy_time_s, mesh_groups, placement
+from planner.cost.comm import (
+    call_latency_s,
+    collective_time_s,
+    hidden_time_s,
+    host_copy_time_s,
+    mesh_groups,
+    placement,
+)
 from planner.cost.compute import device_pace, memory_time_s, peak_flops
 from planner.cost.flops import model_flops_per_step, recompute_flops
 from planner.cost.layer import BlockCost, MicroBatch, PassCost, block_cost, embedding_cost, lm_head_cost
@@ -193,10 +200,49 @@ class DPTraffic:
     replica_s: float = 0.0  # HSDP: all-reduce of the gradient shard across replicas, once per step
     gather_s: float = 0.0  # one all-gather of the 16-bit weights (ZeRO >= 1)
     gather_bytes: float = 0.0
+    units: int = 1  # calls the dense weights' reduce-scatter (ZeRO-2/3) and gather (ZeRO-3) each take
+
+
+def dp_units(layout: ParallelLayout, blocks: int, holds_root: bool) -> int:
+    """Calls a stage's ZeRO-2/3 reduce-scatter (and ZeRO-3 all-gather) of its dense weights takes: one
+    per FSDP unit. FSDP wraps each transformer block as a unit and gathers / reduce-scatters it alone (Zhao et al.
+    2023, PyTorch FSDP, §3.2-3.3: llm-foundry's FSDP1 auto-wrap, torchtitan's and the autopar executor's
+    FSDP2 ``fully_shard`` per block), the embedding, final norm and head in the root unit(s): ``blocks + 1``
+    on a stage holding any of them. ZeRO-0/1 reduce and gather in buckets: one call per step (DeepSpeed
+    ZeRO-2's 5e8-element buckets and ZeRO-3's per-sub-module fetches are not modelled apart)."""
+    if layout.zero_stage < 2:
+        return 1
+    return max(blocks + (1 if holds_root else 0), 1)
+
+
+def dp_cadence(layout: ParallelLayout) -> tuple[int, bool]:
+    """(ZeRO-3 gathers per micro-batch, gradients reduced every micro-batch) of a layout; 0 gathers per
+    micro-batch: once per step.
+
+    Without a pipeline every framework here reduce-scatters ZeRO-2/3 gradients each micro-batch: Composer
+    (llm-foundry) skips the sync only for DDP (``ddp_sync_context`` yields for FSDP), torchtitan calls no
+    ``set_requires_gradient_sync`` in its accumulation loop, DeepSpeed ZeRO-2/3 has no ``no_sync``; and
+    ZeRO-3 gathers before each forward and, resharding, again before backward. Under a pipeline torch's
+    stages turn FSDP's gradient sync and resharding after backward off until the last micro-batch
+    (``torch.distributed.pipelining`` stage.py; as ``memory.held_gradient_bytes_per_param`` and
+    ``kept_gathered_bytes_per_param`` hold them): one reduce-scatter per step, and weights stay gathered
+    after each backward, so only resharding after forward gathers again, once per micro-batch."""
+    if layout.pp > 1:
+        return (1 if layout.zero_stage == 3 and layout.reshard_after_forward else 0), False
+    gathers = (2 if layout.reshard_after_forward else 1) if layout.zero_stage == 3 else 0
+    return gathers, layout.zero_stage >= 2
+
+
+def _in_calls(profile: ClusterProfile, collective: Collective, group, nbytes: float, calls: int) -> float:
+    """``nbytes`` moved in ``calls`` collectives: the bytes once, the per-call latency ``calls`` times
+    (priced on the link segment of the whole ``nbytes``)."""
+    t = collective_time_s(profile, collective, group, nbytes)
+    return t + (calls - 1) * call_latency_s(profile, collective, group, nbytes) if calls > 1 and t else t
 
 
 def dp_traffic(
-    profile: ClusterProfile, layout: ParallelLayout, training: TrainingConfig, params: float, expert_params: float
+    profile: ClusterProfile, layout: ParallelLayout, training: TrainingConfig, params: float, expert_params: float,
+    units: int = 1, expert_units: int = 1,
 ) -> DPTraffic:
     """Data-parallel collectives of one stage holding ``params`` dense and ``expert_params`` expert weights.
 
@@ -205,15 +251,19 @@ def dp_traffic(
     (ep·etp)`` per replicate group (``ParallelLayout.expert_dp``; ``dp_shard·cp/ep`` when etp = tp),
     stride ``ep·etp`` (experts are ranked (edp, ep, etp), etp innermost). ZeRO-0: all-reduce.
     ZeRO-1/2/3: reduce-scatter over the shard group, all-reduce of the shard across replicas (HSDP),
-    all-gather of the 16-bit weights.
+    all-gather of the 16-bit weights. ZeRO-2/3's reduce-scatter and ZeRO-3's gather take ``units`` calls
+    for the dense weights and ``expert_units`` for the experts (:func:`dp_units`; one per MoE block): each
+    call pays the latency, which at hundreds of ranks is the ring's ``n - 1`` steps
+    (:func:`planner.cost.comm.extra_ring_latency_s`).
     """
     state = state_bytes_per_param(training)
     gpn, tp = profile.gpus_per_node, layout.tp
     replicas = placement(layout.dp_replicate, tp * layout.cp * layout.dp_shard, gpn)
-    out = DPTraffic()
-    for count, shard, stride in (
-        (params, layout.dp_shard * layout.cp, tp),
-        (expert_params, layout.expert_dp, layout.ep * layout.expert_tp),
+    per_call = layout.zero_stage >= 2
+    out = DPTraffic(units=max(units, 1) if per_call else 1)
+    for count, shard, stride, calls in (
+        (params, layout.dp_shard * layout.cp, tp, out.units),
+        (expert_params, layout.expert_dp, layout.ep * layout.expert_tp, max(expert_units, 1) if per_call else 1),
     ):
         if count <= 0:
             continue
@@ -224,9 +274,10 @@ def dp_traffic(
             out.grad_s += collective_time_s(profile, Collective.all_reduce, everyone, grad_bytes)
             continue
         group = placement(shard, stride, gpn)
-        out.grad_s += collective_time_s(profile, Collective.reduce_scatter, group, grad_bytes)
+        out.grad_s += _in_calls(profile, Collective.reduce_scatter, group, grad_bytes, calls)
         out.replica_s += collective_time_s(profile, Collective.all_reduce, replicas, grad_bytes / shard)
-        out.gather_s += collective_time_s(profile, Collective.all_gather, group, weight_bytes)
+        out.gather_s += _in_calls(profile, Collective.all_gather, group, weight_bytes,
+                                  calls if layout.zero_stage == 3 else 1)
         out.gather_bytes += weight_bytes
     return out
 
@@ -276,6 +327,31 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
 def _exposed(comm_s: float, window_s: float, eff: float) -> float:
     """Part of ``comm_s`` left on the critical path beside ``window_s`` of independent compute."""
     return comm_s - hidden_time_s(comm_s, window_s, eff)
+
+
+def unit_exposed_s(comm_s: float, first_s: float, units: int, window_s: float, eff: float) -> float:
+    """Exposed part of ``comm_s`` of one micro-batch's pass over ``units`` FSDP units, ``window_s`` of
+    compute, prefetching one unit ahead (FSDP1's rate limiter allows two gathers in flight, FSDP2 one
+    prefetch: Zhao et al. 2023 §3.3-3.4): the ``first_s`` call has no compute before it (the forward's first
+    gather: "the 1st all-gather will not be able to overlap with anything", PyTorch FSDP notes; the
+    backward's last reduce-scatter) and shows whole; each other call hides behind one unit's compute,
+    ``eff·min(call, unit)``, which for equal units is ``_exposed(rest, window·(units - 1)/units)``."""
+    if comm_s <= 0:
+        return 0.0
+    rest = comm_s - first_s
+    return first_s + _exposed(rest, window_s * (units - 1) / units, eff)
+
+
+def microbatch_exposed_s(layout: ParallelLayout, gather_f: float, gather_b: float, grad_mb: float, units: int,
+                         fwd_s: float, bwd_s: float, eff: float) -> tuple[float, float]:
+    """Exposed (forward, backward) parts of one micro-batch's data-parallel traffic on a stage: the
+    forward's gathers, the backward's gathers and reduce-scatters. Without a pipeline each pass shows
+    its first gather / last reduce-scatter (:func:`unit_exposed_s`); in a pipeline other micro-batches'
+    compute runs beside them, so the whole pass is the window (:func:`_exposed`)."""
+    if layout.pp > 1:
+        return _exposed(gather_f, fwd_s, eff), _exposed(gather_b + grad_mb, bwd_s, eff)
+    return (unit_exposed_s(gather_f, gather_f / units, units, fwd_s, eff),
+            unit_exposed_s(gather_b + grad_mb, grad_mb / units, units, bwd_s, eff))
 
 
 def mfu_peak_flops(profile: ClusterProfile) -> float:
@@ -388,27 +464,29 @@ def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
     return out
 
 
-def _data_parallel(c: _Step, t: _Times) -> tuple[list[float], list[dict[str, tuple[float, float, float]]]]:
+def _data_parallel(c: _Step, t: _Times, stages: list[_Stage]
+                   ) -> tuple[list[float], list[dict[str, tuple[float, float, float]]]]:
     """Each rank's once-per-step exposed data-parallel time, and per kind (bytes, seconds, exposed) per step;
     the per-micro-batch exposed part joins ``t``'s forward and backward.
 
-    With gradients sharded (ZeRO-2/3) they cannot be accumulated locally, so they are reduce-scattered
-    every micro-batch, beside that micro-batch's backward; ZeRO-3 also gathers the weights before every
-    forward (and again before backward when it reshards). Otherwise gradients are reduced once, beside the
-    last micro-batch's backward. Weights gathered once per step (ZeRO-1/2) overlap the next step's first
-    forward (overlap-param-gather); HSDP's replica all-reduce happens once per step."""
+    Cadence by :func:`dp_cadence`: without a pipeline ZeRO-2/3 reduce-scatter gradients every micro-batch,
+    beside its backward, and ZeRO-3 gathers the weights before every forward (and again before backward
+    when it reshards), each unit apart (:func:`dp_units`), prefetching one unit ahead
+    (:func:`microbatch_exposed_s`: the first gather and the last reduce-scatter of each micro-batch show).
+    Otherwise gradients are reduced once, beside the last micro-batch's backward. Weights gathered once
+    per step overlap the first forward (overlap-param-gather); HSDP's replica all-reduce happens once per step."""
     lay, m = c.layout, c.m
     eff = c.profile.assumptions.async_overlap_efficiency if lay.dp_comm_overlap else 0.0
-    grads_per_mb = lay.zero_stage >= 2
-    gathers_per_mb = (2 if lay.reshard_after_forward else 1) if lay.zero_stage == 3 else 0
+    gathers_per_mb, grads_per_mb = dp_cadence(lay)
     exposed, comm = [], []
-    for i in range(len(t.fwd_s)):
-        tr = dp_traffic(c.profile, lay, c.training, t.dense[i], t.experts[i])
+    for i, st in enumerate(stages):
+        moe_blocks = sum(c.kinds[li] for li in st.layers)
+        tr = dp_traffic(c.profile, lay, c.training, t.dense[i], t.experts[i],
+                        dp_units(lay, len(st.layers), st.first or st.last), moe_blocks)
         gather_f = tr.gather_s if gathers_per_mb else 0.0
         gather_b = tr.gather_s * (gathers_per_mb - 1) if gathers_per_mb else 0.0
         grad_mb = tr.grad_s if grads_per_mb else 0.0
-        exp_f = _exposed(gather_f, t.fwd_s[i], eff)
-        exp_b = _exposed(gather_b + grad_mb, t.bwd_s[i], eff)
+        exp_f, exp_b = microbatch_exposed_s(lay, gather_f, gather_b, grad_mb, tr.units, t.fwd_s[i], t.bwd_s[i], eff)
         share_gather_b = gather_b / (gather_b + grad_mb) if gather_b + grad_mb else 0.0
         t.fwd_s[i] += exp_f
         t.bwd_s[i] += exp_b
@@ -558,7 +636,7 @@ def _predict(
     c = _new_step(model, training, profile, layout)
     stages = _stages(model, layout)
     t = _stage_times(c, stages)
-    dp_exposed, dp_comm = _data_parallel(c, t)
+    dp_exposed, dp_comm = _data_parallel(c, t, stages)
     pipe_s, bubble_s = pipeline_time_s(layout.schedule, t.fwd_s, t.bwd_s, c.m, layout.virtual_stages)
     opt_s, offload_s = _optimizer(c, t)
     step_s = pipe_s + max(e + o for e, o in zip(dp_exposed, opt_s))

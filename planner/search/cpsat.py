@@ -159,7 +159,7 @@ def _context(sm: StageModel) -> _Context:
     all_dense = L * max(ka.dense_params, kb.dense_params if kb else 0.0) + sm.emb_params + sm.head_params
     all_expert = L * max(ka.expert_params, kb.expert_params if kb else 0.0)
     worst_s = (L * max(k.forward_s + k.backward_s[Recompute.full] for k in sm.kind_cost.values()) + sum(sm.emb)
-               + sum(sm.head) + 2 * v * sm.p2p_s + 3 * sum(sm.traffic(all_dense, all_expert))
+               + sum(sm.head) + 2 * v * sm.p2p_s + 3 * sum(sm.traffic(all_dense, all_expert, L + 1, L))
                + sm.optimizer_s(all_dense, all_expert))
     cx.ub_units = 2 * cx.q(worst_s) + 10
     cx.big_time = S * cx.ub_units
@@ -246,7 +246,8 @@ def _rank_compute(cx: _Context, rk: _Rank) -> tuple[cp_model.LinearExprT, cp_mod
 
 def _dp_collectives(cx: _Context, rk: _Rank) -> dict[str, cp_model.LinearExprT]:
     """The rank's data-parallel collectives (grad, replica, gather) in base units: ``alpha + slope·params``
-    for the dense parameters, plus the expert ones' (and their ``alpha`` when it holds any MoE block)."""
+    for the dense parameters, plus the expert ones' (and their ``alpha`` when it holds any MoE block), and
+    ZeRO-2/3's ``per_call`` for each further call (one per block and root unit; per MoE block)."""
     sm, mdl, q = cx.sm, cx.mdl, cx.q
     (pda, pdb), (pea, peb) = cx.dense_params, cx.expert_params
     const_dense = rk.const_dense(cx)
@@ -260,11 +261,16 @@ def _dp_collectives(cx: _Context, rk: _Rank) -> dict[str, cp_model.LinearExprT]:
         mdl.Add(moe_count >= 1).OnlyEnforceIf(has_experts)
         mdl.Add(moe_count == 0).OnlyEnforceIf(has_experts.Not())
     out = {}
+    root = 1 if rk.first or rk.last(cx) else 0
     for which in ("grad", "replica", "gather"):
         d, e = sm.dense_dp[which], sm.expert_dp[which]
         expr = q(d.slope * pda) * rk.na + q(d.slope * pdb) * rk.nb + q(d.alpha + d.slope * const_dense)
+        if d.per_call:  # ZeRO-2/3: a call per block and one for the root unit (predict.dp_units)
+            expr += q(d.per_call) * (rk.na + rk.nb) + q(d.per_call * (root - 1))
         if moe_count is not None:
             expr += q(e.slope * pea) * rk.na + q(e.slope * peb) * rk.nb + q(e.alpha) * has_experts
+            if e.per_call:  # a call per MoE block
+                expr += q(e.per_call) * moe_count - q(e.per_call) * has_experts
         out[which] = expr
     return out
 

@@ -749,7 +749,8 @@ def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
         held = -(-sm.kinds.count(kind) // p)
         kc = sm.kind_cost[kind]
         out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer, lay.reshard_after_forward,
-                               lay.dp_comm_overlap, held * kc.dense_params, held * kc.expert_params, cache))
+                               lay.dp_comm_overlap, held * kc.dense_params, held * kc.expert_params, cache,
+                               pp=lay.pp))
     return tuple(out)
 
 
@@ -988,7 +989,7 @@ class _SearchState:
         return LeafComm.of(self.profile, self.training, make_layout,
                            (zero, shard, rep, st.cp, st.tp, st.ep, st.expert_tp), offload,
                            reshard, opts.dp_comm_overlap, self.all_params_dense / (st.tp * st.pp),
-                           self.all_params_expert / (st.expert_tp * st.ep * st.pp), self.cache)
+                           self.all_params_expert / (st.expert_tp * st.ep * st.pp), self.cache, pp=st.pp)
 
     # ------------------------------------------------------------------ one leaf
     def price_leaf(self, si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,

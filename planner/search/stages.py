@@ -82,7 +82,15 @@ from planner.cost.memory import (
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
-from planner.cost.predict import check_layout, default_layer_split, dp_traffic, expert_split
+from planner.cost.predict import (
+    check_layout,
+    default_layer_split,
+    dp_cadence,
+    dp_traffic,
+    dp_units,
+    expert_split,
+    microbatch_exposed_s,
+)
 
 RECOMPUTE_KINDS = (Recompute.selective, Recompute.full)
 
@@ -122,13 +130,15 @@ class StageTerms:
 
 @dataclass(frozen=True)
 class Affine:
-    """``t(x) = alpha·[x > 0] + slope·x``: a collective time as a function of the bytes it moves."""
+    """``t(x) = (alpha + per_call·(calls - 1))·[x > 0] + slope·x``: a collective time as a function of the
+    bytes it moves in ``calls`` calls (ZeRO-2/3 per FSDP unit, :func:`planner.cost.predict.dp_units`)."""
 
     alpha: float
     slope: float
+    per_call: float = 0.0
 
-    def __call__(self, x: float) -> float:
-        return self.alpha + self.slope * x if x > 0 else 0.0
+    def __call__(self, x: float, calls: int = 1) -> float:
+        return self.alpha + self.per_call * (calls - 1) + self.slope * x if x > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -250,8 +260,8 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
 
 def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
               cache: dict, key: tuple | None = None) -> tuple[dict[str, Affine], dict[str, Affine]]:
-    """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params``
-    (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep, etp)``
+    """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params`` plus
+    ``per_call`` for each further call (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep, etp)``
     (etp: the experts' TP degree, tp when not folded): they do not depend on pp or the split. ``layout``
     may be a factory, called on a cache miss."""
     if key is None:
@@ -262,19 +272,19 @@ def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: Paralle
         lay = layout() if callable(layout) else layout
 
         def affine(dense: bool) -> dict[str, Affine]:
-            def at(x: float) -> dict[str, float]:
-                tr = dp_traffic(profile, lay, training, x if dense else 0.0, 0.0 if dense else x)
+            def at(x: float, calls: int = 1) -> dict[str, float]:
+                tr = dp_traffic(profile, lay, training, x if dense else 0.0, 0.0 if dense else x, calls, calls)
                 return {"grad": tr.grad_s, "replica": tr.replica_s, "gather": tr.gather_s}
             # two points on the large-message segment: exact for single-segment links (reference
             # profiles); a measured profile fitted piecewise (LinkProfile.min_bytes/max_bytes) is
             # exact for stages whose traffic is past its last breakpoint, approximate below it
             # (the plan's figures are predict's either way)
             x1, x2 = 1e9, 1e10
-            t1, t2 = at(x1), at(x2)
+            t1, t2, twice = at(x1), at(x2), at(x1, 2)
             out = {}
             for k in t1:
                 slope = (t2[k] - t1[k]) / (x2 - x1)
-                out[k] = Affine(t1[k] - slope * x1, slope)
+                out[k] = Affine(t1[k] - slope * x1, slope, twice[k] - t1[k])
             return out
         # the dense side does not depend on ep (its groups are the dp x cp ranks at stride tp):
         # shared by every expert-parallel degree
@@ -293,30 +303,33 @@ class LeafComm:
     grad_s: float
     replica_s: float
     gather_s: float
-    gathers_per_mb: int  # ZeRO-3: 2 with resharding after forward, else 1; 0 below ZeRO-3
-    grads_per_mb: bool  # ZeRO-2/3 reduce-scatter gradients every micro-batch
+    gathers_per_mb: int  # ZeRO-3 gathers per micro-batch, 0: once per step (predict.dp_cadence)
+    grads_per_mb: bool  # ZeRO-2/3 reduce-scatter gradients every micro-batch (without a pipeline)
     optimizer_s: float
     eff: float  # share of a collective the compute window hides
 
     @classmethod
     def of(cls, profile: ClusterProfile, training: TrainingConfig, make_layout: Callable[[], ParallelLayout],
            key: tuple[int, ...], offload: bool, reshard: bool, dp_comm_overlap: bool,
-           dense: float, expert: float, cache: dict) -> LeafComm:
+           dense: float, expert: float, cache: dict, *, pp: int) -> LeafComm:
         """``key``: (zero, dp_shard, dp_replicate, cp, tp, ep[, etp]) (etp left out: tp); ``make_layout``
-        builds the layout only when the data-parallel costs of this grouping are not cached yet."""
+        builds the layout only when the data-parallel costs of this grouping are not cached yet; ``pp``
+        sets the cadence (:func:`planner.cost.predict.dp_cadence`). Each collective is priced as one call:
+        a lower bound of the stages' per-unit calls."""
         zero, shard, rep, cp, tp, ep, *rest = key
         key = (zero, shard, rep, cp, tp, ep, rest[0] if rest else tp)
-        memo = ("leafcomm", key, offload, reshard, dp_comm_overlap, dense, expert)
+        memo = ("leafcomm", key, offload, reshard, dp_comm_overlap, dense, expert, pp > 1)
         if memo in cache:
             return cache[memo]
         d, e = dp_affine(profile, training, make_layout, cache, key)
         shard_n = shard * cp
         expert_shard = expert_fold(shard, cp, tp, ep, key[6])[1]
+        gathers, grads = dp_cadence(ParallelLayout.model_construct(zero_stage=zero, pp=pp, reshard_after_forward=reshard))
         out = cls(
             grad_s=d["grad"](dense) + e["grad"](expert), replica_s=d["replica"](dense) + e["replica"](expert),
             gather_s=d["gather"](dense) + e["gather"](expert),
-            gathers_per_mb=(2 if reshard else 1) if zero == 3 else 0,
-            grads_per_mb=zero >= 2,
+            gathers_per_mb=gathers,
+            grads_per_mb=grads,
             optimizer_s=optimizer_time_s(profile, training, zero, shard_n, expert_shard, offload, dense, expert),
             eff=profile.assumptions.async_overlap_efficiency if dp_comm_overlap else 0.0,
         )
@@ -377,8 +390,7 @@ class StageModel:
         self.shard_n = base.dp_shard * base.cp
         self.expert_shard = base.expert_dp
         self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
-        self.grads_per_mb = base.zero_stage >= 2
-        self.gathers_per_mb = (2 if base.reshard_after_forward else 1) if base.zero_stage == 3 else 0
+        self.gathers_per_mb, self.grads_per_mb = dp_cadence(base)
         flight_key = ("in-flight", base.schedule, base.pp, self.m, base.virtual_stages)
         if flight_key not in cache:  # shared by every layout of this schedule shape (read-only)
             cache[flight_key] = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
@@ -415,12 +427,14 @@ class StageModel:
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
-    def traffic(self, dense_params: float, expert_params: float) -> tuple[float, float, float]:
-        """(grad, replica, gather) seconds of a stage's data-parallel collectives."""
+    def traffic(self, dense_params: float, expert_params: float, units: int = 1,
+                moe_blocks: int = 1) -> tuple[float, float, float]:
+        """(grad, replica, gather) seconds of a stage's data-parallel collectives, the dense weights' in
+        ``units`` calls and the experts' in ``moe_blocks`` (:func:`planner.cost.predict.dp_traffic`)."""
         d, e = self.dense_dp, self.expert_dp
-        return (d["grad"](dense_params) + e["grad"](expert_params),
+        return (d["grad"](dense_params, units) + e["grad"](expert_params, moe_blocks),
                 d["replica"](dense_params) + e["replica"](expert_params),
-                d["gather"](dense_params) + e["gather"](expert_params))
+                d["gather"](dense_params, units) + e["gather"](expert_params, moe_blocks))
 
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
         """:func:`optimizer_time_s` of this layout, from constants computed once."""
@@ -466,16 +480,18 @@ class StageModel:
             f, b = f + self.head[0], b + self.head[1]
         f += self.v * self.p2p_s
         b += self.v * self.p2p_s
-        grad_s, replica_s, gather_s = self.traffic(dense, experts)
+        units = dp_units(self.layout, layers, first or last)
+        grad_s, replica_s, gather_s = self.traffic(dense, experts, units, n_moe)
         gpm = self.gathers_per_mb
         gather_f = gather_s if gpm else 0.0
         gather_b = gather_s * (gpm - 1) if gpm else 0.0
         grad_mb = grad_s if self.grads_per_mb else 0.0
         grad_step = replica_s + (0.0 if self.grads_per_mb else grad_s)
         gather_step = 0.0 if gpm else gather_s
+        exp_f, exp_b = microbatch_exposed_s(self.layout, gather_f, gather_b, grad_mb, units, f, b, self.eff)
         tail = self.exposed(grad_step, b) + self.exposed(gather_step, f) + self.optimizer_s(dense, experts)
-        f += self.exposed(gather_f, f)
-        b += self.exposed(gather_b + grad_mb, b)
+        f += exp_f
+        b += exp_b
         # memory
         memory = self._memory(rank, dense, experts, acts, transient, gather_biggest, layers)
         return StageTerms(f, b, tail, memory, layers)
