@@ -229,9 +229,16 @@ def published_bytes(row: dict[str, str]) -> float:
     return float(_cell(row, "value")) * UNITS[unit]
 
 
+def target_of(row: dict[str, str]) -> str:
+    """The target whose facts (loss memory, model states: planner.targets.TargetFacts) the row's framework
+    matches: torchtitan, Megatron (Megatron-Bridge / -LM), else the executor's."""
+    framework = row.get("framework", "").lower()
+    return "torchtitan" if "torchtitan" in framework else "megatron" if "megatron" in framework else "autopar"
+
+
 def compare(row: dict[str, str]) -> Result:
     case = build(row)
-    memory = predict(case.model, case.training, case.profile, case.layout).memory
+    memory = predict(case.model, case.training, case.profile, case.layout, target=target_of(row)).memory
     metric = _cell(row, "metric")
     return Result(row["row_id"], metric, published_bytes(row), compared_bytes(metric, memory),
                   ";".join(approximations_of(row)), row.get("source", ""))

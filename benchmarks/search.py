@@ -310,10 +310,11 @@ def run_brute(targets: Targets) -> None:
 # section 3: at least as good as the experts
 
 
-def expert_options(layout: ParallelLayout) -> SearchOptions:
-    """The row's framework features (not searched), top_k=1."""
+def expert_options(layout: ParallelLayout, target: str = "autopar") -> SearchOptions:
+    """The row's framework features (not searched) and the target its framework matches (whose facts set the
+    pipeline sends), top_k=1."""
     return SearchOptions(top_k=1, tp_comm_overlap=layout.tp_comm_overlap, dp_comm_overlap=layout.dp_comm_overlap,
-                         ep_comm_overlap=layout.ep_comm_overlap, pp_scatter_gather=layout.pp_scatter_gather)
+                         ep_comm_overlap=layout.ep_comm_overlap, target=target)
 
 
 def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
@@ -335,7 +336,7 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
         print(f"\n-- {case.run_id}: {case.model.name}, {case.profile.num_gpus} x {case.profile.device.name}, "
               f"batch {case.training.global_batch_seqs} x {case.training.seq_length}, {case.training.precision.value}")
         try:
-            published = predict(case.model, case.training, case.profile, case.layout)
+            published = predict(case.model, case.training, case.profile, case.layout, target=case.target)
         except AutoparError as err:
             print(f"   published layout: {layout_summary(case.layout)}\n   predict raised AutoparError: {err}")
             failures.append(f"{case.run_id} (predict of the published layout failed)")
@@ -346,7 +347,7 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
         print(f"   published: {layout_summary(case.layout)}  -> {published.step_time_s:.3f} s, MFU {published.mfu:.1%}{fit}")
         try:
             t0 = time.perf_counter()
-            plan = search(case.model, case.training, case.profile, expert_options(case.layout))
+            plan = search(case.model, case.training, case.profile, expert_options(case.layout, case.target))
             wall = time.perf_counter() - t0
         except AutoparError as err:
             wall = time.perf_counter() - t0

@@ -330,10 +330,14 @@ def predict(
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
     tp_overlap: Annotated[bool, typer.Option(help="overlap TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="overlap gradient reduction / weight gathers")] = True,
+    target: Annotated[str, typer.Option(help="what will run it: autopar (our executor), megatron, deepspeed or "
+                                        "torchtitan; prices its loss memory, model states and pipeline sends "
+                                        "(planner/targets.py)")] = "autopar",
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan (layout + prediction) as JSON")] = False,
 ) -> None:
     """Predict step time, throughput, MFU, memory and communication of one given layout."""
     from planner.cost.predict import predict as run_prediction
+    from planner.targets import planned_scatter_gather
 
     spec = load_model(model, model_file, hf_config)
     prof = load_profile(cluster, nodes, profile, gpus)
@@ -341,9 +345,11 @@ def predict(
                              moe_imbalance)
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
-    prediction: Prediction = run_prediction(spec, training, prof, layout)
+    # the pipeline sends what the target's stages send (TargetFacts.pp_sends)
+    layout = layout.model_copy(update={"pp_scatter_gather": planned_scatter_gather(target, spec, layout.sp)})
+    prediction: Prediction = run_prediction(spec, training, prof, layout, target=target)
     plan = Plan(model=spec, training=training, cluster=prof.name, num_gpus=prof.num_gpus, layout=layout,
-                precision=training.precision, prediction=prediction)
+                precision=training.precision, target=target, prediction=prediction)
     if as_json:
         print(plan.model_dump_json(indent=2))
     else:

@@ -566,11 +566,11 @@ def _ds_config(plan: Plan) -> dict[str, object]:
     config.update(_ds_precision_config(plan))
     config["zero_optimization"] = _ds_zero_config(plan)
     if lay.pp > 1:
-        # pipe_partitioned: each TP rank sends 1/tp of the activation and the next stage all-gathers it
-        config["pipeline"] = {
-            "pipe_partitioned": lay.pp_scatter_gather,
-            "grad_partitioned": lay.pp_scatter_gather,
-        }
+        # pipe_partitioned: each TP rank sends 1/tp of the activation and the next stage all-gathers it; the
+        # parts are cut from each rank's own output (runtime/utils.py PartitionedTensor), so with sequence
+        # parallelism (a different shard on each rank, 1/tp already) it is off (planner.targets TargetFacts)
+        partitioned = lay.pp_scatter_gather and not (lay.sp and lay.tp > 1)
+        config["pipeline"] = {"pipe_partitioned": partitioned, "grad_partitioned": partitioned}
     return config
 
 

@@ -15,6 +15,12 @@ ZeRO, schedule, virtual stages, offload, resharding, overlaps, sp, micro-batch s
 ``per_stage_recompute`` tell the search whether it may vary the split or the recompute per stage at
 all; the split rows say which particular choices are refused.
 
+A target also prices differently (:class:`TargetFacts`, ``TargetSpec.facts``): the bytes its loss holds
+per logit, what its pipeline stages send (``pp_scatter_gather`` follows from the target and ``sp``; a
+``pp_sends`` row refuses any other value, so no plan prices sends the target does not do) and whether
+its fp32 master copy is the parameter itself. ``predict(..., target=...)`` and the search read them
+here; every fact names its source.
+
 Each table names the framework release its rows were checked against (source paths in the row
 comments); this module never imports torch.
 """
@@ -41,14 +47,18 @@ __all__ = [
     "Limit",
     "RecomputeSetting",
     "Target",
+    "TargetFacts",
     "TargetRefusal",
     "TargetSpec",
     "check",
     "every_nth_recompute",
     "job_of",
+    "loss_bytes_per_logit",
+    "planned_scatter_gather",
     "recompute_text",
     "refusal",
     "stage_layers",
+    "target_facts",
     "uniform_recompute",
 ]
 
@@ -92,12 +102,35 @@ class Limit:
 
 
 @dataclass(frozen=True)
+class TargetFacts:
+    """What a target does that the cost model prices by target (``predict`` and the search read them here).
+
+    ``loss(layout)``: bytes per logit the LM head's logits and the cross-entropy hold at their peak, for one
+    micro-batch of 16-bit logits (``memory.logits_bytes``), or None: the profile's own measurement
+    (``assumptions.loss_bytes_per_logit``, profiler/memory.py measures the executor's loss).
+    ``pp_sends(model, sp)``: the ``pp_scatter_gather`` values the target's pipeline runs (True: each TP rank
+    sends 1/tp of a stage's activation), the first being what it plans.
+    ``master_in_param``: the fp32 master copy is the parameter itself (FSDP2's sharded fp32 parameter; fp32
+    parameters under autocast), its 16-bit weights only copies held through the backward
+    (``memory.model_state_bytes``); False: 16-bit parameters beside an fp32 master (Rajbhandari et al.).
+    Each with the source it was read from."""
+
+    loss: Callable[[ParallelLayout], float | None]
+    loss_source: str
+    pp_sends: Callable[[ModelSpec, bool], tuple[bool, ...]]
+    pp_source: str
+    master_in_param: bool
+    states_source: str
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     target: Target
     framework: str  # the release each row describes
     limits: tuple[Limit, ...]
     uneven_split: bool  # can the target run any layers_per_stage the search picks?
     per_stage_recompute: bool  # can it run a different recompute kind/count per pipeline stage?
+    facts: TargetFacts
 
 
 class TargetRefusal(AutoparError):
@@ -153,6 +186,23 @@ def check(target: Target | str, job: Job, scopes: Iterable[str] = SCOPES) -> Non
     err = refusal(target, job, scopes)
     if err is not None:
         raise err
+
+
+def target_facts(target: Target | str) -> TargetFacts:
+    """``target``'s :class:`TargetFacts`."""
+    return TARGETS[_target(target)].facts
+
+
+def loss_bytes_per_logit(target: Target | str, layout: ParallelLayout, assumption: float) -> float:
+    """Bytes per logit of ``target``'s loss under ``layout``; ``assumption`` (the profile's
+    ``loss_bytes_per_logit``) where the target's facts defer to the measured figure."""
+    own = target_facts(target).loss(layout)
+    return assumption if own is None else own
+
+
+def planned_scatter_gather(target: Target | str, model: ModelSpec, sp: bool) -> bool:
+    """The ``pp_scatter_gather`` a plan for ``target`` states: what its pipeline does with (or without) SP."""
+    return target_facts(target).pp_sends(model, sp)[0]
 
 
 def job_of(plan: Plan, *, hf: bool = False) -> Job:
@@ -316,6 +366,131 @@ def _recompute_value(j: Job) -> str:
 
 
 # ============================================================================================
+# what each target does (TargetFacts), read by predict and the search; benchmarks/loss_memory.py
+# measures the torch losses (torch's profiler, on the CPU), the framework losses are counted below
+# ============================================================================================
+def _sends_as_sp(model: ModelSpec, sp: bool) -> tuple[bool, ...]:
+    return (sp,)
+
+
+def _deepspeed_sends(model: ModelSpec, sp: bool) -> tuple[bool, ...]:
+    if sp:
+        return (True,)  # each rank's own sequence shard; partitioning it again would mix the ranks' shards
+    return (False,) if model.moe is not None else (True, False)
+
+
+_TORCH_PIPELINE_SENDS = (
+    "torch.distributed.pipelining sends each stage's output as it is (stage.py): under sequence parallelism "
+    "the TP rank's sequence shard (1/tp of the activation), without it the whole activation, replicated on "
+    "every TP rank"
+)
+
+_AUTOPAR_FACTS = TargetFacts(
+    loss=lambda lay: None,
+    loss_source="the executor's loss, measured per profile by profiler/memory.py (14.0 on an H100): torch's "
+    "cross-entropy on fp32-cast logits (loss_parallel under TP), the 16-bit logits kept to the backward as "
+    "the pipeline schedule's stage output: 2 (logits) + 4 (fp32 copy) + 4 (log-softmax) + 4 (its gradient) "
+    "at the backward's peak; 14.0 with loss_parallel too (benchmarks/loss_memory.py)",
+    pp_sends=_sends_as_sp,
+    pp_source=_TORCH_PIPELINE_SENDS + " (executor/pipeline.py)",
+    master_in_param=True,
+    states_source="executor/parallelize.py: ZeRO-2/3 are FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype="
+    "bf16, reduce_dtype=fp32), whose sharded fp32 parameter is the master (16-bit weights exist only gathered); "
+    "ZeRO-0/1 keep whole fp32 parameters under torch.autocast (its cached 16-bit casts live through the "
+    "backward) and torch's ZeroRedundancyOptimizer shards only the optimizer state",
+)
+
+_MEGATRON_FACTS = TargetFacts(
+    loss=lambda lay: 6.0,
+    loss_source="Megatron-Core core_v0.19.0 megatron/core/tensor_parallel/cross_entropy.py (the default; "
+    "--cross-entropy-loss-fusion's native path, megatron/core/fusions/fused_cross_entropy.py, holds the same, "
+    "and arguments.py refuses the Transformer Engine one): the 16-bit logits (2) are cast once to fp32 (4), "
+    "the max subtracted, exponentiated and normalised in place, that softmax saved and made the gradient in "
+    "place, then cast to 16 bits (2): 6 in the forward and in the backward",
+    pp_sends=_sends_as_sp,
+    pp_source="core_v0.19.0 megatron/core/pipeline_parallel/schedules.py get_tensor_shapes divides the sent "
+    "sequence by tp only with --sequence-parallel; the scatter-gather of whole activations was removed in "
+    "core_v0.18.0 (NVIDIA/Megatron-LM 10e7b74597)",
+    master_in_param=False,
+    states_source="16-bit parameters beside fp32 main parameters and Adam states sharded by the distributed "
+    "optimizer (megatron/core/optimizer/distrib_optimizer.py); Megatron-FSDP shards a 16-bit model-weight "
+    "buffer and an fp32 main-weight buffer (megatron_fsdp/param_and_grad_buffer.py): the Rajbhandari et al. "
+    "counts",
+)
+
+_DEEPSPEED_FACTS = TargetFacts(
+    loss=lambda lay: 10.0,
+    loss_source="deepspeedai/Megatron-DeepSpeed (2025-07) megatron/model/gpt_model.py: GPTModelPipe casts the "
+    "LM head's logits to fp32 (float16_to_fp32) and CrossEntropy runs megatron/core/tensor_parallel/"
+    "cross_entropy.py, whose max subtraction makes a second fp32 tensor (softmax saved, made the gradient in "
+    "place); DeepSpeed's pipeline engine keeps that stage output in pipe_buffers['outputs'] through the "
+    "backward (runtime/pipe/engine.py): 4 (fp32 logits) + 4 (softmax, then gradient) + 2 (the gradient cast "
+    "to 16 bits) = 10; the non-pipeline path (post_language_model_processing) holds 2 + 4 + 4 in the forward",
+    pp_sends=_deepspeed_sends,
+    pp_source="DeepSpeed runtime/pipe/engine.py: with pipe_partitioned (default true, runtime/config.py) a "
+    "tensor-parallel stage sends 1/tp of its output (PartitionedTensor over the TP group, runtime/utils.py) "
+    "and the next stage all-gathers it, whole outputs without; the parts are cut from each rank's own tensor, "
+    "so with sequence parallelism (distinct shards) each rank sends its own shard (1/tp) unpartitioned, and "
+    "Megatron-DeepSpeed's gpt_model.py asserts partitioning off for MoE models with pp > 1 and tp > 1",
+    master_in_param=False,
+    states_source="ZeRO keeps 16-bit parameters (partitioned at stage 3) beside fp32 master partitions "
+    "(deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups, stage3.py "
+    "fp32_partitioned_groups_flat): the Rajbhandari et al. counts",
+)
+
+
+def _titan_loss(lay: ParallelLayout) -> float:
+    if lay.tp_comm_overlap and lay.tp > 1:  # the export compiles model and loss only with async TP
+        return 4.0
+    return (16.0 if lay.tp > 1 else 12.0) + (2.0 if lay.pp > 1 else 0.0)
+
+
+_TORCHTITAN_FACTS = TargetFacts(
+    loss=_titan_loss,
+    loss_source="torchtitan 0.3.0 torchtitan/components/loss.py casts the logits to fp32; tp = 1: torch's "
+    "cross-entropy (log-softmax saved; its backward makes the NLL and log-softmax gradients) with the logits "
+    "deleted before backward (trainer.py 'del pred'): 12; tp > 1: _LossParallelCrossEntropy (shifted logits "
+    "and their exp in the forward, log-probabilities saved, zeros, exp and product in the backward): 16; "
+    "with pipeline parallelism torch.distributed.pipelining keeps the stage output (the 16-bit logits) to "
+    "its backward: +2; compiled (the export's --compile.components model,loss, written with async TP): 4 "
+    "(logits saved, 16-bit gradient). Measured by benchmarks/loss_memory.py",
+    pp_sends=_sends_as_sp,
+    pp_source=_TORCH_PIPELINE_SENDS + " (torchtitan 0.3.0 distributed/pipeline_parallel.py builds its "
+    "PipelineStage schedules on it)",
+    master_in_param=True,
+    states_source="torchtitan 0.3.0 applies FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=bf16, "
+    "reduce_dtype=fp32) (distributed/fsdp.py apply_fsdp_to_decoder): the sharded fp32 parameter is the master",
+)
+
+
+def _pp_sends(framework: str, facts: TargetFacts, field: str = "pp_scatter_gather") -> Limit:
+    """The row refusing a ``pp_scatter_gather`` the target's pipeline does not do (its ``facts.pp_sends``)."""
+
+    def what(j: Job) -> str:
+        runs = facts.pp_sends(j.model, j.layout.sp)
+        if runs == (False,):
+            return "send the whole activation from every TP rank"
+        shard = "its sequence-parallel shard" if j.layout.sp else "a part the next stage all-gathers"
+        return f"send 1/tp of the activation from each TP rank ({shard})" + (
+            "" if len(runs) == 1 else ", or whole activations")
+
+    return Limit(
+        feature="activation sends between pipeline stages",
+        scope="layout",
+        refuses=lambda j: (_pp(j) and j.layout.tp > 1
+                           and j.layout.pp_scatter_gather not in facts.pp_sends(j.model, j.layout.sp)),
+        field=field,
+        value=lambda j: j.layout.pp_scatter_gather,
+        problem=lambda j: (
+            f"prices {'1/tp of the' if j.layout.pp_scatter_gather else 'the whole'} activation per TP rank between "
+            f"pipeline stages, and with sp={j.layout.sp}{' on a MoE model' if j.model.moe else ''} {framework}'s "
+            f"stages {what(j)}"
+        ),
+        fix=lambda j: f"plan with pp_scatter_gather={facts.pp_sends(j.model, j.layout.sp)[0]}",
+    )
+
+
+# ============================================================================================
 # Megatron-LM: NVIDIA/Megatron-LM core_v0.19.0, megatron/training/arguments.py,
 # megatron/core/transformer/transformer_config.py, megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 # ============================================================================================
@@ -428,6 +603,7 @@ _MEGATRON = (
         "(--recompute-granularity/--recompute-method/--recompute-num-layers) to every stage",
         fix="plan with one recompute kind and layer count for all stages, or use --to torchtitan",
     ),
+    _pp_sends("Megatron-LM", _MEGATRON_FACTS),
     _WHOLE_NODES,
 )
 
@@ -705,6 +881,7 @@ _DEEPSPEED = (
         "(activation_checkpoint_interval) cannot do; it recomputes every layer",
         fix="plan with full recompute of every layer, or use --to megatron",
     ),
+    _pp_sends("DeepSpeed", _DEEPSPEED_FACTS),
     _WHOLE_NODES,
 )
 
@@ -874,16 +1051,7 @@ _TORCHTITAN = (
         "all-gather with compute",
         fix="plan with dp_comm_overlap=True",
     ),
-    Limit(
-        feature="whole (not scattered) activations between pipeline stages",
-        scope="layout",
-        refuses=lambda j: not j.layout.pp_scatter_gather and _pp(j) and j.layout.tp > 1,
-        field="pp_scatter_gather",
-        value=lambda j: False,
-        problem="cannot be expressed: torchtitan's stages exchange the sequence-parallel activation, 1/tp "
-        "per rank",
-        fix="plan with pp_scatter_gather=True",
-    ),
+    _pp_sends("torchtitan", _TORCHTITAN_FACTS),
     Limit(
         feature="fp16 training",
         scope="model",
@@ -1264,6 +1432,7 @@ _AUTOPAR = (
             f"use a multiple of pp={j.layout.pp} (or fewer than {j.layout.pp}) micro-batches per pipeline"
         ),
     ),
+    _pp_sends("the executor", _AUTOPAR_FACTS, "layout.pp_scatter_gather"),
 )
 
 
@@ -1274,6 +1443,7 @@ TARGETS: dict[Target, TargetSpec] = {
         _AUTOPAR,
         uneven_split=True,
         per_stage_recompute=True,
+        facts=_AUTOPAR_FACTS,
     ),
     Target.megatron: TargetSpec(
         Target.megatron,
@@ -1281,6 +1451,7 @@ TARGETS: dict[Target, TargetSpec] = {
         _MEGATRON,
         uneven_split=True,  # --decoder-first/last-pipeline-num-layers, --pipeline-model-parallel-layout
         per_stage_recompute=False,  # --recompute-num-layers is one int for every stage
+        facts=_MEGATRON_FACTS,
     ),
     Target.deepspeed: TargetSpec(
         Target.deepspeed,
@@ -1288,6 +1459,7 @@ TARGETS: dict[Target, TargetSpec] = {
         _DEEPSPEED,
         uneven_split=False,  # GPTModelPipe hard-codes partition_method='type:transformer'
         per_stage_recompute=False,
+        facts=_DEEPSPEED_FACTS,
     ),
     Target.torchtitan: TargetSpec(
         Target.torchtitan,
@@ -1295,5 +1467,6 @@ TARGETS: dict[Target, TargetSpec] = {
         _TORCHTITAN,
         uneven_split=True,  # parallelism.module_fqns_per_model_part
         per_stage_recompute=False,  # one [activation_checkpoint] for every model part
+        facts=_TORCHTITAN_FACTS,
     ),
 }

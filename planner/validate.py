@@ -36,7 +36,7 @@ from planner.errors import AutoparError, validation_problems
 from planner.files import read_input
 from planner.presets import PRESETS
 from planner.reference import reference_profile, system_family
-from planner.targets import recompute_text
+from planner.targets import planned_scatter_gather, recompute_text
 
 COLUMNS = (
     "run_id", "source", "source_location", "source_ref", "source_quality", "model", "arch_type", "num_layers",
@@ -94,6 +94,7 @@ class RowCase:
     flop_convention: str  # model | hardware
     defaults: list[str] = field(default_factory=list)
     primary_source: bool = True  # source_quality: primary, or a secondary transcription/quote
+    target: str = "autopar"  # the target whose facts the run's framework matches (:func:`framework_target`)
 
 
 @dataclass
@@ -567,13 +568,12 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
 
     etp = _expert_tp(n["etp"], mcore, tp=tp, cp=cp, ep=ep, dp_shard=dp if zero else 1, defaults=defaults)
 
-    deepspeed_pipeline = "deepspeed" in (row.get("framework") or "").lower() and pp > 1
-    if deepspeed_pipeline:
-        defaults.append("pp_scatter_gather=off (DeepSpeed's pipeline engine sends whole activations)")
+    target = framework_target(row, era2021, mcore, defaults)
+    sends = _pp_sends(target, model, sp, era2021, pp > 1 and tp > 1, defaults)
     layout_kwargs = dict(
         dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp,
         zero_stage=zero,
-        tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=not deepspeed_pipeline,
+        tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=sends,
         ep_comm_overlap="dualpipe" in vp_text.lower(),
     )
     rc_text = unstated(row.get("activation_recompute")).lower()
@@ -592,7 +592,8 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         recompute = Recompute.none
     else:
         recompute = None
-    found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute)
+    found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute,
+                           target=target)
     if isinstance(found, AutoparError):
         return Skipped(run_id, source, f"layout not valid: {found}")
     layout = found
@@ -613,7 +614,40 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     metric, reported, flop_convention = comparison
     primary = not (row.get("source_quality") or "").strip().lower().startswith("secondary")
     return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
-                   flop_convention, defaults, primary)
+                   flop_convention, defaults, primary, target)
+
+
+def framework_target(row: dict[str, str], era2021: bool, mcore: bool, defaults: list[str]) -> str:
+    """The target (:mod:`planner.targets`) whose facts a row's framework runs with: DeepSpeed rows (Megatron-
+    DeepSpeed, MT-NLG's Megatron-LM + DeepSpeed) ``deepspeed``, torchtitan ``torchtitan``, Megatron-LM /
+    Megatron-Core / NeMo ``megatron``; another framework the closest, stated in ``defaults``: PyTorch FSDP
+    stacks (llm-foundry's Composer, Meta's internal 4D stack) ``torchtitan``, the rest ``megatron``."""
+    fw = _text(row, "framework").lower()
+    if "deepspeed" in fw:
+        return "deepspeed"
+    if "torchtitan" in fw:
+        return "torchtitan"
+    if mcore or era2021 or "megatron" in fw:
+        return "megatron"
+    closest = "torchtitan" if re.search(r"fsdp|composer|llm-foundry|meta internal", fw) else "megatron"
+    defaults.append(f"target facts={closest} (the closest to '{_text(row, 'framework')}': loss memory, "
+                    "model states and pipeline sends)")
+    return closest
+
+
+def _pp_sends(target: str, model: ModelSpec, sp: bool, era2021: bool, tp_pp: bool, defaults: list[str]) -> bool:
+    """The row's ``pp_scatter_gather``: what ``target``'s pipeline sends (``TargetFacts.pp_sends``) except
+    Megatron-LM 2021-22, whose scatter/gather optimisation sent 1/tp per TP rank without sequence parallelism
+    (Narayanan et al. 2021 §4.1; ``--no-scatter-gather-tensors-in-pipeline`` turned it off); stated in
+    ``defaults`` where it decides the sends (pp > 1 and tp > 1)."""
+    if era2021 and target == "megatron":
+        sends, why = True, "Megatron-LM 2021-22's scatter/gather: each TP rank sends 1/tp"
+    else:
+        sends = planned_scatter_gather(target, model, sp)
+        why = f"what {target} sends with sp={'on' if sp else 'off'}"
+    if tp_pp:
+        defaults.append(f"pp_scatter_gather={'on' if sends else 'off'} ({why})")
+    return sends
 
 
 def _expert_tp(stated: int | None, mcore: bool, *, tp: int, cp: int, ep: int, dp_shard: int,
@@ -639,7 +673,7 @@ def _expert_tp(stated: int | None, mcore: bool, *, tp: int, cp: int, ep: int, dp
 
 def _fill_unstated(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout_kwargs: dict,
-    schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None,
+    schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None, *, target: str = "autopar",
 ) -> ParallelLayout | AutoparError:
     """The layout for the knobs a source left unstated: interleaving depth and micro-batch size by
     fastest prediction, recompute the least that fits (:func:`_least_recompute`). A stated v or micro-batch is kept; plain
@@ -656,7 +690,7 @@ def _fill_unstated(
         for (sched_try, v_try), mbs_try in options:
             kwargs = {**layout_kwargs, "schedule": sched_try, "virtual_stages": v_try, "micro_batch_size": mbs_try}
             try:
-                step, layout = _least_recompute(model, training, profile, kwargs, recompute)
+                step, layout = _least_recompute(model, training, profile, kwargs, recompute, target)
             except AutoparError as exc:
                 last_error = exc
                 continue
@@ -668,14 +702,14 @@ def _fill_unstated(
 
 
 def _least_recompute(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, kwargs: dict,
-                     recompute: Recompute | None) -> tuple[float, ParallelLayout]:
+                     recompute: Recompute | None, target: str = "autopar") -> tuple[float, ParallelLayout]:
     """(step time, layout) with the row's recompute, or, where the source does not say, the least
     recompute that fits: none, selective, full recompute of the first N layers of every stage for the
     smallest N that fits (Megatron's ``--recompute-method block --recompute-num-layers N``; memory
     falls as N grows, so N is bisected), else full. AutoparError when the layout is not valid."""
     def priced(**rc) -> tuple[float, ParallelLayout, bool]:
         layout = ParallelLayout(**kwargs, **rc)
-        pred = predict(model, training, profile, layout)
+        pred = predict(model, training, profile, layout, target=target)
         return pred.step_time_s, layout, pred.memory.fits
 
     if recompute is not None:
@@ -737,7 +771,7 @@ def predicted_metric(case: RowCase, pred: Prediction) -> float:
 
 def evaluate(case: RowCase, profile: ClusterProfile | None = None) -> RowResult:
     """Predict one case (optionally on another profile, e.g. with refitted assumptions)."""
-    pred = predict(case.model, case.training, profile or case.profile, case.layout)
+    pred = predict(case.model, case.training, profile or case.profile, case.layout, target=case.target)
     value = predicted_metric(case, pred)
     return RowResult(case, value, value / case.reported - 1.0, pred)
 

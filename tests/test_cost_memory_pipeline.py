@@ -35,10 +35,10 @@ def training(**changes) -> TrainingConfig:
 class TestStateBytes:
     def test_bf16_adamw(self):
         # bf16 weights 2, fp32 grads 4, fp32 master 4 + Adam m, v 8 = 12
-        assert state_bytes_per_param(training()) == StateBytes(2, 4, 12)
+        assert state_bytes_per_param(training()) == StateBytes(2, 4, 12, master=4)
 
     def test_bf16_grads(self):
-        assert state_bytes_per_param(training(grad_reduce_in_fp32=False)) == StateBytes(2, 2, 12)
+        assert state_bytes_per_param(training(grad_reduce_in_fp32=False)) == StateBytes(2, 2, 12, master=4)
 
     def test_fp32_training(self):
         # fp32 weights 4 and grads 4; no master copy (the contract turns it off): m, v = 8
@@ -48,13 +48,13 @@ class TestStateBytes:
 
     def test_sgd(self):
         # master 4 + momentum 4
-        assert state_bytes_per_param(training(optimizer=Optimizer.sgd)) == StateBytes(2, 4, 8)
+        assert state_bytes_per_param(training(optimizer=Optimizer.sgd)) == StateBytes(2, 4, 8, master=4)
 
     def test_no_master_weights(self):
         assert state_bytes_per_param(training(master_weights_fp32=False)) == StateBytes(2, 4, 8)
 
     def test_fp8_keeps_16bit_weights(self):
-        assert state_bytes_per_param(training(precision=Precision.fp8)) == StateBytes(2, 4, 12)
+        assert state_bytes_per_param(training(precision=Precision.fp8)) == StateBytes(2, 4, 12, master=4)
 
 
 class TestModelStateBytes:

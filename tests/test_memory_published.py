@@ -18,6 +18,7 @@ from benchmarks.memory_published import (
     load_rows,
     model_fields,
     recompute_of,
+    target_of,
 )
 from planner.contracts import MemoryBreakdown
 from planner.cost.predict import predict
@@ -74,7 +75,7 @@ def test_each_metric_is_paired_with_its_quantity():
 def test_a_reserved_figure_is_compared_with_the_predicted_reserve():
     row = next(r for r in COMPARED if r["metric"] == "max_reserved")
     case = build(row)
-    memory = predict(case.model, case.training, case.profile, case.layout).memory
+    memory = predict(case.model, case.training, case.profile, case.layout, target=target_of(row)).memory
     predicted = compare(row).predicted
     assert memory.terms["fragmentation"] > 0
     assert predicted == memory.allocated_bytes + memory.terms["fragmentation"]

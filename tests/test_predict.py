@@ -181,11 +181,22 @@ class TestPredictProperties:
         # parameters: embedding V*h; per layer 4h^2 attention + 2h RMSNorms + 8h^2 GeLU MLP; final norm h + head h*V
         phi = V * Hd + L * (4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd) + Hd + Hd * V
         assert phi == 166_216_704
-        zero0 = run(node, dp_shard=8).memory
+        # Megatron: 16-bit weights 2, fp32 grads 4, fp32 master + Adam 12 (Rajbhandari et al.)
+        zero0 = predict(small_model(), train(32), node, ParallelLayout(dp_shard=8), target="megatron").memory
         assert (zero0.params_bytes, zero0.grads_bytes, zero0.optimizer_bytes) == (2 * phi, 4 * phi, 12 * phi)
-        zero3 = run(node, dp_shard=8, zero_stage=3).memory
+        zero3 = predict(small_model(), train(32), node, ParallelLayout(dp_shard=8, zero_stage=3),
+                        target="megatron").memory
         assert (zero3.params_bytes, zero3.grads_bytes, zero3.optimizer_bytes) == (
             2 * phi // 8, 4 * phi // 8, 12 * phi // 8)
+        # the executor: the fp32 parameter is the master (autocast at ZeRO-0, whose 16-bit casts live through
+        # the backward; FSDP2 at ZeRO-3, whose 16-bit weights exist only gathered): weights 4, Adam 8
+        zero0 = run(node, dp_shard=8).memory
+        assert (zero0.params_bytes, zero0.grads_bytes, zero0.optimizer_bytes) == (4 * phi, 4 * phi, 8 * phi)
+        assert zero0.terms["compute_copies"] == 2 * phi
+        zero3 = run(node, dp_shard=8, zero_stage=3).memory
+        assert (zero3.params_bytes, zero3.grads_bytes, zero3.optimizer_bytes) == (
+            4 * phi // 8, 4 * phi // 8, 8 * phi // 8)
+        assert "compute_copies" not in zero3.terms
 
     def test_zero3_lowers_memory(self, node):
         zero0 = run(node, dp_shard=8).memory
@@ -219,7 +230,7 @@ class TestPredictProperties:
         block = 4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd
         assert flat.terms["gathered_weights"] == 2 * 2 * block and flat.terms["gradient_bucket"] == 4 * block
         assert "held_gradients" not in flat.terms
-        gathered = piped.params_bytes * 4  # ZeRO-3 over dp_shard=4 keeps 1/4 of the stage's 16-bit weights
+        gathered = piped.params_bytes * 2  # ZeRO-3 over dp_shard=4 keeps 1/4 of the stage's fp32 parameters
         assert piped.terms["gathered_weights"] == pytest.approx(gathered, rel=1e-6)
         assert piped.terms["held_gradients"] == pytest.approx(2 * gathered, rel=1e-6)  # fp32: twice the bytes
         assert "gradient_bucket" not in piped.terms
@@ -229,12 +240,16 @@ class TestPredictProperties:
         a = node.assumptions
         # the LM head's logits and loss: bytes per logit x 1024 tokens x 32000 / t=1
         loss = a.loss_bytes_per_logit * 1024 * 32000
-        # allocated at the peak: states, activations and the loss; the allocator reserves a share beyond it
-        allocated = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + loss
+        # allocated at the peak: states, activations, the loss and the executor's 16-bit casts of its fp32
+        # parameters (2 bytes each); the allocator reserves a share beyond it
+        copies = mem.params_bytes / 2
+        assert mem.terms["compute_copies"] == copies
+        allocated = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + loss + copies
         # outside the allocator: the runtime, and two NCCL communicators (the world's and dp_shard's)
         fixed = a.runtime_bytes + 2 * a.communicator_bytes + a.reserved_memory_bytes
         assert mem.terms["loss"] == int(loss)
-        assert mem.buffers_bytes == pytest.approx(loss + allocated * a.allocator_fragmentation + fixed, abs=8)
+        assert mem.buffers_bytes == pytest.approx(loss + copies + allocated * a.allocator_fragmentation + fixed,
+                                                  abs=8)
         parts = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes + mem.buffers_bytes
         assert abs(mem.total_bytes - parts) <= 5  # parts are truncated to ints separately
         assert mem.capacity_bytes == 80 * 2**30 and mem.fits
@@ -352,7 +367,7 @@ def test_pipeline_p2p_without_scatter_gather_sends_tp_times_the_bytes():
     """Megatron sends b·s·h·2/tp bytes per TP rank between stages; DeepSpeed's engine the whole b·s·h·2."""
     two_nodes = reference_profile("dgx-a100-80gb", 2)
     kwargs = dict(dp_shard=2, tp=4, pp=2, micro_batch_size=2)
-    split = run(two_nodes, **kwargs)
+    split = run(two_nodes, pp_scatter_gather=True, **kwargs)
     whole = run(two_nodes, pp_scatter_gather=False, **kwargs)
     p2p_split = next(c for c in split.comm if c.kind == "pp")
     p2p_whole = next(c for c in whole.comm if c.kind == "pp")

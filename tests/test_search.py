@@ -434,7 +434,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_plan_explain_export(tmp_path):  # noqa: ANN001
     out = tmp_path / "plan.json"
     r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--global-batch", "64",
-                "--seq", "4096", "--top", "3", "--zero-stages", "1", "--no-hsdp", "--out", str(out))
+                "--seq", "4096", "--top", "3", "--zero-stages", "1", "--no-hsdp", "--target", "megatron",
+                "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "Top 3 plans" in r.stdout and "Why the other structures lost" in r.stdout
     plan = Plan.model_validate_json(out.read_text())

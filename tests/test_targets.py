@@ -101,6 +101,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(dp_shard=2, zero_stage=1, offload_optimizer=True),
         ),
         "recompute that differs between pipeline stages": (RECOMPUTE_4_2, RECOMPUTE_4_4),
+        "activation sends between pipeline stages": (job(pp=2, tp=2, pp_scatter_gather=True), job(pp=2, tp=2)),
     },
     Target.deepspeed: {
         **COMMON,
@@ -161,6 +162,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         "MoE layers placed other than every N-th layer": (job(moe(first_dense_layers=1)), job(MIXTRAL)),
         "recompute that differs between pipeline stages": (RECOMPUTE_4_2, RECOMPUTE_ALL),
         "recompute of only some layers of a pipeline stage": (RECOMPUTE_4_4, RECOMPUTE_ALL),
+        "activation sends between pipeline stages": (
+            job(pp=2, tp=2, sp=True, pp_scatter_gather=False),
+            job(pp=2, tp=2, pp_scatter_gather=False),
+        ),
     },
     Target.torchtitan: {
         **COMMON,
@@ -199,7 +204,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(dp_shard=2, zero_stage=3, dp_comm_overlap=False),
             job(dp_shard=2, zero_stage=3),
         ),
-        "whole (not scattered) activations between pipeline stages": (
+        "activation sends between pipeline stages": (
             job(pp=2, tp=2, sp=True, pp_scatter_gather=False),
             job(pp=2, tp=2, sp=True),
         ),
@@ -291,6 +296,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(pp=4, schedule="zero_bubble", micro=9),
             job(pp=4, schedule="zero_bubble", micro=8),
         ),
+        "activation sends between pipeline stages": (job(pp=2, tp=2, pp_scatter_gather=True), job(pp=2, tp=2)),
     },
 }
 ROWS = [(t, limit) for t, spec in TARGETS.items() for limit in spec.limits]

@@ -70,13 +70,17 @@ class ParallelLayout(Contract):
         False, description="expert all-to-all overlapped with another micro-batch's compute (DualPipe, 2-batch overlap)"
     )
     pp_scatter_gather: bool = Field(
-        True,
-        description="each TP rank sends 1/tp of a stage's activation and the next stage all-gathers it "
-        "(Megatron); False: every TP rank sends the whole activation (DeepSpeed's pipeline engine)",
+        False,
+        description="each TP rank sends 1/tp of a stage's activation to the next pipeline stage (its sequence "
+        "shard under sp, or a part the next stage all-gathers: DeepSpeed's pipe_partitioned); False: every TP "
+        "rank sends the whole activation. Not given: sp (what torch's pipelining and Megatron-Core send); each "
+        "target refuses a value its pipeline does not send (planner.targets TargetFacts.pp_sends)",
     )
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
+        if "pp_scatter_gather" not in self.model_fields_set:
+            object.__setattr__(self, "pp_scatter_gather", self.sp)  # the sends follow sp unless stated
         if self.sp and self.tp == 1:
             raise ValueError("sp=True splits the sequence over the TP group, so it needs tp > 1; set sp=False or tp > 1")
         if self.schedule is Schedule.interleaved_1f1b and self.pp == 1:

@@ -6,6 +6,9 @@ optimizer part (master + moments), ZeRO-2 also the gradients, ZeRO-3 also the we
 data-parallel shard group: the ``dp_shard × cp`` ranks for dense weights, the expert data-parallel
 ranks ``edp = dp_shard·cp·tp / (ep·etp)`` (``ParallelLayout.expert_dp``) for the routed experts, which
 each rank holds ``1/(ep·etp)`` of.
+Targets whose parameter is itself the fp32 master (FSDP2; fp32 parameters under autocast:
+``TargetFacts.master_in_param``) shard that parameter only with the parameters and hold 16-bit copies
+only through the backward (:func:`model_state_bytes`, :func:`compute_copy_bytes_per_param`).
 
 Activations (Korthikanti et al. 2022, Eq. 1-5) for one layer and one micro-batch of ``b``
 sequences of ``s`` tokens, hidden ``h``, ``a`` heads, TP degree ``t``, fp16/bf16:
@@ -29,6 +32,7 @@ class StateBytes:
     weights: float
     grads: float
     optimizer: float  # fp32 master copy + optimizer moments
+    master: float = 0.0  # the fp32 master copy's part of ``optimizer``
 
 
 def state_bytes_per_param(training: TrainingConfig) -> StateBytes:
@@ -37,7 +41,7 @@ def state_bytes_per_param(training: TrainingConfig) -> StateBytes:
     weights = 4 if training.precision.bytes == 4 else 2
     grads = 4 if (training.grad_reduce_in_fp32 or weights == 4) else 2
     master = 4 if training.master_weights_fp32 else 0
-    return StateBytes(weights, grads, master + training.optimizer.state_bytes_per_param)
+    return StateBytes(weights, grads, master + training.optimizer.state_bytes_per_param, master)
 
 
 def optimizer_step_bytes_per_param(training: TrainingConfig) -> float:
@@ -56,19 +60,42 @@ def optimizer_step_bytes_per_param(training: TrainingConfig) -> float:
 
 
 def model_state_bytes(
-    params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: bool = False
+    params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: bool = False,
+    master_in_param: bool = False,
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes for ``params`` parameters sharded over ``shard`` ranks.
 
     ZeRO-0: ``Φ(w + g + o)``; ZeRO-1: ``Φ(w + g) + Φo/N``; ZeRO-2: ``Φw + Φ(g + o)/N``;
     ZeRO-3: ``Φ(w + g + o)/N``. CPU offload moves the optimizer part off the GPU.
+
+    ``master_in_param`` (a target's :class:`~planner.targets.TargetFacts`): the parameter itself is the fp32
+    master (FSDP2, or fp32 parameters under autocast). Weights are then that parameter, sharded only where
+    the parameters are (ZeRO-2/3: FSDP2 shards them), and the optimizer part only the moments; the 16-bit
+    copies the compute uses are :func:`compute_copy_bytes_per_param`. FSDP2's CPU offload keeps the
+    parameter, gradient and optimizer shards on the host.
     """
     n = max(shard, 1)
+    if master_in_param and state.master:
+        if offload_optimizer and zero_stage >= 2:
+            return 0.0, 0.0, 0.0  # FSDP2's CPUOffloadPolicy: the shards live on the host
+        sharded = n if zero_stage >= 2 else 1  # FSDP2 shards the parameter itself (ZeRO-2/3)
+        moments = 0.0 if offload_optimizer else params * (state.optimizer - state.master) / (n if zero_stage >= 1 else 1)
+        return params * state.master / sharded, params * state.grads / sharded, moments
     weights = params * state.weights / (n if zero_stage >= 3 else 1)
     grads = params * state.grads / (n if zero_stage >= 2 else 1)
     optimizer = 0.0 if offload_optimizer else params * state.optimizer / (n if zero_stage >= 1 else 1)
     return weights, grads, optimizer
 
+
+def compute_copy_bytes_per_param(zero_stage: int, state: StateBytes, master_in_param: bool) -> float:
+    """Bytes per parameter of the 16-bit copies a ``master_in_param`` target holds through the backward
+    (not at the optimizer step): autocast's cached casts of the fp32 parameters (ZeRO-0/1) and FSDP2's
+    weights gathered before forward and kept to backward (ZeRO-2, ``reshard_after_forward=False``); none
+    at ZeRO-3 (its gathered blocks are the ``gathered_weights`` term) or where the parameters are the
+    16-bit weights."""
+    if not (master_in_param and state.master) or zero_stage >= 3:
+        return 0.0
+    return state.weights
 
 @dataclass(frozen=True)
 class ActivationShape:
@@ -161,14 +188,19 @@ def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_ba
 
 def logits_bytes(model: ModelSpec, tokens: int, tp: int, bytes_per_logit: float = 6.0) -> float:
     """LM-head logits and loss of one micro-batch at their peak, ``β·T·V/t``: ``β = 6`` for 16-bit logits
-    plus the fp32 softmax a fused loss keeps; an unfused fp32 cross-entropy also holds the fp32 copy and
-    the gradient (``assumptions.loss_bytes_per_logit``)."""
+    plus the fp32 softmax Megatron's vocab-parallel loss keeps; an eager torch cross-entropy also holds the
+    log-softmax and its gradient (each target's ``β``: :class:`planner.targets.TargetFacts`)."""
     return bytes_per_logit * tokens * model.vocab_size / tp
 
 
 # -- memory beside the tensors -------------------------------------------------------------------------
 MEMORY_TERMS: dict[str, str] = {
-    "loss": "LM head logits and cross-entropy of one micro-batch: assumptions.loss_bytes_per_logit x tokens x vocab / tp",
+    "loss": "LM head logits and cross-entropy of one micro-batch: bytes per logit x tokens x vocab / tp, the "
+            "bytes per logit the target's (planner.targets.TargetFacts.loss; the executor's: "
+            "assumptions.loss_bytes_per_logit)",
+    "compute_copies": "16-bit copies of fp32 parameters held through the backward where the parameter is the "
+                      "master (TargetFacts.master_in_param): autocast's cached casts (ZeRO-0/1), FSDP2's weights "
+                      "kept gathered from forward (ZeRO-2)",
     "gathered_weights": "ZeRO-3: the unsharded weights of the current and the prefetched block (2x the biggest), or "
                         "of every block of the stage when they are kept from forward to backward (no resharding, "
                         "or pipelined: torch's pipelining keeps them until the last micro-batch's backward)",

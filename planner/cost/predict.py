@@ -8,6 +8,7 @@ communication + optimizer step)``. Every number comes from a named function of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner.contracts import (
     ClusterProfile,
@@ -39,6 +40,7 @@ from planner.cost.memo import memo_for, memoised
 from planner.cost.memory import (
     ActivationShape,
     activation_factor,
+    compute_copy_bytes_per_param,
     fixed_terms,
     fragmentation_share,
     held_gradient_bytes_per_param,
@@ -54,6 +56,9 @@ from planner.cost.memory import (
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.errors import AutoparError
+
+if TYPE_CHECKING:
+    from planner.targets import TargetFacts
 
 
 def default_layer_split(num_layers: int, num_stages: int) -> list[int]:
@@ -284,30 +289,34 @@ def dp_traffic(
 
 def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, stage: int, *,
                  dense: float, experts: float, activations: float, biggest_block: float, loss: float,
-                 accumulates: bool = True) -> MemoryBreakdown:
+                 accumulates: bool = True, master_in_param: bool = False) -> MemoryBreakdown:
     """Peak device memory of pipeline rank ``stage`` holding ``dense`` and ``experts`` parameters (after TP, EP x ETP)
     and ``activations`` bytes, with named terms beside the tensors (:data:`MEMORY_TERMS`).
 
     ``allocated = states + max(activations + loss + block buffers + kept-gathered weights, optimizer
     temporaries)``; ``total = runtime + communicators + reserved + allocated·(1 + fragmentation)``; it fits
     when ``total <= capacity·(1 - memory_headroom)``. Without accumulation (one micro-batch a step) the
-    gradients are made as the activations are freed: they join the optimizer step's side only."""
+    gradients are made as the activations are freed: they join the optimizer step's side only.
+    ``master_in_param``: the target's parameters are the fp32 master (``TargetFacts.master_in_param``): states
+    and the 16-bit ``compute_copies`` as :func:`~planner.cost.memory.model_state_bytes` counts them."""
     a, zero, reshard = profile.assumptions, layout.zero_stage, layout.reshard_after_forward
     state = state_bytes_per_param(training)
     shard_n = layout.dp_shard * layout.cp
-    w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer)
-    w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_optimizer)
+    w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer, master_in_param)
+    w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_optimizer, master_in_param)
     states = w1 + w2 + g1 + g2 + o1 + o2
+    copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param)
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
     gathered += biggest_block * 2 * state.weights if zero == 3 and reshard and pp == 1 else 0.0
     bucket = biggest_block * state.grads if zero >= 2 and pp == 1 else 0.0
     held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
-    act_phase = activations + loss + gathered + bucket + held + late_grads
+    act_phase = activations + loss + copies + gathered + bucket + held + late_grads
     local = dense / (shard_n if zero >= 1 else 1) + experts / (layout.expert_dp if zero >= 1 else 1)
     opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
-    terms = {"loss": loss, "gathered_weights": gathered, "gradient_bucket": bucket, "held_gradients": held,
+    terms = {"loss": loss, "compute_copies": copies, "gathered_weights": gathered, "gradient_bucket": bucket,
+             "held_gradients": held,
              "gradients_after_peak": late_grads,
              "optimizer_step": max(0.0, opt_temp - act_phase)}
     allocated = states + act_phase + terms["optimizer_step"]
@@ -366,14 +375,19 @@ def predict(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout, *,
     target: str = "autopar",
 ) -> Prediction:
-    """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout``,
-    with the interval and blind-spot notes of ``target``'s regime (:func:`planner.uncertainty.assess`)."""
+    """Predict one optimizer step of ``model`` trained with ``training`` on ``profile`` under ``layout`` as
+    ``target`` runs it (its loss memory and model states: :class:`planner.targets.TargetFacts`), with the
+    interval and blind-spot notes of its regime (:func:`planner.uncertainty.assess`)."""
+    from planner import targets
     from planner.uncertainty import assess
 
+    facts = targets.target_facts(target)
+    target = getattr(target, "value", target)
     if memo_for(profile) is None:  # the profile is held unchanged for the call: its lookups may be kept
         with memoised(profile):
-            return assess(_predict(model, training, profile, layout), model, training, profile, layout, target)
-    return assess(_predict(model, training, profile, layout), model, training, profile, layout, target)
+            return assess(_predict(model, training, profile, layout, facts), model, training, profile, layout,
+                          target)
+    return assess(_predict(model, training, profile, layout, facts), model, training, profile, layout, target)
 
 
 @dataclass
@@ -389,6 +403,8 @@ class _Step:
     groups: dict
     mb: MicroBatch
     kinds: list[bool]
+    loss_per_logit: float = 0.0  # bytes per logit of the target's loss (TargetFacts.loss)
+    master_in_param: bool = False  # TargetFacts.master_in_param
     _blocks: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
     _acts: dict = field(default_factory=dict)
@@ -429,14 +445,17 @@ class _Times:
     p2p_bytes: float
 
 
-def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout) -> _Step:
+def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
+              facts: TargetFacts) -> _Step:
     m = check_layout(model, training, layout, profile.num_gpus)
     if training.precision is Precision.fp8 and Precision.fp8 not in profile.device.peak_tflops:
         raise AutoparError("precision", "fp8", "train in bf16 on this GPU, or use a GPU with FP8 (Hopper or later)",
                            problem=f"needs FP8 tensor cores, which {profile.device.name} does not have")
     mb = MicroBatch.of(layout, training)
+    own = facts.loss(layout)
     return _Step(model, training, profile, layout, m, mesh_groups(layout, profile.gpus_per_node), mb,
-                 [model.is_moe_layer(i) for i in range(model.num_layers)])
+                 [model.is_moe_layer(i) for i in range(model.num_layers)],
+                 profile.assumptions.loss_bytes_per_logit if own is None else own, facts.master_in_param)
 
 
 def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
@@ -545,9 +564,10 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
         # this rank's share of its biggest block (experts split over ep x etp)
         biggest = max((c.params_of(li)[0] / lay.tp + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)
-        loss = logits_bytes(model, c.mb.tokens, lay.tp, a.loss_bytes_per_logit) if st.last else 0.0
+        loss = logits_bytes(model, c.mb.tokens, lay.tp, c.loss_per_logit) if st.last else 0.0
         mem = stage_memory(c.profile, c.training, lay, i, dense=t.dense[i], experts=t.experts[i],
-                           activations=activations, biggest_block=biggest, loss=loss, accumulates=c.m > 1)
+                           activations=activations, biggest_block=biggest, loss=loss, accumulates=c.m > 1,
+                           master_in_param=c.master_in_param)
         mems.append(mem)
         preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=t.fwd_s[i], backward_s=t.bwd_s[i],
                                      memory_bytes=mem.total_bytes, microbatches_in_flight=in_flight))
@@ -631,9 +651,9 @@ def _notes(c: _Step, peak: MemoryBreakdown) -> list[str]:
 
 
 def _predict(
-    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout, facts: TargetFacts
 ) -> Prediction:
-    c = _new_step(model, training, profile, layout)
+    c = _new_step(model, training, profile, layout, facts)
     stages = _stages(model, layout)
     t = _stage_times(c, stages)
     dp_exposed, dp_comm = _data_parallel(c, t, stages)

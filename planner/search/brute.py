@@ -78,7 +78,7 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
                                    ("model", "layout")) is not None:
                     continue
                 try:
-                    sm = StageModel(model, training, profile, layout, block_cache=cache)
+                    sm = StageModel(model, training, profile, layout, block_cache=cache, target=opts.target)
                 except AutoparError:
                     continue
                 found = brute_force_stages(sm, opts.target)

@@ -109,7 +109,7 @@ class SearchOptions:
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
-    pp_scatter_gather: bool = True
+    pp_scatter_gather: bool | None = None  # None: what the target's pipeline sends (TargetFacts.pp_sends, by sp)
     solver_time_limit_s: float = 1.0
     time_budget_s: float = 30.0  # seconds for the whole search, every phase (0 < budget <= MAX_TIME_BUDGET_S)
     workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
@@ -169,6 +169,7 @@ class Structure:
     mb: int
     m: int  # micro-batches per step
     etp: int | None = None  # the routed experts' TP degree when folded below tp (MoE); None = tp
+    pp_scatter_gather: bool = True  # each TP rank sends 1/tp of the activation (:func:`stage_sends`)
     work_s: float = 0.0  # forward+backward of the whole model for one micro-batch (no recompute)
     p2p_s: float = 0.0
     bound_s: float = 0.0
@@ -250,7 +251,8 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                             if mb > opts.max_micro_batch_size:
                                 rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)", f"mb={mb}")
                                 continue
-                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp))
+                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp,
+                                                 pp_scatter_gather=stage_sends(model, opts, sp)))
     return out
 
 
@@ -276,11 +278,20 @@ def _expert_degrees(model: ModelSpec, opts: SearchOptions, rules: Rules, dp: int
     return out
 
 
+def stage_sends(model: ModelSpec, opts: SearchOptions, sp: bool) -> bool:
+    """The ``pp_scatter_gather`` of a structure: the option's, or what ``opts.target``'s pipeline sends with
+    (or without) sequence parallelism (:func:`planner.targets.planned_scatter_gather`); a value the target
+    does not run is its table's to refuse."""
+    if opts.pp_scatter_gather is not None:
+        return opts.pp_scatter_gather
+    return targets.planned_scatter_gather(opts.target, model, sp)
+
+
 def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:  # noqa: ANN003
     fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, etp=st.etp, dp_shard=st.dp, dp_replicate=1,
                   micro_batch_size=st.mb, tp_comm_overlap=opts.tp_comm_overlap and st.tp > 1,
                   dp_comm_overlap=opts.dp_comm_overlap, ep_comm_overlap=opts.ep_comm_overlap and st.ep > 1,
-                  pp_scatter_gather=opts.pp_scatter_gather)
+                  pp_scatter_gather=st.pp_scatter_gather)
     fields.update(extra)
     return ParallelLayout(**fields)
 
@@ -292,7 +303,7 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     The blocks, embedding and head depend only on (tp, sp, cp, ep, micro-batch) and the pipeline
     send only on (tp, cp, micro-batch, pp, dp) (see :func:`~planner.search.stages.shared_costs`),
     so both are memoised in ``cache`` under those keys: most structures build no layout."""
-    flags = (opts.tp_comm_overlap, opts.ep_comm_overlap, opts.pp_scatter_gather, opts.dp_comm_overlap)
+    flags = (opts.tp_comm_overlap, opts.ep_comm_overlap, st.pp_scatter_gather, opts.dp_comm_overlap)
     core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.etp, st.mb, flags)
     p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
     core, p2p_s = cache.get(core_key), cache.get(p2p_key)
@@ -303,7 +314,7 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     elif p2p_s is None:  # the send alone: no layout to build (its group is the mesh's pipeline placement)
         group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
         p2p_s = cache[p2p_key] = pipeline_send_s(model, training, profile, group, st.mb * (training.seq_length // st.cp),
-                                                 st.tp, opts.pp_scatter_gather)
+                                                 st.tp, st.pp_scatter_gather)
     (st.layer_times, st.emb_s, st.head_s, st.work_s, st.forward_work_s, st.forward_ratio,
      st.forward_ratio_min) = core
     st.p2p_s = p2p_s
@@ -324,7 +335,7 @@ def structure_floors(structs: list[Structure], model: ModelSpec, training: Train
     AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
     works: dict[tuple, float] = {}
     sends: dict[tuple, float] = {}
-    seq, gpn, sg = training.seq_length, profile.gpus_per_node, opts.pp_scatter_gather
+    seq, gpn = training.seq_length, profile.gpus_per_node
     tp_ov, ep_ov = opts.tp_comm_overlap, opts.ep_comm_overlap
     out = []
     for n, st in enumerate(structs):
@@ -338,7 +349,8 @@ def structure_floors(structs: list[Structure], model: ModelSpec, training: Train
                                               ep_ov and st.ep > 1, cache, st.etp)
         tokens = mb * (seq // cp)
         stride = tp * cp * st.dp
-        skey = (st.pp, stride, tokens, tp)
+        sg = st.pp_scatter_gather
+        skey = (st.pp, stride, tokens, tp, sg)
         p2p_s = sends.get(skey)
         if p2p_s is None:
             p2p_s = sends[skey] = pipeline_send_s(model, training, profile, placement(st.pp, stride, gpn), tokens, tp, sg)
@@ -676,7 +688,8 @@ def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int,
 def frugal_stage_model(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
                        opts: SearchOptions, sched: Schedule, v: int, cache: dict) -> StageModel:
     """A stage model holding no more than any leaf of ``st`` with schedule ``sched`` (memory bounds only)."""
-    sm = StageModel(model, training, profile, frugal_layout(st, opts, sched, v, training, profile), block_cache=cache)
+    sm = StageModel(model, training, profile, frugal_layout(st, opts, sched, v, training, profile), block_cache=cache,
+                    target=opts.target)
     return floor_states(sm, opts.zero_stages, opts.offload)
 
 
@@ -853,6 +866,7 @@ class _SearchState:
         self.opts = opts
         targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
         self.spec = targets.TARGETS[targets.Target(opts.target)]
+        self.master_in_param = self.spec.facts.master_in_param  # the target's model states (TargetFacts)
         self.cache: dict = {}
         self.structs = structs = structures(model, training, profile, opts, self.rules, self.deadline)
         if not structs:
@@ -962,9 +976,9 @@ class _SearchState:
             expert = self.all_params_expert / (st.expert_tp * st.ep * st.pp)
             state = self.state
             need = self.states_need[key] = self.reserved + self.least_frag * (
-                sum(model_state_bytes(dense, state, zero, shard_n, offload))
+                sum(model_state_bytes(dense, state, zero, shard_n, offload, self.master_in_param))
                 + sum(model_state_bytes(expert, state, zero, expert_fold(shard, st.cp, st.tp, st.ep, st.expert_tp)[1],
-                                        offload)))
+                                        offload, self.master_in_param)))
         return need
 
     def states_per_param(self, st: Structure, zero: int, shard: int, offload: bool) -> tuple[float, float, bool]:
@@ -975,7 +989,7 @@ class _SearchState:
         if sig is None:
             expert_shard = expert_fold(shard, st.cp, st.tp, st.ep, st.expert_tp)[1]
             sig = self.per_param[key] = (*state_bytes_per_param_split(self.state, zero, shard * st.cp, expert_shard,
-                                                                      offload), zero == 3)
+                                                                      offload, self.master_in_param), zero == 3)
         return sig
 
     def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
@@ -1040,7 +1054,8 @@ class _SearchState:
     def _build(self, make_layout: Callable[[], ParallelLayout]) -> StageModel | None:
         """The leaf's stage model; a layout it rejects is counted under its rule (None)."""
         try:
-            return StageModel(self.model, self.training, self.profile, make_layout(), block_cache=self.cache)
+            return StageModel(self.model, self.training, self.profile, make_layout(), block_cache=self.cache,
+                              target=self.opts.target)
         except AutoparError as err:
             self.rules.remove(f"{err.field}: {err.problem}", str(err))
             return None

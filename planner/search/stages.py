@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Callable
 from dataclasses import dataclass
 
+from planner import targets
 from planner.contracts import (
     ClusterProfile,
     Collective,
@@ -68,6 +69,7 @@ from planner.cost.memory import (
     activation_factor,
     allocator_budget_bytes,
     block_buffer_bytes_per_param,
+    compute_copy_bytes_per_param,
     fixed_terms,
     fragmentation_share,
     held_gradient_bytes_per_param,
@@ -338,29 +340,32 @@ class LeafComm:
 
 
 def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int, expert_shard: int,
-                                offload: bool) -> tuple[float, float]:
+                                offload: bool, master_in_param: bool = False) -> tuple[float, float]:
     """(dense, expert) model-state bytes per parameter on one GPU: dense weights sharded over the
     ``dp_shard x cp`` ranks (``shard_n``), experts over their ``expert_shard`` data-parallel ranks
-    (``ParallelLayout.expert_dp``: ``shard_n / ep`` with etp = tp, at least one)."""
-    return (sum(model_state_bytes(1.0, state, zero_stage, shard_n, offload)),
-            sum(model_state_bytes(1.0, state, zero_stage, expert_shard, offload)))
+    (``ParallelLayout.expert_dp``: ``shard_n / ep`` with etp = tp, at least one); ``master_in_param``: the
+    target's parameters are the fp32 master (:func:`~planner.cost.memory.model_state_bytes`)."""
+    return (sum(model_state_bytes(1.0, state, zero_stage, shard_n, offload, master_in_param)),
+            sum(model_state_bytes(1.0, state, zero_stage, expert_shard, offload, master_in_param)))
 
 
 def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: bool,
-                           reshard: bool, pp: int, m: int,
-                           temp: float) -> tuple[tuple[float, float], tuple[float, float]]:
+                           reshard: bool, pp: int, m: int, temp: float,
+                           master_in_param: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
     """(dense, expert) bytes per parameter a rank holds beside its activations at the backward's peak, and
     through the optimizer step (as ``predict.stage_memory`` counts them). Backward: the model states, ZeRO-3
-    weights kept gathered and pipelined ZeRO-2/3's unsharded gradients as state of every block held, less
-    a single micro-batch's gradients (made as its activations are freed). Optimizer step: the states and
-    ``temp`` bytes of temporaries per local parameter (none when offloaded)."""
-    d, e = state_bytes_per_param_split(state, zero, shard_n, expert_shard, offload)
+    weights kept gathered, pipelined ZeRO-2/3's unsharded gradients and the 16-bit copies of a target whose
+    parameters are the fp32 master (``master_in_param``) as state of every block held, less a single
+    micro-batch's gradients (made as its activations are freed). Optimizer step: the states and ``temp``
+    bytes of temporaries per local parameter (none when offloaded)."""
+    d, e = state_bytes_per_param_split(state, zero, shard_n, expert_shard, offload, master_in_param)
     div_d, div_e = (shard_n, expert_shard) if zero >= 1 else (1, 1)
     t = 0.0 if offload else temp
     step = (d + t / div_d, e + t / div_e)
-    held = kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
-    late = (0.0, 0.0) if m > 1 else (state.grads / (shard_n if zero >= 2 else 1),
-                                     state.grads / (expert_shard if zero >= 2 else 1))
+    held = (kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
+            + compute_copy_bytes_per_param(zero, state, master_in_param))
+    late = (0.0, 0.0) if m > 1 else (model_state_bytes(1.0, state, zero, shard_n, offload, master_in_param)[1],
+                                     model_state_bytes(1.0, state, zero, expert_shard, offload, master_in_param)[1])
     return (d + held - late[0], e + held - late[1]), step
 
 
@@ -368,7 +373,7 @@ class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
     def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
-                 block_cache: dict | None = None) -> None:
+                 block_cache: dict | None = None, target: str = "autopar") -> None:
         if layout.layers_per_stage is None and layout.recompute_per_stage is None and layout.recompute is Recompute.none:
             base = layout  # the search's own base layouts already are (a copy costs a validation)
         else:
@@ -399,7 +404,10 @@ class StageModel:
         a = profile.assumptions
         self.emb_act = activation_factor(a, training, base.zero_stage) * elt * self.mb.tokens * model.hidden_size / (
             base.tp if base.sp else 1)
-        self.logits = logits_bytes(model, self.mb.tokens, base.tp, a.loss_bytes_per_logit)
+        # the target's loss and model states (planner.targets.TargetFacts), as predict(target=...) reads them
+        self.master_in_param = targets.target_facts(target).master_in_param
+        self.logits = logits_bytes(model, self.mb.tokens, base.tp,
+                                   targets.loss_bytes_per_logit(target, base, a.loss_bytes_per_logit))
         # memory: stage totals (fixed terms + allocated x (1 + fragmentation)) fit ``capacity``; the
         # allocation alone fits ``alloc_capacity`` (the same test, for the linear bounds and CP-SAT)
         self.fixed = sum(fixed_terms(a, base).values())
@@ -423,7 +431,7 @@ class StageModel:
         temp = a.optimizer_temp_bytes_per_param
         (self._state_dense, self._state_expert), self._step_state = phase_states_per_param(
             self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer, base.reshard_after_forward,
-            base.pp, self.m, temp)
+            base.pp, self.m, temp, self.master_in_param)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
@@ -699,7 +707,7 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     for zero in zero_stages:
         for off in ({False, offload} if zero >= 1 else {False}):
             (d, e), (sd, se) = phase_states_per_param(sm.state, zero, sm.shard_n, sm.expert_shard, off, True, lay.pp,
-                                                      sm.m, a.optimizer_temp_bytes_per_param)
+                                                      sm.m, a.optimizer_temp_bytes_per_param, sm.master_in_param)
             best_d, best_e, step_d, step_e = min(best_d, d), min(best_e, e), min(step_d, sd), min(step_e, se)
         budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, a,
                                                     lay.model_copy(update={"zero_stage": zero})))

@@ -1,0 +1,307 @@
+"""planner/targets.py TargetFacts: what each target does that the cost model prices by target.
+
+The loss term by hand (bytes per logit x tokens x vocab / tp) for every target; the pipeline sends by
+hand for every target with and without sequence parallelism, and the rows that refuse any other
+``pp_scatter_gather``; the model states of a target whose parameters are the fp32 master (FSDP2,
+autocast) against the Rajbhandari et al. counts; predict and the search's stage model on target megatron
+against autopar, differing by exactly those terms; the stage model equal to predict for every target;
+the torch losses measured (benchmarks/loss_memory.py) against the facts; validate's rows mapped to the
+target their framework matches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.contracts import ModelSpec, ParallelLayout, Recompute, TrainingConfig
+from planner.cost.predict import predict
+from planner.presets import get_preset
+from planner.reference import reference_profile
+from planner.search.engine import Rules, SearchOptions, _base_layout, structures
+from planner.search.stages import StageModel
+from planner.targets import (
+    TARGETS,
+    Job,
+    Target,
+    loss_bytes_per_logit,
+    planned_scatter_gather,
+    refusal,
+    target_facts,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+L, H, V, SEQ = 8, 1024, 32000, 1024
+TARGET_NAMES = [t.value for t in Target]
+# bytes per logit, read off the frameworks' sources (planner/targets.py names them); None: the profile's own
+LOSS = {"autopar": None, "megatron": 6.0, "deepspeed": 10.0, "torchtitan": 12.0}
+SENDS_ROW = "activation sends between pipeline stages"
+
+
+def small_model(**changes) -> ModelSpec:
+    fields = dict(num_layers=L, hidden_size=H, num_attention_heads=16, ffn_hidden_size=4 * H, ffn_kind="gelu",
+                  vocab_size=V, linear_bias=False)
+    fields.update(changes)
+    return ModelSpec(**fields)
+
+
+def train(gbs: int = 32) -> TrainingConfig:
+    return TrainingConfig(seq_length=SEQ, global_batch_size=gbs)
+
+
+@pytest.fixture(scope="module")
+def node():
+    return reference_profile("dgx-a100-80gb", 1)
+
+
+# ------------------------------------------------------------------ the loss term
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_loss_term_by_hand(node, target):
+    """One micro-batch of 1024 tokens over 32000 logits on the last (only) stage, tp = 1."""
+    mem = predict(small_model(), train(), node, ParallelLayout(dp_shard=8), target=target).memory
+    per_logit = LOSS[target] if LOSS[target] is not None else node.assumptions.loss_bytes_per_logit
+    assert mem.terms["loss"] == int(per_logit * SEQ * V)
+
+
+def test_loss_per_logit_by_layout(node):
+    """torchtitan: eager torch cross-entropy (12), its loss-parallel Function under TP (16), +2 where the
+    pipeline keeps the 16-bit logits, 4 compiled (written with async TP); the others by layout unchanged."""
+    a = node.assumptions.loss_bytes_per_logit
+    cases = [  # (layout, autopar, megatron, deepspeed, torchtitan)
+        (ParallelLayout(), a, 6, 10, 12),
+        (ParallelLayout(tp=2, sp=True), a, 6, 10, 16),
+        (ParallelLayout(pp=2), a, 6, 10, 14),
+        (ParallelLayout(tp=2, sp=True, pp=2), a, 6, 10, 18),
+        (ParallelLayout(tp=2, sp=True, pp=2, tp_comm_overlap=True), a, 6, 10, 4),
+    ]
+    for lay, *want in cases:
+        assert [loss_bytes_per_logit(t, lay, a) for t in TARGET_NAMES] == want, lay
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_loss_term_with_tp_and_pipeline_in_the_stage_model(node, target):
+    """The search's stage model holds bytes per logit x tokens x vocab / tp on the last stage (pp = 2, tp = 2,
+    micro-batches of 2 sequences)."""
+    lay = ParallelLayout(tp=2, sp=True, pp=2, dp_shard=2, micro_batch_size=2)
+    sm = StageModel(small_model(), train(), node, lay, target=target)
+    assert sm.logits == pytest.approx(loss_bytes_per_logit(target, lay, node.assumptions.loss_bytes_per_logit)
+                                      * 2 * SEQ * V / 2)
+
+
+# ------------------------------------------------------------------ pipeline sends
+# (target, sp, MoE) -> each TP rank sends 1/tp of the activation?
+SENDS = {
+    ("autopar", False, False): False, ("autopar", True, False): True,  # torch pipelining: the stage output
+    ("megatron", False, False): False, ("megatron", True, False): True,  # get_tensor_shapes: / tp with SP only
+    ("torchtitan", False, False): False, ("torchtitan", True, False): True,
+    ("deepspeed", False, False): True, ("deepspeed", True, False): True,  # pipe_partitioned (default), SP shard
+    ("deepspeed", False, True): False,  # Megatron-DeepSpeed: no partitioning for MoE with pp and tp
+}
+
+
+@pytest.mark.parametrize("target,sp,moe", list(SENDS))
+def test_pipeline_sends_by_hand(node, target, sp, moe):
+    model = get_preset("mixtral-8x7b") if moe else small_model()
+    assert planned_scatter_gather(target, model, sp) is SENDS[target, sp, moe]
+    if moe:
+        return
+    # pp 2 x tp 2 x dp 2, 2 sequences a micro-batch: 8 micro-batches, each sent forward and its gradient back
+    lay = ParallelLayout(tp=2, sp=sp, pp=2, dp_shard=2, micro_batch_size=2, pp_scatter_gather=SENDS[target, sp, moe])
+    pred = predict(small_model(), train(), node, lay, target=target)
+    whole = 2 * SEQ * H * 2  # 2 sequences x SEQ tokens x h x 2 bytes
+    sent = next(c for c in pred.comm if c.kind == "pp").bytes_per_step
+    assert sent == pytest.approx(2 * 8 * whole / (2 if SENDS[target, sp, moe] else 1))
+
+
+@pytest.mark.parametrize("target,sp,moe", list(SENDS))
+def test_the_other_sends_are_refused(target, sp, moe):
+    model = get_preset("mixtral-8x7b") if moe else small_model()
+    row = next(limit for limit in TARGETS[Target(target)].limits if limit.feature == SENDS_ROW)
+    runs, other = SENDS[target, sp, moe], not SENDS[target, sp, moe]
+    train_ = TrainingConfig(seq_length=4096, global_batch_size=64)
+
+    def job(**lay) -> Job:
+        return Job(model, train_, ParallelLayout(tp=2, sp=sp, pp=2, dp_shard=2, **lay))
+
+    assert not row.refuses(job(pp_scatter_gather=runs))
+    both = target == "deepspeed" and not sp and not moe  # pipe_partitioned on or off: DeepSpeed runs either
+    assert row.refuses(job(pp_scatter_gather=other)) is not both
+    if not both:
+        err = row.error(job(pp_scatter_gather=other), Target(target))
+        assert err.field.endswith("pp_scatter_gather") and err.value is other
+        assert f"pp_scatter_gather={runs}" in err.fix
+    # no pipeline or no TP: nothing is sent apart, whatever the field says
+    assert not row.refuses(Job(model, train_, ParallelLayout(tp=2, sp=sp, dp_shard=4, pp_scatter_gather=other)))
+    assert not row.refuses(Job(model, train_, ParallelLayout(pp=2, dp_shard=4, pp_scatter_gather=not sp)))
+
+
+def test_refusal_names_field_value_and_fix():
+    job = Job(small_model(), train(), ParallelLayout(tp=2, pp=2, dp_shard=2, pp_scatter_gather=True))
+    err = refusal("megatron", job)
+    assert err is not None and err.feature == SENDS_ROW
+    assert str(err).startswith("pp_scatter_gather=True")
+    assert "whole activation" in str(err) and "plan with pp_scatter_gather=False" in str(err)
+
+
+def test_a_layout_sends_as_sp_unless_stated():
+    assert ParallelLayout(tp=2, pp=2, sp=True).pp_scatter_gather is True
+    assert ParallelLayout(tp=2, pp=2).pp_scatter_gather is False
+    assert ParallelLayout(tp=2, pp=2, pp_scatter_gather=True).pp_scatter_gather is True
+    again = ParallelLayout.model_validate_json(ParallelLayout(tp=2, pp=2, sp=True, pp_scatter_gather=False)
+                                               .model_dump_json())
+    assert again.pp_scatter_gather is False
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_the_search_sets_the_sends_from_the_target(node, target):
+    model, opts = small_model(), SearchOptions(target=target)
+    structs = structures(model, train(), node, opts, Rules())
+    assert any(st.sp for st in structs) and any(not st.sp and st.tp > 1 for st in structs)
+    for st in structs:
+        assert st.pp_scatter_gather is planned_scatter_gather(target, model, st.sp)
+        assert _base_layout(st, opts).pp_scatter_gather is st.pp_scatter_gather
+
+
+# ------------------------------------------------------------------ model states
+PHI = V * H + L * (4 * H * H + 2 * H + 8 * H * H) + H + H * V  # embedding, blocks, final norm, head
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_states_where_the_parameter_is_the_master(node, zero):
+    """Megatron/DeepSpeed: 16-bit weights 2 beside fp32 grads 4 and master + Adam 12, sharded by ZeRO stage.
+    The executor/torchtitan: the fp32 parameter (4) is the master, sharded only where the parameters are
+    (FSDP2, ZeRO-2/3); Adam 8 sharded from ZeRO-1; 16-bit copies (2) held through the backward at ZeRO-0/1
+    (autocast's casts) and ZeRO-2 (weights kept gathered), none at ZeRO-3."""
+    n = 8
+    lay = ParallelLayout(dp_shard=n, zero_stage=zero)
+    std = predict(small_model(), train(), node, lay, target="megatron").memory
+    own = predict(small_model(), train(), node, lay, target="autopar").memory
+    shard = {w: (n if zero >= s else 1) for w, s in (("w", 3), ("g", 2), ("o", 1), ("p", 2))}
+    assert (std.params_bytes, std.grads_bytes, std.optimizer_bytes) == pytest.approx(
+        (2 * PHI / shard["w"], 4 * PHI / shard["g"], 12 * PHI / shard["o"]), abs=2)
+    assert (own.params_bytes, own.grads_bytes, own.optimizer_bytes) == pytest.approx(
+        (4 * PHI / shard["p"], 4 * PHI / shard["g"], 8 * PHI / shard["o"]), abs=2)
+    assert own.terms.get("compute_copies", 0) == (2 * PHI if zero < 3 else 0)
+    assert "compute_copies" not in std.terms
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_megatron_and_autopar_differ_by_exactly_the_target_terms(node, zero):
+    """Same layout, same activations and step time; the allocated peaks differ by the loss (bytes per logit
+    x tokens x vocab) and the model states and 16-bit copies counted above, the totals by that times
+    (1 + fragmentation). Micro-batches of 2 sequences: the backward, not the optimizer step, is the peak of both."""
+    lay = ParallelLayout(dp_shard=8, zero_stage=zero, micro_batch_size=2)
+    mg = predict(small_model(), train(), node, lay, target="megatron")
+    ap = predict(small_model(), train(), node, lay, target="autopar")
+    assert ap.step_time_s == mg.step_time_s and ap.memory.activations_bytes == mg.memory.activations_bytes
+    assert "optimizer_step" not in ap.memory.terms and "optimizer_step" not in mg.memory.terms
+    loss = (node.assumptions.loss_bytes_per_logit - 6.0) * 2 * SEQ * V
+    states = {0: (4 + 4 + 8 + 2) - (2 + 4 + 12), 1: (4 + 4 + 8 / 8 + 2) - (2 + 4 + 12 / 8),
+              3: (4 + 4 + 8) / 8 - (2 + 4 + 12) / 8}[zero] * PHI
+    assert ap.memory.allocated_bytes - mg.memory.allocated_bytes == pytest.approx(loss + states, abs=16)
+    frag = ap.memory.terms["fragmentation"] / (ap.memory.allocated_bytes)
+    assert ap.memory.total_bytes - mg.memory.total_bytes == pytest.approx((loss + states) * (1 + frag), abs=32)
+
+
+def test_offloaded_fsdp2_keeps_its_shards_on_the_host(node):
+    """FSDP2's CPU offload keeps parameter, gradient and optimizer shards on the host: on the GPU only the
+    gathered blocks; Megatron's offload moves the optimizer part (master + moments) only."""
+    lay = ParallelLayout(dp_shard=8, zero_stage=3, offload_optimizer=True)
+    own = predict(small_model(), train(), node, lay, target="autopar").memory
+    std = predict(small_model(), train(), node, lay, target="megatron").memory
+    assert (own.params_bytes, own.grads_bytes, own.optimizer_bytes) == (0, 0, 0)
+    assert (std.params_bytes, std.grads_bytes, std.optimizer_bytes) == pytest.approx(
+        (2 * PHI / 8, 4 * PHI / 8, 0), abs=2)
+
+
+# ------------------------------------------------------------------ the search's stage model == predict
+STAGE_CASES = [
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, sp=True, pp=4, dp_shard=2, zero_stage=1), 64),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=2, dp_shard=4, zero_stage=0, pp_scatter_gather=False), 64),
+    ("llama3-8b", "dgx-a100-80gb", 2, dict(tp=1, pp=4, dp_shard=4, zero_stage=3), 64),
+    ("llama3-8b", "dgx-a100-80gb", 1, dict(dp_shard=8, zero_stage=2), 8),  # one micro-batch a step
+]
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("name,system,nodes,layout,gbs", STAGE_CASES)
+def test_stage_model_equals_predict_for_every_target(target, name, system, nodes, layout, gbs):
+    model, prof = get_preset(name), reference_profile(system, nodes)
+    tr = TrainingConfig(global_batch_size=gbs, seq_length=4096)
+    sm = StageModel(model, tr, prof, ParallelLayout(**layout), target=target)
+    rng = random.Random(11)
+    n = sm.p * sm.v
+    for _ in range(6):
+        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, model.num_layers])]
+        rec = []
+        for layers in sm.rank_layers(chunks):
+            kind = rng.choice(list(Recompute))
+            rec.append((kind, 0 if kind is Recompute.none else rng.randint(0, len(layers))))
+        step, terms = sm.evaluate(chunks, rec)
+        pred = predict(model, tr, prof, sm.layout_for(chunks, rec), target=target)
+        assert step == pytest.approx(pred.step_time_s, rel=1e-12)
+        assert max(t.memory_bytes for t in terms) == pytest.approx(pred.memory.total_bytes, rel=1e-9)
+
+
+# ------------------------------------------------------------------ the torch losses, measured
+def test_measured_torch_losses_match_the_facts(node):
+    """benchmarks/loss_memory.py measures the losses with torch's profiler on the CPU (a one-rank group for
+    the tensor-parallel ones): torchtitan 0.3.0's four cases are its facts, and the executor's loss with
+    the logits kept (its pipeline schedule keeps them) is the profile's measured default."""
+    pytest.importorskip("torchtitan")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/loss_memory.py"), "--tokens", "1024", "--vocab",
+                          "8000", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    titan = target_facts("torchtitan").loss
+    assert got["torchtitan"] == pytest.approx(titan(ParallelLayout()), abs=0.05)
+    assert got["torchtitan/kept"] == pytest.approx(titan(ParallelLayout(pp=2)), abs=0.05)
+    assert got["torchtitan_tp"] == pytest.approx(titan(ParallelLayout(tp=2, sp=True)), abs=0.05)
+    assert got["torchtitan_tp/kept"] == pytest.approx(titan(ParallelLayout(tp=2, sp=True, pp=2)), abs=0.05)
+    for case in ("torch/kept", "torch_loss_parallel", "torch_loss_parallel/kept"):
+        assert got[case] == pytest.approx(node.assumptions.loss_bytes_per_logit, abs=0.05), case
+
+
+# ------------------------------------------------------------------ validate: each row's target
+@pytest.mark.parametrize("framework,target,stated", [
+    ("NeMo / Megatron-Bridge + Megatron-Core", "megatron", False),
+    ("Megatron-LM (PTD-P), interleaved 1F1B + scatter/gather optimization", "megatron", False),
+    ("Megatron-DeepSpeed (bigscience fork) + DeepSpeed, PyTorch 1.11, CUDA 11.5", "deepspeed", False),
+    ("Megatron-LM + DeepSpeed (3D parallelism)", "deepspeed", False),
+    ("torchtitan (FSDP2)", "torchtitan", False),
+    ("Composer + PyTorch FSDP (llm-foundry)", "torchtitan", True),
+    ("Meta internal 4D parallelism [TP,CP,PP,DP(FSDP)] ordering", "torchtitan", True),
+    ("HAI-LLM (DeepSeek internal)", "megatron", True),
+])
+def test_each_framework_runs_with_a_target(framework, target, stated):
+    from planner.validate import framework_target
+
+    defaults: list[str] = []
+    mcore = "Megatron-Core" in framework or "NeMo" in framework
+    assert framework_target({"framework": framework}, "PTD-P" in framework, mcore, defaults) == target
+    assert bool(defaults) is stated and (not stated or f"target facts={target}" in defaults[0])
+
+
+def test_published_rows_price_the_sends_their_framework_does():
+    from planner.validate import PUBLISHED_RUNS, build_cases, load_rows
+
+    cases, _ = build_cases(load_rows(PUBLISHED_RUNS))
+    assert {c.target for c in cases} == {"megatron", "deepspeed", "torchtitan"}
+    piped = [c for c in cases if c.layout.pp > 1 and c.layout.tp > 1]
+    assert piped
+    for c in piped:
+        note = next(d for d in c.defaults if d.startswith("pp_scatter_gather="))
+        if "2021-22" in note:  # Megatron-LM's scatter/gather optimisation of the time
+            assert c.layout.pp_scatter_gather and c.target == "megatron"
+            continue
+        assert c.layout.pp_scatter_gather is planned_scatter_gather(c.target, c.model, c.layout.sp), c.run_id
+        job = Job(c.model, c.training, c.layout)
+        row = next(limit for limit in TARGETS[Target(c.target)].limits if limit.feature == SENDS_ROW)
+        assert not row.refuses(job), c.run_id
+    assert any(c.target == "deepspeed" and c.layout.pp_scatter_gather for c in piped)  # pipe_partitioned
