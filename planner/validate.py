@@ -381,10 +381,12 @@ def _model(row: dict[str, str], defaults: list[str], n: dict[str, float | int | 
         if n["ffn_hidden_size"] is None and base is None:
             ffn = moe.expert_ffn_hidden_size
     alibi = "alibi" in name_text
+    stated_head_dim = re.search(r"head_dim\s*(\d+)", _text(row, "arch_type"))  # "MoE (GQA, head_dim 128)"
+    head_dim = int(stated_head_dim.group(1)) if stated_head_dim else (base.head_dim if base else None)
     return ModelSpec(
         name=row.get("model") or row.get("run_id") or "?", num_layers=layers, hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=kv, head_dim=base.head_dim if base else None, ffn_hidden_size=ffn,
+        num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=ffn,
         ffn_kind="gelu" if gpt_style else "swiglu", vocab_size=vocab,
         tied_embeddings=base.tied_embeddings if base else gpt_style,
         position_embedding="alibi" if alibi else ("learned" if gpt_style else "rope"),

@@ -707,3 +707,12 @@ def test_an_unstated_gpu_part_is_a_stated_default(gpu_type, stated):
     assert isinstance(case, v.RowCase), case
     named = [d for d in case.defaults if d.startswith("gpu=")]
     assert named == ([f"gpu={stated} (the cell names no memory size, form factor or system)"] if stated else [])
+
+
+def test_a_head_size_stated_in_arch_type_is_used():
+    """Qwen3-235B: hidden 4096 over 64 heads would be 64 per head; the row states head_dim 128."""
+    case = v.build_case(megatron_row(arch_type="dense (GQA, head_dim 128)", micro_batch_size="1",
+                                     activation_recompute="none"))
+    assert isinstance(case, v.RowCase), case
+    assert case.model.head_dim == 128
+    assert v.build_case(megatron_row(micro_batch_size="1", activation_recompute="none")).model.head_dim is None
