@@ -242,10 +242,9 @@ def _part(name: str) -> str:
 def test_each_ranks_parameters_are_the_cost_models(fold_run: Path, name: str) -> None:
     """The shards the executor gives each rank (local element count x element size, fp32, ZeRO-0)
     against hand counts per part and against the cost model's parameter memory of the rank
-    (``predict(...).memory.params_bytes``). The cost model divides every non-expert weight by tp,
-    the norms and the router too, which stay whole on every TP rank (in Megatron-Core as here): the
-    executor holds exactly (1 - 1/tp) x their bytes more, and nothing else differs — so shared
-    experts held whole on every TP rank (tp x their memory) fail this test."""
+    (``predict(...).memory.params_bytes``), which must be equal: the norms and the router whole on
+    every TP rank (planner.cost.params.tp_replicated_params), everything else split. Shared experts
+    held whole on every TP rank (tp x their memory) fail this test."""
     from run_plans import profile_for
 
     from planner.cost.predict import predict
@@ -255,8 +254,8 @@ def test_each_ranks_parameters_are_the_cost_models(fold_run: Path, name: str) ->
     hand = _hand_counts(spec, layout)
     training = TrainingConfig(seq_length=pc.SEQ, global_batch_size=pc.global_batch(layout), precision="fp32")
     predicted = predict(spec, training, profile_for(4), layout).memory.params_bytes
-    expected = 4 * sum(hand.values()) - 4 * hand["replicated"] * (1 - 1 / layout.tp)
-    assert predicted == expected, f"{name}: cost model {predicted} B, hand count {expected} B"
+    expected = 4 * sum(hand.values())
+    assert predicted == pytest.approx(expected, rel=1e-12), f"{name}: cost model {predicted} B, hand count {expected} B"
     for rank in range(4):
         local = json.loads((fold_run / name / f"params_rank{rank}.json").read_text())
         got = dict.fromkeys(hand, 0)
@@ -265,7 +264,5 @@ def test_each_ranks_parameters_are_the_cost_models(fold_run: Path, name: str) ->
             got[_part(pname)] += numel
         assert got == hand, f"{name} rank {rank}: per-part parameters {got}, by hand {hand}"
         actual = 4 * sum(got.values())
-        gap = actual - predicted
-        print(f"\n{name} rank {rank}: executor {actual} B, cost model {predicted} B, gap {gap} B "
-              f"= (1 - 1/tp) x the {hand['replicated']} norm and router parameters x 4 B")
-        assert gap == 4 * hand["replicated"] * (1 - 1 / layout.tp), name
+        print(f"\n{name} rank {rank}: executor {actual} B, cost model {predicted} B")
+        assert actual == pytest.approx(predicted, rel=1e-12), name

@@ -62,6 +62,38 @@ def layer_params(model: ModelSpec, index: int) -> tuple[int, int]:
     return base + mlp_params(model), 0
 
 
+def tp_replicated_params(model: ModelSpec, index: int) -> int:
+    """Parameters of block ``index`` every TP rank holds whole (Megatron-Core and the executor alike):
+    its two norms, MLA's two latent norms, the MoE router ``h·E``, and the biases added after a
+    row-parallel projection (attention output ``h``; dense FFN or shared experts' down projection ``h``)."""
+    h = model.hidden_size
+    whole = 2 * norm_params(model)
+    if model.mla is not None:
+        whole += model.mla.kv_lora_rank + model.mla.q_lora_rank
+    if model.linear_bias:
+        whole += h  # attention output
+        if not model.is_moe_layer(index):
+            whole += h
+        elif model.moe is not None:
+            whole += model.moe.num_shared_experts * h
+    if model.is_moe_layer(index) and model.moe is not None:
+        whole += h * model.moe.num_experts
+    return whole
+
+
+def dense_per_tp_rank(model: ModelSpec, index: int, tp: int) -> float:
+    """Non-expert parameters of block ``index`` on one of ``tp`` ranks: the split part over tp, the
+    replicated part (:func:`tp_replicated_params`) whole."""
+    whole = tp_replicated_params(model, index)
+    return (layer_params(model, index)[0] - whole) / tp + whole
+
+
+def head_per_tp_rank(model: ModelSpec, tp: int, tied: int = 0) -> float:
+    """The last stage's final norm (whole) and output projection (plus ``tied``, a copy of the tied
+    embedding on a pipeline's last stage), on one of ``tp`` ranks."""
+    return (lm_head_params(model) - norm_params(model) + tied) / tp + norm_params(model)
+
+
 def embedding_params(model: ModelSpec) -> int:
     """Token table ``V·h`` plus a learned position table ``P·h`` if the model has one."""
     positions = (model.max_position_embeddings or 0) if model.position_embedding == "learned" else 0

@@ -53,7 +53,7 @@ from planner.cost.memory import (
     state_bytes_per_param,
     usable_bytes,
 )
-from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.errors import AutoparError
 
@@ -421,6 +421,13 @@ class _Step:
             self._params[key] = layer_params(self.model, i)
         return self._params[key]
 
+    def dense_of(self, i: int) -> float:
+        """Block ``i``'s non-expert parameters on one TP rank (norms and router whole)."""
+        key = ("rank", self.kinds[i])
+        if key not in self._params:
+            self._params[key] = dense_per_tp_rank(self.model, i, self.layout.tp)
+        return self._params[key]
+
     def activations_of(self, i: int, recompute: Recompute) -> float:
         key = (self.kinds[i], recompute)
         if key not in self._acts:
@@ -469,16 +476,16 @@ def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
     for st in stages:
         f = sum(c.block(i).forward.total_s for i in st.layers)
         b = sum(c.block(i).backward_s(r) for i, r in zip(st.layers, st.recompute))
-        dense = sum(c.params_of(i)[0] for i in st.layers)
+        dense = sum(c.dense_of(i) for i in st.layers)
         if st.first:
-            f, b, dense = f + emb_f.total_s, b + emb_b.total_s, dense + embedding_params(model)
+            f, b, dense = f + emb_f.total_s, b + emb_b.total_s, dense + embedding_params(model) / lay.tp
         if st.last:
             f, b = f + head_f.total_s, b + head_b.total_s
             tied = model.vocab_size * model.hidden_size if model.tied_embeddings and lay.pp > 1 else 0
-            dense += lm_head_params(model) + tied
+            dense += head_per_tp_rank(model, lay.tp, tied)
         out.fwd_s.append(f + lay.virtual_stages * p2p_s)
         out.bwd_s.append(b + lay.virtual_stages * p2p_s)
-        out.dense.append(dense / lay.tp)
+        out.dense.append(dense)
         out.experts.append(sum(c.params_of(i)[1] for i in st.layers) / expert_split(lay))
     return out
 
@@ -562,7 +569,7 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
         if full:  # recomputing a block in backward rebuilds all of its activations for a moment
             activations += factor * max(c.activations_of(li, Recompute.none) for li in full)
         # this rank's share of its biggest block (experts split over ep x etp)
-        biggest = max((c.params_of(li)[0] / lay.tp + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
+        biggest = max((c.dense_of(li) + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)
         loss = logits_bytes(model, c.mb.tokens, lay.tp, c.loss_per_logit) if st.last else 0.0
         mem = stage_memory(c.profile, c.training, lay, i, dense=t.dense[i], experts=t.experts[i],

@@ -82,7 +82,7 @@ from planner.cost.memory import (
     state_bytes_per_param,
     usable_bytes,
 )
-from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
 from planner.cost.pipeline import pipeline_time_s
 from planner.cost.predict import (
     check_layout,
@@ -240,9 +240,9 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         bc = block_cost(profile, model, index, mb, layout, groups)
         cache[key] = KindCost(
             forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute},
-            activations=cache[acts_key], dense_params=dense / layout.tp,
+            activations=cache[acts_key], dense_params=dense_per_tp_rank(model, index, layout.tp),
             expert_params=expert / expert_split(layout),
-            gather_params=dense / layout.tp + expert / expert_split(layout),  # this rank's share of the block
+            gather_params=dense_per_tp_rank(model, index, layout.tp) + expert / expert_split(layout),  # this rank's share
         )
     return cache[key]
 
@@ -389,7 +389,7 @@ class StageModel:
         elt = training.precision.bytes
         self.emb_params = embedding_params(model) / base.tp
         tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
-        self.head_params = (lm_head_params(model) + tied) / base.tp
+        self.head_params = head_per_tp_rank(model, base.tp, tied)
         self.state = state_bytes_per_param(training)
         self.step_bytes = optimizer_step_bytes_per_param(training)
         self.shard_n = base.dp_shard * base.cp

@@ -1,0 +1,23 @@
+"""What every TP rank holds whole of a block, by hand (planner.cost.params.tp_replicated_params)."""
+
+from __future__ import annotations
+
+from planner.cost.params import dense_per_tp_rank, layer_params, tp_replicated_params
+from planner.presets import get_preset
+
+
+def test_llama_block_keeps_its_two_rmsnorms_whole():
+    m = get_preset("llama3-8b")  # h 4096, RMSNorm, no biases
+    assert tp_replicated_params(m, 0) == 2 * 4096
+    dense = layer_params(m, 0)[0]
+    assert dense_per_tp_rank(m, 0, 8) == (dense - 8192) / 8 + 8192
+
+
+def test_gpt_block_keeps_layernorms_and_row_parallel_biases_whole():
+    m = get_preset("gpt3-1.3b")  # h 2048, LayerNorm (scale + shift), biases
+    assert tp_replicated_params(m, 0) == 2 * 2 * 2048 + 2048 + 2048
+
+
+def test_moe_block_keeps_its_router_whole():
+    m = get_preset("mixtral-8x7b")  # h 4096, 8 experts, every layer MoE
+    assert tp_replicated_params(m, 0) == 2 * 4096 + 4096 * 8
