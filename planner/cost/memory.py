@@ -71,13 +71,12 @@ def model_state_bytes(
     ``master_in_param`` (a target's :class:`~planner.targets.TargetFacts`): the parameter itself is the fp32
     master (FSDP2, or fp32 parameters under autocast). Weights are then that parameter, sharded only where
     the parameters are (ZeRO-2/3: FSDP2 shards them), and the optimizer part only the moments; the 16-bit
-    copies the compute uses are :func:`compute_copy_bytes_per_param`. FSDP2's CPU offload keeps the
-    parameter, gradient and optimizer shards on the host.
+    copies the compute uses are :func:`compute_copy_bytes_per_param`. An offloaded plan is counted as
+    above whatever the target: FSDP2's ``CPUOffloadPolicy`` keeps every shard on the host, but nothing
+    checks the host's memory, so the GPU keeps being charged the weight and gradient shards.
     """
     n = max(shard, 1)
-    if master_in_param and state.master:
-        if offload_optimizer and zero_stage >= 2:
-            return 0.0, 0.0, 0.0  # FSDP2's CPUOffloadPolicy: the shards live on the host
+    if master_in_param and state.master and not offload_optimizer:
         sharded = n if zero_stage >= 2 else 1  # FSDP2 shards the parameter itself (ZeRO-2/3)
         moments = 0.0 if offload_optimizer else params * (state.optimizer - state.master) / (n if zero_stage >= 1 else 1)
         return params * state.master / sharded, params * state.grads / sharded, moments
@@ -87,13 +86,14 @@ def model_state_bytes(
     return weights, grads, optimizer
 
 
-def compute_copy_bytes_per_param(zero_stage: int, state: StateBytes, master_in_param: bool) -> float:
+def compute_copy_bytes_per_param(zero_stage: int, state: StateBytes, master_in_param: bool,
+                                  offload_optimizer: bool = False) -> float:
     """Bytes per parameter of the 16-bit copies a ``master_in_param`` target holds through the backward
     (not at the optimizer step): autocast's cached casts of the fp32 parameters (ZeRO-0/1) and FSDP2's
     weights gathered before forward and kept to backward (ZeRO-2, ``reshard_after_forward=False``); none
-    at ZeRO-3 (its gathered blocks are the ``gathered_weights`` term) or where the parameters are the
-    16-bit weights."""
-    if not (master_in_param and state.master) or zero_stage >= 3:
+    at ZeRO-3 (its gathered blocks are the ``gathered_weights`` term), where the parameters are the
+    16-bit weights, or offloaded (counted as every target's: :func:`model_state_bytes`)."""
+    if not (master_in_param and state.master) or offload_optimizer or zero_stage >= 3:
         return 0.0
     return state.weights
 

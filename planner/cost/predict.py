@@ -305,7 +305,7 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer, master_in_param)
     w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_optimizer, master_in_param)
     states = w1 + w2 + g1 + g2 + o1 + o2
-    copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param)
+    copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param, layout.offload_optimizer)
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
     gathered += biggest_block * 2 * state.weights if zero == 3 and reshard and pp == 1 else 0.0

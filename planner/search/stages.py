@@ -363,7 +363,7 @@ def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, expert_sh
     t = 0.0 if offload else temp
     step = (d + t / div_d, e + t / div_e)
     held = (kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
-            + compute_copy_bytes_per_param(zero, state, master_in_param))
+            + compute_copy_bytes_per_param(zero, state, master_in_param, offload))
     late = (0.0, 0.0) if m > 1 else (model_state_bytes(1.0, state, zero, shard_n, offload, master_in_param)[1],
                                      model_state_bytes(1.0, state, zero, expert_shard, offload, master_in_param)[1])
     return (d + held - late[0], e + held - late[1]), step
