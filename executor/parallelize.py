@@ -49,7 +49,6 @@ holders covers every rank of the fold once, each contributing N x its share.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -597,20 +596,6 @@ def build_optimizer(model: nn.Module | list[nn.Module], layout: ParallelLayout, 
                                        process_group=group.get_group(),
                                        lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     return make_optimizer(params, lr)
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
-    """Gradient accumulation: no gradient reduction on all but the last micro-batch of a step (DDP's
-    and FSDP2's ``set_requires_gradient_sync``). :class:`GradAllReduce` reduces only in ``sync()``."""
-    if is_last_microbatch or not hasattr(model, "set_requires_gradient_sync"):
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 # ---------------------------------------------------------------- everything, in order

@@ -34,7 +34,6 @@ from executor.parallelize import (
     load_full_state,
     loss_context,
     loss_scale,
-    no_sync,
     parallelize,
 )
 from executor.reference import lm_loss
@@ -91,7 +90,7 @@ def run_case(family: str, plan: str, out: Path) -> None:
     dp_rank, dp_size = data_rank(meshes)
     micro = split_batch(SyntheticTokens(BASE["vocab_size"], SEQ, SEED).batch(0, gbs), dp_rank, dp_size, MBS)
     for i, rows in enumerate(micro):
-        with no_sync(wrapped, i == len(micro) - 1), loss_context(layout):
+        with loss_context(layout):
             loss = lm_loss(wrapped(rows[:, :-1]).logits, rows[:, 1:], gbs * SEQ)
             (loss * loss_scale(meshes)).backward()
     if isinstance(wrapped, GradAllReduce):
