@@ -52,21 +52,27 @@ DECOMPOSITION_CASES = [
 ]
 
 
+def random_splits(sm: StageModel, rng: random.Random, count: int):  # noqa: ANN201 - yields (chunks, recompute)
+    """``count`` random layer splits of ``sm``'s (virtual) stages, each with a random recompute kind and
+    layer count per pipeline rank."""
+    n, layers_total = sm.p * sm.v, sm.model.num_layers
+    for _ in range(count):
+        cuts = sorted(rng.sample(range(1, layers_total), n - 1))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, layers_total])]
+        rec = []
+        for layers in sm.rank_layers(chunks):
+            kind = rng.choice(list(Recompute))
+            rec.append((kind, 0 if kind is Recompute.none else rng.randint(0, len(layers))))
+        yield chunks, rec
+
+
 @pytest.mark.parametrize("name,system,nodes,layout,gbs,seq", DECOMPOSITION_CASES)
 def test_stage_model_equals_predict_on_random_splits(name, system, nodes, layout, gbs, seq):  # noqa: ANN001
     """Every split and per-stage recompute the search prices must cost exactly what predict says."""
     model, prof = get_preset(name), reference_profile(system, nodes)
     tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
     sm = StageModel(model, tr, prof, ParallelLayout(**layout))
-    rng = random.Random(7)
-    n = sm.p * sm.v
-    for _ in range(12):
-        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
-        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, model.num_layers])]
-        rec = []
-        for layers in sm.rank_layers(chunks):
-            kind = rng.choice(list(Recompute))
-            rec.append((kind, 0 if kind is Recompute.none else rng.randint(0, len(layers))))
+    for chunks, rec in random_splits(sm, random.Random(7), 12):
         step, terms = sm.evaluate(chunks, rec)
         pred = predict(model, tr, prof, sm.layout_for(chunks, rec))
         assert step == pytest.approx(pred.step_time_s, rel=1e-12)

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_search import random_splits
 
-from planner.contracts import ModelSpec, ParallelLayout, Recompute, TrainingConfig
+from planner.contracts import ModelSpec, ParallelLayout, TrainingConfig
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
@@ -235,15 +236,7 @@ def test_stage_model_equals_predict_for_every_target(target, name, system, nodes
     model, prof = get_preset(name), reference_profile(system, nodes)
     tr = TrainingConfig(global_batch_size=gbs, seq_length=4096)
     sm = StageModel(model, tr, prof, ParallelLayout(**layout), target=target)
-    rng = random.Random(11)
-    n = sm.p * sm.v
-    for _ in range(6):
-        cuts = sorted(rng.sample(range(1, model.num_layers), n - 1))
-        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, model.num_layers])]
-        rec = []
-        for layers in sm.rank_layers(chunks):
-            kind = rng.choice(list(Recompute))
-            rec.append((kind, 0 if kind is Recompute.none else rng.randint(0, len(layers))))
+    for chunks, rec in random_splits(sm, random.Random(11), 6):
         step, terms = sm.evaluate(chunks, rec)
         pred = predict(model, tr, prof, sm.layout_for(chunks, rec), target=target)
         assert step == pytest.approx(pred.step_time_s, rel=1e-12)
