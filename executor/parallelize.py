@@ -579,6 +579,18 @@ def apply_data_parallel(model: nn.Module, layout: ParallelLayout, meshes: Meshes
     return replicate(model, process_group=group.get_group(), device_id=device_id)
 
 
+def accumulation_cadence(model: nn.Module, layout: ParallelLayout, is_last_microbatch: bool) -> None:
+    """Before each micro-batch's forward, the data-parallel collectives it runs, as the cost model prices
+    them (:func:`planner.cost.predict.dp_cadence`): DDP (``replicate``) all-reduces only on the last
+    micro-batch (:class:`GradAllReduce` only in ``sync()``); ZeRO-2 keeps its gathered weights until the
+    last micro-batch's backward (one all-gather per step) and ZeRO-2/3 reduce-scatter every micro-batch
+    (holding unsharded gradients across micro-batches is memory no plan counts)."""
+    if layout.zero_stage < 2 and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(is_last_microbatch)
+    elif layout.zero_stage == 2 and hasattr(model, "set_reshard_after_backward"):
+        model.set_reshard_after_backward(is_last_microbatch)
+
+
 def build_optimizer(model: nn.Module | list[nn.Module], layout: ParallelLayout, meshes: Meshes,
                     lr: float) -> torch.optim.Optimizer:
     """AdamW with :mod:`executor.reference`'s constants. ZeRO-1: ``ZeroRedundancyOptimizer`` over the

@@ -262,7 +262,7 @@ class Runtime:
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | torch.Tensor:
         """All micro-batches of one step (pipelined or accumulated); this rank's share of the loss (a
         float64 tensor on the device when accumulated here: read once, after the step's collectives)."""
-        from executor.parallelize import add_aux_loss, loss_context
+        from executor.parallelize import accumulation_cadence, add_aux_loss, loss_context
         from executor.pipeline import pipeline_step
         from executor.reference import lm_loss
 
@@ -273,11 +273,9 @@ class Runtime:
                                       targets if self.last else None, self.first, self.last)
         else:
             mbs, n = self.layout.micro_batch_size, self.n_micro_local
-            # ZeRO-2/3 reduce-scatter every micro-batch's gradients (FSDP2's default; DDP's GradAllReduce
-            # reduces in sync()): skipping it would hold the whole stage's unsharded gradients across
-            # the micro-batches, memory the plan does not count (planner.cost.predict.dp_cadence)
             for i in range(n):
                 x, y = tokens[i * mbs:(i + 1) * mbs], targets[i * mbs:(i + 1) * mbs]
+                accumulation_cadence(self.model, self.layout, i == n - 1)
                 with loss_context(self.layout):
                     out = self.model(x)
                     logits = out.logits if hasattr(out, "logits") else out

@@ -27,6 +27,7 @@ from executor.data import SyntheticTokens, split_batch
 from executor.hf import SUPPORTED_MODEL_TYPES, build_hf_model, hf_full_state
 from executor.parallelize import (
     GradAllReduce,
+    accumulation_cadence,
     build_mesh,
     check_supported,
     clean_fqn,
@@ -90,6 +91,7 @@ def run_case(family: str, plan: str, out: Path) -> None:
     dp_rank, dp_size = data_rank(meshes)
     micro = split_batch(SyntheticTokens(BASE["vocab_size"], SEQ, SEED).batch(0, gbs), dp_rank, dp_size, MBS)
     for i, rows in enumerate(micro):
+        accumulation_cadence(wrapped, layout, i == len(micro) - 1)
         with loss_context(layout):
             loss = lm_loss(wrapped(rows[:, :-1]).logits, rows[:, 1:], gbs * SEQ)
             (loss * loss_scale(meshes)).backward()

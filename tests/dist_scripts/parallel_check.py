@@ -5,8 +5,8 @@
 For each case of :data:`CASES` (all when none are named) every rank builds the tiny model on the meta
 device, applies :func:`executor.parallelize.parallelize` for the case's layout, loads the
 plan-independent weights, and trains 3 AdamW steps of 2 micro-batches per data-parallel rank (fp32),
-each micro-batch's loss = token-loss sum / global tokens x :func:`loss_scale`, ZeRO-2/3 gradients
-reduce-scattered every micro-batch (DDP's all-reduced once, in ``sync()``). It writes OUT_DIR/<case>/rank<r>.json (the step losses,
+each micro-batch's loss = token-loss sum / global tokens x :func:`loss_scale`, the collectives of each
+micro-batch as the executor runs them (:func:`accumulation_cadence`). It writes OUT_DIR/<case>/rank<r>.json (the step losses,
 summed over all ranks and divided by tp, so every rank reports the global loss; wall time of the case)
 and rank 0 OUT_DIR/<case>/grads.pt: the first step's reduced gradients as full tensors
 (``DTensor.full_tensor()``) by plan-independent name. tests/test_executor_parallel.py compares them
@@ -28,6 +28,7 @@ from executor.data import SyntheticTokens, split_batch
 from executor.model import build_model, full_state_dict
 from executor.parallelize import (
     GradAllReduce,
+    accumulation_cadence,
     add_aux_loss,
     build_mesh,
     build_optimizer,
@@ -116,6 +117,7 @@ def run_case(name: str, out: Path) -> None:
         local = 0.0
         for i, rows in enumerate(micro):
             tokens, targets, positions = cp_shard_batch(rows[:, :-1], rows[:, 1:], meshes)
+            accumulation_cadence(wrapped, layout, i == len(micro) - 1)
             with loss_context(layout):
                 logits = wrapped(tokens).logits if hf else wrapped(tokens, positions)
                 loss = lm_loss(logits, targets, gbs * SEQ)
