@@ -303,7 +303,7 @@ def _megatron_moe(plan: Plan, a: _Command) -> list[str]:
         vnotes.append("  --moe-layer-freq patterns and --moe-ffn-hidden-size: Megatron Core >= 0.10.")
     if moe.capacity_factor is not None:
         a.add("--moe-expert-capacity-factor", moe.capacity_factor)
-    if plan.layout.ep > 1 or plan.layout.expert_tp != plan.layout.tp:  # the dispatcher the plan priced
+    if plan.layout.ep > 1 or plan.layout.tp > 1:  # the dispatcher the plan priced (Megatron's default: allgather)
         a.add("--moe-token-dispatcher-type", "alltoall")
     return vnotes
 

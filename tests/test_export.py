@@ -299,6 +299,10 @@ class TestMegatron:
         f = megatron_flags(make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, etp=1, zero_stage=1), tmp_path)
         assert one(f, "--expert-tensor-parallel-size") == "1" and "--expert-model-parallel-size" not in f
         assert one(f, "--moe-token-dispatcher-type") == "alltoall"
+        # and with the experts split over tp (etp unset, ep 1): the plan priced the all-to-all dispatcher's
+        # gathered routed rows, not Megatron's default allgather dispatcher
+        f = megatron_flags(make_plan("mixtral-8x7b", tp=2, sp=True, dp_shard=8, zero_stage=1), tmp_path)
+        assert one(f, "--moe-token-dispatcher-type") == "alltoall"
         # a dense model writes none
         assert "--expert-tensor-parallel-size" not in megatron_flags(make_plan(tp=2, sp=True, dp_shard=8), tmp_path)
         # Megatron-Core keeps MoE biases to ETP 1
