@@ -158,7 +158,8 @@ def build_mesh(layout: ParallelLayout, world_size: int, device_type: str, *, moe
             problem=f"does not equal the {world_size} processes of this run")
     fold = layout.expert_fold_problem()
     if fold is not None and (moe or layout.ep > 1):
-        raise AutoparError("layout.ep", layout.ep, "use ep and etp whose product divides dp_shard x cp x tp",
+        field, value = layout.expert_fold_culprit()
+        raise AutoparError(f"layout.{field}", value, "use ep and etp whose product divides dp_shard x cp x tp",
                            problem=fold)
     meshes = Meshes(init_device_mesh(device_type, shape, mesh_dim_names=names), layout)
     # flattening creates process groups (collective): same order on every rank

@@ -92,7 +92,7 @@ class Limit:
     feature: str  # short name shown to users
     scope: Literal["model", "layout", "split"]
     refuses: Callable[[Job], bool]
-    field: str
+    field: Text
     value: Callable[[Job], object]
     problem: Text
     fix: Text
@@ -149,7 +149,7 @@ class TargetRefusal(AutoparError):
                 f"{limit.feature}"
             )
             fix = f"re-plan with --target {target.value}, or {fix}"
-        super().__init__(limit.field, limit.value(job), fix, problem=problem)
+        super().__init__(text(limit.field), limit.value(job), fix, problem=problem)
         self.limit, self.target, self.job, self.planned = limit, target, job, planned
 
     @property
@@ -1166,8 +1166,8 @@ _AUTOPAR = (
         refuses=lambda j: (
             (j.layout.ep > 1 or j.model.moe is not None) and j.layout.expert_fold_problem() is not None
         ),
-        field="layout.ep",
-        value=lambda j: j.layout.ep,
+        field=lambda j: "layout." + j.layout.expert_fold_culprit()[0],
+        value=lambda j: j.layout.expert_fold_culprit()[1],
         problem=lambda j: j.layout.expert_fold_problem(),
         fix="use ep and etp whose product divides dp_shard x cp x tp (the experts fold over those ranks)",
     ),

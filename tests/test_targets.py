@@ -326,13 +326,21 @@ def test_each_table_names_its_framework_release() -> None:
     assert not TARGETS[Target.deepspeed].uneven_split and TARGETS[Target.torchtitan].uneven_split
 
 
+def test_a_fold_refusal_names_etp_where_etp_does_not_divide_tp() -> None:
+    err = refusal(Target.autopar, job(MIXTRAL, tp=4, sp=True, etp=3, dp_shard=2))
+    assert err.field == "layout.etp" and err.value == 3
+    err = refusal(Target.autopar, job(MIXTRAL, dp_shard=2, ep=4))
+    assert err.field == "layout.ep" and err.value == 4
+
+
 @pytest.mark.parametrize(("target", "limit"), ROWS, ids=[f"{t.value}:{lim.feature}" for t, lim in ROWS])
 def test_row_fires_on_its_job_first_and_not_on_the_neighbour(target, limit) -> None:
     hit, miss = CASES[target][limit.feature]
     assert limit.refuses(hit) and not limit.refuses(miss)
     err = refusal(target, hit)
     assert isinstance(err, TargetRefusal) and err.limit is limit and err.target is target
-    assert err.field == limit.field and str(err).startswith(f"{limit.field}={err.value!r} ")
+    field = limit.field(hit) if callable(limit.field) else limit.field
+    assert err.field == field and str(err).startswith(f"{field}={err.value!r} ")
     with pytest.raises(TargetRefusal) as info:
         check(target.value, hit)
     assert info.value.limit is limit

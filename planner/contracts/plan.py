@@ -122,6 +122,10 @@ class ParallelLayout(Contract):
         attention runs tp x cp x dp, experts etp x ep x edp on the same ranks). At least 1."""
         return max(self.dp_shard * self.cp * self.tp // (self.ep * self.expert_tp), 1)
 
+    def expert_fold_culprit(self) -> tuple[str, int | None]:
+        """(field, value) an error about the folding names: etp where it does not divide tp, else ep."""
+        return ("etp", self.etp) if self.tp % self.expert_tp else ("ep", self.ep)
+
     def expert_fold_problem(self) -> str | None:
         """Why ep x etp cannot fold over this layout's ranks, or None. The one home of the folding rule:
         etp divides tp, and ep x etp divides dp_shard x cp x tp (with etp = tp: ep divides dp_shard x cp)."""

@@ -122,7 +122,7 @@ def check_layout(model: ModelSpec, training: TrainingConfig, layout: ParallelLay
                                problem=f"does not divide num_experts={model.moe.num_experts}")
         fold = layout.expert_fold_problem()
         if fold is not None:
-            field, value = ("etp", layout.etp) if layout.tp % layout.expert_tp else ("ep", layout.ep)
+            field, value = layout.expert_fold_culprit()
             raise AutoparError(field, value, "use an ep (and etp) whose product divides dp_shard x cp x tp, or "
                                "shard more data-parallel ranks (ZeRO 1-3 shard over all of dp unless --dp-replicate "
                                "splits it; DDP, ZeRO-0, replicates them all)", problem=f"cannot fold: {fold}")
