@@ -21,3 +21,15 @@ def test_gpt_block_keeps_layernorms_and_row_parallel_biases_whole():
 def test_moe_block_keeps_its_router_whole():
     m = get_preset("mixtral-8x7b")  # h 4096, 8 experts, every layer MoE
     assert tp_replicated_params(m, 0) == 2 * 4096 + 4096 * 8
+
+
+def test_communicators_of_an_expert_mesh_by_hand():
+    from planner.contracts import ParallelLayout
+    from planner.cost.memory import communicator_groups
+
+    # world, tp, dp_shard, ep; experts: etp 1, expert_dp 4*2/8 = 1, routing statistics over cp x tp = 2
+    assert communicator_groups(ParallelLayout(tp=2, sp=True, dp_shard=4, ep=8, etp=1)) == 1 + 3 + 1
+    # etp = tp = 2 (a group of its own), expert_dp 16*2/(4*2) = 4, cp x tp = 2
+    assert communicator_groups(ParallelLayout(tp=2, sp=True, dp_shard=16, ep=4)) == 1 + 3 + 3
+    # dense: world, tp, dp_shard
+    assert communicator_groups(ParallelLayout(tp=2, dp_shard=4)) == 3

@@ -254,13 +254,18 @@ def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, p
 
 def communicator_groups(layout: ParallelLayout) -> int:
     """NCCL communicators a rank creates: the world's (barriers, the loss) and one per mesh dimension of
-    more than one rank, and the folded experts' TP group (1 < etp < tp); none on a single device."""
+    more than one rank; none on a single device. Experts on a mesh of their own (ep > 1: the executor's
+    expert mesh, Megatron-Core's expert groups) add their TP group (etp > 1), their data-parallel group
+    (expert_dp > 1) and the group sharing the routing statistics or token counts over cp x tp (> 1),
+    each a communicator of its own even where it spans the same ranks as a dense group; folded experts
+    without EP (1 < etp < tp) gather their rows over a TP group of their own."""
     if layout.num_gpus == 1:
         return 0
     dims = (layout.tp, layout.cp, layout.pp, layout.dp_shard, layout.dp_replicate, layout.ep)
-    # folded experts (1 < etp < tp) gather their rows over a TP group of their own
-    etp_group = 1 if 1 < layout.expert_tp != layout.tp else 0
-    return 1 + sum(d > 1 for d in dims) + etp_group
+    if layout.ep > 1:
+        experts = (layout.expert_tp, layout.expert_dp, layout.cp * layout.tp)
+        return 1 + sum(d > 1 for d in dims) + sum(d > 1 for d in experts)
+    return 1 + sum(d > 1 for d in dims) + (1 if 1 < layout.expert_tp != layout.tp else 0)
 
 
 def fixed_terms(a: Assumptions, layout: ParallelLayout) -> dict[str, float]:
