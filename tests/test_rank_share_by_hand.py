@@ -1,4 +1,5 @@
-"""What every TP rank holds whole of a block, by hand (planner.cost.params.tp_replicated_params)."""
+"""What one rank holds, by hand: the parameters every TP rank keeps whole (planner.cost.params.tp_replicated_params)
+and the communicators of an expert mesh (planner.cost.memory.communicator_groups)."""
 
 from __future__ import annotations
 
