@@ -80,7 +80,7 @@ MOE = ModelSpec(name="t", num_layers=2, hidden_size=32, num_attention_heads=8, n
     (ParallelLayout(tp=4, sp=True, etp=2), "layout.etp=2", "neither 1 nor tp=4"),
     (ParallelLayout(dp_shard=2, tp=2, sp=True, ep=4), "layout.ep=4", "ep=4 x etp=2 must divide"),
     (ParallelLayout(dp_shard=2, cp=2, ep=8), "layout.ep=8", "must divide the dp_shard x cp x tp = 4"),
-    (ParallelLayout(tp=2, sp=True, etp=3), "layout.ep=1", "etp=3 must divide tp=2"),
+    (ParallelLayout(tp=2, sp=True, etp=3), "layout.etp=3", "etp=3 must divide tp=2"),
 ])
 def test_what_does_not_fold_is_refused(layout, field, words) -> None:
     with pytest.raises(AutoparError) as info:

@@ -678,7 +678,7 @@ def test_cli_validate_reads_the_packaged_csv_when_no_file_is_given(tmp_path):
 def _two_source_rows(held_out_seconds: str) -> list[dict[str, str]]:
     """Three hand-made A100 rows of source 'a' and one of source 'b' whose reported time is given."""
     rows = [megatron_row(run_id=f"a_{i}", global_batch_size_seqs=str(8 * 2**i), micro_batch_size="1",
-                         iteration_time_s_reported=str(1.5 * 2**i * 1.1)) for i in range(3)]
+                         iteration_time_s_reported=str(1.5 * 2**i * 1.6)) for i in range(3)]
     return rows + [megatron_row(run_id="b_0", micro_batch_size="1", iteration_time_s_reported=held_out_seconds)]
 
 
@@ -690,13 +690,15 @@ def test_a_held_out_source_does_not_move_its_own_prediction_but_moves_the_in_sam
     def predicted(rows, errors):
         return (1 + errors["b"][0]) * float(rows[-1]["iteration_time_s_reported"])
 
-    near, far = _two_source_rows("2.7"), _two_source_rows("3.3")
+    # b repeats a_0's configuration (reported 2.4 s, an efficiency inside the fitted bounds); both of b's
+    # figures stay inside the objective's cap, so the in-sample fit sees them
+    near, far = _two_source_rows("2.4"), _two_source_rows("2.8")
     loso_near = predicted(near, calibrate.leave_one_source_out(near, rounds=1, tol=1e-2))
     loso_far = predicted(far, calibrate.leave_one_source_out(far, rounds=1, tol=1e-2))
     assert loso_near == pytest.approx(loso_far, rel=1e-9)
     fit_near = predicted(near, calibrate.in_sample(near, rounds=1, tol=1e-2)[1])
     fit_far = predicted(far, calibrate.in_sample(far, rounds=1, tol=1e-2)[1])
-    assert fit_far > fit_near * 1.01
+    assert fit_far > fit_near * 1.005
 
 
 @pytest.mark.parametrize(("gpu_type", "stated"), [("H100", "dgx-h100"), ("H100 (variant not stated)", "dgx-h100"),
