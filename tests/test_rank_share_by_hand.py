@@ -34,3 +34,10 @@ def test_communicators_of_an_expert_mesh_by_hand():
     assert communicator_groups(ParallelLayout(tp=2, sp=True, dp_shard=16, ep=4)) == 1 + 3 + 3
     # dense: world, tp, dp_shard
     assert communicator_groups(ParallelLayout(tp=2, dp_shard=4)) == 3
+
+
+def test_mla_keeps_its_down_projections_and_latent_norms_whole():
+    m = get_preset("deepseek-v3")  # h 7168, q_lora_rank 1536, kv_lora_rank 512, rope 64, RMSNorm, MoE from layer 3
+    down = 7168 * 1536 + 7168 * (512 + 64)
+    assert tp_replicated_params(m, 0) == 2 * 7168 + 1536 + 512 + down  # a dense layer
+    assert tp_replicated_params(m, 3) == 2 * 7168 + 1536 + 512 + down + 7168 * 256  # an MoE layer: + router

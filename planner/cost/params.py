@@ -64,12 +64,15 @@ def layer_params(model: ModelSpec, index: int) -> tuple[int, int]:
 
 def tp_replicated_params(model: ModelSpec, index: int) -> int:
     """Parameters of block ``index`` every TP rank holds whole (Megatron-Core and the executor alike):
-    its two norms, MLA's two latent norms, the MoE router ``h·E``, and the biases added after a
-    row-parallel projection (attention output ``h``; dense FFN or shared experts' down projection ``h``)."""
+    its two norms; MLA's two latent norms and its down projections ``h·r_q + h·(r_kv + d_rope)``
+    (Megatron-Core core_v0.19.0 multi_latent_attention.py builds them ``parallel_mode='duplicated'``, and
+    the compute model prices them unsplit); the MoE router ``h·E``; the biases added after a row-parallel
+    projection (attention output ``h``; dense FFN or shared experts' down projection ``h``)."""
     h = model.hidden_size
     whole = 2 * norm_params(model)
     if model.mla is not None:
-        whole += model.mla.kv_lora_rank + model.mla.q_lora_rank
+        m = model.mla
+        whole += m.kv_lora_rank + m.q_lora_rank + h * m.q_lora_rank + h * (m.kv_lora_rank + m.qk_rope_head_dim)
     if model.linear_bias:
         whole += h  # attention output
         if not model.is_moe_layer(index):
