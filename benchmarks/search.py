@@ -174,6 +174,7 @@ class Job:
     batch: int
     seq: int
     note: str
+    target: str = "autopar"  # what runs it: GPT-3's learned positions and DeepSeek's MLA are not the executor's
 
 
 def fast_jobs() -> list[Job]:
@@ -182,31 +183,31 @@ def fast_jobs() -> list[Job]:
         Job("Llama 3.1 405B / 16,384 H100", "llama3.1-405b", "dgx-h100", 2048, 2048, 8192,
             "Llama 3 paper Table 4: 2048 seqs x 8192 (16M tokens)"),
         Job("GPT-3 175B / 1,024 A100-80GB", "gpt3-175b", "dgx-a100-80gb", 128, 1536, 2048,
-            "GPT-3 175B batch 1536 x 2048 (3.2M tokens, Brown et al. Table 2.1)"),
+            "GPT-3 175B batch 1536 x 2048 (3.2M tokens, Brown et al. Table 2.1)", "megatron"),
         Job("Megatron 530B / 5,120 A100-80GB", "megatron-530b", "dgx-a100-80gb", 640, 1920, 2048,
             "global batch 1920 x 2048: MT-NLG 530B's training batch (Smith et al. 3.2; SC21 used 2520 on 2520 GPUs, "
-            "Korthikanti 2240 on 2240)"),
+            "Korthikanti 2240 on 2240)", "megatron"),
         Job("DeepSeek-V3 / 2,048 " + ("H800" if h800 == "hgx-h800" else "H100"), "deepseek-v3", h800, 256, 15360, 4096,
-            f"DeepSeek-V3 report 4.2: 15360 x 4096; cluster {h800} (the paper ran H800)"),
+            f"DeepSeek-V3 report 4.2: 15360 x 4096; cluster {h800} (the paper ran H800)", "megatron"),
     ]
 
 
 def run_fast(targets: Targets, repeats: int = FAST_REPEATS) -> None:
     print(f"== 1. fast: {repeats} searches per job (each on a fresh profile, as a new request would be), "
-          "default SearchOptions; judged on the median wall ==")
+          "default SearchOptions for the job's target; judged on the median wall ==")
     for job in fast_jobs():
         model = get_preset(job.preset)
         training = TrainingConfig(seq_length=job.seq, global_batch_size=job.batch)
         profile = reference_profile(job.system, job.nodes)
         print(f"\n-- {job.label}: {job.preset} on {profile.num_gpus} x {profile.device.name} ({job.system}, "
-              f"{job.nodes} nodes), batch {job.batch} x {job.seq}")
+              f"{job.nodes} nodes), batch {job.batch} x {job.seq}, --target {job.target}")
         print(f"   ({job.note})")
         walls: list[float] = []
         try:
             for _ in range(repeats):
                 profile = reference_profile(job.system, job.nodes)  # no memo carried over from the last search
                 t0 = time.perf_counter()
-                plan = search(model, training, profile, SearchOptions())
+                plan = search(model, training, profile, SearchOptions(target=job.target))
                 walls.append(time.perf_counter() - t0)
         except AutoparError as err:
             wall = time.perf_counter() - t0
