@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from planner.console import make_console, styled
-from planner.contracts import ClusterProfile, Plan, RunReport
+from planner.contracts import ClusterProfile, ParallelLayout, Plan, RunReport
 from planner.errors import AutoparError
 from planner.files import check_out, check_out_dir, kept_name, read_input
 
@@ -117,6 +117,57 @@ def _invalid(exc: ValidationError, flag: str, path: Path, prefix: str, what: str
     value = first.get("input")
     return AutoparError(f"{prefix}.{loc}", "..." if isinstance(value, (dict, list)) else value, fix,
                         problem=f"is not a valid {what} ({msg}; {where})")
+
+
+def check_checkpoint_options(checkpoint_dir: Path | None, checkpoint_every: int, resume: bool,
+                             async_checkpoint: bool) -> None:
+    """``autopar run``'s checkpoint options agree with each other and with the folder (AutoparError)."""
+    if checkpoint_every and checkpoint_dir is None:
+        raise AutoparError("--checkpoint-every", checkpoint_every, "also give --checkpoint-dir DIR",
+                           problem="has nowhere to save")
+    if resume and checkpoint_dir is None:
+        raise AutoparError("--resume", True, "give --checkpoint-dir DIR", problem="has no checkpoint to resume from")
+    if async_checkpoint and not checkpoint_every:
+        need = "--checkpoint-every K" if checkpoint_dir is not None else "--checkpoint-dir DIR --checkpoint-every K"
+        raise AutoparError("--async-checkpoint", True, f"also give {need}, or drop --async-checkpoint",
+                           problem="has no checkpoints to save")
+    if checkpoint_dir is not None and checkpoint_every:  # saved into
+        check_out_dir(checkpoint_dir, "--checkpoint-dir")
+    elif checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "give the folder the checkpoints are in",
+                           problem="is a file")  # a resume that saves nothing only reads: no write check
+    if checkpoint_dir is not None and not resume:
+        from executor.checkpoint import latest_step
+
+        found = latest_step(checkpoint_dir)
+        if found is not None:
+            raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "pass --resume to continue from it, or use "
+                               "an empty directory", problem=f"already holds a checkpoint of step {found}")
+
+
+def _optional_worker_args(paths: dict[str, Path | None], checkpoint_every: int, async_checkpoint: bool,
+                          resume: bool, plan_id: int | None) -> list[str]:
+    """The worker's arguments for the options ``autopar run`` was given: files as absolute paths."""
+    args: list[str] = []
+    for flag, value in paths.items():
+        if value is not None:
+            args += [flag, str(Path(value).resolve())]
+    if checkpoint_every:
+        args += ["--checkpoint-every", str(checkpoint_every)]
+    if async_checkpoint:
+        args.append("--async-checkpoint")
+    if resume:
+        args.append("--resume")
+    if plan_id is not None:
+        args += ["--plan-id", str(plan_id)]
+    return args
+
+
+def _start_line(layout: ParallelLayout, nproc: int, nnodes: int, steps: int) -> str:
+    return (f"starting {nproc} worker(s) x {nnodes} node(s): pp={layout.pp} dp={layout.dp_replicate}x{layout.dp_shard} "
+            f"cp={layout.cp} tp={layout.tp}{' sp' if layout.sp else ''} ep={layout.ep}"
+            f"{f' etp={layout.etp}' if layout.etp is not None else ''} zero={layout.zero_stage} "
+            f"micro-batch {layout.micro_batch_size}, {steps} steps")
 
 
 def load_plan(path: Path) -> Plan:
@@ -273,27 +324,7 @@ def run(
         if server and plan_id is None:
             raise AutoparError("--plan-id", None, "give the service's id of this plan (GET /v1/plans)",
                                problem="is missing; the service stores a run beside its plan")
-        if checkpoint_every and checkpoint_dir is None:
-            raise AutoparError("--checkpoint-every", checkpoint_every, "also give --checkpoint-dir DIR",
-                               problem="has nowhere to save")
-        if resume and checkpoint_dir is None:
-            raise AutoparError("--resume", True, "give --checkpoint-dir DIR", problem="has no checkpoint to resume from")
-        if async_checkpoint and not checkpoint_every:
-            need = "--checkpoint-every K" if checkpoint_dir is not None else "--checkpoint-dir DIR --checkpoint-every K"
-            raise AutoparError("--async-checkpoint", True, f"also give {need}, or drop --async-checkpoint",
-                               problem="has no checkpoints to save")
-        if checkpoint_dir is not None and checkpoint_every:  # saved into
-            check_out_dir(checkpoint_dir, "--checkpoint-dir")
-        elif checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-            raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "give the folder the checkpoints are in",
-                               problem="is a file")  # a resume that saves nothing only reads: no write check
-        if checkpoint_dir is not None and not resume:
-            from executor.checkpoint import latest_step
-
-            found = latest_step(checkpoint_dir)
-            if found is not None:
-                raise AutoparError("--checkpoint-dir", str(checkpoint_dir), "pass --resume to continue from it, or use "
-                                   "an empty directory", problem=f"already holds a checkpoint of step {found}")
+        check_checkpoint_options(checkpoint_dir, checkpoint_every, resume, async_checkpoint)
         load_profile(profile)
         if data is not None:  # the checks each worker makes, made here: a bad file is no torchrun traceback
             from executor.data import check_token_file
@@ -321,26 +352,12 @@ def run(
     report_path.unlink(missing_ok=True)
     args = ["--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed), "--lr", str(lr),
             "--out", str(report_path.resolve())]
-    for flag, value in (("--checkpoint-dir", checkpoint_dir), ("--data", data), ("--hf-config", hf_config),
-                        ("--profile", profile)):
-        if value is not None:
-            args += [flag, str(Path(value).resolve())]
-    if checkpoint_every:
-        args += ["--checkpoint-every", str(checkpoint_every)]
-    if async_checkpoint:
-        args.append("--async-checkpoint")
-    if resume:
-        args.append("--resume")
-    if plan_id is not None:
-        args += ["--plan-id", str(plan_id)]
+    args += _optional_worker_args({"--checkpoint-dir": checkpoint_dir, "--data": data, "--hf-config": hf_config,
+                                   "--profile": profile}, checkpoint_every, async_checkpoint, resume, plan_id)
     cmd = worker_command(plan_file.resolve(), nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, max_restarts=max_restarts,
                          worker_args=args)
-    layout = plan.layout
-    err.print(f"starting {nproc} worker(s) x {nnodes} node(s): pp={layout.pp} dp={layout.dp_replicate}x{layout.dp_shard} "
-              f"cp={layout.cp} tp={layout.tp}{' sp' if layout.sp else ''} ep={layout.ep}"
-              f"{f' etp={layout.etp}' if layout.etp is not None else ''} zero={layout.zero_stage} "
-              f"micro-batch {layout.micro_batch_size}, {steps} steps")
+    err.print(_start_line(plan.layout, nproc, nnodes, steps))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                    os.environ.get("PYTHONPATH")]))}
     code = subprocess.call(cmd, env=env)

@@ -491,25 +491,10 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     except (AutoparError, ValueError) as exc:
         return Skipped(run_id, source, f"model not buildable: {_one_line(exc)}")
 
-    seq = n["seq_length"]
-    gbs = n["global_batch_size_seqs"] or n["global_batch_size_seqs_derived"]
-    if gbs is None and n["global_batch_tokens"] is not None:
-        gbs = n["global_batch_tokens"] // seq
-        if gbs == 0:
-            raise CellError("global_batch_tokens", row.get("global_batch_tokens"),
-                            f"give the tokens per optimizer step (at least seq_length={seq})",
-                            problem=f"is less than one sequence of seq_length={seq}")
-    if gbs is None:
+    training = _training(row, n, era2021, defaults)
+    if training is None:
         return Skipped(run_id, source, "global batch not stated (global_batch_size_seqs and derived columns empty)")
-    precision_text = unstated(row.get("precision"))
-    precision = _precision(precision_text) if precision_text else Precision.bf16
-    if precision is None:
-        raise CellError("precision", row.get("precision"), "name bf16, fp16, fp8 or fp32 (or 'mixed precision')",
-                        problem="names no numeric format the planner models")
-    if not precision_text:
-        defaults.append("precision=bf16")
-    training = TrainingConfig(seq_length=seq, global_batch_size=gbs, precision=precision, flash_attention=not era2021)
-    defaults.append("attention=" + ("unfused (Megatron 2021-22)" if era2021 else "flash"))
+    gbs, precision = training.global_batch_seqs, training.precision
 
     system = _system(row["gpu_type"])
     if system is None:
@@ -534,20 +519,7 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         return Skipped(run_id, source, f"global batch {gbs} is not divisible by dp x micro_batch = {dp * (mbs or 1)}")
 
     vp_text = _vp_text(row)
-    schedule, v = Schedule.one_f_one_b, 1
-    if pp > 1:
-        if "dualpipe" in vp_text.lower():
-            schedule = Schedule.zero_bubble
-            defaults.append("schedule=zero_bubble (stands in for DualPipe)")
-            defaults.append("ep_comm_overlap=on (DualPipe overlaps the expert all-to-all with computation)")
-        elif n["virtual_pipeline_stages"] and n["virtual_pipeline_stages"] > 1:
-            schedule, v = Schedule.interleaved_1f1b, n["virtual_pipeline_stages"]
-        elif "interleav" in vp_text.lower():
-            schedule, v = Schedule.interleaved_1f1b, 0  # depth chosen below
-        elif not vp_text and "deepspeed" in (row.get("framework") or "").lower():
-            defaults.append("schedule=1f1b (DeepSpeed's pipeline engine has no interleaved schedule)")
-        elif not vp_text:
-            schedule, v = Schedule.interleaved_1f1b, 0  # unpublished: interleaving depth chosen below
+    schedule, v = _schedule(row, n, pp, vp_text, defaults)
 
     sp_text = unstated(row.get("sequence_parallel")).lower()
     sp = sp_text.startswith("on") if sp_text else (tp > 1 and not era2021)
@@ -578,37 +550,14 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, pp_scatter_gather=sends,
         ep_comm_overlap="dualpipe" in vp_text.lower(),
     )
-    rc_text = unstated(row.get("activation_recompute")).lower()
-    per_stage = None
-    if "torchtitan" in fw and rc_text.startswith("selective"):
-        # torchtitan's "selective layer" checkpoints every other block; its per-op SAC recomputes
-        # every other matmul and the elementwise ops: both cost about half the layers' forward again.
-        per_stage = [StageRecompute(kind=Recompute.full, num_layers=model.num_layers // (2 * pp))] * pp
-        layout_kwargs["recompute_per_stage"] = per_stage
-        defaults.append("recompute: torchtitan selective AC modelled as full recompute of every other layer")
-    if rc_text.startswith("full"):
-        recompute = Recompute.full
-    elif rc_text.startswith("selective"):
-        recompute = Recompute.selective
-    elif rc_text.startswith("none"):
-        recompute = Recompute.none
-    else:
-        recompute = None
+    recompute = _stated_recompute(row, fw, model, pp, layout_kwargs, defaults)
     found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute,
                            target=target)
     if isinstance(found, AutoparError):
         return Skipped(run_id, source, f"layout not valid: {found}")
     layout = found
-    if schedule is Schedule.interleaved_1f1b and layout.schedule is not schedule:
-        defaults.append("schedule=1f1b (no interleaving depth divides the layers and micro-batches)")
-    elif schedule is Schedule.interleaved_1f1b and v <= 1:
-        defaults.append(f"virtual_stages={layout.virtual_stages} (fastest predicted; the source does not say)")
-    if not mbs:
-        defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
-    if recompute is None:
-        per = layout.recompute_per_stage
-        text = recompute_text(layout) if per is None else f"full on {per[0].num_layers} layers of each stage"
-        defaults.append(f"recompute={text} (the least that fits in memory)")
+    _state_chosen(layout, schedule, v, stated_mbs=mbs is not None, stated_recompute=recompute is not None,
+                  defaults=defaults)
 
     comparison = _comparison(row, precision, n)
     if comparison is None:
@@ -617,6 +566,82 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
     primary = not (row.get("source_quality") or "").strip().lower().startswith("secondary")
     return RowCase(run_id, source, system_family(system), model, training, profile, layout, metric, reported,
                    flop_convention, defaults, primary, target)
+
+
+def _training(row: dict[str, str], n: dict, era2021: bool, defaults: list[str]) -> TrainingConfig | None:
+    """The row's sequence, global batch (sequences, or tokens / sequence) and precision; None when the
+    global batch is not stated. CellError on a batch below one sequence or an unknown format."""
+    seq = n["seq_length"]
+    gbs = n["global_batch_size_seqs"] or n["global_batch_size_seqs_derived"]
+    if gbs is None and n["global_batch_tokens"] is not None:
+        gbs = n["global_batch_tokens"] // seq
+        if gbs == 0:
+            raise CellError("global_batch_tokens", row.get("global_batch_tokens"),
+                            f"give the tokens per optimizer step (at least seq_length={seq})",
+                            problem=f"is less than one sequence of seq_length={seq}")
+    if gbs is None:
+        return None
+    precision_text = unstated(row.get("precision"))
+    precision = _precision(precision_text) if precision_text else Precision.bf16
+    if precision is None:
+        raise CellError("precision", row.get("precision"), "name bf16, fp16, fp8 or fp32 (or 'mixed precision')",
+                        problem="names no numeric format the planner models")
+    if not precision_text:
+        defaults.append("precision=bf16")
+    defaults.append("attention=" + ("unfused (Megatron 2021-22)" if era2021 else "flash"))
+    return TrainingConfig(seq_length=seq, global_batch_size=gbs, precision=precision, flash_attention=not era2021)
+
+
+def _schedule(row: dict[str, str], n: dict, pp: int, vp_text: str, defaults: list[str]) -> tuple[Schedule, int]:
+    """(schedule, virtual stages; 0 = interleaving depth still to choose) of the row's pipeline."""
+    if pp == 1:
+        return Schedule.one_f_one_b, 1
+    if "dualpipe" in vp_text.lower():
+        defaults.append("schedule=zero_bubble (stands in for DualPipe)")
+        defaults.append("ep_comm_overlap=on (DualPipe overlaps the expert all-to-all with computation)")
+        return Schedule.zero_bubble, 1
+    if n["virtual_pipeline_stages"] and n["virtual_pipeline_stages"] > 1:
+        return Schedule.interleaved_1f1b, n["virtual_pipeline_stages"]
+    if "interleav" in vp_text.lower():
+        return Schedule.interleaved_1f1b, 0
+    if not vp_text and "deepspeed" in (row.get("framework") or "").lower():
+        defaults.append("schedule=1f1b (DeepSpeed's pipeline engine has no interleaved schedule)")
+        return Schedule.one_f_one_b, 1
+    if not vp_text:
+        return Schedule.interleaved_1f1b, 0  # unpublished: interleaving depth chosen later
+    return Schedule.one_f_one_b, 1
+
+
+def _stated_recompute(row: dict[str, str], fw: str, model: ModelSpec, pp: int, layout_kwargs: dict,
+                      defaults: list[str]) -> Recompute | None:
+    """The recompute the row states (None: unstated). torchtitan's selective AC goes into
+    ``layout_kwargs`` as full recompute of every other layer."""
+    rc_text = unstated(row.get("activation_recompute")).lower()
+    if "torchtitan" in fw and rc_text.startswith("selective"):
+        # torchtitan's "selective layer" checkpoints every other block; its per-op SAC recomputes
+        # every other matmul and the elementwise ops: both cost about half the layers' forward again.
+        layout_kwargs["recompute_per_stage"] = [
+            StageRecompute(kind=Recompute.full, num_layers=model.num_layers // (2 * pp))] * pp
+        defaults.append("recompute: torchtitan selective AC modelled as full recompute of every other layer")
+    for kind in (Recompute.full, Recompute.selective, Recompute.none):
+        if rc_text.startswith(kind.value):
+            return kind
+    return None
+
+
+def _state_chosen(layout: ParallelLayout, schedule: Schedule, v: int, *, stated_mbs: bool, stated_recompute: bool,
+                  defaults: list[str]) -> None:
+    """The defaults :func:`_fill_unstated` chose, as stated lines."""
+    if schedule is Schedule.interleaved_1f1b and layout.schedule is not schedule:
+        defaults.append("schedule=1f1b (no interleaving depth divides the layers and micro-batches)")
+    elif schedule is Schedule.interleaved_1f1b and v <= 1:
+        defaults.append(f"virtual_stages={layout.virtual_stages} (fastest predicted; the source does not say)")
+    if not stated_mbs:
+        defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
+    if not stated_recompute:
+        per = layout.recompute_per_stage
+        text = recompute_text(layout) if per is None else f"full on {per[0].num_layers} layers of each stage"
+        defaults.append(f"recompute={text} (the least that fits in memory)")
 
 
 def framework_target(row: dict[str, str], era2021: bool, mcore: bool, defaults: list[str]) -> str:
