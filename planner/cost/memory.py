@@ -78,7 +78,7 @@ def model_state_bytes(
     n = max(shard, 1)
     if master_in_param and state.master and not offload_optimizer:
         sharded = n if zero_stage >= 2 else 1  # FSDP2 shards the parameter itself (ZeRO-2/3)
-        moments = 0.0 if offload_optimizer else params * (state.optimizer - state.master) / (n if zero_stage >= 1 else 1)
+        moments = params * (state.optimizer - state.master) / (n if zero_stage >= 1 else 1)
         return params * state.master / sharded, params * state.grads / sharded, moments
     weights = params * state.weights / (n if zero_stage >= 3 else 1)
     grads = params * state.grads / (n if zero_stage >= 2 else 1)
