@@ -96,6 +96,14 @@ class GroupedExperts(nn.Module):
             return w.to_local() if isinstance(w, DTensor) else w
         return loc(self.w1), loc(self.w2), loc(self.w3)
 
+    def per_expert(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
+        """:meth:`local`'s weights as one tensor per expert, by ``unbind``: its backward stacks the experts'
+        gradients into one tensor. Indexing ``w[e]`` per expert would instead give each expert's gradient
+        as a zero-filled tensor of the whole stack, summed E times: E x the weights' bytes written per
+        backward (on an H100, a 2-layer Qwen3-30B-A3B step took 1.83 s, 18x its prediction)."""
+        w1, w2, w3 = self.local()
+        return w1.unbind(0), w2.unbind(0), None if w3 is None else w3.unbind(0)
+
     @staticmethod
     def run(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
             kind: str) -> torch.Tensor:
@@ -108,7 +116,7 @@ class GroupedExperts(nn.Module):
         """Rows x [sum(counts), D] sorted by local expert (``counts[e]`` rows for expert e) -> outputs
         [sum(counts), D] in the same order. Every expert runs, also on zero rows, so each one is in
         the autograd graph on every rank (zero gradients, and the backward all-to-all always runs)."""
-        w1, w2, w3 = self.local()
+        w1, w2, w3 = self.per_expert()
         outs = [self.run(rows, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
                 for e, rows in enumerate(x.split(counts))]
         return torch.cat(outs)
@@ -125,9 +133,9 @@ class GroupedExperts(nn.Module):
         each way for all the shared experts; backward: the reverse pair)."""
         if self.tp_group is not None:
             x = _GatherRows.apply(x, self.tp_group)
-        w1, w2, w3 = self.local()
+        w1, w2, w3 = self.per_expert()
         y = self.run(x, w1[0], w2[0], None if w3 is None else w3[0], self.kind)
-        for e in range(1, w1.shape[0]):
+        for e in range(1, len(w1)):
             y = y + self.run(x, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
         return y if self.tp_group is None else _ReduceScatterRows.apply(y, self.tp_group)
 
