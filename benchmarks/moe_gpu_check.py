@@ -2,18 +2,20 @@
 2.3x slower than predicted; which of the dispatch terms holds on real hardware?).
 
 (1) host synchronisation: GPU idle time of one device->host copy of the tokens-per-expert counts that
-    a dropless dispatcher waits for (``.tolist()``, as the executor; ``.cpu()`` + stream sync, as
-    Megatron-Core), between back-to-back GEMMs: (loop with the sync - loop without) / syncs. Against
-    ``Assumptions.moe_host_sync_s``.
+    a dropless dispatcher waits for, as the profiler measures it (``profiler.timing.host_sync_s``; the
+    first runs in benchmarks/data/moe_h100.log also timed ``.cpu()`` + a stream sync, as Megatron-Core
+    waits: within 2-10 us of ``.tolist()``). Against ``Assumptions.moe_host_sync_s``.
 (2) expert GEMMs at Qwen3-30B-A3B's expert shape (h 2048, f 768, SwiGLU: up 2f), forward (nt): one
     GEMM per local expert on one stream (the executor), round-robin on 4 streams (Transformer Engine's
     GroupedLinear), and torch._grouped_mm (one kernel) where it runs, against
-    ``planner.cost.compute.grouped_gemm_time_s`` on the GPU's reference profile (1 and 4 streams).
+    ``planner.cost.compute.grouped_gemm_time_s`` on the GPU's reference profile (1 and 4 streams, and one
+    kernel: every expert at once).
 (3) the executor on one GPU: a 2-layer model of Qwen3-30B-A3B's blocks (vocabulary cut to 32k),
-    seq 4096, micro-batch 1, bf16, predicted (target autopar; the profile's grouped GEMM streams at 1,
-    as the executor loops, and at its default) against the measured median step and peak memory.
-(4) the executor's MoE layer alone (bf16 weights, 4096 tokens), forward + backward: wall time against
-    the sum of its GPU kernels' time (torch.profiler): how much of the layer waits on the host.
+    seq 4096, micro-batch 1, bf16, predicted for target autopar (its expert GEMMs as the executor runs
+    them on this GPU: planner.targets.priced_profile) against the measured median step and peak memory.
+(4) the executor's MoE layer alone (bf16 weights, 4096 tokens), forward + backward, its experts as
+    torch._grouped_mm and as the per-expert loop: wall time against the sum of its GPU kernels' time
+    (torch.profiler): how much of the layer waits on the host.
 
     python3 benchmarks/moe_gpu_check.py [--skip-executor]          # on the GPU machine
     .venv/bin/python benchmarks/moe_gpu_check.py --smoke            # here: every path on the CPU, tiny
@@ -33,7 +35,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from planner.contracts import ClusterProfile, GemmLayout, ModelSpec, MoESpec, ParallelLayout, Precision, TrainingConfig
+from planner.contracts import (
+    ClusterProfile,
+    GemmLayout,
+    ModelSpec,
+    MoESpec,
+    ParallelLayout,
+    Precision,
+    TrainingConfig,
+)
 
 H, F, EXPERTS, TOP_K = 2048, 768, 128, 8
 
@@ -55,28 +65,6 @@ def timed(fn, dev: torch.device, reps: int, rounds: int = 5) -> float:
         _sync(dev)
         times.append((time.perf_counter() - t0) / reps)
     return statistics.median(times)
-
-
-def host_sync(dev: torch.device, size: int, reps: int) -> dict[str, float]:
-    """(1): seconds of GPU idle per synchronisation, for each way of waiting."""
-    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    counts = torch.zeros(EXPERTS, dtype=torch.int64, device=dev)
-
-    def step(wait):
-        def run():
-            a @ a
-            counts.add_(1)
-            wait()
-        return run
-
-    def cpu_then_sync():
-        counts.to("cpu", non_blocking=True)
-        _sync(dev)
-
-    plain = timed(step(lambda: None), dev, reps)
-    return {"gemm alone": plain,
-            ".tolist()": timed(step(counts.tolist), dev, reps) - plain,
-            ".cpu() + synchronize": timed(step(cpu_then_sync), dev, reps) - plain}
 
 
 def expert_loop(x: list[torch.Tensor], w: torch.Tensor, streams: list) -> None:
@@ -118,20 +106,21 @@ def expert_gemms(dev: torch.device, profile: ClusterProfile, cases: list[tuple[i
     prec = Precision.bf16 if dev.type == "cuda" else Precision.fp32
     print(f"\n(2) forward expert GEMMs (nt), h {H}, f {F}; profile '{profile.name}'")
     print(f"    {'experts x rows':>15} {'GEMM':>6} {'1 stream':>9} {'4 streams':>9} {'grouped_mm':>10}"
-          f" {'priced 1':>9} {'priced 4':>9}  (us per grouped GEMM)")
+          f" {'priced 1':>9} {'priced 4':>9} {'priced all':>10}  (us per grouped GEMM)")
     streams = [torch.cuda.Stream(dev) for _ in range(4)] if dev.type == "cuda" else []
     for experts, rows in cases:
         for name, n, k in (("up", 2 * F, H), ("down", H, F)):
             x = torch.randn(experts * rows, k, device=dev, dtype=dtype)
             w = torch.randn(experts, n, k, device=dev, dtype=dtype)
             parts = list(x.split(rows))
-            one = timed(lambda: expert_loop(parts, w, []), dev, reps)
-            four = timed(lambda: expert_loop(parts, w, streams), dev, reps) if streams else float("nan")
+            one = timed(lambda parts=parts, w=w: expert_loop(parts, w, []), dev, reps)
+            four = timed(lambda parts=parts, w=w: expert_loop(parts, w, streams), dev, reps) if streams else float("nan")
             g = grouped_mm(x, w, rows)
             gm = timed(g, dev, reps) if g else float("nan")
-            p1, p4 = (grouped_gemm_time_s(profile, rows, n, k, prec, experts, s, GemmLayout.nt) for s in (1, 4))
+            p1, p4, pa = (grouped_gemm_time_s(profile, rows, n, k, prec, experts, s, GemmLayout.nt)
+                          for s in (1, 4, experts))
             print(f"    {experts:>6} x {rows:<6} {name:>6} {one * 1e6:9.0f} {four * 1e6:9.0f} {gm * 1e6:10.0f}"
-                  f" {p1 * 1e6:9.0f} {p4 * 1e6:9.0f}")
+                  f" {p1 * 1e6:9.0f} {p4 * 1e6:9.0f} {pa * 1e6:10.0f}")
 
 
 def moe_spec(layers: int, vocab: int, hidden: int = H, ffn: int = F, experts: int = EXPERTS) -> ModelSpec:
@@ -142,32 +131,32 @@ def moe_spec(layers: int, vocab: int, hidden: int = H, ffn: int = F, experts: in
 
 
 def executor_run(profile: ClusterProfile, spec: ModelSpec, training: TrainingConfig, steps: int, smoke: bool) -> None:
-    """(3): the executor's step on one device against the prediction at 1 and the default streams."""
+    """(3): the executor's step on one device against the prediction for target autopar."""
     from benchmarks.executor import run_executor
-    from planner.cost.predict import predict
     from planner.contracts import Plan
+    from planner.cost.predict import predict
+    from planner.targets import ONE_KERNEL, priced_profile
 
     profile = profile.model_copy(update={"gpus_per_node": 1, "num_nodes": 1})
     layout = ParallelLayout(micro_batch_size=1, zero_stage=0)
-    streams = profile.assumptions.grouped_gemm_streams
-    one = profile.model_copy(update={"assumptions": profile.assumptions.model_copy(update={"grouped_gemm_streams": 1})})
-    pred1, pred = predict(spec, training, one, layout), predict(spec, training, profile, layout)
+    pred = predict(spec, training, profile, layout, target="autopar")
     plan = Plan(model=spec, training=training, cluster=profile.name, num_gpus=1, layout=layout,
-                precision=training.precision, prediction=pred1)
+                precision=training.precision, prediction=pred)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "moe.json"
         path.write_text(plan.model_dump_json())
         report = run_executor(path, 1, steps, 2 if smoke else 3, Path(tmp))
-    measured = report.median_step_time_s
+    streams = priced_profile(profile, "autopar").assumptions.grouped_gemm_streams
+    measured, how = report.median_step_time_s, "one kernel" if streams == ONE_KERNEL else f"{streams} at once"
     print(f"\n(3) executor, one device: {spec.name} (h {spec.hidden_size}, {spec.moe.num_experts} experts of "
           f"{spec.moe.expert_ffn_hidden_size}, top-{TOP_K}), seq {training.seq_length}, batch "
           f"{training.global_batch_size}, micro-batch 1, {training.precision.value}; profile '{profile.name}'")
-    print(f"    step time   measured {measured * 1e3:8.1f} ms; predicted {pred1.step_time_s * 1e3:8.1f} ms at 1 stream "
-          f"({pred1.step_time_s / measured - 1:+.0%}), {pred.step_time_s * 1e3:8.1f} ms at {streams} ({pred.step_time_s / measured - 1:+.0%})")
+    print(f"    step time   measured {measured * 1e3:8.1f} ms; predicted (autopar, expert GEMMs {how}) "
+          f"{pred.step_time_s * 1e3:8.1f} ms ({pred.step_time_s / measured - 1:+.0%})")
     print(f"    peak memory measured {report.peak_memory_bytes_per_rank[0] / 2**30:8.2f} GiB ({report.memory_kind}); "
-          f"predicted allocated {pred1.memory.allocated_bytes / 2**30:.2f} GiB, total {pred1.memory.total_bytes / 2**30:.2f} GiB")
-    print(f"    predicted at 1 stream: compute {pred1.compute_time_s * 1e3:.1f} ms, optimizer "
-          f"{pred1.optimizer_time_s * 1e3:.1f} ms, exposed communication {pred1.exposed_comm_time_s * 1e3:.1f} ms")
+          f"predicted allocated {pred.memory.allocated_bytes / 2**30:.2f} GiB, total {pred.memory.total_bytes / 2**30:.2f} GiB")
+    print(f"    predicted: compute {pred.compute_time_s * 1e3:.1f} ms, optimizer "
+          f"{pred.optimizer_time_s * 1e3:.1f} ms, exposed communication {pred.exposed_comm_time_s * 1e3:.1f} ms")
 
 
 def moe_layer(dev: torch.device, tokens: int, reps: int) -> None:
@@ -186,18 +175,20 @@ def moe_layer(dev: torch.device, tokens: int, reps: int) -> None:
     def step():
         (layer(x).float().square().mean() + layer.aux_loss).backward()
 
-    wall = timed(step, dev, reps, rounds=3)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step(); _sync(dev)
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel = sum(e.self_device_time_total for e in events) / 1e6
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
-    print(f"\n(4) executor MoE layer, {tokens} tokens, {spec.moe.num_experts} experts of {spec.moe.expert_ffn_hidden_size}: "
-          f"forward + backward {wall * 1e3:.1f} ms wall, GPU kernels {kernel * 1e3:.1f} ms "
-          f"({prof.key_averages().__len__()} op kinds)")
-    for e in top:
-        print(f"    {e.key[:60]:60} {e.self_device_time_total / 1e3:8.2f} ms  x{e.count}")
+    for grouped in (True, False):
+        layer.experts.use_grouped_mm = grouped
+        wall = timed(step, dev, reps, rounds=3)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            step(); _sync(dev)
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel = sum(e.self_device_time_total for e in events) / 1e6
+        how = "torch._grouped_mm where it runs" if grouped else "per-expert loop"
+        print(f"\n(4) executor MoE layer ({how}), {tokens} tokens, {spec.moe.num_experts} experts of "
+              f"{spec.moe.expert_ffn_hidden_size}: forward + backward {wall * 1e3:.1f} ms wall, GPU kernels "
+              f"{kernel * 1e3:.1f} ms")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:5]:
+            print(f"    {e.key[:60]:60} {e.self_device_time_total / 1e3:8.2f} ms  x{e.count}")
 
 
 def gpu_profile(dev: torch.device) -> ClusterProfile:
@@ -219,12 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = gpu_profile(dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke)"
     print(f"device: {name}; torch {torch.__version__}, CUDA {torch.version.cuda}")
-    size, reps = (256, 5) if args.smoke else (4096, 200)
-    res = host_sync(dev, size, reps)
-    assumed = profile.assumptions.moe_host_sync_s
-    print(f"\n(1) host synchronisation between {size}^3 GEMMs ({res['gemm alone'] * 1e6:.0f} us each): GPU idle per "
-          f"sync .tolist() {res['.tolist()'] * 1e6:.1f} us, .cpu() + synchronize {res['.cpu() + synchronize'] * 1e6:.1f} us;"
-          f" Assumptions.moe_host_sync_s {assumed * 1e6:.0f} us")
+    from profiler.timing import host_sync_s
+
+    idle = host_sync_s(dev)
+    measured = "no device to idle (CPU)" if idle is None else f"{idle * 1e6:.1f} us"
+    print(f"\n(1) host synchronisation (profiler.timing.host_sync_s): GPU idle per .tolist() {measured}; "
+          f"Assumptions.moe_host_sync_s {profile.assumptions.moe_host_sync_s * 1e6:.0f} us")
     tokens = 4096
     cases = [(8, 16)] if args.smoke else [(EXPERTS, tokens * TOP_K // EXPERTS), (EXPERTS // 8, tokens * TOP_K // 16),
                                          (EXPERTS, 2 * tokens * TOP_K // EXPERTS)]

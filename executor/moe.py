@@ -79,6 +79,34 @@ INIT_STD = 0.02
 FFN_KINDS = ("swiglu", "gelu")
 
 
+GROUP_ALIGN = 8
+"""Rows each expert's group is padded to a multiple of for ``torch._grouped_mm``: 16 bytes of bf16, the
+alignment torchtitan pads its token groups to (TOKEN_GROUP_ALIGN_SIZE_M = 8 for bf16); never an empty group
+(empty groups hung the kernel in torch 2.8, pytorch/pytorch#150374)."""
+
+
+def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """bf16 where ``torch._grouped_mm`` runs the experts of rows ``x``: a CUDA GPU of compute capability 9.x
+    or 10.x (its CUTLASS kernels) and bf16 operands, directly or under autocast; else None (the loop)."""
+    if not x.is_cuda or not hasattr(torch, "_grouped_mm"):
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    if dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return None
+    return dtype
+
+
+def _padded_rows(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(destination of each row in the padded layout, the groups' int32 end offsets, padded rows) for rows
+    sorted by expert, ``counts[e]`` of expert e, each group padded to a multiple of :data:`GROUP_ALIGN`."""
+    padded = [max(-(-c // GROUP_ALIGN), 1) * GROUP_ALIGN for c in counts]
+    ends = torch.tensor(padded, dtype=torch.int64).cumsum(0)
+    shift = ends - torch.tensor(padded) - (torch.tensor(counts).cumsum(0) - torch.tensor(counts))
+    total = sum(counts)
+    dest = torch.arange(total) + shift.repeat_interleave(torch.tensor(counts), output_size=total)
+    return dest.to(device), ends.to(device, torch.int32), int(ends[-1])
+
+
 class GroupedExperts(nn.Module):
     """E independent MLPs as stacked weights: ``w1``, ``w3`` [E, F, D] (w3: SwiGLU only), ``w2`` [E, D, F]."""
 
@@ -89,6 +117,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim)) if kind == "swiglu" else None
         self.tp_group: dist.ProcessGroup | None = None  # shared experts split over TP: shard_shared_experts
+        self.use_grouped_mm = True  # False: always one GEMM per expert (the tests' reference on a GPU)
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(w1, w2, w3) held here: the local shard under expert or tensor parallelism."""
@@ -115,11 +144,30 @@ class GroupedExperts(nn.Module):
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows x [sum(counts), D] sorted by local expert (``counts[e]`` rows for expert e) -> outputs
         [sum(counts), D] in the same order. Every expert runs, also on zero rows, so each one is in
-        the autograd graph on every rank (zero gradients, and the backward all-to-all always runs)."""
+        the autograd graph on every rank (zero gradients, and the backward all-to-all always runs).
+        One grouped GEMM per linear layer where :func:`grouped_mm_dtype` allows, else one GEMM per expert."""
+        dtype = grouped_mm_dtype(x) if self.use_grouped_mm else None
+        if dtype is not None:
+            return self._grouped_mm(x, counts, dtype)
         w1, w2, w3 = self.per_expert()
         outs = [self.run(rows, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
                 for e, rows in enumerate(x.split(counts))]
         return torch.cat(outs)
+
+    def _grouped_mm(self, x: torch.Tensor, counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`forward_grouped` as three ``torch._grouped_mm`` calls (one kernel each, all experts' tiles
+        in its waves: what torchtitan runs). Each expert's rows are padded with zero rows to a multiple of
+        :data:`GROUP_ALIGN` (at least one such group, none empty); zero rows add nothing to any gradient."""
+        w1, w2, w3 = self.local()
+        dest, offs, rows = _padded_rows(counts, x.device)
+        buf = x.new_zeros(rows, x.shape[-1], dtype=dtype).index_copy(0, dest, x.to(dtype))
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # a [rows, in] by expert, w [E, out, in]
+            return torch._grouped_mm(a, w.to(dtype).transpose(1, 2), offs=offs)
+
+        h = mm(buf, w1)
+        h = F.silu(h) * mm(buf, w3) if self.kind == "swiglu" else F.gelu(h, approximate="tanh")
+        return mm(h, w2)[dest]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' call: :meth:`forward_all` (through ``__call__``, so FSDP's hooks run)."""

@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from planner.contracts import ModelSpec, ParallelLayout, Plan, Precision, Recompute, Schedule, TrainingConfig
+from planner.contracts import (
+    ClusterProfile,
+    ModelSpec,
+    ParallelLayout,
+    Plan,
+    Precision,
+    Recompute,
+    Schedule,
+    TrainingConfig,
+)
 from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError, UnknownNameError
 
@@ -41,6 +50,7 @@ SCOPES = ("model", "layout", "split")
 
 __all__ = [
     "GPUS_PER_NODE",
+    "ONE_KERNEL",
     "SCOPES",
     "TARGETS",
     "Job",
@@ -55,6 +65,7 @@ __all__ = [
     "job_of",
     "loss_bytes_per_logit",
     "planned_scatter_gather",
+    "priced_profile",
     "recompute_text",
     "refusal",
     "stage_layers",
@@ -113,6 +124,9 @@ class TargetFacts:
     ``master_in_param``: the fp32 master copy is the parameter itself (FSDP2's sharded fp32 parameter; fp32
     parameters under autocast), its 16-bit weights only copies held through the backward
     (``memory.model_state_bytes``); False: 16-bit parameters beside an fp32 master (Rajbhandari et al.).
+    ``expert_gemms(profile)``: how many GEMMs of a grouped expert GEMM run at once on the target and the profile's
+    GPU (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
+    ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams). :func:`priced_profile` applies it.
     Each with the source it was read from."""
 
     loss: Callable[[ParallelLayout], float | None]
@@ -121,6 +135,30 @@ class TargetFacts:
     pp_source: str
     master_in_param: bool
     states_source: str
+    expert_gemms: Callable[[ClusterProfile], int | None] = lambda profile: None
+    expert_source: str = "the profile's assumptions.grouped_gemm_streams"
+
+
+ONE_KERNEL = 1 << 20
+"""``TargetFacts.expert_gemms`` of a single grouped kernel (``torch._grouped_mm``): every local expert's tiles
+share its waves (more than any ``MoESpec.num_experts``)."""
+
+
+def _grouped_mm_or_loop(profile: ClusterProfile) -> int:
+    """``torch._grouped_mm``'s CUTLASS kernels run bf16 on compute capability 9.x and 10.x (Hopper, Blackwell),
+    told here by an fp8 peak in the datasheet (the reference systems' A100s have none); elsewhere the experts
+    run one GEMM after another."""
+    return ONE_KERNEL if Precision.fp8 in profile.device.peak_tflops else 1
+
+
+def priced_profile(profile: ClusterProfile, target: str | Target) -> ClusterProfile:
+    """``profile`` as ``target`` runs on it: its expert GEMMs' concurrency (``TargetFacts.expert_gemms``) in
+    place of the profile's own, where they differ (else ``profile`` itself, so its memo is kept)."""
+    streams = target_facts(target).expert_gemms(profile)
+    if streams is None or streams == profile.assumptions.grouped_gemm_streams:
+        return profile
+    a = profile.assumptions.model_copy(update={"grouped_gemm_streams": streams})
+    return profile.model_copy(update={"assumptions": a})
 
 
 @dataclass(frozen=True)
@@ -398,6 +436,11 @@ _AUTOPAR_FACTS = TargetFacts(
     "bf16, reduce_dtype=fp32), whose sharded fp32 parameter is the master (16-bit weights exist only gathered); "
     "ZeRO-0/1 keep whole fp32 parameters under torch.autocast (its cached 16-bit casts live through the "
     "backward) and torch's ZeroRedundancyOptimizer shards only the optimizer state",
+    expert_gemms=_grouped_mm_or_loop,
+    expert_source="executor/moe.py GroupedExperts: torch._grouped_mm (one kernel per linear layer) on a GPU of "
+    "compute capability 9 or 10 in bf16, else one GEMM per local expert on one stream; on an H100 the 128 "
+    "experts' up-projection at 256 rows each took 0.41 ms as one kernel against 2.0-3.9 ms as a loop "
+    "(benchmarks/moe_gpu_check.py, benchmarks/data/moe_h100.log)",
 )
 
 _MEGATRON_FACTS = TargetFacts(
@@ -436,6 +479,9 @@ _DEEPSPEED_FACTS = TargetFacts(
     states_source="ZeRO keeps 16-bit parameters (partitioned at stage 3) beside fp32 master partitions "
     "(deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups, stage3.py "
     "fp32_partitioned_groups_flat): the Rajbhandari et al. counts",
+    expert_gemms=lambda profile: 1,
+    expert_source="deepspeed/moe/experts.py Experts.forward: the local experts' chunks one after another, each "
+    "expert its own MLP, on one stream",
 )
 
 
@@ -460,6 +506,10 @@ _TORCHTITAN_FACTS = TargetFacts(
     master_in_param=True,
     states_source="torchtitan 0.3.0 applies FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=bf16, "
     "reduce_dtype=fp32) (distributed/fsdp.py apply_fsdp_to_decoder): the sharded fp32 parameter is the master",
+    expert_gemms=_grouped_mm_or_loop,
+    expert_source="torchtitan 0.3.0 models/moe/moe.py GroupedExperts: use_grouped_mm (the default) runs "
+    "torch._grouped_mm, one kernel per linear layer, its token groups padded to 8 rows; torch's fallback off "
+    "Hopper and Blackwell runs the groups one after another",
 )
 
 

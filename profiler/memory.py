@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from planner.contracts import Assumptions
+from profiler.timing import host_sync_s
 
 
 def resident_bytes() -> int:
@@ -111,7 +112,8 @@ def communicator_bytes(device: torch.device) -> int | None:
 
 
 def measured_assumptions(device: torch.device, cpu_resident_bytes: int | None = None) -> Assumptions:
-    """The profile's Assumptions with every memory term this device can measure, and notes saying which."""
+    """The profile's Assumptions with every memory term this device can measure, the GPU idle time of a
+    device->host synchronisation (:func:`profiler.timing.host_sync_s`) on a GPU, and notes saying which."""
     if device.type != "cuda":
         rss = cpu_resident_bytes if cpu_resident_bytes is not None else resident_bytes()
         return Assumptions(runtime_bytes=rss, communicator_bytes=0, all_to_all_communicator_bytes=0, notes=[
@@ -121,7 +123,8 @@ def measured_assumptions(device: torch.device, cpu_resident_bytes: int | None = 
         ])
     values: dict = {"runtime_bytes": gpu_runtime_bytes(device),
                     "optimizer_temp_bytes_per_param": round(optimizer_temp_bytes_per_param(device), 3),
-                    "loss_bytes_per_logit": round(loss_bytes_per_logit(device), 3)}
+                    "loss_bytes_per_logit": round(loss_bytes_per_logit(device), 3),
+                    "moe_host_sync_s": round(host_sync_s(device), 7)}
     comm = communicator_bytes(device)
     if comm is not None:
         values["communicator_bytes"] = comm

@@ -361,3 +361,31 @@ def time_rounds(
     return [None if c is None else TimingResult(median_s=statistics.median(t), iqr_s=_iqr(t), trials=t,
                                                 calls_per_trial=c, device_type=device.type)
             for t, c in zip(times, calls)]
+
+
+def host_sync_s(device: torch.device, reps: int = 50, size: int = 4096) -> float | None:
+    """GPU idle time of one device->host synchronisation (``Assumptions.moe_host_sync_s``: a dropless MoE
+    dispatcher copies its tokens-per-expert counts to the host and waits). Back-to-back bf16 GEMMs of
+    ``size``³ (longer than a launch, so the queue never runs dry by itself) with and without a
+    ``.tolist()`` of a 128-count tensor after each: (with - without) / ``reps``, the median of three
+    rounds. None on a CPU, which has no device to idle."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    counts = torch.zeros(128, dtype=torch.int64, device=device)
+
+    def loop(wait: bool) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ a
+            counts.add_(1)
+            if wait:
+                counts.tolist()
+        sync(device)
+        return time.perf_counter() - t0
+
+    loop(True), loop(False)  # warm-up: kernels chosen, clocks up
+    rounds = [(loop(True) - loop(False)) / reps for _ in range(3)]
+    return max(statistics.median(rounds), 0.0)

@@ -106,6 +106,51 @@ def test_each_expert_weight_stack_has_one_gradient_node_not_one_per_expert(exper
         assert _grad_users(y, getattr(getattr(moe, experts), w)) == ["UnbindBackward0"], w
 
 
+def _experts_run(experts, x: torch.Tensor, counts: list[int], grouped: bool, dtype=None):
+    """(output, input gradient, weight gradients) of ``experts`` on rows x, by the loop or grouped_mm."""
+    for p in experts.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = experts._grouped_mm(x, counts, dtype or x.dtype) if grouped else experts.forward_grouped(x, counts)
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
+    return [y.float(), x.grad.float()] + [p.grad.float() for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_grouped_mm_pads_each_expert_and_matches_the_loop_in_every_gradient(kind):
+    """The grouped path's padding (groups to multiples of GROUP_ALIGN, an empty expert given a zero group):
+    on the CPU's fp32 torch._grouped_mm, output, input and every weight gradient as the per-expert loop."""
+    from executor.moe import GroupedExperts
+
+    experts = GroupedExperts(4, 16, 24, kind)
+    for i, p in enumerate(experts.parameters()):
+        p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.1
+    x, counts = torch.randn(21, 16, generator=torch.Generator().manual_seed(9)), [3, 0, 10, 8]
+    for got, want in zip(_experts_run(experts, x, counts, True), _experts_run(experts, x, counts, False)):
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch._grouped_mm's bf16 kernels")
+def test_grouped_mm_on_a_gpu_is_as_close_to_fp32_as_the_bf16_loop():
+    """On the GPU the executor's experts run as torch._grouped_mm (bf16): every gradient within twice the
+    bf16 per-expert loop's own distance from the fp32 loop (unaligned counts, an empty expert)."""
+    from executor.moe import GroupedExperts, grouped_mm_dtype
+
+    x = torch.randn(1000, 256, device="cuda")
+    if grouped_mm_dtype(x.bfloat16()) is None:
+        pytest.skip("this GPU has no torch._grouped_mm bf16 kernel (compute capability 9 or 10)")
+    experts = GroupedExperts(16, 256, 192).cuda()
+    torch.nn.init.normal_(experts.w1, std=0.05), torch.nn.init.normal_(experts.w2, std=0.05)
+    torch.nn.init.normal_(experts.w3, std=0.05)
+    counts = [0, 7, 130, 1, 64, 33, 99, 100, 0, 250, 16, 15, 17, 100, 100, 68]
+    ref = _experts_run(experts, x, counts, False)
+    low = experts.to(torch.bfloat16)
+    loop = _experts_run(low, x.bfloat16(), counts, False)
+    grouped = _experts_run(low, x.bfloat16(), counts, True)
+    for r, a, b in zip(ref, loop, grouped):
+        assert (b - r).abs().max() <= 2 * (a - r).abs().max() + 1e-6 * r.abs().max()
+
+
 def test_capacity_mask_keeps_first_come_by_token_index():
     moe = MoE(4, MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=4, capacity_factor=0.75))
     # T=4, k=2, E=4 -> capacity ceil(0.75 * 4 * 2 / 4) = 2 assignments per expert

@@ -8,6 +8,12 @@ import torch
 from profiler.memory import measured_assumptions, resident_bytes
 
 
+def test_a_cpu_has_no_device_to_idle_on_a_host_sync():
+    from profiler.timing import host_sync_s
+
+    assert host_sync_s(torch.device("cpu")) is None
+
+
 def test_a_cpu_rank_measures_its_resident_memory_and_holds_no_nccl_buffers():
     a = measured_assumptions(torch.device("cpu"), cpu_resident_bytes=123 << 20)
     assert a.runtime_bytes == 123 << 20 and a.communicator_bytes == 0 and a.all_to_all_communicator_bytes == 0
@@ -21,3 +27,4 @@ def test_a_gpu_measures_runtime_optimizer_and_loss_bytes():
     assert 200 << 20 < a.runtime_bytes < 4 << 30
     assert 3.5 < a.optimizer_temp_bytes_per_param < 8.5  # foreach AdamW: sqrt(v) for every parameter, 4 B
     assert 6 < a.loss_bytes_per_logit < 24
+    assert 5e-6 < a.moe_host_sync_s < 500e-6  # 31-67 us on lent H100 VMs (benchmarks/data/moe_h100.log)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_search import random_splits
 
-from planner.contracts import ModelSpec, ParallelLayout, TrainingConfig
+from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, TrainingConfig
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
@@ -31,7 +31,9 @@ from planner.targets import (
     Job,
     Target,
     loss_bytes_per_logit,
+    ONE_KERNEL,
     planned_scatter_gather,
+    priced_profile,
     refusal,
     target_facts,
 )
@@ -221,12 +223,47 @@ def test_offloaded_plans_are_counted_alike(node):
         assert "compute_copies" not in mem.terms
 
 
+# ------------------------------------------------------------------ the expert GEMMs
+@pytest.mark.parametrize("system,expected", [("dgx-h100", {"autopar": ONE_KERNEL, "torchtitan": ONE_KERNEL,
+                                                           "deepspeed": 1, "megatron": 4}),
+                                             ("dgx-a100-80gb", {"autopar": 1, "torchtitan": 1, "deepspeed": 1,
+                                                                "megatron": 4})])
+def test_each_target_runs_its_expert_gemms_as_it_does(system, expected):
+    """torch._grouped_mm (the executor, torchtitan) is one kernel on Hopper, a loop before it; DeepSpeed's experts
+    loop; Megatron's Transformer Engine GroupedLinear keeps the profile's 4 streams (the same profile back)."""
+    prof = reference_profile(system, 1)
+    for target, streams in expected.items():
+        priced = priced_profile(prof, target)
+        assert priced.assumptions.grouped_gemm_streams == streams, target
+        assert (priced is prof) == (streams == prof.assumptions.grouped_gemm_streams), target
+
+
+def test_expert_gemms_are_the_only_step_difference_an_moe_target_makes():
+    """Qwen3-30B-A3B on one H100 node, pp = 1: autopar's step is Megatron's on the profile with one grouped kernel,
+    and its routed expert GEMMs are the grouped kernel's price: every local expert's GEMMs in one round."""
+    from planner.cost.compute import grouped_gemm_time_s
+    from planner.cost.layer import MicroBatch, routed_expert_gemms
+
+    model, prof = get_preset("qwen3-30b-a3b"), reference_profile("dgx-h100", 1)
+    tr, lay = TrainingConfig(global_batch_size=64, seq_length=4096), ParallelLayout(dp_shard=8, zero_stage=1)
+    ap = predict(model, tr, prof, lay, target="autopar")
+    assert ap.step_time_s == predict(model, tr, priced_profile(prof, "autopar"), lay, target="megatron").step_time_s
+    assert ap.step_time_s < predict(model, tr, prof, lay, target="megatron").step_time_s
+    mb, moe = MicroBatch.of(lay, tr), model.moe
+    rows = 4096 * 8 // 128  # a micro-batch's 4096 tokens, top-8, over all 128 experts on every rank (ep = 1)
+    fwd = routed_expert_gemms(priced_profile(prof, "autopar"), model, moe, mb, 1)[0]
+    one = sum(grouped_gemm_time_s(prof, rows, n, k, mb.precision, 128, 128, GemmLayout.nt)
+              for n, k in ((2 * 768, 2048), (2048, 768)))
+    assert fwd == pytest.approx(one, rel=1e-12)
+
+
 # ------------------------------------------------------------------ the search's stage model == predict
 STAGE_CASES = [
     ("llama3-8b", "dgx-h100", 2, dict(tp=2, sp=True, pp=4, dp_shard=2, zero_stage=1), 64),
     ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=2, dp_shard=4, zero_stage=0, pp_scatter_gather=False), 64),
     ("llama3-8b", "dgx-a100-80gb", 2, dict(tp=1, pp=4, dp_shard=4, zero_stage=3), 64),
     ("llama3-8b", "dgx-a100-80gb", 1, dict(dp_shard=8, zero_stage=2), 8),  # one micro-batch a step
+    ("qwen3-30b-a3b", "dgx-h100", 2, dict(tp=2, sp=True, ep=8, dp_shard=8, zero_stage=1), 64),  # expert GEMMs
 ]
 
 

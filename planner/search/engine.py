@@ -835,9 +835,11 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     solving, and the alternatives' predictions and explanations, which are left out once it is spent."""
     t0 = time.perf_counter()
     check_sequence(model, training)  # no layout could run it: say why, not "no layout could be evaluated"
+    options = options or SearchOptions()
+    profile = targets.priced_profile(profile, options.target)  # the target's expert GEMMs (TargetFacts)
     # thousands of layouts share a few thousand GEMM shapes and link lookups
     with gc_relaxed(), memoised(profile):
-        return _search(model, training, profile, options or SearchOptions(), progress, t0)
+        return _search(model, training, profile, options, progress, t0)
 
 
 def _search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
