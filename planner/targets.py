@@ -42,6 +42,7 @@ from planner.contracts import (
     Schedule,
     TrainingConfig,
 )
+from planner.cost.params import embedding_params, head_per_tp_rank
 from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError, UnknownNameError
 
@@ -124,6 +125,8 @@ class TargetFacts:
     ``master_in_param``: the fp32 master copy is the parameter itself (FSDP2's sharded fp32 parameter; fp32
     parameters under autocast), its 16-bit weights only copies held through the backward
     (``memory.model_state_bytes``); False: 16-bit parameters beside an fp32 master (Rajbhandari et al.).
+    ``fsdp_root(model, tp)``: parameters (per TP rank) of the FSDP2 units besides the blocks that ZeRO-3 with
+    resharding holds gathered at the backward's peak, in 16 bits (``memory.root_weights``, one pipeline stage).
     ``expert_gemms(profile)``: how many GEMMs of a grouped expert GEMM run at once on the target and the profile's
     GPU (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
     ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams). :func:`priced_profile` applies it.
@@ -137,6 +140,8 @@ class TargetFacts:
     states_source: str
     expert_gemms: Callable[[ClusterProfile], int | None] = lambda profile: None
     expert_source: str = "the profile's assumptions.grouped_gemm_streams"
+    fsdp_root: Callable[[ModelSpec, int], float] = lambda model, tp: 0.0
+    root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
 
 
 ONE_KERNEL = 1 << 20
@@ -149,6 +154,10 @@ def _grouped_mm_or_loop(profile: ClusterProfile) -> int:
     told here by an fp8 peak in the datasheet (the reference systems' A100s have none); elsewhere the experts
     run one GEMM after another."""
     return ONE_KERNEL if Precision.fp8 in profile.device.peak_tflops else 1
+
+
+def _embedding_and_head(model: ModelSpec, tp: int) -> float:
+    return embedding_params(model) / tp + head_per_tp_rank(model, tp)
 
 
 def priced_profile(profile: ClusterProfile, target: str | Target) -> ClusterProfile:
@@ -436,6 +445,11 @@ _AUTOPAR_FACTS = TargetFacts(
     "bf16, reduce_dtype=fp32), whose sharded fp32 parameter is the master (16-bit weights exist only gathered); "
     "ZeRO-0/1 keep whole fp32 parameters under torch.autocast (its cached 16-bit casts live through the "
     "backward) and torch's ZeroRedundancyOptimizer shards only the optimizer state",
+    fsdp_root=_embedding_and_head,
+    root_source="executor/parallelize.py apply_fsdp: fully_shard on each block, then on the model, whose unit "
+    "holds the embedding, final norm and output projection; its pre-backward hook gathers them before the "
+    "output's backward and frees them after the embedding's, so they are held through the whole backward "
+    "(torchtitan of 2024 wrapped the same way: parallelisms/parallelize_llama.py apply_fsdp)",
     expert_gemms=_grouped_mm_or_loop,
     expert_source="executor/moe.py GroupedExperts: torch._grouped_mm (one kernel per linear layer) on a GPU of "
     "compute capability 9 or 10 in bf16, else one GEMM per local expert on one stream; on an H100 the 128 "
@@ -506,6 +520,10 @@ _TORCHTITAN_FACTS = TargetFacts(
     master_in_param=True,
     states_source="torchtitan 0.3.0 applies FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=bf16, "
     "reduce_dtype=fp32) (distributed/fsdp.py apply_fsdp_to_decoder): the sharded fp32 parameter is the master",
+    fsdp_root=lambda model, tp: head_per_tp_rank(model, tp),
+    root_source="torchtitan 0.3.0 models/llama3/infra/parallelize.py apply_fsdp: the token embedding a unit "
+    "resharded after its forward, [norm, output] one unit kept gathered from its forward to its backward "
+    "(reshard_after_forward only with the 'always' policy), the blocks resharded",
     expert_gemms=_grouped_mm_or_loop,
     expert_source="torchtitan 0.3.0 models/moe/moe.py GroupedExperts: use_grouped_mm (the default) runs "
     "torch._grouped_mm, one kernel per linear layer, its token groups padded to 8 rows; torch's fallback off "

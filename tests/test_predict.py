@@ -212,14 +212,17 @@ class TestPredictProperties:
 
     def test_keep_gathered_zero3_holds_every_block(self, node):
         """Without resharding, ZeRO-3 keeps every block's unsharded 16-bit weights from forward to backward:
-        the stage's whole parameter count x 2 bytes, against 2 x the biggest block with resharding."""
+        the stage's whole parameter count x 2 bytes, against 2 x the biggest block with resharding, beside the
+        executor's root unit (embedding, final norm, output: TargetFacts.fsdp_root) held through the backward."""
         reshard = run(node, dp_shard=8, zero_stage=3).memory
         keep = run(node, dp_shard=8, zero_stage=3, reshard_after_forward=False).memory
         phi = V * Hd + L * (4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd) + Hd + Hd * V
         block = 4 * Hd * Hd + 2 * Hd + 8 * Hd * Hd
         assert keep.terms["gathered_weights"] == 2 * phi
         assert reshard.terms["gathered_weights"] == 2 * 2 * block
-        assert keep.total_bytes > reshard.total_bytes + 2 * phi - 4 * block
+        root = V * Hd + Hd + Hd * V
+        assert reshard.terms["root_weights"] == 2 * root and "root_weights" not in keep.terms
+        assert keep.total_bytes > reshard.total_bytes + 2 * phi - 4 * block - 2 * root
 
     def test_pipelined_fsdp_holds_gathered_weights_and_unsharded_gradients(self, node):
         """torch's pipeline stages turn FSDP's resharding after backward and its gradient reduction off until

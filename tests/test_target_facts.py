@@ -196,7 +196,8 @@ def test_states_where_the_parameter_is_the_master(node, zero):
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_megatron_and_autopar_differ_by_exactly_the_target_terms(node, zero):
     """Same layout, same activations and step time; the allocated peaks differ by the loss (bytes per logit
-    x tokens x vocab) and the model states and 16-bit copies counted above, the totals by that times
+    x tokens x vocab), the model states and 16-bit copies counted above and, at ZeRO-3, the executor's
+    root unit held gathered (TargetFacts.fsdp_root), the totals by that times
     (1 + fragmentation). Micro-batches of 2 sequences: the backward, not the optimizer step, is the peak of both."""
     lay = ParallelLayout(dp_shard=8, zero_stage=zero, micro_batch_size=2)
     mg = predict(small_model(), train(), node, lay, target="megatron")
@@ -206,9 +207,12 @@ def test_megatron_and_autopar_differ_by_exactly_the_target_terms(node, zero):
     loss = (node.assumptions.loss_bytes_per_logit - 6.0) * 2 * SEQ * V
     states = {0: (4 + 4 + 8 + 2) - (2 + 4 + 12), 1: (4 + 4 + 8 / 8 + 2) - (2 + 4 + 12 / 8),
               3: (4 + 4 + 8) / 8 - (2 + 4 + 12) / 8}[zero] * PHI
-    assert ap.memory.allocated_bytes - mg.memory.allocated_bytes == pytest.approx(loss + states, abs=16)
+    # ZeRO-3: the executor's root unit (embedding, final norm, output) held gathered in 16 bits (fsdp_root)
+    root = 2 * (V * H + H + V * H) if zero == 3 else 0
+    assert ap.memory.terms.get("root_weights", 0) == root and "root_weights" not in mg.memory.terms
+    assert ap.memory.allocated_bytes - mg.memory.allocated_bytes == pytest.approx(loss + states + root, abs=16)
     frag = ap.memory.terms["fragmentation"] / (ap.memory.allocated_bytes)
-    assert ap.memory.total_bytes - mg.memory.total_bytes == pytest.approx((loss + states) * (1 + frag), abs=32)
+    assert ap.memory.total_bytes - mg.memory.total_bytes == pytest.approx((loss + states + root) * (1 + frag), abs=32)
 
 
 def test_offloaded_plans_are_counted_alike(node):
@@ -221,6 +225,22 @@ def test_offloaded_plans_are_counted_alike(node):
         assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == pytest.approx(
             (2 * PHI / 8, 4 * PHI / 8, 0), abs=2), target
         assert "compute_copies" not in mem.terms
+
+
+# ------------------------------------------------------------------ FSDP2 units held beside the blocks
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fsdp_root_units_by_target(node, tp):
+    """ZeRO-3 with resharding, one stage: the executor holds its root unit (embedding V·h/tp, final norm whole,
+    output V·h/tp) gathered through the backward, torchtitan 0.3 its [norm, output] unit; in 16 bits. Not
+    without resharding (every weight is already counted gathered), not for Megatron or DeepSpeed."""
+    lay = ParallelLayout(dp_shard=8 // tp, tp=tp, sp=tp > 1, zero_stage=3)
+    want = {"autopar": 2 * (V * H / tp + H + V * H / tp), "torchtitan": 2 * (H + V * H / tp),
+            "megatron": 0, "deepspeed": 0}
+    for target, root in want.items():
+        terms = predict(small_model(), train(), node, lay, target=target).memory.terms
+        assert terms.get("root_weights", 0) == pytest.approx(root, abs=2), target
+        keep = lay.model_copy(update={"reshard_after_forward": False})
+        assert "root_weights" not in predict(small_model(), train(), node, keep, target=target).memory.terms
 
 
 # ------------------------------------------------------------------ the expert GEMMs

@@ -204,6 +204,9 @@ MEMORY_TERMS: dict[str, str] = {
     "gathered_weights": "ZeRO-3: the unsharded weights of the current and the prefetched block (2x the biggest), or "
                         "of every block of the stage when they are kept from forward to backward (no resharding, "
                         "or pipelined: torch's pipelining keeps them until the last micro-batch's backward)",
+    "root_weights": "ZeRO-3 with resharding, one pipeline stage: the 16-bit weights of the FSDP2 units beside the "
+                    "blocks that the target holds gathered through the backward (TargetFacts.fsdp_root: the "
+                    "executor's root unit, embedding and head; torchtitan's norm and output)",
     "gradient_bucket": "ZeRO-2/3: the unsharded gradients of the block being reduce-scattered",
     "held_gradients": "pipelined ZeRO-2/3: the stage's unsharded gradients, kept until the last micro-batch's "
                       "backward (torch's pipelining turns FSDP's gradient reduction off before it)",
@@ -240,6 +243,12 @@ def held_gradient_bytes_per_param(zero_stage: int, pp: int, state: StateBytes) -
     """Bytes per stage parameter of unsharded gradients held across micro-batches: pipelined ZeRO-2/3
     (torch's pipeline stages turn FSDP's gradient reduction off until the last micro-batch), ``g``."""
     return state.grads if zero_stage >= 2 and pp > 1 else 0.0
+
+
+def root_gathered_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:
+    """Bytes per parameter of ``TargetFacts.fsdp_root``'s units at the backward's peak: their 16-bit weights
+    where blocks are resharded (ZeRO-3, one stage; otherwise every weight is already counted gathered)."""
+    return state.weights if zero_stage == 3 and reshard_after_forward and pp == 1 else 0.0
 
 
 def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:

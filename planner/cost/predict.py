@@ -50,6 +50,7 @@ from planner.cost.memory import (
     microbatches_in_flight,
     model_state_bytes,
     optimizer_step_bytes_per_param,
+    root_gathered_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
 )
@@ -289,7 +290,7 @@ def dp_traffic(
 
 def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout, stage: int, *,
                  dense: float, experts: float, activations: float, biggest_block: float, loss: float,
-                 accumulates: bool = True, master_in_param: bool = False) -> MemoryBreakdown:
+                 accumulates: bool = True, master_in_param: bool = False, root_params: float = 0.0) -> MemoryBreakdown:
     """Peak device memory of pipeline rank ``stage`` holding ``dense`` and ``experts`` parameters (after TP, EP x ETP)
     and ``activations`` bytes, with named terms beside the tensors (:data:`MEMORY_TERMS`).
 
@@ -298,7 +299,8 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     when ``total <= capacity·(1 - memory_headroom)``. Without accumulation (one micro-batch a step) the
     gradients are made as the activations are freed: they join the optimizer step's side only.
     ``master_in_param``: the target's parameters are the fp32 master (``TargetFacts.master_in_param``): states
-    and the 16-bit ``compute_copies`` as :func:`~planner.cost.memory.model_state_bytes` counts them."""
+    and the 16-bit ``compute_copies`` as :func:`~planner.cost.memory.model_state_bytes` counts them.
+    ``root_params``: the target's FSDP2 units beside the blocks held gathered (``TargetFacts.fsdp_root``)."""
     a, zero, reshard = profile.assumptions, layout.zero_stage, layout.reshard_after_forward
     state = state_bytes_per_param(training)
     shard_n = layout.dp_shard * layout.cp
@@ -309,13 +311,15 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
     gathered += biggest_block * 2 * state.weights if zero == 3 and reshard and pp == 1 else 0.0
+    root = root_params * root_gathered_bytes_per_param(zero, reshard, pp, state)
     bucket = biggest_block * state.grads if zero >= 2 and pp == 1 else 0.0
     held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
-    act_phase = activations + loss + copies + gathered + bucket + held + late_grads
+    act_phase = activations + loss + copies + gathered + root + bucket + held + late_grads
     local = dense / (shard_n if zero >= 1 else 1) + experts / (layout.expert_dp if zero >= 1 else 1)
     opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
-    terms = {"loss": loss, "compute_copies": copies, "gathered_weights": gathered, "gradient_bucket": bucket,
+    terms = {"loss": loss, "compute_copies": copies, "gathered_weights": gathered, "root_weights": root,
+             "gradient_bucket": bucket,
              "held_gradients": held,
              "gradients_after_peak": late_grads,
              "optimizer_step": max(0.0, opt_temp - act_phase)}
@@ -406,6 +410,7 @@ class _Step:
     kinds: list[bool]
     loss_per_logit: float = 0.0  # bytes per logit of the target's loss (TargetFacts.loss)
     master_in_param: bool = False  # TargetFacts.master_in_param
+    root_params: float = 0.0  # TargetFacts.fsdp_root
     _blocks: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
     _acts: dict = field(default_factory=dict)
@@ -463,7 +468,8 @@ def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfil
     own = facts.loss(layout)
     return _Step(model, training, profile, layout, m, mesh_groups(layout, profile.gpus_per_node), mb,
                  [model.is_moe_layer(i) for i in range(model.num_layers)],
-                 profile.assumptions.loss_bytes_per_logit if own is None else own, facts.master_in_param)
+                 profile.assumptions.loss_bytes_per_logit if own is None else own, facts.master_in_param,
+                 facts.fsdp_root(model, layout.tp))
 
 
 def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
@@ -575,7 +581,7 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
         loss = logits_bytes(model, c.mb.tokens, lay.tp, c.loss_per_logit) if st.last else 0.0
         mem = stage_memory(c.profile, c.training, lay, i, dense=t.dense[i], experts=t.experts[i],
                            activations=activations, biggest_block=biggest, loss=loss, accumulates=c.m > 1,
-                           master_in_param=c.master_in_param)
+                           master_in_param=c.master_in_param, root_params=c.root_params)
         mems.append(mem)
         preds.append(StagePrediction(stage=i, layers=len(st.layers), forward_s=t.fwd_s[i], backward_s=t.bwd_s[i],
                                      memory_bytes=mem.total_bytes, microbatches_in_flight=in_flight))

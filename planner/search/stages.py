@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Iterable, Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from planner import targets
@@ -79,6 +79,7 @@ from planner.cost.memory import (
     microbatches_in_flight,
     model_state_bytes,
     optimizer_step_bytes_per_param,
+    root_gathered_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
 )
@@ -434,6 +435,9 @@ class StageModel:
             self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer, base.reshard_after_forward,
             base.pp, self.m, temp, self.master_in_param)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
+        # the target's FSDP2 units beside the blocks, held gathered through the backward (TargetFacts.fsdp_root)
+        self.root = targets.target_facts(target).fsdp_root(model, base.tp) * root_gathered_bytes_per_param(
+            zero, base.reshard_after_forward, base.pp, self.state)
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float, units: int = 1,
@@ -512,7 +516,7 @@ class StageModel:
         the micro-batches in flight, the full-recompute transient, the loss, the biggest block's buffers)
         and the optimizer step's temporaries."""
         per_mb = acts + (self.emb_act if rank == 0 else 0.0)
-        act_phase = per_mb * self.in_flight[rank] + transient + (self.logits if rank == self.p - 1 else 0.0)
+        act_phase = per_mb * self.in_flight[rank] + transient + (self.logits + self.root if rank == self.p - 1 else 0.0)
         if layers:
             act_phase += self.block_buffer * gather_biggest
         allocated = max(dense * self._state_dense + experts * self._state_expert + act_phase,
@@ -686,7 +690,7 @@ def recompute_bound_s(sm: StageModel) -> float:
         if r == 0:
             e += sm.emb_params * per_state + fl * sm.emb_act
         if r == sm.p - 1:
-            e += sm.head_params * per_state + sm.logits
+            e += sm.head_params * per_state + sm.logits + sm.root
         free += max(0.0, (sm.alloc_capacity - e) / u) if u > 0 else math.inf
         if rho > 0:
             marginal = min(marginal, u / (fl * rho))
@@ -772,7 +776,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
             e += sm.emb_params * sm._state_dense + fl * sm.emb_act
         if r == p - 1:
             x += sum(sm.head)
-            e += sm.head_params * sm._state_dense + sm.logits
+            e += sm.head_params * sm._state_dense + sm.logits + sm.root
         if capacity - e < 0:
             return inf
         room = max(capacity - e - gather_buffer, 0.0)  # holding any block of this kind
