@@ -616,30 +616,32 @@ def target_refusal(model: ModelSpec, training: TrainingConfig, target: str, layo
 def target_fallback(sm: StageModel, target: str, micro_batches: int) -> tuple[float, ParallelLayout] | None:
     """The fastest fitting layout of ``sm`` that ``target`` runs when it refused the search's split or per-stage
     recompute: the default split with one recompute kind and count on every pipeline rank. Per kind, the step
-    time grows and the memory falls with the count, so the fewest layers that fit (bisected) is the kind's
-    best; a count the target refuses there is passed for the next larger one it runs."""
+    time grows and the memory falls with the count, so the fewest layers that fit (bisected on memory alone)
+    is the kind's best, and no recompute, where it fits and runs, beats every kind; a count the target refuses
+    there is passed for the next larger one it runs."""
     chunks = sm.default_chunks()
+    if target_refusal(sm.model, sm.training, target, sm.layout_for(chunks, [(Recompute.none, 0)] * sm.p),
+                      micro_batches) is not None:
+        return None  # refused whatever the recompute (its micro-batches, its split): nothing here to choose
     fewest = min(len(r) for r in sm.rank_layers(chunks))
     best = None
-
-    def priced(kind: Recompute, count: int) -> tuple[float, bool]:
-        step, terms = sm.evaluate(chunks, [(kind, count)] * sm.p)
-        return step, sm.fits(terms)
 
     for kind in (Recompute.none, *RECOMPUTE_KINDS):
         counts = [0] if kind is Recompute.none else range(1, fewest + 1)
         lo, hi = 0, len(counts) - 1
         while lo < hi:  # the first count that fits (the last one when none does)
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if priced(kind, counts[mid])[1] else (mid + 1, hi)
+            lo, hi = (lo, mid) if sm.uniform_fits(chunks, kind, counts[mid]) else (mid + 1, hi)
         for count in counts[lo:]:
-            step, fits = priced(kind, count)
-            if not fits or (best is not None and step >= best[0]):
+            step, terms = sm.evaluate(chunks, [(kind, count)] * sm.p)
+            if not sm.fits(terms) or (best is not None and step >= best[0]):
                 break
             layout = sm.layout_for(chunks, [(kind, count)] * sm.p)
             if target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
                 best = (step, layout)
                 break
+        if best is not None and kind is Recompute.none:
+            return best  # every recompute only adds time
     return best
 
 

@@ -435,6 +435,7 @@ class StageModel:
             self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer, base.reshard_after_forward,
             base.pp, self.m, temp, self.master_in_param)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
+        self._timing: dict = {}  # stage_terms_counts' timing per (first, last, counts, kind)
         # the target's FSDP2 units beside the blocks, held gathered through the backward (TargetFacts.fsdp_root)
         self.root = targets.target_facts(target).fsdp_root(model, base.tp) * root_gathered_bytes_per_param(
             zero, base.reshard_after_forward, base.pp, self.state)
@@ -473,19 +474,45 @@ class StageModel:
         r_moe = sum(self.kinds[i] for i in layers[:count])
         return self.stage_terms_counts(rank, len(layers) - n_moe, n_moe, kind, count - r_moe, r_moe)
 
+    def stage_memory(self, rank: int, layers: list[int], kind: Recompute, count: int) -> float:
+        """``stage_terms(...).memory_bytes`` without the timing terms (for fit tests)."""
+        count = min(count, len(layers))
+        n_moe = sum(self.kinds[i] for i in layers)
+        r_moe = sum(self.kinds[i] for i in layers[:count])
+        return self.stage_memory_counts(rank, len(layers) - n_moe, n_moe, kind, count - r_moe, r_moe)
+
+    def uniform_fits(self, chunks: list[int], kind: Recompute, count: int) -> bool:
+        """Whether every rank fits with the same recompute choice on split ``chunks`` (memory only)."""
+        return all(self.stage_memory(r, layers, kind, count) <= self.capacity
+                   for r, layers in enumerate(self.rank_layers(chunks)))
+
     def stage_terms_counts(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                            r_moe: int) -> StageTerms:
-        """As :meth:`stage_terms`, from counts: blocks of each kind and how many of each are recomputed."""
-        first, last = rank == 0, rank == self.p - 1
+        """As :meth:`stage_terms`, from counts: blocks of each kind and how many of each are recomputed. The
+        timing depends on the rank only through whether it holds the embedding or the head, so it is kept per
+        (first, last, counts, kind) for this layout (a split's middle ranks share it); the memory is the rank's."""
         if kind is Recompute.none:
             r_dense = r_moe = 0
+        key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
+        timing = self._timing.get(key)
+        if timing is None:
+            timing = self._timing[key] = self._stage_timing(*key)
+        f, b, tail, holdings = timing
+        layers = n_dense + n_moe
+        return StageTerms(f, b, tail, self._memory(rank, *holdings, layers), layers)
+
+    def _stage_timing(self, first: bool, last: bool, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
+                      r_moe: int) -> tuple[float, float, float, tuple]:
+        """(forward, backward, tail seconds, :meth:`_holdings`) of a rank with these blocks (``first``: it holds
+        the embedding, ``last``: the head)."""
         f = b = 0.0
         for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
             if n:
                 kc = self.kind_cost[moe]
                 f += n * kc.forward_s
                 b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
-        dense, experts, acts, transient, gather_biggest = self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe)
+        holdings = self._holdings(0 if first else (self.p - 1 if last else 1), n_dense, n_moe, kind, r_dense, r_moe)
+        dense, experts = holdings[0], holdings[1]
         layers = n_dense + n_moe
         if first:
             f, b = f + self.emb[0], b + self.emb[1]
@@ -503,11 +530,7 @@ class StageModel:
         gather_step = 0.0 if gpm else gather_s
         exp_f, exp_b = microbatch_exposed_s(self.layout, gather_f, gather_b, grad_mb, units, f, b, self.eff)
         tail = self.exposed(grad_step, b) + self.exposed(gather_step, f) + self.optimizer_s(dense, experts)
-        f += exp_f
-        b += exp_b
-        # memory
-        memory = self._memory(rank, dense, experts, acts, transient, gather_biggest, layers)
-        return StageTerms(f, b, tail, memory, layers)
+        return f + exp_f, b + exp_b, tail, holdings
 
     def _memory(self, rank: int, dense: float, experts: float, acts: float, transient: float, gather_biggest: float,
                 layers: int) -> float:
