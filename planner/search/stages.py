@@ -108,6 +108,12 @@ def expert_fold(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> tuple[str
     return lay.expert_fold_problem(), lay.expert_dp
 
 
+@functools.lru_cache(maxsize=64)
+def cadence(zero: int, pp: int, reshard: bool) -> tuple[int, bool]:
+    """:func:`planner.cost.predict.dp_cadence` of a layout with these fields (asked per leaf: kept here)."""
+    return dp_cadence(ParallelLayout.model_construct(zero_stage=zero, pp=pp, reshard_after_forward=reshard))
+
+
 @dataclass(frozen=True)
 class KindCost:
     """One block kind (dense or MoE) under this candidate: per micro-batch, per GPU."""
@@ -327,7 +333,7 @@ class LeafComm:
         d, e = dp_affine(profile, training, make_layout, cache, key)
         shard_n = shard * cp
         expert_shard = expert_fold(shard, cp, tp, ep, key[6])[1]
-        gathers, grads = dp_cadence(ParallelLayout.model_construct(zero_stage=zero, pp=pp, reshard_after_forward=reshard))
+        gathers, grads = cadence(zero, pp, reshard)
         out = cls(
             grad_s=d["grad"](dense) + e["grad"](expert), replica_s=d["replica"](dense) + e["replica"](expert),
             gather_s=d["gather"](dense) + e["gather"](expert),
