@@ -34,7 +34,9 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from planner import targets
 from planner.contracts import (
     Alternative,
     ClusterProfile,
@@ -61,7 +63,6 @@ from planner.cost.memory import (
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
-from planner import targets
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
 from planner.search.stages import (
@@ -69,13 +70,13 @@ from planner.search.stages import (
     LeafComm,
     SharedCosts,
     SplitBound,
-    floor_states,
     StageModel,
+    expert_fold,
+    floor_states,
     memory_minmax_s,
     pipeline_send_s,
     recompute_bound_s,
     shared_costs,
-    expert_fold,
     state_bytes_per_param_split,
     work_floor_s,
 )
@@ -613,21 +614,32 @@ def target_refusal(model: ModelSpec, training: TrainingConfig, target: str, layo
     return targets.refusal(target, targets.Job(model, training, layout, micro_batches=micro_batches), scopes)
 
 
-def target_fallback(sm: StageModel, target: str, micro_batches: int) -> tuple[float, ParallelLayout] | None:
+class Uniform(NamedTuple):
+    """:func:`target_fallback`'s choice: step seconds, the layout, its stage terms, the per-rank recompute."""
+
+    step_s: float
+    layout: ParallelLayout
+    terms: list
+    recompute: list[tuple[Recompute, int]]
+
+
+def target_fallback(sm: StageModel, target: str, micro_batches: int) -> Uniform | None:
     """The fastest fitting layout of ``sm`` that ``target`` runs when it refused the search's split or per-stage
-    recompute: the default split with one recompute kind and count on every pipeline rank. Per kind, the step
-    time grows and the memory falls with the count, so the fewest layers that fit (bisected on memory alone)
-    is the kind's best, and no recompute, where it fits and runs, beats every kind; a count the target refuses
-    there is passed for the next larger one it runs."""
+    recompute: the default split with one recompute kind and count on every pipeline rank (a count past a
+    rank's layers recomputes all of them, as ``--recompute-num-layers`` does). Per kind, the step time grows
+    and the memory falls with the count, so the fewest layers that fit (bisected on memory alone) is the
+    kind's best, and no recompute, where it fits and runs, beats every kind; a count the target refuses there
+    is passed for the next larger one it runs. Targets with one recompute choice for every stage price a
+    leaf's default split with this directly (``_price_default``)."""
     chunks = sm.default_chunks()
     if target_refusal(sm.model, sm.training, target, sm.layout_for(chunks, [(Recompute.none, 0)] * sm.p),
                       micro_batches) is not None:
         return None  # refused whatever the recompute (its micro-batches, its split): nothing here to choose
-    fewest = min(len(r) for r in sm.rank_layers(chunks))
+    most = max(len(r) for r in sm.rank_layers(chunks))
     best = None
 
     for kind in (Recompute.none, *RECOMPUTE_KINDS):
-        counts = [0] if kind is Recompute.none else range(1, fewest + 1)
+        counts = [0] if kind is Recompute.none else range(1, most + 1)
         lo, hi = 0, len(counts) - 1
         while lo < hi:  # the first count that fits (the last one when none does)
             mid = (lo + hi) // 2
@@ -638,11 +650,12 @@ def target_fallback(sm: StageModel, target: str, micro_batches: int) -> tuple[fl
                 break
             layout = sm.layout_for(chunks, [(kind, count)] * sm.p)
             if target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
-                best = (step, layout)
+                best = Uniform(step, layout, terms, [(kind, count)] * sm.p)
                 break
         if best is not None and kind is Recompute.none:
             return best  # every recompute only adds time
     return best
+
 
 
 def pessimistic_s(pred: Prediction) -> float:
@@ -954,7 +967,7 @@ class _SearchState:
             if legal is None:
                 self.rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
                 return
-            step, layout = legal
+            step, layout = legal.step_s, legal.layout
             status = f"{status.split(' ')[0]} ({opts.target}: even split, one recompute choice)"
         old = self.results.get(leaf)
         if old is not None:
@@ -1127,7 +1140,11 @@ class _SearchState:
             self._price_single_stage(leaf_id, st, sm, label)
             return
         chunks = sm.default_chunks()
-        greedy = sm.greedy(chunks)
+        if not self.spec.per_stage_recompute:  # one choice for every stage: its best, not per-rank choices
+            uniform = target_fallback(sm, self.opts.target, st.m)
+            greedy = None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)
+        else:
+            greedy = sm.greedy(chunks)
         if greedy is not None and target_refusal(self.model, self.training, self.opts.target,
                                                  sm.layout_for(chunks, greedy[2]), st.m) is not None:
             # per-rank choices the target cannot run: its own best on the default split stands in, and
