@@ -146,7 +146,7 @@ def executor_run(profile: ClusterProfile, spec: ModelSpec, training: TrainingCon
         path = Path(tmp) / "moe.json"
         path.write_text(plan.model_dump_json())
         report = run_executor(path, 1, steps, 2 if smoke else 3, Path(tmp))
-    streams = priced_profile(profile, "autopar").assumptions.grouped_gemm_streams
+    streams = priced_profile(profile, "autopar", training.precision).assumptions.grouped_gemm_streams
     measured, how = report.median_step_time_s, "one kernel" if streams == ONE_KERNEL else f"{streams} at once"
     print(f"\n(3) executor, one device: {spec.name} (h {spec.hidden_size}, {spec.moe.num_experts} experts of "
           f"{spec.moe.expert_ffn_hidden_size}, top-{TOP_K}), seq {training.seq_length}, batch "

@@ -127,8 +127,8 @@ class TargetFacts:
     (``memory.model_state_bytes``); False: 16-bit parameters beside an fp32 master (Rajbhandari et al.).
     ``fsdp_root(model, tp)``: parameters (per TP rank) of the FSDP2 units besides the blocks that ZeRO-3 with
     resharding holds gathered at the backward's peak, in 16 bits (``memory.root_weights``, one pipeline stage).
-    ``expert_gemms(profile)``: how many GEMMs of a grouped expert GEMM run at once on the target and the profile's
-    GPU (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
+    ``expert_gemms(profile, precision)``: how many GEMMs of a grouped expert GEMM run at once on the target, the
+    profile's GPU and the training precision (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
     ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams). :func:`priced_profile` applies it.
     Each with the source it was read from."""
 
@@ -138,7 +138,7 @@ class TargetFacts:
     pp_source: str
     master_in_param: bool
     states_source: str
-    expert_gemms: Callable[[ClusterProfile], int | None] = lambda profile: None
+    expert_gemms: Callable[[ClusterProfile, Precision], int | None] = lambda profile, precision: None
     expert_source: str = "the profile's assumptions.grouped_gemm_streams"
     fsdp_root: Callable[[ModelSpec, int], float] = lambda model, tp: 0.0
     root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
@@ -149,21 +149,27 @@ ONE_KERNEL = 1 << 20
 share its waves (more than any ``MoESpec.num_experts``)."""
 
 
-def _grouped_mm_or_loop(profile: ClusterProfile) -> int:
+def _grouped_mm_or_loop(profile: ClusterProfile, precision: Precision) -> int:
     """``torch._grouped_mm``'s CUTLASS kernels run bf16 on compute capability 9.x and 10.x (Hopper, Blackwell),
     told here by an fp8 peak in the datasheet (the reference systems' A100s have none); elsewhere the experts
-    run one GEMM after another."""
+    run one GEMM after another. torchtitan casts the experts' operands to bf16 whatever the training precision."""
     return ONE_KERNEL if Precision.fp8 in profile.device.peak_tflops else 1
+
+
+def _executor_experts(profile: ClusterProfile, precision: Precision) -> int:
+    """The executor runs ``torch._grouped_mm`` in bf16 only (``executor.moe.grouped_mm_dtype``): fp32 loops."""
+    return _grouped_mm_or_loop(profile, precision) if precision is Precision.bf16 else 1
 
 
 def _embedding_and_head(model: ModelSpec, tp: int) -> float:
     return embedding_params(model) / tp + head_per_tp_rank(model, tp)
 
 
-def priced_profile(profile: ClusterProfile, target: str | Target) -> ClusterProfile:
-    """``profile`` as ``target`` runs on it: its expert GEMMs' concurrency (``TargetFacts.expert_gemms``) in
-    place of the profile's own, where they differ (else ``profile`` itself, so its memo is kept)."""
-    streams = target_facts(target).expert_gemms(profile)
+def priced_profile(profile: ClusterProfile, target: str | Target, precision: Precision = Precision.bf16) -> ClusterProfile:
+    """``profile`` as ``target`` runs on it in ``precision``: its expert GEMMs' concurrency
+    (``TargetFacts.expert_gemms``) in place of the profile's own, where they differ (else ``profile`` itself,
+    so its memo is kept)."""
+    streams = target_facts(target).expert_gemms(profile, precision)
     if streams is None or streams == profile.assumptions.grouped_gemm_streams:
         return profile
     a = profile.assumptions.model_copy(update={"grouped_gemm_streams": streams})
@@ -450,9 +456,9 @@ _AUTOPAR_FACTS = TargetFacts(
     "holds the embedding, final norm and output projection; its pre-backward hook gathers them before the "
     "output's backward and frees them after the embedding's, so they are held through the whole backward "
     "(torchtitan of 2024 wrapped the same way: parallelisms/parallelize_llama.py apply_fsdp)",
-    expert_gemms=_grouped_mm_or_loop,
+    expert_gemms=_executor_experts,
     expert_source="executor/moe.py GroupedExperts: torch._grouped_mm (one kernel per linear layer) on a GPU of "
-    "compute capability 9 or 10 in bf16, else one GEMM per local expert on one stream; on an H100 the 128 "
+    "compute capability 9 or 10 in bf16, else (fp32, older GPUs) one GEMM per local expert on one stream; on an H100 the 128 "
     "experts' up-projection at 256 rows each took 0.41 ms as one kernel against 2.0-3.9 ms as a loop "
     "(benchmarks/moe_gpu_check.py, benchmarks/data/moe_h100.log)",
 )
@@ -493,7 +499,7 @@ _DEEPSPEED_FACTS = TargetFacts(
     states_source="ZeRO keeps 16-bit parameters (partitioned at stage 3) beside fp32 master partitions "
     "(deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups, stage3.py "
     "fp32_partitioned_groups_flat): the Rajbhandari et al. counts",
-    expert_gemms=lambda profile: 1,
+    expert_gemms=lambda profile, precision: 1,
     expert_source="deepspeed/moe/experts.py Experts.forward: the local experts' chunks one after another, each "
     "expert its own MLP, on one stream",
 )

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_search import random_splits
 
-from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, TrainingConfig
+from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, Precision, TrainingConfig
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
@@ -256,6 +256,9 @@ def test_each_target_runs_its_expert_gemms_as_it_does(system, expected):
         priced = priced_profile(prof, target)
         assert priced.assumptions.grouped_gemm_streams == streams, target
         assert (priced is prof) == (streams == prof.assumptions.grouped_gemm_streams), target
+    # fp32 training: the executor's grouped kernel is bf16 only, torchtitan casts its experts to bf16 anyway
+    assert priced_profile(prof, "autopar", Precision.fp32).assumptions.grouped_gemm_streams == 1
+    assert priced_profile(prof, "torchtitan", Precision.fp32).assumptions.grouped_gemm_streams == expected["torchtitan"]
 
 
 def test_expert_gemms_are_the_only_step_difference_an_moe_target_makes():

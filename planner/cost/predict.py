@@ -386,7 +386,7 @@ def predict(
     from planner.uncertainty import assess
 
     facts = targets.target_facts(target)
-    profile = targets.priced_profile(profile, target)
+    profile = targets.priced_profile(profile, target, training.precision)
     target = getattr(target, "value", target)
     if memo_for(profile) is None:  # the profile is held unchanged for the call: its lookups may be kept
         with memoised(profile):

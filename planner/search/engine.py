@@ -851,7 +851,7 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     t0 = time.perf_counter()
     check_sequence(model, training)  # no layout could run it: say why, not "no layout could be evaluated"
     options = options or SearchOptions()
-    profile = targets.priced_profile(profile, options.target)  # the target's expert GEMMs (TargetFacts)
+    profile = targets.priced_profile(profile, options.target, training.precision)  # its expert GEMMs (TargetFacts)
     # thousands of layouts share a few thousand GEMM shapes and link lookups
     with gc_relaxed(), memoised(profile):
         return _search(model, training, profile, options, progress, t0)

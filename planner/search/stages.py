@@ -381,7 +381,7 @@ class StageModel:
 
     def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
                  block_cache: dict | None = None, target: str = "autopar") -> None:
-        profile = targets.priced_profile(profile, target)  # the search's own is already: the same object back
+        profile = targets.priced_profile(profile, target, training.precision)  # the search's is already: itself back
         if layout.layers_per_stage is None and layout.recompute_per_stage is None and layout.recompute is Recompute.none:
             base = layout  # the search's own base layouts already are (a copy costs a validation)
         else:
