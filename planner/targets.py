@@ -127,6 +127,8 @@ class TargetFacts:
     (``memory.model_state_bytes``); False: 16-bit parameters beside an fp32 master (Rajbhandari et al.).
     ``fsdp_root(model, tp)``: parameters (per TP rank) of the FSDP2 units besides the blocks that ZeRO-3 with
     resharding holds gathered at the backward's peak, in 16 bits (``memory.root_weights``, one pipeline stage).
+    ``fp8_saved_inputs``: FP8 training keeps each linear layer's FP8-cast input for its backward (1 byte an
+    element, ``memory.layer_activation_bytes``); False: the 16-bit input, cast again in the backward.
     ``expert_gemms(profile, precision)``: how many GEMMs of a grouped expert GEMM run at once on the target, the
     profile's GPU and the training precision (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
     ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams). :func:`priced_profile` applies it.
@@ -142,6 +144,8 @@ class TargetFacts:
     expert_source: str = "the profile's assumptions.grouped_gemm_streams"
     fsdp_root: Callable[[ModelSpec, int], float] = lambda model, tp: 0.0
     root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
+    fp8_saved_inputs: bool = True
+    fp8_source: str = "refuses FP8 training: never priced"
 
 
 ONE_KERNEL = 1 << 20
@@ -479,6 +483,8 @@ _MEGATRON_FACTS = TargetFacts(
     "optimizer (megatron/core/optimizer/distrib_optimizer.py); Megatron-FSDP shards a 16-bit model-weight "
     "buffer and an fp32 main-weight buffer (megatron_fsdp/param_and_grad_buffer.py): the Rajbhandari et al. "
     "counts",
+    fp8_source="Transformer Engine (Megatron-Core's TE layers, --fp8-format): Linear and LayerNormLinear save the "
+    "FP8-cast input for the weight gradient (transformer_engine/pytorch/module/linear.py, layernorm_linear.py)"
 )
 
 _DEEPSPEED_FACTS = TargetFacts(
@@ -534,6 +540,10 @@ _TORCHTITAN_FACTS = TargetFacts(
     expert_source="torchtitan 0.3.0 models/moe/moe.py GroupedExperts: use_grouped_mm (the default) runs "
     "torch._grouped_mm, one kernel per linear layer, its token groups padded to 8 rows; torch's fallback off "
     "Hopper and Blackwell runs the groups one after another",
+    fp8_saved_inputs=False,
+    fp8_source="torchao's Float8Linear (torchtitan's float8 converter): matmul_with_hp_or_float8_args saves the "
+    "high-precision input and weight and casts them again in the backward (torchao/float8/float8_linear.py); "
+    "torch.compile may save the casts instead, which the model does not see"
 )
 
 

@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 from test_search import random_splits
 
-from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, Precision, TrainingConfig
+from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, Precision, Recompute, TrainingConfig
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
 from planner.search.engine import Rules, SearchOptions, _base_layout, structures
 from planner.search.stages import StageModel
 from planner.targets import (
+    ONE_KERNEL,
     TARGETS,
     Job,
     Target,
     loss_bytes_per_logit,
-    ONE_KERNEL,
     planned_scatter_gather,
     priced_profile,
     refusal,
@@ -241,6 +241,35 @@ def test_fsdp_root_units_by_target(node, tp):
         assert terms.get("root_weights", 0) == pytest.approx(root, abs=2), target
         keep = lay.model_copy(update={"reshard_after_forward": False})
         assert "root_weights" not in predict(small_model(), train(), node, keep, target=target).memory.terms
+
+
+# ------------------------------------------------------------------ FP8 saved inputs
+def test_fp8_saves_fp8_linear_inputs_only_where_the_target_does():
+    """Transformer Engine (Megatron) keeps each linear layer's FP8-cast input for the backward: its FP8
+    activations are below its bf16 ones by (2 - 1) bytes per saved linear-input element; torchao's Float8Linear
+    (torchtitan) saves the 16-bit input, so its FP8 activations are its bf16 ones, in predict and the search."""
+    prof = reference_profile("dgx-h100", 1)
+    lay = ParallelLayout(dp_shard=8, zero_stage=3, micro_batch_size=1)
+    acts = {(t, p): predict(small_model(), TrainingConfig(seq_length=SEQ, global_batch_size=32, precision=p), prof,
+                            lay, target=t).memory.activations_bytes
+            for t in ("megatron", "torchtitan") for p in ("bf16", "fp8")}
+    assert acts["torchtitan", "fp8"] == acts["torchtitan", "bf16"]
+    # QKV, FC1 inputs (T·h each), output-projection input (T·a·dv = T·h), FC2 input (T·f = 4·T·h), per layer
+    saved = L * SEQ * (H + H + H + 4 * H) * node_factor(prof, lay)
+    assert acts["megatron", "bf16"] - acts["megatron", "fp8"] == pytest.approx(saved, rel=1e-9)
+    for target in ("megatron", "torchtitan"):
+        tr = TrainingConfig(seq_length=SEQ, global_batch_size=32, precision="fp8")
+        sm = StageModel(small_model(), tr, prof, lay, target=target)
+        chunks = sm.default_chunks()
+        _, terms = sm.evaluate(chunks, [(Recompute.none, 0)])
+        assert terms[0].memory_bytes == pytest.approx(predict(small_model(), tr, prof, lay, target=target)
+                                                      .memory.total_bytes, rel=1e-9), target
+
+
+def node_factor(prof, lay) -> float:
+    from planner.cost.memory import activation_factor
+
+    return activation_factor(prof.assumptions, train(), lay.zero_stage)
 
 
 # ------------------------------------------------------------------ the expert GEMMs

@@ -121,9 +121,9 @@ def layer_activation_bytes(
     softmax output (2 B), dropout mask (1 B) and dropout output (2 B); with flash attention the
     fp32 log-sum-exp ``4·a·s·b`` bytes; GeLU FFN input and output ``2·s·b·f``; SwiGLU gate, up
     and product ``3·s·b·f``; MoE: router input, the top-k dispatched copies and the experts'
-    intermediates. FP8 training (Transformer Engine, torchao) saves the FP8-cast input of each
-    linear layer for backward: 1 byte instead of ``elt`` for the QKV, output-projection, FC1 and
-    FC2 inputs. With folded experts (``etp < tp``) a rank keeps its ``T·k·etp/tp`` routed rows
+    intermediates. ``fp8``: the FP8-cast input of each linear layer is saved for backward (Transformer
+    Engine; a target's ``TargetFacts.fp8_saved_inputs``): 1 byte instead of ``elt`` for the QKV,
+    output-projection, FC1 and FC2 inputs. With folded experts (``etp < tp``) a rank keeps its ``T·k·etp/tp`` routed rows
     (:func:`planner.cost.layer.expert_rows`), their intermediates at width ``f/etp``.
     """
     b, s, t = shape.batch, shape.seq, shape.tp

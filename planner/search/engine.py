@@ -309,7 +309,7 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
     p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
     core, p2p_s = cache.get(core_key), cache.get(p2p_key)
     if core is None:
-        sc = shared_costs(model, training, profile, _base_layout(st, opts), cache)
+        sc = shared_costs(model, training, profile, _base_layout(st, opts), cache, opts.target)
         p2p_s = cache[p2p_key] = sc.p2p_s
         core = cache[core_key] = _structure_work(sc)
     elif p2p_s is None:  # the send alone: no layout to build (its group is the mesh's pipeline placement)

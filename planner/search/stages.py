@@ -164,24 +164,25 @@ class SharedCosts:
 
 
 def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
-                 cache: dict) -> SharedCosts:
-    """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part),
-    memoised in ``cache`` across the candidates of one search."""
+                 cache: dict, target: str = "autopar") -> SharedCosts:
+    """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part) as
+    ``target`` runs it (its FP8 saved inputs), memoised in ``cache`` across the candidates of one search."""
+    fp8_in = training.precision is Precision.fp8 and targets.target_facts(target).fp8_saved_inputs
     # fast path: the same layout fields give the same groups and micro-batch, so the same result
     fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp, layout.pp,
                 layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
                 layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
                 training.flash_attention, training.moe_load_imbalance,
-                activation_factor(profile.assumptions, training, layout.zero_stage))
+                activation_factor(profile.assumptions, training, layout.zero_stage), fp8_in)
     got = cache.get(fast_key)
     if got is not None:
         return got
-    cache[fast_key] = out = _shared_costs(model, training, profile, layout, cache)
+    cache[fast_key] = out = _shared_costs(model, training, profile, layout, cache, fp8_in)
     return out
 
 
 def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
-                  cache: dict) -> SharedCosts:
+                  cache: dict, fp8_in: bool) -> SharedCosts:
     kinds_key = ("kinds", id(model))
     if kinds_key not in cache:
         cache[kinds_key] = (model, [model.is_moe_layer(i) for i in range(model.num_layers)])
@@ -190,13 +191,13 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
     mb = MicroBatch.of(layout, training)
     factor = activation_factor(profile.assumptions, training, layout.zero_stage)  # activation bytes per formula byte
     key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
-           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor)
+           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor, fp8_in)
     if key not in cache:
         # blocks, embedding and head do not depend on pp: shared by every pipeline depth
         core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
-                    layout.ep_comm_overlap, factor)
+                    layout.ep_comm_overlap, factor, fp8_in)
         if core_key not in cache:
-            kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache)
+            kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache, fp8_in)
                          for kind in sorted(set(kinds))}
             # the embedding and head see the TP group only: shared by every expert-parallel degree
             ends_key = ("ends", mb, groups["tp"])
@@ -222,26 +223,26 @@ def pipeline_send_s(model: ModelSpec, training: TrainingConfig, profile: Cluster
 
 
 def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
-               mb: MicroBatch, groups: dict, index: int, cache: dict) -> KindCost:
+               mb: MicroBatch, groups: dict, index: int, cache: dict, fp8_in: bool) -> KindCost:
     """:class:`KindCost` of block ``index``'s kind. A dense block neither routes tokens nor holds
     experts, so its cost is shared by every expert-parallel degree; the activation bytes depend on
     the micro-batch shape only (``tests/test_search.py`` checks both against an unshared cache)."""
     moe = model.is_moe_layer(index)
     ep_part = (layout.ep, groups["ep"], layout.ep_comm_overlap) if moe else ()
     factor = activation_factor(profile.assumptions, training, layout.zero_stage)
-    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, factor, *ep_part)
+    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, factor, fp8_in, *ep_part)
     if key not in cache:
         params_key = ("layer-params", id(model), index)
         if params_key not in cache:
             cache[params_key] = (model, layer_params(model, index))
         dense, expert = cache[params_key][1]
-        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, factor)
+        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, factor, fp8_in)
         if acts_key not in cache:
             shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp,
                                     mb.etp)
             elt = training.precision.bytes
             cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r, flash=training.flash_attention,
-                                                                  elt=elt, fp8=training.precision is Precision.fp8,
+                                                                  elt=elt, fp8=fp8_in,
                                                                   moe_imbalance=training.moe_load_imbalance)
                                for r in Recompute}
         bc = block_cost(profile, model, index, mb, layout, groups)
@@ -391,7 +392,7 @@ class StageModel:
         self.model, self.training, self.profile, self.layout = model, training, profile, base
         self.p, self.v = base.pp, base.virtual_stages
         cache = block_cache if block_cache is not None else {}
-        shared = shared_costs(model, training, profile, base, cache)
+        shared = shared_costs(model, training, profile, base, cache, target)
         self.kinds, self.mb = shared.kinds, shared.mb
         self.kind_cost, self.emb, self.head, self.p2p_s = shared.kind_cost, shared.emb, shared.head, shared.p2p_s
         elt = training.precision.bytes
