@@ -86,10 +86,11 @@ alignment torchtitan pads its token groups to (TOKEN_GROUP_ALIGN_SIZE_M = 8 for 
 
 
 def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """bf16 where ``torch._grouped_mm`` runs the experts of rows ``x``: a CUDA GPU of compute capability 9.x
-    or 10.x (its CUTLASS kernels) and bf16 operands, directly or under autocast; else None (the loop)."""
-    if not x.is_cuda or not hasattr(torch, "_grouped_mm"):
-        return None
+    """bf16 where ``torch._grouped_mm`` runs the experts of rows ``x``: an NVIDIA GPU of compute capability 9.x
+    or 10.x (its CUTLASS kernels; ``planner.targets.GROUPED_MM_GPUS`` prices the same GPUs) and bf16 operands,
+    directly or under autocast; else None (the loop)."""
+    if not x.is_cuda or not hasattr(torch, "_grouped_mm") or torch.version.hip is not None:
+        return None  # ROCm reports MI200/MI300 as major 9: not the kernels meant here
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
         return None

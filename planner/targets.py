@@ -27,6 +27,7 @@ comments); this module never imports torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -153,11 +154,16 @@ ONE_KERNEL = 1 << 20
 share its waves (more than any ``MoESpec.num_experts``)."""
 
 
+GROUPED_MM_GPUS = re.compile(r"(?<![a-z0-9])(gh200|h100|h200|h800|h20|g?b100|g?b200|g?b300)(?![a-z0-9])", re.IGNORECASE)
+"""NVIDIA GPUs of compute capability 9.0 and 10.x (Hopper and datacenter Blackwell), where ``torch._grouped_mm``
+runs its CUTLASS kernels, by the device's name (a datasheet's or CUDA's: "H100", "NVIDIA H100 80GB HBM3");
+not Ada (8.9) or consumer Blackwell (12.x), whose FP8 peaks would otherwise mislead, nor AMD GPUs."""
+
+
 def _grouped_mm_or_loop(profile: ClusterProfile, precision: Precision) -> int:
-    """``torch._grouped_mm``'s CUTLASS kernels run bf16 on compute capability 9.x and 10.x (Hopper, Blackwell),
-    told here by an fp8 peak in the datasheet (the reference systems' A100s have none); elsewhere the experts
-    run one GEMM after another. torchtitan casts the experts' operands to bf16 whatever the training precision."""
-    return ONE_KERNEL if Precision.fp8 in profile.device.peak_tflops else 1
+    """One grouped kernel on the GPUs of :data:`GROUPED_MM_GPUS`; elsewhere the experts run one GEMM after
+    another. torchtitan casts the experts' operands to bf16 whatever the training precision."""
+    return ONE_KERNEL if GROUPED_MM_GPUS.search(profile.device.name) else 1
 
 
 def _executor_experts(profile: ClusterProfile, precision: Precision) -> int:

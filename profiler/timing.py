@@ -365,14 +365,15 @@ def time_rounds(
 
 def host_sync_s(device: torch.device, reps: int = 50, size: int = 4096) -> float | None:
     """GPU idle time of one device->host synchronisation (``Assumptions.moe_host_sync_s``: a dropless MoE
-    dispatcher copies its tokens-per-expert counts to the host and waits). Back-to-back bf16 GEMMs of
+    dispatcher copies its tokens-per-expert counts to the host and waits). Back-to-back 16-bit GEMMs of
     ``size``³ (longer than a launch, so the queue never runs dry by itself) with and without a
     ``.tolist()`` of a 128-count tensor after each: (with - without) / ``reps``, the median of three
     rounds. None on a CPU, which has no device to idle."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16  # V100, T4: no bf16
+    a = torch.randn(size, size, device=device, dtype=dtype)
     counts = torch.zeros(128, dtype=torch.int64, device=device)
 
     def loop(wait: bool) -> float:

@@ -290,6 +290,41 @@ def test_each_target_runs_its_expert_gemms_as_it_does(system, expected):
     assert priced_profile(prof, "torchtitan", Precision.fp32).assumptions.grouped_gemm_streams == expected["torchtitan"]
 
 
+@pytest.mark.parametrize("name,grouped", [("H100", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA H20", True),
+                                          ("B200", True), ("NVIDIA GB200", True), ("A100 80GB", False),
+                                          ("NVIDIA L40S", False), ("NVIDIA GeForce RTX 5090", False),
+                                          ("AMD Instinct MI300X", False)])
+def test_grouped_kernel_gpus_by_name(name, grouped):
+    """Compute capability 9.0 and 10.x by name: not Ada or consumer Blackwell, whose FP8 peaks would mislead."""
+    from planner.targets import GROUPED_MM_GPUS
+
+    assert bool(GROUPED_MM_GPUS.search(name)) is grouped
+
+
+def test_a_uniform_count_past_a_stage_recomputes_all_of_it(node):
+    """The search's uniform recompute counts reach the largest stage; a smaller stage recomputes all its layers,
+    and the layout says so (recompute=full), not a count larger than the stage."""
+    sm = StageModel(small_model(num_layers=10), train(), node, ParallelLayout(pp=4, dp_shard=2), target="megatron")
+    chunks = sm.default_chunks()
+    assert sorted(len(r) for r in sm.rank_layers(chunks)) == [2, 2, 3, 3]
+    assert sm.layout_for(chunks, [(Recompute.full, 3)] * 4).recompute is Recompute.full
+    two = sm.layout_for(chunks, [(Recompute.full, 2)] * 4)
+    assert [(r.kind, r.num_layers) for r in two.recompute_per_stage] == [
+        (Recompute.full, None if len(r) == 2 else 2) for r in sm.rank_layers(chunks)]
+
+
+def test_a_single_grouped_kernel_launches_once_per_linear():
+    """Kernel launches of an MoE block: one per local expert GEMM on Transformer Engine's streams, one per grouped
+    linear (up, down) where one kernel holds every local expert: 2·(E/ep - 1) fewer."""
+    from planner.cost.layer import MicroBatch, forward_kernel_count
+
+    model, tr = get_preset("qwen3-30b-a3b"), TrainingConfig(global_batch_size=64, seq_length=4096)
+    lay = ParallelLayout(ep=8, dp_shard=8)
+    mb = MicroBatch.of(lay, tr)
+    assert (forward_kernel_count(model, True, mb, lay, 4) - forward_kernel_count(model, True, mb, lay, ONE_KERNEL)
+            == 2 * (128 // 8 - 1))
+
+
 def test_expert_gemms_are_the_only_step_difference_an_moe_target_makes():
     """Qwen3-30B-A3B on one H100 node, pp = 1: autopar's step is Megatron's on the profile with one grouped kernel,
     and its routed expert GEMMs are the grouped kernel's price: every local expert's GEMMs in one round."""

@@ -312,7 +312,8 @@ class Assumptions(Contract):
         "(Megatron-Core TEGroupedMLP, --moe-grouped-gemm) issues one cuBLAS GEMM per local expert, round-robin on "
         "num_compute_streams = 4 streams (transformer_engine/common/util/multi_stream.cpp and gemm/cublaslt_gemm.cu "
         "multi_stream_cublas_gemm, v2.8 to v2.18; a CUTLASS grouped GEMM only with NVTE_USE_CUTLASS_GROUPED_GEMM=1 "
-        "on Hopper); 1 for a loop over the experts on one stream (this project's executor)")
+        "on Hopper); 1 for a loop over the experts on one stream. What each target runs replaces it "
+        "(planner.targets.TargetFacts.expert_gemms, planner.targets.priced_profile): Megatron keeps this value")
     # -- ring latency of large groups (planner.cost.comm.ring_latency_s) ----------------------------------
     ring_step_intra_node_s: float = Field(
         1.9e-6, ge=0, description="latency of one step of a ring all-gather / reduce-scatter between two GPUs of a "

@@ -189,8 +189,10 @@ def routed_expert_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec,
     Megatron-Core's TEGroupedMLP runs it (--moe-grouped-gemm): Transformer Engine's GroupedLinear launches
     one cuBLAS GEMM per local expert, round-robin on ``Assumptions.grouped_gemm_streams`` streams, so that
     many run at once and fill each other's last wave (:func:`planner.cost.compute.grouped_gemm_time_s`:
-    the profile's GEMM at the per-expert shape, its tail shared). Its launches: one per expert GEMM
-    (:func:`forward_kernel_count`)."""
+    the profile's GEMM at the per-expert shape, its tail shared). Other targets run them otherwise (one
+    ``torch._grouped_mm`` kernel, a loop): the profile they price with says so
+    (``planner.targets.priced_profile``). Its launches: one per expert GEMM, or one per grouped linear for a
+    single kernel (:func:`forward_kernel_count`)."""
     h, f, etp = model.hidden_size, moe.expert_ffn_hidden_size, mb.expert_tp
     experts = local_experts(moe, ep)
     rows = max(int(expert_rows(moe, mb) / experts), 1)
@@ -414,7 +416,7 @@ def block_cost(
         _expert_tp_comm(profile, fwd, bwd, expert_rows(moe, mb) * h * elt, groups["etp"],
                         async_eff if layout.ep_comm_overlap else 0.0)
 
-    kernels = forward_kernel_count(model, moe is not None, mb, layout)
+    kernels = forward_kernel_count(model, moe is not None, mb, layout, profile.assumptions.grouped_gemm_streams)
     fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
     bwd.overhead_s = 2 * fwd.overhead_s
     if moe is not None:
@@ -456,7 +458,8 @@ def _expert_tp_comm(profile: ClusterProfile, fwd: PassCost, bwd: PassCost, size:
         p.add_comm("tp", pair, pair - hidden_time_s(pair, p.compute_s, eff), 2 * size)
 
 
-def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout: ParallelLayout) -> int:
+def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout: ParallelLayout,
+                         expert_streams: int = 1) -> int:
     """Kernels one block launches in forward (backward launches about twice as many).
 
     2 norms, 2 residual adds (dropout fused), RoPE, the attention projections (2; MLA 5), the
@@ -465,7 +468,9 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     local expert 2 when a rank holds more than one, the grouped expert GEMMs one launch per local expert
     each (2·E/ep) and their activation 1, shared experts 3 each (2 GEMMs and the activation), with EP the
     tokens' dispatch and combine all-to-all and the probabilities' 3, with ep·etp > 1 the counts'
-    all-gather 1), TP collectives (2 per :func:`tp_pairs` pair, 1 without SP; MoE with SP: 2 for the
+    all-gather 1; one launch per grouped linear instead where ``expert_streams`` covers every local expert:
+    a single grouped kernel, ``planner.targets.ONE_KERNEL``), TP collectives (2 per :func:`tp_pairs` pair, 1
+    without SP; MoE with SP: 2 for the
     experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts are
     fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
     """
@@ -475,7 +480,8 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
         moe = model.moe
         assert moe is not None
         experts = local_experts(moe, layout.ep)
-        ffn_gemms = 1 + 2 * experts + 2 * moe.num_shared_experts
+        launches = 1 if expert_streams >= experts else experts  # per grouped linear
+        ffn_gemms = 1 + 2 * launches + 2 * moe.num_shared_experts
         count += 3 + 2 + (2 if experts > 1 else 0) + 1 + moe.num_shared_experts  # + shared activations
         count += (3 if layout.ep > 1 else 0) + (1 if layout.ep * mb.expert_tp > 1 else 0)
     else:

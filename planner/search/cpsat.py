@@ -344,7 +344,7 @@ def _rank_memory(cx: _Context, rk: _Rank) -> None:
            - int((fl * (Aa[none] - Aa[full])) // MEM_UNIT) * raf
            - int((fl * (Ab[none] - Ab[full])) // MEM_UNIT) * rbf
            + _mq(per_dense * const_dense + (fl * sm.emb_act if rk.first else 0.0)
-                 + (sm.logits if rk.last(cx) else 0.0)))
+                 + (sm.logits + sm.root if rk.last(cx) else 0.0)))
     # a fully recomputed block rebuilds all of its activations for a moment
     ua, ub = mdl.NewBoolVar(f"ua{r}"), mdl.NewBoolVar(f"ub{r}")
     mdl.Add(raf == 0).OnlyEnforceIf(ua.Not())

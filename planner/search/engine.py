@@ -1140,9 +1140,9 @@ class _SearchState:
             self._price_single_stage(leaf_id, st, sm, label)
             return
         chunks = sm.default_chunks()
+        refused = None
         if not self.spec.per_stage_recompute:  # one choice for every stage: its best, not per-rank choices
-            uniform = target_fallback(sm, self.opts.target, st.m)
-            greedy = None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)
+            greedy, refused = self._uniform_default(sm, chunks, st)
         else:
             greedy = sm.greedy(chunks)
         if greedy is not None and target_refusal(self.model, self.training, self.opts.target,
@@ -1162,8 +1162,20 @@ class _SearchState:
             slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
             self.pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
                                  (sched, v, stage_lb, rec_s, comm, slowest)))
-        elif greedy is None and leaf_id not in self.results:
+        elif greedy is None and leaf_id not in self.results and refused is None:
             self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
+
+    def _uniform_default(self, sm: StageModel, chunks: list[int], st: Structure) -> tuple[tuple | None, object]:
+        """(the target's best uniform recompute choice on the default split as (step, terms, per-rank choices),
+        or None; the target's refusal where it refuses that split whatever the recompute, recorded as a rule)."""
+        target = self.opts.target
+        refused = target_refusal(self.model, self.training, target,
+                                 sm.layout_for(chunks, [(Recompute.none, 0)] * sm.p), st.m)
+        if refused is not None:
+            self.rules.remove(f"target {target} cannot run: {refused.feature}", str(refused))
+            return None, refused
+        uniform = target_fallback(sm, target, st.m)
+        return (None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)), None
 
     def _price_single_stage(self, leaf_id: int, st: Structure, sm: StageModel, label: _LeafLabel) -> None:
         """One stage: no split to choose; per kind, the fewest recomputed layers that fit."""

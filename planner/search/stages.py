@@ -13,7 +13,8 @@ split, with the same formulas ``predict`` uses:
 - the step: the schedule's pipeline formula over the stages + ``max`` over stages of (exposed
   once-per-step data-parallel traffic + optimizer step);
 - memory per stage: model states by ZeRO stage, activations × micro-batches in flight, the
-  transient of a full-recompute block, logits and ZeRO-3 gather buffers.
+  transient of a full-recompute block, logits, ZeRO-3 gather buffers and the FSDP2 root unit a target
+  keeps gathered (``TargetFacts.fsdp_root``).
 
 ``tests/test_search.py`` checks :meth:`StageModel.evaluate` against ``predict`` on random splits,
 so the two cannot drift apart.
@@ -165,15 +166,18 @@ class SharedCosts:
 
 def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
                  cache: dict, target: str = "autopar") -> SharedCosts:
-    """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part) as
-    ``target`` runs it (its FP8 saved inputs), memoised in ``cache`` across the candidates of one search."""
+    """Per-shape costs of ``layout`` (its split, recompute and data-parallel choices play no part) with
+    ``target``'s FP8 saved inputs, on ``profile`` as given (the search's is already the target's,
+    ``planner.targets.priced_profile``: its expert GEMMs' concurrency is part of every key), memoised in
+    ``cache`` across the candidates of one search."""
     fp8_in = training.precision is Precision.fp8 and targets.target_facts(target).fp8_saved_inputs
     # fast path: the same layout fields give the same groups and micro-batch, so the same result
     fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp, layout.pp,
                 layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
                 layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
                 training.flash_attention, training.moe_load_imbalance,
-                activation_factor(profile.assumptions, training, layout.zero_stage), fp8_in)
+                activation_factor(profile.assumptions, training, layout.zero_stage), fp8_in,
+                profile.assumptions.grouped_gemm_streams)
     got = cache.get(fast_key)
     if got is not None:
         return got
@@ -191,11 +195,12 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
     mb = MicroBatch.of(layout, training)
     factor = activation_factor(profile.assumptions, training, layout.zero_stage)  # activation bytes per formula byte
     key = ("shared", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], groups["pp"], layout.tp_comm_overlap,
-           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor, fp8_in)
+           layout.ep_comm_overlap, layout.pp_scatter_gather, layout.pp > 1, factor, fp8_in,
+           profile.assumptions.grouped_gemm_streams)
     if key not in cache:
         # blocks, embedding and head do not depend on pp: shared by every pipeline depth
         core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
-                    layout.ep_comm_overlap, factor, fp8_in)
+                    layout.ep_comm_overlap, factor, fp8_in, profile.assumptions.grouped_gemm_streams)
         if core_key not in cache:
             kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache, fp8_in)
                          for kind in sorted(set(kinds))}
@@ -230,7 +235,8 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
     moe = model.is_moe_layer(index)
     ep_part = (layout.ep, groups["ep"], layout.ep_comm_overlap) if moe else ()
     factor = activation_factor(profile.assumptions, training, layout.zero_stage)
-    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, factor, fp8_in, *ep_part)
+    key = ("kind", index, mb, groups["tp"], groups["cp"], layout.tp_comm_overlap, factor, fp8_in,
+           profile.assumptions.grouped_gemm_streams, *ep_part)
     if key not in cache:
         params_key = ("layer-params", id(model), index)
         if params_key not in cache:
@@ -677,7 +683,7 @@ class StageModel:
         kinds = {k for k, c in recompute if c > 0}
         update: dict = {"layers_per_stage": None if chunks == self.default_chunks() else list(chunks)}
         rank_sizes = [len(x) for x in self.rank_layers(chunks)]
-        uniform = [((k, c) if c > 0 else (Recompute.none, 0)) for k, c in recompute]
+        uniform = [((k, min(c, n)) if c > 0 else (Recompute.none, 0)) for (k, c), n in zip(recompute, rank_sizes)]
         if all(c == 0 for _, c in uniform):
             update["recompute"] = Recompute.none
         elif len(kinds) == 1 and all(c == n for (_, c), n in zip(uniform, rank_sizes)):
@@ -734,8 +740,8 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     """Make ``sm`` (a structure's frugal leaf) hold no more than any leaf of its structure: per parameter,
     the least backward-peak state bytes over the ZeRO stages and offload choices the search tries
     (pipelined ZeRO-2/3 hold gathered weights and unsharded gradients, so the highest stage is not always
-    the least), and the largest allocator budget. Its bounds then bound every leaf (a fit test on it
-    means nothing)."""
+    the least), no FSDP2 root unit held gathered (only resharded ZeRO-3 leaves hold one), and the largest
+    allocator budget. Its bounds then bound every leaf (a fit test on it means nothing)."""
     lay, a = sm.layout, sm.profile.assumptions
     best_d = best_e = step_d = step_e = math.inf
     budget = sm.alloc_capacity
@@ -748,6 +754,7 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
                                                     lay.model_copy(update={"zero_stage": zero})))
     sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
     sm._step_state = (step_d, step_e)
+    sm.root = 0.0
     return sm
 
 
