@@ -116,3 +116,19 @@ def test_runs_of_other_releases_are_not_the_same_job():
     assert release("mbridge_26.02_dgx-h100_qwen3_30b_a3b_16gpu_fp8") == "26.02"
     assert release("mlperf_v4.0_gpt3_smc_512gpu") == "v4.0_smc" != release("mlperf_v4.0_gpt3_nvidia_512gpu")
     assert release("korth_22B_full_recompute") == release("korth_22B_present_work") == ""
+
+
+def test_executor_moe_predictions_say_their_dispatch_waits_on_the_host():
+    """The autopar target's MoE plans carry the measured blind spot; Megatron's and dense plans do not."""
+    from planner.contracts import ParallelLayout, TrainingConfig
+    from planner.cost.predict import predict
+    from planner.presets import get_preset
+    from planner.reference import reference_profile
+    from planner.uncertainty import EXECUTOR_MOE_HOST_NOTE
+
+    prof, tr = reference_profile("dgx-h100", 1), TrainingConfig(global_batch_size=64, seq_length=4096)
+    lay = ParallelLayout(ep=8, dp_shard=8, zero_stage=1)
+    assert EXECUTOR_MOE_HOST_NOTE in predict(get_preset("qwen3-30b-a3b"), tr, prof, lay, target="autopar").notes
+    assert EXECUTOR_MOE_HOST_NOTE not in predict(get_preset("qwen3-30b-a3b"), tr, prof, lay, target="megatron").notes
+    dense = predict(get_preset("llama3-8b"), tr, prof, ParallelLayout(dp_shard=8, zero_stage=1), target="autopar")
+    assert EXECUTOR_MOE_HOST_NOTE not in dense.notes
