@@ -225,10 +225,18 @@ class TargetRefusal(AutoparError):
 
 
 def _target(target: Target | str) -> Target:
+    if isinstance(target, Target):
+        return target
+    known = _BY_NAME.get(target)  # the search asks per leaf: the exact names without parsing
+    if known is not None:
+        return known
     try:
-        return Target(str(target.value if isinstance(target, Target) else target).strip().lower())
+        return Target(str(target).strip().lower())
     except ValueError:
         raise UnknownNameError("target", target, [t.value for t in Target]) from None
+
+
+_BY_NAME = {t.value: t for t in Target}
 
 
 def refusal(target: Target | str, job: Job, scopes: Iterable[str] = SCOPES) -> TargetRefusal | None:
