@@ -449,6 +449,7 @@ class StageModel:
             base.pp, self.m, temp, self.master_in_param)
         self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
         self._timing: dict = {}  # stage_terms_counts' timing per (first, last, counts, kind)
+        self._held: dict = {}  # stage_memory_counts' holdings, likewise (they depend on the rank no further)
         # the target's FSDP2 units beside the blocks, held gathered through the backward (TargetFacts.fsdp_root)
         self.root = targets.target_facts(target).fsdp_root(model, base.tp) * root_gathered_bytes_per_param(
             zero, base.reshard_after_forward, base.pp, self.state)
@@ -564,7 +565,11 @@ class StageModel:
         """``stage_terms_counts(...).memory_bytes`` without the timing terms (for fit tests)."""
         if kind is Recompute.none:
             r_dense = r_moe = 0
-        return self._memory(rank, *self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe), n_dense + n_moe)
+        key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe)
+        return self._memory(rank, *held, n_dense + n_moe)
 
     def _holdings(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                   r_moe: int) -> tuple[float, float, float, float, float]:
