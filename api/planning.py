@@ -70,7 +70,8 @@ def search_options(req: PlanRequest, max_budget_s: float) -> SearchOptions:
                          zero_stages=tuple(sorted(set(o.zero_stages))), hsdp=o.hsdp, offload=o.offload, max_tp=o.max_tp,
                          max_pp=o.max_pp, max_cp=o.max_cp, max_ep=o.max_ep, sequence_parallel=o.sequence_parallel,
                          tp_comm_overlap=o.tp_comm_overlap, dp_comm_overlap=o.dp_comm_overlap,
-                         ep_comm_overlap=o.ep_comm_overlap, target=o.target.value, robust=o.robust,
+                         ep_comm_overlap=o.ep_comm_overlap, compile=o.compile, target=o.target.value,
+                         robust=o.robust,
                          time_budget_s=budget)
 
 

@@ -106,6 +106,8 @@ class PlanOptions(Strict):
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    compile: bool = Field(False, description="torch.compile of model and loss (torchtitan only; its loss then keeps "
+                          "4 B per logit)")
     target: Target = Field(Target.autopar, description="what will run the plan: autopar (the executor), megatron, "
                            "deepspeed or torchtitan; the search returns only what it runs (planner/targets.py)")
     robust: bool = Field(False, description="rank plans by the slow end of their 80% step-time interval")

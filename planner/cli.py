@@ -330,6 +330,8 @@ def predict(
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
     tp_overlap: Annotated[bool, typer.Option(help="overlap TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="overlap gradient reduction / weight gathers")] = True,
+    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile of model and loss (torchtitan; "
+                                                "the loss then keeps 4 B per logit)")] = False,
     target: Annotated[str, typer.Option(help="what will run it: autopar (our executor), megatron, deepspeed or "
                                         "torchtitan; prices its loss memory, model states and pipeline sends "
                                         "(planner/targets.py)")] = "autopar",
@@ -346,7 +348,8 @@ def predict(
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
     # the pipeline sends what the target's stages send (TargetFacts.pp_sends)
-    layout = layout.model_copy(update={"pp_scatter_gather": planned_scatter_gather(target, spec, layout.sp)})
+    layout = layout.model_copy(update={"pp_scatter_gather": planned_scatter_gather(target, spec, layout.sp),
+                                       "compile": compile_model})
     prediction: Prediction = run_prediction(spec, training, prof, layout, target=target)
     plan = Plan(model=spec, training=training, cluster=prof.name, num_gpus=prof.num_gpus, layout=layout,
                 precision=training.precision, target=target, prediction=prediction)
@@ -386,6 +389,7 @@ def plan(
     tp_overlap: Annotated[bool, typer.Option(help="the framework overlaps TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="the framework overlaps gradient reduction / weight gathers")] = True,
     ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
+    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile of model and loss (torchtitan)")] = False,
     time_budget: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_BUDGET_S,
                                                help="seconds after which the search stops and returns its best")] = 20.0,
     target: Annotated[str, typer.Option(help="what will run the plan: autopar (our executor), megatron, deepspeed or "
@@ -421,7 +425,7 @@ def plan(
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
                          tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
-                         time_budget_s=time_budget)
+                         compile=compile_model, time_budget_s=time_budget)
     if as_json:
         result = search(spec, training, prof, opts)
     else:

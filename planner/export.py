@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from planner.contracts import Plan, Precision, Schedule
+from planner.contracts import ParallelLayout, Plan, Precision, Schedule
 from planner.cost.predict import check_plan
 from planner.errors import UnknownNameError
 from planner.targets import (
@@ -872,15 +872,17 @@ def _titan_overrides(plan: Plan) -> list[tuple[object, ...]]:
         )
     if pp > 1 or lay.ep > 1:  # trainer.py _validate_cuda_graphs refuses both under CUDA graphs
         out.append(("--training.disable_cuda_graphs",))
-    if lay.tp_comm_overlap and lay.tp > 1:  # async TP only runs under torch.compile of the model
-        out += [
-            ("--compile.enable",),
-            ("--compile.enable_async_tensor_parallel",),
-            ("--compile.components", "model,loss"),
-        ]
-    else:  # registry entries may turn it on (llama3_405b)
-        out.append(("--compile.no-enable_async_tensor_parallel",))
-    return [*out, ("--dump_folder", "./outputs")]
+    return [*out, *_titan_compile(lay), ("--dump_folder", "./outputs")]
+
+
+def _titan_compile(lay: ParallelLayout) -> list[tuple[str, ...]]:
+    """torch.compile of model and loss as the plan was priced (``ParallelLayout.compile``; async TP only runs
+    compiled), and off otherwise: registry entries may turn it on (llama3_405b), which the plan did not price."""
+    async_tp = lay.tp_comm_overlap and lay.tp > 1
+    if not (lay.compile or async_tp):
+        return [("--compile.no-enable",), ("--compile.no-enable_async_tensor_parallel",)]
+    return [("--compile.enable",), ("--compile.components", "model,loss"),
+            ("--compile.enable_async_tensor_parallel",) if async_tp else ("--compile.no-enable_async_tensor_parallel",)]
 
 
 def _titan_checkpointing(plan: Plan) -> str:

@@ -382,6 +382,19 @@ def _trained(test: Callable[[TrainingConfig], bool]) -> Callable[[Job], bool]:
     return lambda j: j.training is not None and test(j.training)
 
 
+def _no_compile(framework: str, why: str) -> Limit:
+    """The row of a target that runs no ``torch.compile`` of the model (``ParallelLayout.compile``)."""
+    return Limit(
+        feature="torch.compile of the model and loss",
+        scope="layout",
+        refuses=lambda j: j.layout.compile,
+        field="layout.compile",
+        value=lambda j: True,
+        problem=f"cannot be expressed: {framework} {why}",
+        fix="plan with compile=False, or use --to torchtitan",
+    )
+
+
 def _kv_heads(framework: str) -> Limit:
     return Limit(
         feature="key/value heads replicated over the TP ranks",
@@ -526,7 +539,7 @@ _DEEPSPEED_FACTS = TargetFacts(
 
 
 def _titan_loss(lay: ParallelLayout) -> float:
-    if lay.tp_comm_overlap and lay.tp > 1:  # the export compiles model and loss only with async TP
+    if lay.compile or (lay.tp_comm_overlap and lay.tp > 1):  # the export compiles model and loss (async TP too)
         return 4.0
     return (16.0 if lay.tp > 1 else 12.0) + (2.0 if lay.pp > 1 else 0.0)
 
@@ -538,7 +551,8 @@ _TORCHTITAN_FACTS = TargetFacts(
     "deleted before backward (trainer.py 'del pred'): 12; tp > 1: _LossParallelCrossEntropy (shifted logits "
     "and their exp in the forward, log-probabilities saved, zeros, exp and product in the backward): 16; "
     "with pipeline parallelism torch.distributed.pipelining keeps the stage output (the 16-bit logits) to "
-    "its backward: +2; compiled (the export's --compile.components model,loss, written with async TP): 4 "
+    "its backward: +2; compiled (the export's --compile.components model,loss, written for compile=True and with "
+    "async TP): 4 "
     "(logits saved, 16-bit gradient). Measured by benchmarks/loss_memory.py",
     pp_sends=_sends_as_sp,
     pp_source=_TORCH_PIPELINE_SENDS + " (torchtitan 0.3.0 distributed/pipeline_parallel.py builds its "
@@ -593,6 +607,7 @@ def _pp_sends(framework: str, facts: TargetFacts, field: str = "pp_scatter_gathe
 # megatron/core/transformer/transformer_config.py, megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 # ============================================================================================
 _MEGATRON = (
+    _no_compile("Megatron-LM", "has no torch.compile of the model (its fusions are Transformer Engine's kernels)"),
     _kv_heads("Megatron-LM"),
     _master_weights("Megatron-LM"),
     Limit(
@@ -731,6 +746,7 @@ def _dp_overlap(j: Job) -> bool:
 
 
 _DEEPSPEED = (
+    _no_compile("Megatron-DeepSpeed", "is not compiled by autopar's export (it writes no compile section)"),
     _kv_heads("Megatron-DeepSpeed"),
     _master_weights("DeepSpeed"),
     Limit(
@@ -1249,6 +1265,7 @@ _HF_SELECTIVE = {
 }
 
 _AUTOPAR = (
+    _no_compile("the executor", "runs its model eagerly"),
     Limit(
         feature="expert parallelism on a dense model",
         scope="layout",

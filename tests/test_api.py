@@ -188,6 +188,14 @@ def test_memory_headroom_keeps_memory_free(client: TestClient) -> None:
     assert p["total_bytes"] > 0.5 * cap  # the headroom changed the answer
 
 
+def test_compile_is_planned_for_torchtitan_and_explained_elsewhere(client: TestClient) -> None:
+    ok = client.post("/v1/plans", json={**SMALL_PLAN, "options": {"top_k": 1, "target": "torchtitan",
+                                                                    "compile": True}}).json()
+    assert ok["plan"]["layout"]["compile"] is True, ok
+    refused = client.post("/v1/plans", json={**SMALL_PLAN, "options": {"top_k": 1, "compile": True}}).json()
+    assert refused["explanation"]["field"] == "layout.compile", refused
+
+
 def test_infeasible_request_is_stored_with_an_explanation(client: TestClient) -> None:
     r = client.post("/v1/plans", json=INFEASIBLE_PLAN)
     assert r.status_code == 201

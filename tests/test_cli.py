@@ -71,6 +71,17 @@ def test_predict_json_is_a_plan():
     assert plan.prediction.step_time_s > 0 and 0 < plan.prediction.mfu < 1
 
 
+def test_predict_compile_prices_torchtitans_compiled_loss():
+    def loss(*extra: str) -> int:
+        out = invoke("predict", "--model", "llama3-8b", "--global-batch", "64", "--seq", "4096", "--zero", "3",
+                     "--target", "torchtitan", "--json", *extra).stdout
+        plan = Plan.model_validate_json(out)
+        assert plan.layout.compile is bool(extra)
+        return plan.prediction.memory.terms["loss"]
+
+    assert loss() - loss("--compile") == 8 * 4096 * 128256  # 12 -> 4 bytes per logit
+
+
 def test_predict_with_a_model_file_and_nodes(tmp_path):
     spec = PRESETS["llama3-8b"].model_dump_json()
     path = tmp_path / "model.json"

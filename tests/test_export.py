@@ -673,6 +673,12 @@ class TestTorchtitan:
     def test_async_tp_off_is_written_since_registry_entries_may_turn_it_on(self):
         f = titan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, tp_comm_overlap=False))
         assert f["--compile.no-enable_async_tensor_parallel"] == [] and "--compile.enable" not in f
+        assert f["--compile.no-enable"] == []  # priced eager (the loss at 12 B per logit): written off
+
+    def test_a_compiled_plan_compiles_model_and_loss(self):
+        f = titan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, compile=True))
+        assert f["--compile.enable"] == [] and one(f, "--compile.components") == "model,loss"
+        assert f["--compile.no-enable_async_tensor_parallel"] == []
 
     def test_names_the_release(self):
         text = export_plan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3), "torchtitan")[

@@ -49,6 +49,7 @@ TITAN_PLANS = {
         {"tp": 8, "sp": True, "dp_shard": 2, "zero_stage": 0, "tp_comm_overlap": True},
     ),
     "cp": ("llama3-8b", 16, {"tp": 4, "sp": True, "cp": 2, "dp_shard": 2, "zero_stage": 3}),
+    "fsdp compiled": ("llama3-8b", 16, {"dp_shard": 16, "zero_stage": 3, "compile": True}),
     # experts folded over the dp_shard x tp = 32 ranks: ep=32, etp=1 (torchtitan's efsdp = 32/32 = 1)
     "moe ep": ("deepseek-v3", 256, {"tp": 8, "sp": True, "pp": 8, "dp_shard": 4, "ep": 32, "etp": 1, "zero_stage": 3}),
 }
@@ -87,6 +88,8 @@ def test_torchtitan_config_manager_parses_the_export(name):
         "FullAC.Config" if lay.recompute.value == "full" else "NoneType"
     )
     assert cfg.compile.enable_async_tensor_parallel == (lay.tp_comm_overlap and lay.tp > 1)
+    compiled = lay.compile or (lay.tp_comm_overlap and lay.tp > 1)
+    assert cfg.compile.enable == compiled and (not compiled or set(cfg.compile.components) == {"model", "loss"})
     dims = ParallelDims.from_config(par, world_size=plan.num_gpus)
     assert dims.world_size == plan.num_gpus
     if lay.ep > 1:  # torchtitan's expert data-parallel degree (its sparse mesh) is the plan's expert_dp

@@ -71,6 +71,17 @@ def test_loss_term_by_hand(node, target):
     assert mem.terms["loss"] == int(per_logit * SEQ * V)
 
 
+def test_a_compiled_torchtitan_loss_keeps_four_bytes_a_logit(node):
+    """torchtitan compiles model and loss for compile=True (as with async TP): 4 B per logit, the eager loss 12."""
+    lay = ParallelLayout(dp_shard=8, zero_stage=3)
+    assert loss_bytes_per_logit("torchtitan", lay, 14.0) == 12.0
+    assert loss_bytes_per_logit("torchtitan", lay.model_copy(update={"compile": True}), 14.0) == 4.0
+    eager = predict(small_model(), train(), node, lay, target="torchtitan").memory.terms["loss"]
+    compiled = predict(small_model(), train(), node, lay.model_copy(update={"compile": True}),
+                       target="torchtitan").memory.terms["loss"]
+    assert eager - compiled == pytest.approx((12 - 4) * SEQ * V, abs=2)
+
+
 def test_loss_per_logit_by_layout(node):
     """torchtitan: eager torch cross-entropy (12), its loss-parallel Function under TP (16), +2 where the
     pipeline keeps the 16-bit logits, 4 compiled (written with async TP); the others by layout unchanged."""
@@ -423,3 +434,19 @@ def test_published_rows_price_the_sends_their_framework_does():
         row = next(limit for limit in TARGETS[Target(c.target)].limits if limit.feature == SENDS_ROW)
         assert not row.refuses(job), c.run_id
     assert any(c.target == "deepspeed" and c.layout.pp_scatter_gather for c in piped)  # pipe_partitioned
+
+
+def test_a_compiled_search_is_torchtitans_and_refused_elsewhere():
+    """SearchOptions.compile: torchtitan's plans carry it (their loss priced compiled); a target that compiles
+    nothing refuses the request at once, naming the field."""
+    from planner.errors import AutoparError
+    from planner.search.engine import search
+
+    prof, tr = reference_profile("dgx-h100", 1), TrainingConfig(global_batch_size=64, seq_length=4096)
+    plan = search(get_preset("llama3-8b"), tr, prof, SearchOptions(target="torchtitan", compile=True, top_k=2))
+    assert plan.layout.compile and all(a.layout.compile for a in plan.alternatives)
+    assert loss_bytes_per_logit("torchtitan", plan.layout, 14.0) == 4.0  # what predict and the search price
+    for target in ("autopar", "megatron", "deepspeed"):
+        with pytest.raises(AutoparError) as info:
+            search(get_preset("llama3-8b"), tr, prof, SearchOptions(target=target, compile=True))
+        assert info.value.field == "layout.compile", target

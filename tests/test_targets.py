@@ -73,6 +73,7 @@ RECOMPUTE_ALL = job(pp=2, recompute_per_stage=[full(), full()])
 CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     Target.megatron: {
         **COMMON,
+        "torch.compile of the model and loss": (job(compile=True), job()),
         "ALiBi position embeddings": (job(ALIBI), job()),
         "GPipe schedule": (job(pp=2, schedule="gpipe"), job(pp=2)),
         "zero-bubble schedule": (job(pp=2, schedule="zero_bubble"), job(pp=2)),
@@ -105,6 +106,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     },
     Target.deepspeed: {
         **COMMON,
+        "torch.compile of the model and loss": (job(compile=True), job()),
         "ring context parallelism": (job(cp=2), job()),
         "interleaved (virtual-stage) schedule": (
             job(pp=2, schedule="interleaved_1f1b", virtual_stages=2),
@@ -222,6 +224,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         ),
     },
     Target.autopar: {
+        "torch.compile of the model and loss": (job(compile=True), job()),
         "expert parallelism on a dense model": (
             job(dp_shard=2, ep=2),
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=2),

@@ -69,6 +69,10 @@ class ParallelLayout(Contract):
     ep_comm_overlap: bool = Field(
         False, description="expert all-to-all overlapped with another micro-batch's compute (DualPipe, 2-batch overlap)"
     )
+    compile: bool = Field(
+        False, description="torch.compile of the model and its loss (torchtitan's --compile.enable with "
+        "--compile.components model,loss): the loss keeps 4 B per logit (planner.targets TargetFacts.loss); "
+        "only torchtitan runs it, and async TP there compiles anyway")
     pp_scatter_gather: bool = Field(
         False,
         description="each TP rank sends 1/tp of a stage's activation to the next pipeline stage (its sequence "

@@ -110,6 +110,7 @@ class SearchOptions:
     tp_comm_overlap: bool = False
     dp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    compile: bool = False  # torch.compile of model and loss (ParallelLayout.compile): torchtitan only
     pp_scatter_gather: bool | None = None  # None: what the target's pipeline sends (TargetFacts.pp_sends, by sp)
     solver_time_limit_s: float = 1.0
     time_budget_s: float = 30.0  # seconds for the whole search, every phase (0 < budget <= MAX_TIME_BUDGET_S)
@@ -292,7 +293,7 @@ def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:
     fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, etp=st.etp, dp_shard=st.dp, dp_replicate=1,
                   micro_batch_size=st.mb, tp_comm_overlap=opts.tp_comm_overlap and st.tp > 1,
                   dp_comm_overlap=opts.dp_comm_overlap, ep_comm_overlap=opts.ep_comm_overlap and st.ep > 1,
-                  pp_scatter_gather=st.pp_scatter_gather)
+                  pp_scatter_gather=st.pp_scatter_gather, compile=opts.compile)
     fields.update(extra)
     return ParallelLayout(**fields)
 
@@ -894,6 +895,11 @@ class _SearchState:
             self.rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
         self.opts = opts
         targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
+        if opts.compile:  # a target that compiles nothing refuses every leaf: say so once
+            refused = targets.refusal(opts.target, targets.Job(model, training, ParallelLayout(compile=True)),
+                                      ("layout",))
+            if refused is not None and refused.limit.field == "layout.compile":
+                raise refused
         self.spec = targets.TARGETS[targets.Target(opts.target)]
         self.master_in_param = self.spec.facts.master_in_param  # the target's model states (TargetFacts)
         self.cache: dict = {}
