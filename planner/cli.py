@@ -253,6 +253,7 @@ def render_prediction(plan: Plan) -> None:
                   f"{f' etp={lay.etp}' if lay.etp is not None else ''} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
                   f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f"{', torch.compile' if lay.compile else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
     t.add_row("step time", f"{p.step_time_s:.3f} s" + (
