@@ -161,7 +161,9 @@ def test_the_budget_covers_listing_and_bounding_the_layouts() -> None:
     tr = TrainingConfig(seq_length=MAX_SEQ, global_batch_size=MAX_GLOBAL_BATCH)
     wall, out = _timed(GIANT, tr, prof, time_budget_s=0.2, max_micro_batch_size=1024)
     assert isinstance(out, AutoparError) and out.field == "time_budget_s" and "ran out" in out.problem, out
-    assert wall < 0.2 + 0.5, wall
+    # 0.20 s alone; 0.79 s seen once under make test's two loaded workers: 1 s of slack still fails the
+    # 1.7 s of listing the old code spent before it first looked at the budget (a guard, not a timing target)
+    assert wall < 0.2 + 1.0, wall
 
 
 def test_the_budget_covers_structures_whose_leaves_all_fail_to_fit() -> None:
