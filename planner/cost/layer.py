@@ -142,7 +142,7 @@ class MicroBatch:
         return self.precision.bytes
 
 
-def routed_token_count(moe, tokens: float, imbalance: float) -> float:  # noqa: ANN001 - MoESpec
+def routed_token_count(moe, tokens: float, imbalance: float) -> float:
     """Token copies the busiest expert rank processes: ``T · top_k`` times the capacity factor when
     experts are padded to a fixed capacity (drops beyond it), else times the load imbalance."""
     if moe.capacity_factor is not None:
@@ -307,41 +307,61 @@ def block_cost(
     layout: ParallelLayout,
     groups: dict[str, GroupPlacement],
 ) -> BlockCost:
-    """Forward and backward cost of block ``index`` for one micro-batch on one GPU."""
-    t, h, elt, tokens = mb.tp, model.hidden_size, mb.elt, mb.tokens
+    """Forward and backward cost of block ``index`` for one micro-batch on one GPU: its GEMMs, attention
+    core and bandwidth-bound kernels, the exposed part of its TP, CP and EP collectives, and its launches."""
     fwd, bwd = PassCost(), PassCost()
     async_eff = profile.assumptions.async_overlap_efficiency
-
-    # GEMMs (backward: input-gradient and weight-gradient GEMMs with their own shapes)
-    gemm = _attention_gemms(profile, model, tokens, t, mb.precision)
     moe = model.moe if model.is_moe_layer(index) else None
-    if moe is None:
-        gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision))
-    else:
-        gemm = _sum(gemm, linear_gemms_s(profile, tokens, moe.num_experts, h, Precision.bf16))  # router
-        if moe.num_shared_experts:
-            gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision,
-                                         moe.num_shared_experts))
-        gemm = _sum(gemm, routed_expert_gemms(profile, model, moe, mb, layout.ep))
-    fwd.gemm_s, bwd.gemm_s = gemm[0], gemm[1] + gemm[2]
-    dgrad_s, wgrad_s = gemm[1], gemm[2]
-
+    fwd_g, dgrad_s, wgrad_s = _block_gemms(profile, model, moe, mb, layout)
+    fwd.gemm_s, bwd.gemm_s = fwd_g, dgrad_s + wgrad_s
+    heads = max(model.num_attention_heads // mb.tp, 1)
+    kv_heads = heads if model.mla is not None else max(model.kv_heads // mb.tp, 1)
     # attention core: local heads, this rank's queries against the whole sequence
-    heads = max(model.num_attention_heads // t, 1)
-    kv_heads = heads if model.mla is not None else max(model.kv_heads // t, 1)
     core_f, core_b = attention_time_s(
         profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads, kv_heads=kv_heads,
         qk_dim=model.head_size, v_dim=model.value_head_size, precision=mb.precision, causal=True, flash=mb.flash,
     )
     fwd.attention_s, bwd.attention_s = core_f, core_b
+    fwd.memory_s = _elementwise_s(profile, model, moe, mb, layout, heads + kv_heads)
+    bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
+    if mb.tp > 1:
+        _tp_comm(profile, model, moe, mb, layout, groups["tp"], fwd, bwd, (dgrad_s, wgrad_s))
+    if mb.cp > 1:
+        _cp_comm(profile, model, mb, groups["cp"], fwd, bwd, kv_heads)
+    if moe is not None:
+        _ep_comm(profile, model, moe, mb, layout, groups, fwd, bwd)
+    kernels = forward_kernel_count(model, moe is not None, mb, layout, profile.assumptions.grouped_gemm_streams)
+    fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
+    bwd.overhead_s = 2 * fwd.overhead_s
+    if moe is not None:
+        _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
+    return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
 
-    # bandwidth-bound ops: 2 norms (2E each), 2 residual adds with dropout (3E + mask each) in the
-    # replicated region (split by t only with SP); activation function and RoPE in the TP region.
-    # Each kernel at its own measured rate for its own size where the profile has an elementwise
-    # table (norms as rmsnorm, the SwiGLU product as silu_mul, the rest as adds), else at the memory
-    # bandwidth
+
+def _block_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch,
+                 layout: ParallelLayout) -> Gemms:
+    """(forward, input-gradient, weight-gradient) GEMM seconds of a block: attention projections, and the
+    MLP or the router, shared experts and routed experts (backward GEMMs with their own shapes)."""
+    t, tokens = mb.tp, mb.tokens
+    gemm = _attention_gemms(profile, model, tokens, t, mb.precision)
+    if moe is None:
+        return _sum(gemm, _mlp_gemms(profile, model, tokens, model.ffn_hidden_size, t, mb.precision))
+    gemm = _sum(gemm, linear_gemms_s(profile, tokens, moe.num_experts, model.hidden_size, Precision.bf16))  # router
+    if moe.num_shared_experts:
+        gemm = _sum(gemm, _mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision, moe.num_shared_experts))
+    return _sum(gemm, routed_expert_gemms(profile, model, moe, mb, layout.ep))
+
+
+def _elementwise_s(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch,
+                   layout: ParallelLayout, rope_heads: int) -> float:
+    """Forward seconds of the bandwidth-bound kernels: 2 norms (2E each), 2 residual adds with dropout (3E +
+    mask each) in the replicated region (split by t only with SP); activation function and RoPE (the local
+    query and key heads, ``rope_heads``, read + write) in the TP region; an MoE layer's dispatcher kernels.
+    Each at its own measured rate for its own size where the profile has an elementwise table (norms as
+    rmsnorm, the SwiGLU product as silu_mul, the rest as adds), else at the memory bandwidth."""
+    t, elt, tokens, p = mb.tp, mb.elt, mb.tokens, mb.precision
     rep = t if mb.sp else 1
-    E = tokens * h
+    E = tokens * model.hidden_size
     dropout = E if model.dropout > 0 else 0
     norm = 2 * elt * E / rep
     add = (3 * elt * E + dropout) / rep
@@ -351,77 +371,78 @@ def block_cost(
         ffn = model.ffn_hidden_size
     swiglu = model.ffn_kind == "swiglu"
     act = (3 if swiglu else 2) * elt * tokens * ffn / t
-    # RoPE rotates the local query and key heads (read + write)
-    rope = 2 * elt * tokens * (heads + kv_heads) * model.head_size if model.position_embedding == "rope" else 0
-    p = mb.precision
-    fwd.memory_s = (2 * elementwise_time_s(profile, "rmsnorm", norm, p)
-                    + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
-                    + 2 * elementwise_time_s(profile, "add", add, p)
-                    + elementwise_time_s(profile, "add", rope, p))
+    rope = 2 * elt * tokens * rope_heads * model.head_size if model.position_embedding == "rope" else 0
+    total = (2 * elementwise_time_s(profile, "rmsnorm", norm, p)
+             + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
+             + 2 * elementwise_time_s(profile, "add", add, p)
+             + elementwise_time_s(profile, "add", rope, p))
     if moe is not None:  # the token dispatcher's kernels, each at its own size
         d = dispatch_traffic(model, moe, mb, layout.ep)
-        fwd.memory_s += (elementwise_time_s(profile, "add", d.router, p) + elementwise_time_s(profile, "add", d.permute, p)
-                         + 2 * elementwise_time_s(profile, "add", d.sort_chunks, p)
-                         + elementwise_time_s(profile, "add", d.unpermute, p))
-    bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
+        total += (elementwise_time_s(profile, "add", d.router, p) + elementwise_time_s(profile, "add", d.permute, p)
+                  + 2 * elementwise_time_s(profile, "add", d.sort_chunks, p)
+                  + elementwise_time_s(profile, "add", d.unpermute, p))
+    return total
 
-    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass.
-    # Backward: each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP)
-    # runs beside its weight-gradient GEMM (Megatron's async TP all-reduce), and with SP the sharded
-    # input is all-gathered again beside the input-gradient GEMM (Korthikanti et al. §4.2.2).
-    # Forward collectives are hidden only by decomposed GEMMs (async TP / TP-comm-overlap).
-    if t > 1:
-        size = tokens * h * elt
-        pairs = tp_pairs(model, moe is not None, mb)
-        decomposed = profile.assumptions.tp_overlap_efficiency if layout.tp_comm_overlap else 0.0
-        if mb.sp:
-            gather = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
-            scatter = collective_time_s(profile, Collective.reduce_scatter, groups["tp"], size)
-            tp_fwd = pairs * (gather + scatter)
-            # backward: a reduce-scatter beside wgrad, an output-gradient all-gather on the critical
-            # path and a re-gather of the sharded input beside dgrad, per pair
-            beside_wgrad, critical, beside_dgrad = pairs * scatter, pairs * gather, pairs * gather
-        else:
-            tp_fwd = pairs * collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
-            beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
-        fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed),
-                     (2 if mb.sp else 1) * pairs * size)
-        hidden = hidden_time_s(beside_wgrad, wgrad_s, async_eff) + hidden_time_s(beside_dgrad, dgrad_s, async_eff)
-        total = beside_wgrad + critical + beside_dgrad
-        bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)),
-                     (3 if mb.sp else 1) * pairs * size)
 
-    # context parallel: all-gather K and V forward, reduce-scatter their gradients backward
-    if mb.cp > 1:
-        kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
-            model.head_size + model.value_head_size)
-        size = mb.batch * mb.seq * kv_dim * elt  # full-sequence K and V of the local heads
-        gather = collective_time_s(profile, Collective.all_gather, groups["cp"], size)
-        scatter = collective_time_s(profile, Collective.reduce_scatter, groups["cp"], size)
-        fwd.add_comm("cp", gather, gather, size)  # not overlapped: attention needs all of K and V
-        bwd.add_comm("cp", scatter, scatter, size)
+def _tp_comm(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch, layout: ParallelLayout,
+             group: GroupPlacement, fwd: PassCost, bwd: PassCost, backward_gemms: tuple[float, float]) -> None:
+    """Tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with SP) per pass. Backward: each
+    column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside its
+    weight-gradient GEMM (Megatron's async TP all-reduce), and with SP the sharded input is all-gathered
+    again beside the input-gradient GEMM (Korthikanti et al. §4.2.2). Forward collectives are hidden only
+    by decomposed GEMMs (async TP / TP-comm-overlap)."""
+    dgrad_s, wgrad_s = backward_gemms
+    async_eff = profile.assumptions.async_overlap_efficiency
+    size = mb.tokens * model.hidden_size * mb.elt
+    pairs = tp_pairs(model, moe is not None, mb)
+    decomposed = profile.assumptions.tp_overlap_efficiency if layout.tp_comm_overlap else 0.0
+    if mb.sp:
+        gather = collective_time_s(profile, Collective.all_gather, group, size)
+        scatter = collective_time_s(profile, Collective.reduce_scatter, group, size)
+        tp_fwd = pairs * (gather + scatter)
+        # backward: a reduce-scatter beside wgrad, an output-gradient all-gather on the critical
+        # path and a re-gather of the sharded input beside dgrad, per pair
+        beside_wgrad, critical, beside_dgrad = pairs * scatter, pairs * gather, pairs * gather
+    else:
+        tp_fwd = pairs * collective_time_s(profile, Collective.all_reduce, group, size)
+        beside_wgrad, critical, beside_dgrad = tp_fwd, 0.0, 0.0
+    fwd.add_comm("tp", tp_fwd, tp_fwd - hidden_time_s(tp_fwd, fwd.gemm_s, decomposed),
+                 (2 if mb.sp else 1) * pairs * size)
+    hidden = hidden_time_s(beside_wgrad, wgrad_s, async_eff) + hidden_time_s(beside_dgrad, dgrad_s, async_eff)
+    total = beside_wgrad + critical + beside_dgrad
+    bwd.add_comm("tp", total, total - max(hidden, hidden_time_s(total, bwd.gemm_s, decomposed)),
+                 (3 if mb.sp else 1) * pairs * size)
 
-    # expert parallel: dispatch and combine all-to-all of the tokens per pass, and the dispatch of their
-    # routing probabilities (backward: their gradients)
-    if moe is not None and layout.ep > 1:
-        copies = routed_token_count(moe, tokens, mb.moe_imbalance) / rep
+
+def _cp_comm(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, group: GroupPlacement, fwd: PassCost,
+             bwd: PassCost, kv_heads: int) -> None:
+    """Context parallel: all-gather K and V forward (not overlapped: attention needs all of them),
+    reduce-scatter their gradients backward."""
+    kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
+        model.head_size + model.value_head_size)
+    size = mb.batch * mb.seq * kv_dim * mb.elt  # full-sequence K and V of the local heads
+    gather = collective_time_s(profile, Collective.all_gather, group, size)
+    scatter = collective_time_s(profile, Collective.reduce_scatter, group, size)
+    fwd.add_comm("cp", gather, gather, size)
+    bwd.add_comm("cp", scatter, scatter, size)
+
+
+def _ep_comm(profile: ClusterProfile, model: ModelSpec, moe: MoESpec, mb: MicroBatch, layout: ParallelLayout,
+             groups: dict[str, GroupPlacement], fwd: PassCost, bwd: PassCost) -> None:
+    """Expert parallel: the dispatch and combine all-to-all of the tokens per pass and of their routing
+    probabilities (backward: their gradients), beside another micro-batch's compute with ep_comm_overlap;
+    and the folded experts' own TP pair (:func:`_expert_tp_comm`)."""
+    eff = profile.assumptions.async_overlap_efficiency if layout.ep_comm_overlap else 0.0
+    h, elt = model.hidden_size, mb.elt
+    if layout.ep > 1:
+        copies = routed_token_count(moe, mb.tokens, mb.moe_imbalance) / (mb.tp if mb.sp else 1)
         size, probs = copies * h * elt, copies * PROB_BYTES
         a2a = (2 * collective_time_s(profile, Collective.all_to_all, groups["ep"], size)
                + collective_time_s(profile, Collective.all_to_all, groups["ep"], probs))
         for p in (fwd, bwd):
-            # with ep_comm_overlap the dispatch/combine of one micro-batch runs beside another's compute
-            hidden = hidden_time_s(a2a, p.compute_s, async_eff) if layout.ep_comm_overlap else 0.0
-            p.add_comm("ep", a2a, a2a - hidden, 2 * size + probs)
-    if moe is not None and mb.sp and mb.expert_tp > 1:
-        _expert_tp_comm(profile, fwd, bwd, expert_rows(moe, mb) * h * elt, groups["etp"],
-                        async_eff if layout.ep_comm_overlap else 0.0)
-
-    kernels = forward_kernel_count(model, moe is not None, mb, layout, profile.assumptions.grouped_gemm_streams)
-    fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
-    bwd.overhead_s = 2 * fwd.overhead_s
-    if moe is not None:
-        _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
-    return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+            p.add_comm("ep", a2a, a2a - hidden_time_s(a2a, p.compute_s, eff), 2 * size + probs)
+    if mb.sp and mb.expert_tp > 1:
+        _expert_tp_comm(profile, fwd, bwd, expert_rows(moe, mb) * h * elt, groups["etp"], eff)
 
 
 def _dispatch_sync(profile: ClusterProfile, fwd: PassCost, moe: MoESpec, mb: MicroBatch, layout: ParallelLayout,
