@@ -43,6 +43,7 @@ from planner.contracts import (
     Schedule,
     TrainingConfig,
 )
+from planner.contracts.limits import ONE_KERNEL
 from planner.cost.params import embedding_params, head_per_tp_rank
 from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError, UnknownNameError
@@ -147,11 +148,6 @@ class TargetFacts:
     root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
     fp8_saved_inputs: bool = True
     fp8_source: str = "refuses FP8 training: never priced"
-
-
-ONE_KERNEL = 1 << 20
-"""``TargetFacts.expert_gemms`` of a single grouped kernel (``torch._grouped_mm``): every local expert's tiles
-share its waves (more than any ``MoESpec.num_experts``)."""
 
 
 GROUPED_MM_GPUS = re.compile(r"(?<![a-z0-9])(gh200|h100|h200|h800|h20|g?b100|g?b200|g?b300)(?![a-z0-9])", re.IGNORECASE)

@@ -334,6 +334,13 @@ def test_a_single_grouped_kernel_launches_once_per_linear():
     mb = MicroBatch.of(lay, tr)
     assert (forward_kernel_count(model, True, mb, lay, 4) - forward_kernel_count(model, True, mb, lay, ONE_KERNEL)
             == 2 * (128 // 8 - 1))
+    # four streams covering four local experts (Mixtral, ep = 2) still launch one GEMM per expert
+    mixtral, lay2 = get_preset("mixtral-8x7b"), ParallelLayout(ep=2, dp_shard=8)
+    mb2 = MicroBatch.of(lay2, tr)
+    assert (forward_kernel_count(mixtral, True, mb2, lay2, 4) - forward_kernel_count(mixtral, True, mb2, lay2, 1)
+            == 0)
+    assert (forward_kernel_count(mixtral, True, mb2, lay2, 4)
+            - forward_kernel_count(mixtral, True, mb2, lay2, ONE_KERNEL) == 2 * (8 // 2 - 1))
 
 
 def test_expert_gemms_are_the_only_step_difference_an_moe_target_makes():

@@ -35,3 +35,7 @@ MAX_TOP_K = 50  # alternatives kept
 MAX_MICRO_BATCH = 1024  # largest micro-batch (sequences) the search may try
 MAX_VIRTUAL_STAGES = 64  # model chunks per pipeline rank (interleaved 1F1B)
 MAX_TIME_BUDGET_S = 3600.0  # seconds a search may run; the service's AUTOPAR_PLAN_BUDGET_S may allow less
+
+ONE_KERNEL = 1 << 20
+"""``Assumptions.grouped_gemm_streams`` of a single grouped kernel (``torch._grouped_mm``): every local expert's
+tiles share its waves and it launches once per grouped linear (more than any ``MoESpec.num_experts``)."""

@@ -40,6 +40,7 @@ from planner.contracts import (
     Recompute,
     TrainingConfig,
 )
+from planner.contracts.limits import ONE_KERNEL
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s, placement
 from planner.cost.compute import (
     attention_time_s,
@@ -489,8 +490,8 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     local expert 2 when a rank holds more than one, the grouped expert GEMMs one launch per local expert
     each (2·E/ep) and their activation 1, shared experts 3 each (2 GEMMs and the activation), with EP the
     tokens' dispatch and combine all-to-all and the probabilities' 3, with ep·etp > 1 the counts'
-    all-gather 1; one launch per grouped linear instead where ``expert_streams`` covers every local expert:
-    a single grouped kernel, ``planner.targets.ONE_KERNEL``), TP collectives (2 per :func:`tp_pairs` pair, 1
+    all-gather 1; one launch per grouped linear instead for a single grouped kernel, ``expert_streams`` =
+    :data:`~planner.contracts.limits.ONE_KERNEL`: Transformer Engine's streams launch every expert's GEMM), TP collectives (2 per :func:`tp_pairs` pair, 1
     without SP; MoE with SP: 2 for the
     experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts are
     fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
@@ -501,7 +502,7 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
         moe = model.moe
         assert moe is not None
         experts = local_experts(moe, layout.ep)
-        launches = 1 if expert_streams >= experts else experts  # per grouped linear
+        launches = 1 if expert_streams >= ONE_KERNEL else experts  # per grouped linear
         ffn_gemms = 1 + 2 * launches + 2 * moe.num_shared_experts
         count += 3 + 2 + (2 if experts > 1 else 0) + 1 + moe.num_shared_experts  # + shared activations
         count += (3 if layout.ep > 1 else 0) + (1 if layout.ep * mb.expert_tp > 1 else 0)
