@@ -631,11 +631,21 @@ def target_fallback(sm: StageModel, target: str, micro_batches: int) -> Uniform 
     and the memory falls with the count, so the fewest layers that fit (bisected on memory alone) is the
     kind's best, and no recompute, where it fits and runs, beats every kind; a count the target refuses there
     is passed for the next larger one it runs. Targets with one recompute choice for every stage price a
-    leaf's default split with this directly (``_price_default``)."""
-    chunks = sm.default_chunks()
-    if target_refusal(sm.model, sm.training, target, sm.layout_for(chunks, [(Recompute.none, 0)] * sm.p),
-                      micro_batches) is not None:
+    leaf's default split with :func:`best_uniform` directly (``_price_default``)."""
+    if default_split_refusal(sm, target, micro_batches) is not None:
         return None  # refused whatever the recompute (its micro-batches, its split): nothing here to choose
+    return best_uniform(sm, target, micro_batches)
+
+
+def default_split_refusal(sm: StageModel, target: str, micro_batches: int) -> targets.TargetRefusal | None:
+    """``target``'s refusal of ``sm``'s default split without recompute: what no recompute choice there mends."""
+    layout = sm.layout_for(sm.default_chunks(), [(Recompute.none, 0)] * sm.p)
+    return target_refusal(sm.model, sm.training, target, layout, micro_batches)
+
+
+def best_uniform(sm: StageModel, target: str, micro_batches: int) -> Uniform | None:
+    """:func:`target_fallback`'s search, on a split the target does not refuse as such."""
+    chunks = sm.default_chunks()
     most = max(len(r) for r in sm.rank_layers(chunks))
     best = None
 
@@ -1148,7 +1158,7 @@ class _SearchState:
         chunks = sm.default_chunks()
         refused = None
         if not self.spec.per_stage_recompute:  # one choice for every stage: its best, not per-rank choices
-            greedy, refused = self._uniform_default(sm, chunks, st)
+            greedy, refused = self._uniform_default(sm, st)
         else:
             greedy = sm.greedy(chunks)
         if greedy is not None and target_refusal(self.model, self.training, self.opts.target,
@@ -1171,16 +1181,15 @@ class _SearchState:
         elif greedy is None and leaf_id not in self.results and refused is None:
             self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
 
-    def _uniform_default(self, sm: StageModel, chunks: list[int], st: Structure) -> tuple[tuple | None, object]:
+    def _uniform_default(self, sm: StageModel, st: Structure) -> tuple[tuple | None, object]:
         """(the target's best uniform recompute choice on the default split as (step, terms, per-rank choices),
         or None; the target's refusal where it refuses that split whatever the recompute, recorded as a rule)."""
         target = self.opts.target
-        refused = target_refusal(self.model, self.training, target,
-                                 sm.layout_for(chunks, [(Recompute.none, 0)] * sm.p), st.m)
+        refused = default_split_refusal(sm, target, st.m)
         if refused is not None:
             self.rules.remove(f"target {target} cannot run: {refused.feature}", str(refused))
             return None, refused
-        uniform = target_fallback(sm, target, st.m)
+        uniform = best_uniform(sm, target, st.m)
         return (None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)), None
 
     def _price_single_stage(self, leaf_id: int, st: Structure, sm: StageModel, label: _LeafLabel) -> None:

@@ -481,19 +481,22 @@ class StageModel:
         return [[i for c in range(self.v) for i in range(starts[c * self.p + r], starts[c * self.p + r] + chunks[c * self.p + r])]
                 for r in range(self.p)]
 
-    def stage_terms(self, rank: int, layers: list[int], kind: Recompute, count: int) -> StageTerms:
-        """Terms of pipeline rank ``rank`` owning ``layers``, the first ``count`` of them recomputed as ``kind``."""
+    def _counts(self, layers: list[int], count: int) -> tuple[int, int, int, int]:
+        """(dense blocks, MoE blocks, recomputed dense, recomputed MoE) of ``layers``, the first ``count`` recomputed."""
         count = min(count, len(layers))
         n_moe = sum(self.kinds[i] for i in layers)
         r_moe = sum(self.kinds[i] for i in layers[:count])
-        return self.stage_terms_counts(rank, len(layers) - n_moe, n_moe, kind, count - r_moe, r_moe)
+        return len(layers) - n_moe, n_moe, count - r_moe, r_moe
+
+    def stage_terms(self, rank: int, layers: list[int], kind: Recompute, count: int) -> StageTerms:
+        """Terms of pipeline rank ``rank`` owning ``layers``, the first ``count`` of them recomputed as ``kind``."""
+        n_dense, n_moe, r_dense, r_moe = self._counts(layers, count)
+        return self.stage_terms_counts(rank, n_dense, n_moe, kind, r_dense, r_moe)
 
     def stage_memory(self, rank: int, layers: list[int], kind: Recompute, count: int) -> float:
         """``stage_terms(...).memory_bytes`` without the timing terms (for fit tests)."""
-        count = min(count, len(layers))
-        n_moe = sum(self.kinds[i] for i in layers)
-        r_moe = sum(self.kinds[i] for i in layers[:count])
-        return self.stage_memory_counts(rank, len(layers) - n_moe, n_moe, kind, count - r_moe, r_moe)
+        n_dense, n_moe, r_dense, r_moe = self._counts(layers, count)
+        return self.stage_memory_counts(rank, n_dense, n_moe, kind, r_dense, r_moe)
 
     def uniform_fits(self, chunks: list[int], kind: Recompute, count: int) -> bool:
         """Whether every rank fits with the same recompute choice on split ``chunks`` (memory only)."""
@@ -510,23 +513,29 @@ class StageModel:
         key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
         timing = self._timing.get(key)
         if timing is None:
-            timing = self._timing[key] = self._stage_timing(*key)
-        f, b, tail, holdings = timing
+            timing = self._timing[key] = self._stage_timing(key)
         layers = n_dense + n_moe
-        return StageTerms(f, b, tail, self._memory(rank, *holdings, layers), layers)
+        return StageTerms(*timing, self._memory(rank, *self._held_for(key), layers), layers)
 
-    def _stage_timing(self, first: bool, last: bool, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
-                      r_moe: int) -> tuple[float, float, float, tuple]:
-        """(forward, backward, tail seconds, :meth:`_holdings`) of a rank with these blocks (``first``: it holds
-        the embedding, ``last``: the head)."""
+    def _held_for(self, key: tuple) -> tuple[float, float, float, float, float]:
+        """:meth:`_holdings` of a rank with key (first, last, counts, kind): the rank matters no further."""
+        held = self._held.get(key)
+        if held is None:
+            first, last, *counts = key
+            held = self._held[key] = self._holdings(0 if first else (self.p - 1 if last else 1), *counts)
+        return held
+
+    def _stage_timing(self, key: tuple) -> tuple[float, float, float]:
+        """(forward, backward, tail seconds) of a rank with key (first: it holds the embedding, last: the head,
+        its block counts and recompute kind)."""
+        first, last, n_dense, n_moe, kind, r_dense, r_moe = key
         f = b = 0.0
         for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
             if n:
                 kc = self.kind_cost[moe]
                 f += n * kc.forward_s
                 b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
-        holdings = self._holdings(0 if first else (self.p - 1 if last else 1), n_dense, n_moe, kind, r_dense, r_moe)
-        dense, experts = holdings[0], holdings[1]
+        dense, experts = self._held_for(key)[:2]
         layers = n_dense + n_moe
         if first:
             f, b = f + self.emb[0], b + self.emb[1]
@@ -544,7 +553,7 @@ class StageModel:
         gather_step = 0.0 if gpm else gather_s
         exp_f, exp_b = microbatch_exposed_s(self.layout, gather_f, gather_b, grad_mb, units, f, b, self.eff)
         tail = self.exposed(grad_step, b) + self.exposed(gather_step, f) + self.optimizer_s(dense, experts)
-        return f + exp_f, b + exp_b, tail, holdings
+        return f + exp_f, b + exp_b, tail
 
     def _memory(self, rank: int, dense: float, experts: float, acts: float, transient: float, gather_biggest: float,
                 layers: int) -> float:
@@ -566,10 +575,7 @@ class StageModel:
         if kind is Recompute.none:
             r_dense = r_moe = 0
         key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
-        held = self._held.get(key)
-        if held is None:
-            held = self._held[key] = self._holdings(rank, n_dense, n_moe, kind, r_dense, r_moe)
-        return self._memory(rank, *held, n_dense + n_moe)
+        return self._memory(rank, *self._held_for(key), n_dense + n_moe)
 
     def _holdings(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                   r_moe: int) -> tuple[float, float, float, float, float]:
