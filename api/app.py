@@ -14,7 +14,7 @@ import math
 import secrets
 import uuid
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
@@ -22,9 +22,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import store
 from api.db import Database
@@ -59,7 +59,7 @@ was started with `AUTOPAR_TOKENS`; reads are open."""
 
 def aware(dt: datetime) -> datetime:
     """Datetimes read back from SQLite are naive UTC; say so."""
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
 # -- request body limit --------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def run_out(row: Any, plan_row: Any) -> RunOut:
 def _utc(dt: datetime | None, db: Database) -> datetime | None:
     if dt is None:
         return None
-    dt = dt.astimezone(timezone.utc) if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    dt = dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
     return dt.replace(tzinfo=None) if db.dialect == "sqlite" else dt
 
 
@@ -383,7 +383,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
             if "\x00" in value:
                 raise AutoparError(field, value, "remove the NUL character", problem="contains a NUL character")
         if profile.created_at.tzinfo is None:
-            profile.created_at = profile.created_at.replace(tzinfo=timezone.utc)
+            profile.created_at = profile.created_at.replace(tzinfo=UTC)
         row, cluster, created = store.upload_profile(db, profile)
         if not created:
             response.status_code = 200

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -90,7 +90,7 @@ def _port_taken(host: str, port: int) -> str | None:
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    database_url: Annotated[Optional[str], typer.Option(help="overrides DATABASE_URL (default sqlite:///autopar.db)")] = None,
+    database_url: Annotated[str | None, typer.Option(help="overrides DATABASE_URL (default sqlite:///autopar.db)")] = None,
     example: Annotated[bool, typer.Option(help="post one example plan once ready and print the URLs")] = False,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
 ) -> None:

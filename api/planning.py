@@ -7,14 +7,12 @@ the field at fault, its value and what would fix it — so a person sees why, no
 
 from __future__ import annotations
 
-from planner.contracts import ClusterProfile, ModelSpec, Plan
-from planner.errors import AutoparError
-from planner.search import SearchOptions, search
-
 from api import store
 from api.db import Database, PlanRow
 from api.schemas import ModelRef, PlanRequest
-
+from planner.contracts import ClusterProfile, ModelSpec, Plan
+from planner.errors import AutoparError
+from planner.search import SearchOptions, search
 
 DEFAULT_BUDGET_S = 20.0
 

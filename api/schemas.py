@@ -8,7 +8,6 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig
-from planner.targets import Target
 from planner.contracts.limits import (
     MAX_GPUS,
     MAX_MICRO_BATCH,
@@ -16,6 +15,7 @@ from planner.contracts.limits import (
     MAX_TOP_K,
     MAX_VIRTUAL_STAGES,
 )
+from planner.targets import Target
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
@@ -135,8 +135,9 @@ class PlanRequest(Strict):
     training: TrainingConfig
     profile_id: int | None = Field(None, ge=1, le=MAX_ID, strict=True, description="a stored profile (GET /v1/profiles)")
     cluster: str | None = Field(None, max_length=200, description="a cluster name: its newest profile")
-    num_nodes: int | None = Field(None, ge=1, le=MAX_GPUS, strict=True,
-                                  description="reference profiles only: nodes to plan for")
+    num_nodes: int | None = Field(
+        None, ge=1, le=MAX_GPUS, strict=True, description="reference profiles only: nodes to plan for"
+    )
     options: PlanOptions = Field(default_factory=PlanOptions)
 
     @model_validator(mode="after")

@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
-
 from api_load import listening_socket, serve_on  # noqa: E402  (benchmarks/)
 
 LIMIT_S = 1.0

@@ -229,8 +229,10 @@ def single_gpu(profile_path: str | None, steps: int, tmp: Path) -> None:
           f"seq {training.seq_length}, batch {training.global_batch_size}, bf16")
     print(f"    step time   predicted {plan.prediction.step_time_s * 1e3:8.1f} ms   measured "
           f"{report.median_step_time_s * 1e3:8.1f} ms   ({plan.prediction.step_time_s / report.median_step_time_s - 1:+.0%})")
-    print(f"    peak memory predicted {plan.prediction.memory.total_bytes / 2**30:8.2f} GiB  measured "
-          f"{report.peak_memory_bytes_per_rank[0] / 2**30:8.2f} GiB ({report.memory_kind})")
+    print(
+        f"    peak memory predicted {plan.prediction.memory.total_bytes / 2**30:8.2f} GiB  measured "
+        f"{report.peak_memory_bytes_per_rank[0] / 2**30:8.2f} GiB ({report.memory_kind})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

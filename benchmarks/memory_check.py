@@ -132,7 +132,10 @@ def main() -> int:
     print(f"{'constant':28} {'default':>10} {'all rows':>10} " + " ".join(f"{'w/o ' + g[:-1]:>10}" for g in GROUPS))
     for name in defaults:
         print(f"{name:28} {defaults[name]:10.4g} {every[name]:10.4g} " + " ".join(f"{held[g][name]:10.4g}" for g in GROUPS))
-    show("leave-one-model-out (headline): each model's rows with constants fitted on the others", errors(rows, cases, held))
+    show(
+        "leave-one-model-out (headline): each model's rows with constants fitted on the others",
+        errors(rows, cases, held),
+    )
     show("in-sample: the defaults of planner.contracts.Assumptions", errors(rows, cases, dict.fromkeys(GROUPS, {})))
     return 0
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory_cases import CASES, TINY  # noqa: E402
 from executor.train import RunOptions, Runtime  # noqa: E402
-from profiler.memory import device_used, gpu_runtime_bytes  # noqa: E402
 from planner.contracts import Plan  # noqa: E402
+from profiler.memory import device_used, gpu_runtime_bytes  # noqa: E402
 
 
 def runtime_bytes(dev: torch.device) -> dict:

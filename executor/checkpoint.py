@@ -106,7 +106,12 @@ def load_checkpoint(root: str | Path, step: int, parts: list[nn.Module], optimiz
     path = step_dir(root, step)
     state = _state(parts, optimizer, {"step": 0, "losses": [], "times": []})
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(_module(parts), _local_optimizer(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTIONS)
+    set_state_dict(
+        _module(parts),
+        _local_optimizer(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=OPTIONS,
+    )
     dist.barrier()
     return state["progress"]

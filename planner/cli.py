@@ -16,6 +16,7 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
+from planner.console import make_console, styled
 from planner.contracts import (
     ClusterProfile,
     ModelSpec,
@@ -29,7 +30,6 @@ from planner.contracts import (
     TrainingConfig,
     json_schemas,
 )
-from planner.console import make_console, styled
 from planner.contracts.limits import (
     MAX_GLOBAL_BATCH,
     MAX_GLOBAL_BATCH_TOKENS,
@@ -659,8 +659,10 @@ def main() -> None:
         err_console.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         sys.exit(2)
     except ValidationError as exc:
-        err_console.print(styled(("error:", "bold red"), f" invalid {exc.title}:\n  {describe_validation_error(exc, exc.title)}"),
-                          highlight=False)
+        err_console.print(
+            styled(("error:", "bold red"), f" invalid {exc.title}:\n  {describe_validation_error(exc, exc.title)}"),
+            highlight=False,
+        )
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

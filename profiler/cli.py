@@ -7,7 +7,7 @@ import re
 import time
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -90,24 +90,24 @@ def publish(profile_json: str, out: Path | None, server: str | None, token: str 
 
 
 def profile(
-    out: Annotated[Optional[Path], typer.Option("--out", help="write the ClusterProfile JSON here")] = None,
-    server: Annotated[Optional[str], typer.Option(help="POST the profile to {server}/v1/profiles")] = None,
-    token: Annotated[Optional[str], typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
-    name: Annotated[Optional[str], typer.Option(help="cluster name (default from the device and shape)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="write the ClusterProfile JSON here")] = None,
+    server: Annotated[str | None, typer.Option(help="POST the profile to {server}/v1/profiles")] = None,
+    token: Annotated[str | None, typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
+    name: Annotated[str | None, typer.Option(help="cluster name (default from the device and shape)")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="fewer sizes (links up to 16 MiB, every 4x below 1 MiB and 2x above), quick compute grid")] = False,
-    model: Annotated[Optional[str], typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
-    tp_degrees: Annotated[Optional[str], typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
-    precisions: Annotated[Optional[str], typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,
-    min_bytes: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
+    tp_degrees: Annotated[str | None, typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
+    precisions: Annotated[str | None, typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,
+    min_bytes: Annotated[str | None, typer.Option(
         help="smallest message: bytes, or with a unit (64KiB, 4K; K/M/G = 1024-based, KB/MB/GB = 1000); "
              "default 4K")] = None,
-    max_bytes: Annotated[Optional[str], typer.Option(
+    max_bytes: Annotated[str | None, typer.Option(
         help="largest message, e.g. 256MiB or 268435456 (default 256 MiB, quick 16 MiB)")] = None,
-    ranks_per_node: Annotated[Optional[int], typer.Option(
+    ranks_per_node: Annotated[int | None, typer.Option(
         help="treat consecutive blocks of K ranks as nodes (emulated nodes, labelled so in the profile); "
              "default torchrun's LOCAL_WORLD_SIZE")] = None,
     timeout: Annotated[float, typer.Option(help="seconds a collective may wait before the run stops (dead/hung rank)")] = 300.0,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads per rank (default cores / ranks on the host)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads per rank (default cores / ranks on the host)")] = None,
 ) -> None:
     """Measure this cluster: links on every rank (all-reduce, all-gather, reduce-scatter, all-to-all,
     p2p; within and across nodes, fitted to α-β), compute on rank 0; write/upload a ClusterProfile.
@@ -157,10 +157,14 @@ def profile(
 
     rows = link_fit_report(result)
     worst = max((r["worst_rel_err"] for r in rows if r["level"] != "host_device"), default=0.0)
-    err.print(f"profile '{result.name}': {result.num_nodes} node(s) x {result.gpus_per_node} rank(s), "
-              f"{len(result.links)} links (worst α-β error {worst:.0%}), {len(result.compute.gemm)} GEMM points, "
-              f"in {time.perf_counter() - t0:.1f} s")
+    err.print(
+        f"profile '{result.name}': {result.num_nodes} node(s) x {result.gpus_per_node} rank(s), "
+        f"{len(result.links)} links (worst α-β error {worst:.0%}), {len(result.compute.gemm)} GEMM points, "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
     if out is not None:
         err.print(f"wrote {out}")
     if uploaded is not None:
-        err.print(f"uploaded to {server}: profile #{uploaded.get('id')} ({'new' if uploaded.get('created') else 'already stored'})")
+        err.print(
+            f"uploaded to {server}: profile #{uploaded.get('id')} ({'new' if uploaded.get('created') else 'already stored'})"
+        )

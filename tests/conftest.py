@@ -53,7 +53,9 @@ def _start_system_postgres() -> str:
                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"pg_ctlcluster failed: {exc}"
-    return "" if out.returncode == 0 else f"pg_ctlcluster {version} main start: {out.stderr.strip() or out.stdout.strip()}"
+    return (
+        "" if out.returncode == 0 else f"pg_ctlcluster {version} main start: {out.stderr.strip() or out.stdout.strip()}"
+    )
 
 
 def postgres_server() -> str:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
+from api import store
 from api.app import create_app
 from api.db import Database
 from api.migrate import downgrade, migrate
 from api.settings import Settings
-from api import store
 from planner.reference import list_systems, measured_profiles, reference_profile
 
 SMALL_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},

@@ -30,8 +30,14 @@ def test_short_load(backend: str) -> None:
                         *(f"{c.name}: {'PASS' if c.ok else 'FAIL'} {c.detail}" for c in result.checks),
                         result.server_log_tail])
     assert result.total > 20, report
-    assert result.counts["plan"] > 0 and sum(result.counts[k] for k in api_load.KINDS if k.startswith("profile")) > 0, report
+    assert result.counts["plan"] > 0 and sum(result.counts[k] for k in api_load.KINDS if k.startswith("profile")) > 0, (
+        report
+    )
     assert result.error_count == 0, report
     assert result.rows_ok, report
-    assert {c.name for c in result.checks} >= {"plan rows == 201 answers", "profile rows == reference + told created",
-                                                "versions per cluster are 1..n", "no traceback in the server log"}
+    assert {c.name for c in result.checks} >= {
+        "plan rows == 201 answers",
+        "profile rows == reference + told created",
+        "versions per cluster are 1..n",
+        "no traceback in the server log",
+    }

@@ -18,7 +18,6 @@ from pydantic import ValidationError
 from planner.contracts import ClusterProfile, ModelSpec, MoESpec, ParallelLayout, TrainingConfig
 from planner.contracts.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ
 from planner.errors import AutoparError
-from planner.presets import get_preset
 from planner.reference import reference_profile
 from planner.search import SearchOptions, search
 from planner.search.engine import divisors

@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from planner.validate import COLUMNS
 from typer.testing import CliRunner
 
 from planner import cli
 from planner.contracts import CONTRACTS, Plan
 from planner.presets import PRESETS
 from planner.reference import SYSTEMS
+from planner.validate import COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 SIX = {"ModelSpec", "TrainingConfig", "ClusterProfile", "Plan", "Prediction", "RunReport"}

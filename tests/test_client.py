@@ -105,7 +105,9 @@ def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Pat
     with pytest.raises(AutoparError) as gone:
         publish(text, None, f"http://127.0.0.1:{free_port()}", "tok")
     (kept,) = tmp_path.glob("autopar-profile-*.json")
-    assert kept.read_text() == text and f"kept in {kept}" in str(gone.value) and "could not be reached" in str(gone.value)
+    assert (
+        kept.read_text() == text and f"kept in {kept}" in str(gone.value) and "could not be reached" in str(gone.value)
+    )
     # with --out the profile is there already, and is the file named
     out = tmp_path / "o" / "p.json"
     with pytest.raises(AutoparError) as again:
@@ -114,9 +116,9 @@ def test_a_profile_whose_upload_fails_after_measuring_is_kept_here(tmp_path: Pat
     assert len(list(tmp_path.glob("autopar-profile-*.json"))) == 1
 
 
-
-def test_a_profile_whose_out_fails_after_an_upload_is_kept_and_names_the_stored_profile(server, tmp_path: Path,
-                                                                                       monkeypatch) -> None:  # noqa: ANN001
+def test_a_profile_whose_out_fails_after_an_upload_is_kept_and_names_the_stored_profile(
+    server, tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
     """--out went bad while measuring (its folder is now a file), the upload still works: the profile is
     stored, kept here as well, and the error names --out, the kept file and the stored profile's id."""
     from profiler.cli import publish

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from planner.contracts import ModelSpec, MoESpec
-from planner.cost.params import total_params
-from planner.errors import AutoparError
-from planner.presets import get_preset
 from executor.data import SyntheticTokens, TokenFile, split_batch
 from executor.layers import rope_cos_sin
 from executor.model import build_model, count_params, full_state_dict, init_weights
 from executor.moe import MoE
 from executor.reference import lm_loss, reference_run
+from planner.contracts import ModelSpec, MoESpec
+from planner.cost.params import total_params
+from planner.errors import AutoparError
+from planner.presets import get_preset
 
 TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                  ffn_hidden_size=128, vocab_size=128)

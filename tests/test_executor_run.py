@@ -470,12 +470,12 @@ def test_the_worker_matches_losses_and_gradients_of_the_reference(tmp_path: Path
     1F1B x FSDP, and with its experts folded over tensor / context parallel ranks (etp 1 and tp).
     (Zero-bubble x FSDP is refused: this test found its lost gradients.)"""
     import torch
+    from run_plans import GBS, SEQ, torchrun_worker
 
     from executor.data import SyntheticTokens
     from executor.reference import reference_run
     from executor.train import plan_for
     from planner.contracts import MoESpec, ParallelLayout
-    from run_plans import GBS, SEQ, torchrun_worker
 
     spec = SPEC.model_copy(update={"moe": MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=32)} if moe else {})
     lay = ParallelLayout(**layout, micro_batch_size=1)

@@ -12,9 +12,26 @@ from planner.cost.comm import GroupPlacement, collective_time_s, find_link
 from profiler.identity import last_level_cache_bytes, reachable_cache_bytes
 from profiler.links import (
     MIB,
-    ColdCopies, busbw_from_slope, cold_arena_bytes, fit_alpha_beta, fit_link, fit_link_segments, fit_segments,
-    host_waves, link_fit_report, measure_host_device, message_sizes, minimax_rel_err, oversubscribed, plan_groups,
-    remeasure_candidates, remeasured_fastest, reps_for, reps_within, timed_groups, trials_for,
+    ColdCopies,
+    busbw_from_slope,
+    cold_arena_bytes,
+    fit_alpha_beta,
+    fit_link,
+    fit_link_segments,
+    fit_segments,
+    host_waves,
+    link_fit_report,
+    measure_host_device,
+    message_sizes,
+    minimax_rel_err,
+    oversubscribed,
+    plan_groups,
+    remeasure_candidates,
+    remeasured_fastest,
+    reps_for,
+    reps_within,
+    timed_groups,
+    trials_for,
 )
 
 SIZES = message_sizes(4096, 256 << 20)

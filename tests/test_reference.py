@@ -225,7 +225,10 @@ def test_json_schemas_has_the_six_contracts():
 def test_every_contract_schema_has_a_schema_version(name):
     schema = json_schemas()[name]
     assert "schema_version" in schema["properties"]
-    assert schema["properties"]["schema_version"].get("const", schema["properties"]["schema_version"].get("default")) == "1"
+    assert (
+        schema["properties"]["schema_version"].get("const", schema["properties"]["schema_version"].get("default"))
+        == "1"
+    )
 
 
 def test_cluster_profile_round_trips_through_json(system):
@@ -240,8 +243,15 @@ def test_plan_round_trips_through_json():
     training = TrainingConfig(seq_length=2048, global_batch_size=16)
     profile = reference_profile("dgx-h100")
     layout = ParallelLayout(dp_shard=4, tp=2, sp=True, zero_stage=1, micro_batch_size=2, recompute=Recompute.selective)
-    plan = Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=layout,
-                precision=training.precision, prediction=predict(model, training, profile, layout))
+    plan = Plan(
+        model=model,
+        training=training,
+        cluster=profile.name,
+        num_gpus=profile.num_gpus,
+        layout=layout,
+        precision=training.precision,
+        prediction=predict(model, training, profile, layout),
+    )
     back = Plan.model_validate_json(plan.model_dump_json())
     assert back == plan
     assert back.prediction.step_time_s == plan.prediction.step_time_s

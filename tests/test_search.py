@@ -3,11 +3,11 @@ the divisibility rules, memory-infeasible cases, and the plan / explain / export
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
 import subprocess
-import itertools
-import math
 import sys
 
 import pytest
@@ -490,7 +490,8 @@ def test_equally_fast_plans_rank_the_smaller_memory_footprint_first():
 
 def test_gemm_memo_is_scoped_to_the_search_and_changes_nothing():
     from planner.cost.compute import gemm_time_s
-    from planner.cost.memo import _MEMO as _GEMM_MEMO, memoised as memoised_gemms
+    from planner.cost.memo import _MEMO as _GEMM_MEMO
+    from planner.cost.memo import memoised as memoised_gemms
 
     prof, other = reference_profile("dgx-h100", 1), reference_profile("dgx-a100-40gb", 1)
     plain = gemm_time_s(prof, 4096, 4096, 4096, tr_precision := TrainingConfig(global_batch_size=1, seq_length=8).precision, 3)

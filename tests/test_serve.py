@@ -80,7 +80,9 @@ def test_compose_runs_the_api_on_postgresql_with_health_checks_and_a_volume() ->
     assert "pg_isready" in " ".join(db["healthcheck"]["test"])
     assert any(v.endswith(":/var/lib/postgresql/data") for v in db["volumes"])
     assert set(compose["volumes"]) >= {v.split(":")[0] for v in db["volumes"]}
-    assert api["environment"]["DATABASE_URL"].startswith("postgresql://") and "@db:" in api["environment"]["DATABASE_URL"]
+    assert (
+        api["environment"]["DATABASE_URL"].startswith("postgresql://") and "@db:" in api["environment"]["DATABASE_URL"]
+    )
     assert api["depends_on"]["db"]["condition"] == "service_healthy"
     assert "/readyz" in " ".join(api["healthcheck"]["test"])
     assert api["command"][0] == "serve" and "0.0.0.0" in api["command"]

@@ -1,6 +1,8 @@
 """Versioned contracts exchanged between profiler, planner, executor and the service."""
 
 from planner.contracts.cluster import (
+    LINEAR_LAYOUTS,
+    Assumptions,
     AttentionBlocking,
     AttentionPoint,
     ClusterProfile,
@@ -8,12 +10,10 @@ from planner.contracts.cluster import (
     ComputeProfile,
     DeviceCheck,
     DeviceSpec,
-    Assumptions,
     ElementwisePoint,
     Environment,
     GemmLayout,
     GemmPoint,
-    LINEAR_LAYOUTS,
     LinkLevel,
     LinkProfile,
     TimedPoint,

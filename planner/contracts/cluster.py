@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Literal
 
@@ -411,7 +411,7 @@ class ClusterProfile(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["measured", "reference"]
     name: Name
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     device: DeviceSpec
     gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True, description="devices (or CPU ranks) per node")
     num_nodes: int = Field(gt=0, le=MAX_GPUS, strict=True)
@@ -436,8 +436,10 @@ class ClusterProfile(Contract):
         if ranks and (0 not in ranks or len(set(ranks)) != len(ranks)):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
             problems = ([f"repeats rank(s) {dup[:16]}"] if dup else []) + ([] if 0 in ranks else ["has no check of rank 0"])
-            raise ValueError(f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
-                             "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)")
+            raise ValueError(
+                f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
+                "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -101,8 +101,12 @@ class ModelSpec(Contract):
     num_layers: int = Field(strict=True)
     hidden_size: int = Field(strict=True)
     num_attention_heads: int = Field(strict=True)
-    num_kv_heads: int | None = Field(None, strict=True, description="GQA/MQA key-value heads; None = num_attention_heads")
-    head_dim: int | None = Field(None, strict=True, description="per-head size; None = hidden_size / num_attention_heads")
+    num_kv_heads: int | None = Field(
+        None, strict=True, description="GQA/MQA key-value heads; None = num_attention_heads"
+    )
+    head_dim: int | None = Field(
+        None, strict=True, description="per-head size; None = hidden_size / num_attention_heads"
+    )
     ffn_hidden_size: int = Field(strict=True, description="dense FFN intermediate size")
     ffn_kind: Literal["gelu", "swiglu"] = "swiglu"
     vocab_size: int = Field(strict=True)
@@ -165,9 +169,7 @@ class ModelSpec(Contract):
                 f"use a divisor of {a}, e.g. {max(d for d in range(1, min(a, 8) + 1) if a % d == 0)}"
             )
         if self.position_embedding == "learned" and not self.max_position_embeddings:
-            raise ValueError(
-                "position_embedding='learned' needs max_position_embeddings (rows of the position table)"
-            )
+            raise ValueError("position_embedding='learned' needs max_position_embeddings (rows of the position table)")
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(
                 f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer among "

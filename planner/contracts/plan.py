@@ -256,7 +256,9 @@ class SearchReport(Contract):
     closed_without_solver: int = Field(0, description="default split already met the lower bound: optimal without CP-SAT")
     wall_s: float
     families: list[FamilyOutcome] = Field(default_factory=list)
-    smallest_shortfall_bytes: float | None = Field(None, description="when nothing fits: memory missing on the closest candidate")
+    smallest_shortfall_bytes: float | None = Field(
+        None, description="when nothing fits: memory missing on the closest candidate"
+    )
 
 
 class Plan(Contract):
@@ -267,11 +269,16 @@ class Plan(Contract):
     num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True)
     layout: ParallelLayout
     precision: Precision
-    target: str = Field("autopar", description="what the plan was made to run on: autopar (the executor), "
-                        "megatron, deepspeed or torchtitan (planner/targets.py)")
+    target: str = Field(
+        "autopar",
+        description="what the plan was made to run on: autopar (the executor), "
+        "megatron, deepspeed or torchtitan (planner/targets.py)",
+    )
     prediction: Prediction
     alternatives: list[Alternative] = Field(default_factory=list)
     solver_status: str | None = Field(
-        None, description="how the chosen layer split was proved: CP-SAT's status (OPTIMAL, FEASIBLE) or "
-        "'OPTIMAL (bound)' when the default split met the lower bound; None for a layout given by hand")
+        None,
+        description="how the chosen layer split was proved: CP-SAT's status (OPTIMAL, FEASIBLE) or "
+        "'OPTIMAL (bound)' when the default split met the lower bound; None for a layout given by hand",
+    )
     search: SearchReport | None = None

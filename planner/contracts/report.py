@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import Field
@@ -23,7 +23,7 @@ class RunReport(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     plan_id: str | None = None
     layout: ParallelLayout
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     device: str = Field(description="e.g. 'cpu' or 'NVIDIA H100 80GB HBM3'")
     num_ranks: int = Field(gt=0, le=MAX_GPUS, strict=True)
     warmup_steps: int = Field(ge=0, strict=True)

@@ -520,7 +520,9 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     return count
 
 
-def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
+def embedding_cost(
+    profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]
+) -> tuple[PassCost, PassCost]:
     """Token (and position) lookup: a write of ``T·h`` forward, a scatter-add backward. With TP the
     vocab-parallel lookup is summed over ranks: all-reduce forward (reduce-scatter with SP, whose
     backward all-gathers the output gradient)."""
@@ -540,7 +542,9 @@ def embedding_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, gr
     return fwd, bwd
 
 
-def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]) -> tuple[PassCost, PassCost]:
+def lm_head_cost(
+    profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]
+) -> tuple[PassCost, PassCost]:
     """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy (an upcast and
     the log-softmax forward, :func:`cross_entropy_bytes`: 14 bytes per 16-bit logit; 8 backward). With TP the head's input is replicated: with SP it is all-gathered
     forward and its gradient reduce-scattered backward; without SP the gradient is all-reduced."""
@@ -551,10 +555,12 @@ def lm_head_cost(profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, grou
     norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
     p = mb.precision
     # the loss's backward (softmax minus one-hot) reads and writes the fp32 logits once
-    fwd.memory_s = (elementwise_time_s(profile, "rmsnorm", norm, p)
-                    + elementwise_time_s(profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p))
-    bwd.memory_s = (elementwise_time_s(profile, "rmsnorm", 2 * norm, p)
-                    + elementwise_time_s(profile, "softmax_cross_entropy", 8 * logits, p))
+    fwd.memory_s = elementwise_time_s(profile, "rmsnorm", norm, p) + elementwise_time_s(
+        profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p
+    )
+    bwd.memory_s = elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + elementwise_time_s(
+        profile, "softmax_cross_entropy", 8 * logits, p
+    )
     fwd.overhead_s = 5 * profile.assumptions.kernel_overhead_s  # norm, GEMM, max, exp-sum, loss
     bwd.overhead_s = 2 * fwd.overhead_s
     if t > 1:

@@ -62,7 +62,7 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
     """
     from planner import targets
     from planner.errors import AutoparError
-    from planner.search.engine import SearchOptions, Rules, leaf_choices, schedule_choices, structures, _base_layout
+    from planner.search.engine import Rules, SearchOptions, _base_layout, leaf_choices, schedule_choices, structures
 
     opts = options or SearchOptions()
     rules = Rules()
