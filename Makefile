@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run lint test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ run: install
 	@# post one example plan and print the URLs (Ctrl-C stops; DATABASE_URL=postgresql://... for PostgreSQL;
 	@# PORT=8001 where 8000 is taken)
 	$(VENV)/bin/autopar serve --host 127.0.0.1 --port $(PORT) --example
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests

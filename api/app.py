@@ -83,7 +83,8 @@ class BodyLimit:
                 await too_big(scope, receive, send)
                 return
         except ValueError:
-            await JSONResponse(status_code=400, content={"detail": "Content-Length is not a number"})(scope, receive, send)
+            await JSONResponse(status_code=400,
+                               content={"detail": "Content-Length is not a number"})(scope, receive, send)
             return
         seen = 0
         answered = False
@@ -313,8 +314,8 @@ def plan_summary(row: Any, cluster: Any) -> dict:
 def run_out(row: Any, plan_row: Any) -> RunOut:
     report = RunReport.model_validate(row.report)
     pred = (plan_row.plan or {}).get("prediction") or {}
-    return RunOut(id=row.id, plan_id=row.plan_id, created_at=aware(row.created_at), predicted_step_s=row.predicted_step_s,
-                  measured_step_s=row.measured_step_s,
+    return RunOut(id=row.id, plan_id=row.plan_id, created_at=aware(row.created_at),
+                  predicted_step_s=row.predicted_step_s, measured_step_s=row.measured_step_s,
                   error=(row.predicted_step_s / row.measured_step_s - 1) if row.predicted_step_s else None,
                   report=report, predicted_tokens_per_s=pred.get("tokens_per_s"),
                   measured_tokens_per_s=report.tokens_per_s,
@@ -373,7 +374,8 @@ def _routes(app: FastAPI, settings: Settings) -> None:
 
     # -- profiles and clusters
     @app.post("/v1/profiles", tags=["profiles"], status_code=201, dependencies=[Writer],
-              responses={200: {"description": "the same content was stored before: that profile", "model": ProfileUploaded},
+              responses={200: {"description": "the same content was stored before: that profile",
+                               "model": ProfileUploaded},
                          201: {"links": _link("GetProfile", "profile_id")}, **AUTH_RESPONSES})
     def upload_profile(profile: ClusterProfile, db: DB, response: Response) -> ProfileUploaded:
         """Store a ClusterProfile (measured or reference) as the next version of its cluster (``name``).
@@ -387,12 +389,13 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         row, cluster, created = store.upload_profile(db, profile)
         if not created:
             response.status_code = 200
-        return ProfileUploaded(**profile_summary(row, cluster).model_dump(), profile=ClusterProfile.model_validate(row.body),
-                               created=created)
+        return ProfileUploaded(**profile_summary(row, cluster).model_dump(),
+                               profile=ClusterProfile.model_validate(row.body), created=created)
 
     @app.get("/v1/profiles", tags=["profiles"])
     def list_profiles(db: DB, limit: Limit = 50, offset: Offset = 0,
-                      gpu: Annotated[str | None, Query(max_length=200, pattern=NO_NUL, description="device name contains (any case)")] = None,
+                      gpu: Annotated[str | None, Query(max_length=200, pattern=NO_NUL,
+                                                       description="device name contains (any case)")] = None,
                       kind: Annotated[str | None, Query(pattern="^(measured|reference)$")] = None,
                       cluster: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
                       since: Annotated[datetime | None, Query(description="measured at or after (ISO 8601)")] = None,
@@ -401,7 +404,8 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         """Stored profiles, newest upload first."""
         rows, total = store.list_profiles(db, gpu=gpu, kind=kind, cluster=cluster, since=_utc(since, db),
                                           until=_utc(until, db), limit=limit, offset=offset)
-        return Page[ProfileSummary](items=[profile_summary(p, c) for p, c in rows], total=total, limit=limit, offset=offset)
+        return Page[ProfileSummary](items=[profile_summary(p, c) for p, c in rows], total=total, limit=limit,
+                                    offset=offset)
 
     @app.get("/v1/profiles/{profile_id}", tags=["profiles"], responses={404: {"description": "no such profile"}})
     def get_profile(profile_id: Id, db: DB) -> ProfileOut:
@@ -438,10 +442,12 @@ def _routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/v1/plans", tags=["plans"])
     def list_plans(db: DB, limit: Limit = 50, offset: Offset = 0,
-                   model: Annotated[str | None, Query(max_length=200, pattern=NO_NUL, description="model name contains")] = None,
+                   model: Annotated[str | None, Query(max_length=200, pattern=NO_NUL,
+                                                      description="model name contains")] = None,
                    status: Annotated[str | None, Query(pattern="^(ok|infeasible)$")] = None,
                    profile_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None) -> Page[PlanSummary]:
-        rows, total = store.list_plans(db, model=model, status=status, profile_id=profile_id, limit=limit, offset=offset)
+        rows, total = store.list_plans(db, model=model, status=status, profile_id=profile_id, limit=limit,
+                                       offset=offset)
         return Page[PlanSummary](items=[PlanSummary(**plan_summary(r, c)) for r, c in rows], total=total, limit=limit,
                                  offset=offset)
 
@@ -472,8 +478,8 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     def list_runs(db: DB, limit: Limit = 50, offset: Offset = 0,
                   plan_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None) -> Page[RunSummary]:
         rows, total = store.list_runs(db, plan_id=plan_id, limit=limit, offset=offset)
-        items = [RunSummary(id=r.id, plan_id=r.plan_id, created_at=aware(r.created_at), predicted_step_s=r.predicted_step_s,
-                            measured_step_s=r.measured_step_s,
+        items = [RunSummary(id=r.id, plan_id=r.plan_id, created_at=aware(r.created_at),
+                            predicted_step_s=r.predicted_step_s, measured_step_s=r.measured_step_s,
                             error=(r.predicted_step_s / r.measured_step_s - 1) if r.predicted_step_s else None)
                  for r in rows]
         return Page[RunSummary](items=items, total=total, limit=limit, offset=offset)

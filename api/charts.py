@@ -283,7 +283,8 @@ def stacked_bars(rows: Sequence[tuple[str, Sequence[tuple[str, float]]]], *, tit
                  colors: dict[str, str] | None = None, width: int = 720, bar_h: int = 22,
                  empty_message: str = "nothing to draw") -> Markup:
     """One horizontal bar per row, made of named segments; an optional vertical limit line (capacity)."""
-    clean = [(label, [(n, float(v)) for n, v in segs if math.isfinite(float(v)) and float(v) > 0]) for label, segs in rows]
+    clean = [(label, [(n, float(v)) for n, v in segs if math.isfinite(float(v)) and float(v) > 0])
+             for label, segs in rows]
     if not clean or not any(segs for _, segs in clean):
         return _empty(width, 100, title, empty_message)
     names: list[str] = []
@@ -360,7 +361,8 @@ def timeline_chart(ranks: Sequence[Sequence[Box]], *, title: str, rank_labels: I
     plot_w = width - left - right
     plot_h = len(ranks) * row_h
     kinds = sorted({b.kind for r in ranks for b in r}, key="FBW".index)
-    entries = [(("input gradient (B)" if split_backward and k == "B" else TIMELINE_NAMES[k]), TIMELINE_COLORS[k][0], "box")
+    entries = [(("input gradient (B)" if split_backward and k == "B" else TIMELINE_NAMES[k]),
+                TIMELINE_COLORS[k][0], "box")
                for k in kinds]
     if any(b.chunk % 2 for r in ranks for b in r):
         entries.append(("lighter: odd model chunk", "#cbd5e1", "box"))

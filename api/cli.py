@@ -50,7 +50,8 @@ def _post_example(base: str, tokens: tuple[str, ...]) -> None:
     console.rule("autopar is serving")
     if lay:
         pred = body["plan"]["prediction"]
-        console.print(f"example plan #{body['id']}: {body['model_name']} on {body['num_gpus']} GPUs ({body['cluster']}): "
+        console.print(f"example plan #{body['id']}: {body['model_name']} on {body['num_gpus']} GPUs "
+                      f"({body['cluster']}): "
                       f"tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} dp={lay['dp_replicate'] * lay['dp_shard']} "
                       f"zero={lay['zero_stage']} mb={lay['micro_batch_size']} {lay['schedule']} -> step "
                       f"{pred['step_time_s']:.3f} s, MFU {pred['mfu']:.1%}")
@@ -90,7 +91,8 @@ def _port_taken(host: str, port: int) -> str | None:
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    database_url: Annotated[str | None, typer.Option(help="overrides DATABASE_URL (default sqlite:///autopar.db)")] = None,
+    database_url: Annotated[str | None,
+                            typer.Option(help="overrides DATABASE_URL (default sqlite:///autopar.db)")] = None,
     example: Annotated[bool, typer.Option(help="post one example plan once ready and print the URLs")] = False,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
 ) -> None:

@@ -122,8 +122,8 @@ def index(request: Request) -> HTMLResponse:
     clusters, total = store.list_clusters(db, gpu=gpu, kind=kind, limit=500)
     plans, plan_total = store.list_plans(db, limit=10)
     counts = store.counts(db)
-    return _page(request, "index.html", title="Clusters", clusters=clusters, total=total, gpu=gpu or "", kind=kind or "",
-                 plans=plans, plan_total=plan_total, counts=counts)
+    return _page(request, "index.html", title="Clusters", clusters=clusters, total=total, gpu=gpu or "",
+                 kind=kind or "", plans=plans, plan_total=plan_total, counts=counts)
 
 
 # -- profiles --------------------------------------------------------------------------------------
@@ -259,7 +259,8 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
         series += [Series("forward, model (no measurements)", fwd, "line", charts.PALETTE[0]),
                    Series("backward, model (no measurements)", bwd, "line", charts.PALETTE[1])]
     out.append(dict(kind="attention", modelled=not att, svg=charts.xy_chart(
-        series, title="Attention (causal, fused): TFLOP/s" + ("" if att else ", model (no measurements)"), x_label="forward FLOPs (causal share)", y_label="TFLOP/s",
+        series, title="Attention (causal, fused): TFLOP/s" + ("" if att else ", model (no measurements)"),
+        x_label="forward FLOPs (causal share)", y_label="TFLOP/s",
         note="" if att else "model: 1 sequence, 32 heads (8 KV), head dim 128, bf16, sequence 512 to 128k")))
 
     # elementwise
@@ -270,7 +271,8 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
         pts = [(p.bytes, p.bytes / p.time_s / 1e9) for p in elt if p.op == op]
         series.append(Series(f"{op} measured", pts, "markers", charts.PALETTE[i % len(charts.PALETTE)]))
     model_pts = [(b, b / (memory_time_s(rank0, b) + overhead) / 1e9) for b in _log_range(64 * 1024, 4 * 1024**3, 1)]
-    series.append(Series("model" + ("" if elt else " (no measurements)"), model_pts, "line", "#6b7280", dashed=bool(elt)))
+    series.append(Series("model" + ("" if elt else " (no measurements)"), model_pts, "line", "#6b7280",
+                         dashed=bool(elt)))
     hbm = profile.device.hbm_bandwidth_bytes_per_s / 1e9
     series.append(Series(f"HBM datasheet {hbm:,.0f} GB/s", [(model_pts[0][0], hbm), (model_pts[-1][0], hbm)], "line",
                          "#9ca3af", dashed=True))
@@ -293,7 +295,8 @@ def profile_page(request: Request, profile_id: str) -> HTMLResponse:
     try:
         profile = ClusterProfile.model_validate(row.body)
     except ValidationError as exc:  # stored by an older schema: show what can be shown
-        profile, problem = None, f"the stored profile does not validate against today's contract: {exc.error_count()} errors"
+        profile, problem = None, ("the stored profile does not validate against today's contract: "
+                                  f"{exc.error_count()} errors")
     if profile is not None:
         try:
             links = link_charts(profile)

@@ -39,17 +39,20 @@ def resolve_model(ref: ModelRef) -> ModelSpec:
 
 def resolve_profile(db: Database, req: PlanRequest) -> tuple[int, ClusterProfile]:
     try:
-        row, _ = store.get_profile(db, req.profile_id) if req.profile_id is not None else store.latest_profile(db, req.cluster)
+        row, _ = (store.get_profile(db, req.profile_id) if req.profile_id is not None
+                  else store.latest_profile(db, req.cluster))
     except store.NotFound as exc:
         field = "profile_id" if req.profile_id is not None else "cluster"
-        raise AutoparError(field, exc.key, "list stored profiles with GET /v1/profiles or clusters with GET /v1/clusters",
+        raise AutoparError(field, exc.key,
+                           "list stored profiles with GET /v1/profiles or clusters with GET /v1/clusters",
                            problem="is not stored") from None
     profile = ClusterProfile.model_validate(row.body)
     if req.num_nodes is not None and req.num_nodes != profile.num_nodes:
         if profile.kind == "measured":
             raise AutoparError("num_nodes", req.num_nodes,
-                               f"omit num_nodes (this measured profile describes {profile.num_nodes} nodes) or upload a "
-                               "profile measured on the cluster you plan for", problem="cannot change a measured profile")
+                               f"omit num_nodes (this measured profile describes {profile.num_nodes} nodes) "
+                               "or upload a profile measured on the cluster you plan for",
+                               problem="cannot change a measured profile")
         profile = profile.with_nodes(req.num_nodes)
     if req.options.memory_headroom is not None:  # the profile's own (assumptions.memory_headroom) otherwise
         profile = profile.model_copy(update={"assumptions": profile.assumptions.model_copy(
@@ -86,7 +89,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
     opts = search_options(req, max_budget_s)
     request = req.model_dump(mode="json", exclude_none=True)
     # the resolved inputs, not the request's wording: a preset and its spec written out plan the same
-    digest = store.canonical_hash(dict(model=model.model_dump(mode="json"), training=req.training.model_dump(mode="json"),
+    digest = store.canonical_hash(dict(model=model.model_dump(mode="json"),
+                                       training=req.training.model_dump(mode="json"),
                                        profile_id=profile_id, num_nodes=profile.num_nodes,
                                        options=req.options.model_dump(mode="json")))
     common = dict(profile_id=profile_id, request=request, request_hash=digest, model_name=model.name,

@@ -133,7 +133,8 @@ class PlanRequest(Strict):
 
     model: ModelRef
     training: TrainingConfig
-    profile_id: int | None = Field(None, ge=1, le=MAX_ID, strict=True, description="a stored profile (GET /v1/profiles)")
+    profile_id: int | None = Field(None, ge=1, le=MAX_ID, strict=True,
+                                   description="a stored profile (GET /v1/profiles)")
     cluster: str | None = Field(None, max_length=200, description="a cluster name: its newest profile")
     num_nodes: int | None = Field(
         None, ge=1, le=MAX_GPUS, strict=True, description="reference profiles only: nodes to plan for"

@@ -101,7 +101,8 @@ def latest_profile(db: Database, cluster: str) -> tuple[Profile, Cluster]:
         c = session.scalar(select(Cluster).where(Cluster.name == cluster))
         if c is None:
             raise NotFound("cluster", cluster)
-        row = session.scalar(select(Profile).where(Profile.cluster_id == c.id).order_by(Profile.version.desc()).limit(1))
+        row = session.scalar(select(Profile).where(Profile.cluster_id == c.id)
+                             .order_by(Profile.version.desc()).limit(1))
         if row is None:
             raise NotFound("cluster", cluster)
         return row, c

@@ -365,7 +365,8 @@ def postgres_unavailable(server_url: str) -> str | None:
         psycopg.connect(server_url, autocommit=True, connect_timeout=3).close()
         return None
     except Exception as exc:  # noqa: BLE001
-        return f"PostgreSQL at {server_url} unreachable: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+        return (f"PostgreSQL at {server_url} unreachable: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
 
 
 class FreshDatabase:
@@ -479,7 +480,8 @@ def verify(result: BackendResult, state: LoadState, database_url: str, server_ur
     check("plan ids distinct and all stored",
           len(set(told_plans)) == len(told_plans) and set(db_plan_ids) == set(told_plans) | plans_before,
           f"distinct told={len(set(told_plans))}/{len(told_plans)}, "
-          f"missing={len(set(told_plans) - set(db_plan_ids))}, unexpected={len(set(db_plan_ids) - set(told_plans) - plans_before)}")
+          f"missing={len(set(told_plans) - set(db_plan_ids))}, "
+          f"unexpected={len(set(db_plan_ids) - set(told_plans) - plans_before)}")
 
     db_profile_ids = {row.id for row in db_profiles}
     created = set(state.created_profiles)
@@ -557,8 +559,8 @@ def run_backend(backend: str, clients: int = 50, duration: float = 60.0, seed: i
                 plans = http.get("/v1/plans", params={"limit": 500}).json()
                 plans_before = {p["id"] for p in plans["items"]}
             if not quiet:
-                console.print(f"[bold]{backend}[/]: server {server.url} on {_safe(fresh.url)}; {len(ref_ids)} reference "
-                              f"profiles; {clients} clients for {duration:g} s ...")
+                console.print(f"[bold]{backend}[/]: server {server.url} on {_safe(fresh.url)}; "
+                              f"{len(ref_ids)} reference profiles; {clients} clients for {duration:g} s ...")
             state = asyncio.run(_load(server.url, result, clients, duration, seed, base_profile))
             verify(result, state, fresh.url, server.url, ref_ids, plans_before)
         tracebacks = server.log.count("Traceback (most recent call last)")
@@ -631,7 +633,8 @@ def print_summary(results: list[BackendResult]) -> None:
         plan = r.latencies.get("plan", [])
         t.add_row(r.backend, str(r.total), f"{r.total / r.elapsed_s:.1f}", str(r.error_count),
                   _ms(percentile(lat, 50)), _ms(percentile(lat, 99)), _ms(max(lat) if lat else float("nan")),
-                  _ms(percentile(plan, 50)), _ms(percentile(plan, 99)), _ms(percentile(up, 50)), _ms(percentile(up, 99)),
+                  _ms(percentile(plan, 50)), _ms(percentile(plan, 99)),
+                  _ms(percentile(up, 50)), _ms(percentile(up, 99)),
                   "[green]OK[/]" if r.rows_ok else "[red]MISMATCH[/]")
     console.print(t)
     for r in results:

@@ -84,11 +84,13 @@ def main() -> None:
             v = torch.randn(1, kv, s, d, device=device, dtype=dtype, requires_grad=True)
             rep = h // kv
 
+            # B023: both closures are called only within this iteration, so they see its q, k, v and rep
             def grouped() -> None:
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()  # noqa: B023
 
             def expanded() -> None:
-                F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),  # noqa: B023
+                                               v.repeat_interleave(rep, 1),  # noqa: B023
                                                is_causal=True).sum().backward()
 
             peaks = []

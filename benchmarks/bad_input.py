@@ -64,7 +64,8 @@ SERVICE = [  # (what, path, raw body)
     ("model.spec.vocab_size 10^30", "/v1/plans", plan_body(model={"spec": {**SPEC, "vocab_size": HUGE}})),
     ("training.moe_load_imbalance NaN", "/v1/plans",
      with_literal({**GOOD, "training": {**TRAINING, "moe_load_imbalance": M}}, M, "NaN")),
-    ("options.time_budget_s Infinity", "/v1/plans", with_literal({**GOOD, "options": {"time_budget_s": M}}, M, "Infinity")),
+    ("options.time_budget_s Infinity", "/v1/plans",
+     with_literal({**GOOD, "options": {"time_budget_s": M}}, M, "Infinity")),
     ("options.memory_headroom -Infinity", "/v1/plans",
      with_literal({**GOOD, "options": {"memory_headroom": M}}, M, "-Infinity")),
     ("model.hf_config.rope_theta 1e999", "/v1/plans",
@@ -181,8 +182,8 @@ def command_line() -> list[str]:
         plan16 = Path(tmp) / "llama3-8b-16.json"
         code, out, wall = autopar("plan", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "64",
                                   "--time-budget", "5", "--out", str(plan16))
-        print(f"{'':<11} {code:>6} {wall * 1e3:8.0f} ms  (made {plan16.name}: `autopar plan --model llama3-8b --nodes 2 "
-              "--global-batch 64`, 16 ranks)")
+        print(f"{'':<11} {code:>6} {wall * 1e3:8.0f} ms  (made {plan16.name}: "
+              "`autopar plan --model llama3-8b --nodes 2 --global-batch 64`, 16 ranks)")
         cpu = {"AUTOPAR_FORCE_CPU": "1"}
         for args in ((str(plan16), "--dry-run"), (str(plan16), "--steps", "1")):
             code, out, wall = autopar("run", *args, env=cpu)

@@ -71,7 +71,8 @@ def held_out(precision: Precision) -> None:
     t0 = time.perf_counter()
     profiled = time_rounds(fns(grid.gemm), device=CPU, warmup=2, trials=TRIALS, min_time_s=MIN_TRIAL_S)
     fresh = time_rounds(fns(held), device=CPU, warmup=2, trials=TRIALS, min_time_s=MIN_TRIAL_S)
-    print(f"{precision.value}: {len(grid.gemm)} grid GEMMs, then {len(held)} held-out ({time.perf_counter() - t0:.0f} s)")
+    print(f"{precision.value}: {len(grid.gemm)} grid GEMMs, then {len(held)} held-out "
+          f"({time.perf_counter() - t0:.0f} s)")
     for name, stat in STATISTICS.items():
         points = [GemmPoint(precision=precision, m=m, n=n, k=k, layout=lay, time_s=stat(r.trials))
                   for (m, n, k, lay), r in zip(grid.gemm, profiled)]

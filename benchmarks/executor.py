@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, RunReport, TrainingConfig
+from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, RunReport, TrainingConfig  # noqa: E402
 
 SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                  ffn_hidden_size=192, vocab_size=256)
@@ -228,7 +228,8 @@ def single_gpu(profile_path: str | None, steps: int, tmp: Path) -> None:
     print(f"\n(c) single GPU ({name}), profile '{profile.name}': {spec.num_layers} layers x {spec.hidden_size}, "
           f"seq {training.seq_length}, batch {training.global_batch_size}, bf16")
     print(f"    step time   predicted {plan.prediction.step_time_s * 1e3:8.1f} ms   measured "
-          f"{report.median_step_time_s * 1e3:8.1f} ms   ({plan.prediction.step_time_s / report.median_step_time_s - 1:+.0%})")
+          f"{report.median_step_time_s * 1e3:8.1f} ms   "
+          f"({plan.prediction.step_time_s / report.median_step_time_s - 1:+.0%})")
     print(
         f"    peak memory predicted {plan.prediction.memory.total_bytes / 2**30:8.2f} GiB  measured "
         f"{report.peak_memory_bytes_per_rank[0] / 2**30:8.2f} GiB ({report.memory_kind})"

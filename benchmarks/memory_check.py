@@ -111,7 +111,8 @@ def show(title: str, found: list[tuple]) -> None:
     for name, pa, ma, pt, mt in found:
         ea.append(pa / ma - 1)
         et.append(pt / mt - 1)
-        print(f"{name:22} {pa / GIB:10.2f} {ma / GIB:7.2f} {ea[-1]:+7.1%}   {pt / GIB:10.2f} {mt / GIB:7.2f} {et[-1]:+7.1%}")
+        print(f"{name:22} {pa / GIB:10.2f} {ma / GIB:7.2f} {ea[-1]:+7.1%}   "
+              f"{pt / GIB:10.2f} {mt / GIB:7.2f} {et[-1]:+7.1%}")
     for label, e in (("allocated", ea), ("total", et)):
         print(f"summary {title.split(':')[0]} {label:9}: median |error| {statistics.median(abs(x) for x in e):.1%}, "
               f"worst under {min(min(e), 0.0):+.1%}, worst over {max(max(e), 0.0):+.1%} ({len(e)} rows)")
@@ -131,7 +132,8 @@ def main() -> int:
     every = fitted(rows, cases)
     print(f"{'constant':28} {'default':>10} {'all rows':>10} " + " ".join(f"{'w/o ' + g[:-1]:>10}" for g in GROUPS))
     for name in defaults:
-        print(f"{name:28} {defaults[name]:10.4g} {every[name]:10.4g} " + " ".join(f"{held[g][name]:10.4g}" for g in GROUPS))
+        print(f"{name:28} {defaults[name]:10.4g} {every[name]:10.4g} "
+              + " ".join(f"{held[g][name]:10.4g}" for g in GROUPS))
     show(
         "leave-one-model-out (headline): each model's rows with constants fitted on the others",
         errors(rows, cases, held),

@@ -30,12 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch
-
-from planner.contracts import (
+from planner.contracts import (  # noqa: E402
     ClusterProfile,
     GemmLayout,
     ModelSpec,
@@ -55,7 +55,8 @@ def _sync(dev: torch.device) -> None:
 
 def timed(fn, dev: torch.device, reps: int, rounds: int = 5) -> float:
     """Median over ``rounds`` of the wall time of ``reps`` calls, divided by ``reps`` (after a warm-up)."""
-    fn(); _sync(dev)
+    fn()
+    _sync(dev)
     times = []
     for _ in range(rounds):
         _sync(dev)
@@ -114,7 +115,8 @@ def expert_gemms(dev: torch.device, profile: ClusterProfile, cases: list[tuple[i
             w = torch.randn(experts, n, k, device=dev, dtype=dtype)
             parts = list(x.split(rows))
             one = timed(lambda parts=parts, w=w: expert_loop(parts, w, []), dev, reps)
-            four = timed(lambda parts=parts, w=w: expert_loop(parts, w, streams), dev, reps) if streams else float("nan")
+            four = (timed(lambda parts=parts, w=w: expert_loop(parts, w, streams), dev, reps)
+                    if streams else float("nan"))
             g = grouped_mm(x, w, rows)
             gm = timed(g, dev, reps) if g else float("nan")
             p1, p4, pa = (grouped_gemm_time_s(profile, rows, n, k, prec, experts, s, GemmLayout.nt)
@@ -154,7 +156,8 @@ def executor_run(profile: ClusterProfile, spec: ModelSpec, training: TrainingCon
     print(f"    step time   measured {measured * 1e3:8.1f} ms; predicted (autopar, expert GEMMs {how}) "
           f"{pred.step_time_s * 1e3:8.1f} ms ({pred.step_time_s / measured - 1:+.0%})")
     print(f"    peak memory measured {report.peak_memory_bytes_per_rank[0] / 2**30:8.2f} GiB ({report.memory_kind}); "
-          f"predicted allocated {pred.memory.allocated_bytes / 2**30:.2f} GiB, total {pred.memory.total_bytes / 2**30:.2f} GiB")
+          f"predicted allocated {pred.memory.allocated_bytes / 2**30:.2f} GiB, "
+          f"total {pred.memory.total_bytes / 2**30:.2f} GiB")
     print(f"    predicted: compute {pred.compute_time_s * 1e3:.1f} ms, optimizer "
           f"{pred.optimizer_time_s * 1e3:.1f} ms, exposed communication {pred.exposed_comm_time_s * 1e3:.1f} ms")
 
@@ -180,7 +183,8 @@ def moe_layer(dev: torch.device, tokens: int, reps: int) -> None:
         wall = timed(step, dev, reps, rounds=3)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            step(); _sync(dev)
+            step()
+            _sync(dev)
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernel = sum(e.self_device_time_total for e in events) / 1e6
         how = "torch._grouped_mm where it runs" if grouped else "per-expert loop"

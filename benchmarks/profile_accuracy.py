@@ -234,8 +234,10 @@ def compute_accuracy(args: argparse.Namespace, device: torch.device
             pred = sum(gemm_fwd_bwd_s(cluster, tokens, out_f, in_f, p))
             before = sum(gemm_fwd_bwd_s(nn_only, tokens, out_f, in_f, p))
             linear.append((pred, before, t.estimate_s))
-            print(f"{f'{tokens} x {out_f} x {in_f}':>25} {p.value:>5} {pred * 1e3:>9.3f}ms {t.estimate_s * 1e3:>9.3f}ms "
-                  f"{_err(pred, t.estimate_s) * 100:>6.1f}% {before * 1e3:>9.3f}ms {_err(before, t.estimate_s) * 100:>6.1f}%")
+            print(f"{f'{tokens} x {out_f} x {in_f}':>25} {p.value:>5} "
+                  f"{pred * 1e3:>9.3f}ms {t.estimate_s * 1e3:>9.3f}ms "
+                  f"{_err(pred, t.estimate_s) * 100:>6.1f}% {before * 1e3:>9.3f}ms "
+                  f"{_err(before, t.estimate_s) * 100:>6.1f}%")
 
     print(f"\n{'attention b,s,h/kv,d':>22} {'prec':>5} {'pred fwd':>11} {'meas fwd':>11} {'error':>7} "
           f"{'pred bwd':>11} {'meas bwd':>11} {'error':>7}")

@@ -91,7 +91,8 @@ def layout_summary(layout: ParallelLayout) -> str:
     parts.append(zero)
     parts.append(f"mb{layout.micro_batch_size}")
     if layout.recompute_per_stage is not None:
-        per = [f"{r.kind.value}" + (f":{r.num_layers}" if r.num_layers is not None else "") for r in layout.recompute_per_stage]
+        per = [f"{r.kind.value}" + (f":{r.num_layers}" if r.num_layers is not None else "")
+               for r in layout.recompute_per_stage]
         runs: list[list] = []  # run-length: [choice, stages]
         for choice in per:
             if runs and runs[-1][0] == choice:
@@ -247,7 +248,8 @@ class Small:
 SMALL = [
     Small("llama3-70b 8 layers, 8 x A100-40GB", "llama3-70b", 8, "dgx-a100-40gb", 1, 16, 4096),
     Small("llama3-70b 6 layers, 16 x A100-40GB, 25 Gb/s per GPU", "llama3-70b", 6, "dgx-a100-40gb", 2, 16, 4096, 25),
-    Small("mixtral-8x7b 4 layers, 16 x A100-40GB, 25 Gb/s per GPU", "mixtral-8x7b", 4, "dgx-a100-40gb", 2, 16, 4096, 25),
+    Small("mixtral-8x7b 4 layers, 16 x A100-40GB, 25 Gb/s per GPU",
+          "mixtral-8x7b", 4, "dgx-a100-40gb", 2, 16, 4096, 25),
     Small("llama3-8b 8 layers, 8 x H100", "llama3-8b", 8, "dgx-h100", 1, 32, 4096),
 ]
 BRUTE_OPTIONS = SearchOptions(max_micro_batch_size=2, max_virtual_stages=2, zero_stages=(0, 1, 3), hsdp=False)
@@ -257,7 +259,8 @@ def reduced_model(name: str, layers: int):  # noqa: ANN201 - ModelSpec
     base = get_preset(name)
     update: dict = {"num_layers": layers}
     if base.moe is not None:
-        update["moe"] = base.moe.model_copy(update={"first_dense_layers": min(base.moe.first_dense_layers, layers // 2)})
+        update["moe"] = base.moe.model_copy(
+            update={"first_dense_layers": min(base.moe.first_dense_layers, layers // 2)})
     return base.model_copy(update=update)
 
 
@@ -345,7 +348,8 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
         fit = "" if published.memory.fits else (
             f"  ** does NOT fit per predict: {published.memory.total_bytes / GIB:.1f} GiB of "
             f"{published.memory.capacity_bytes / GIB:.0f} GiB **")
-        print(f"   published: {layout_summary(case.layout)}  -> {published.step_time_s:.3f} s, MFU {published.mfu:.1%}{fit}")
+        print(f"   published: {layout_summary(case.layout)}  -> {published.step_time_s:.3f} s, "
+              f"MFU {published.mfu:.1%}{fit}")
         try:
             t0 = time.perf_counter()
             plan = search(case.model, case.training, case.profile, expert_options(case.layout, case.target))
@@ -368,7 +372,8 @@ def run_experts(targets: Targets, data: Path, limit: int | None) -> None:
             print(f"   structure: {', '.join(diff) if diff else 'same'}; terms published->planner: "
                   f"{term_deltas(published, mine)}")
         if ratio < 1.0:
-            below.append(f"{case.run_id} ({ratio:.3f}{'; published does not fit' if not published.memory.fits else ''})")
+            below.append(f"{case.run_id} "
+                         f"({ratio:.3f}{'; published does not fit' if not published.memory.fits else ''})")
     elapsed = time.perf_counter() - start
     print(f"\nsection 3: {len(cases)} rows in {elapsed:.0f} s; ratios: min {min(ratios, default=float('nan')):.3f} "
           f"median {sorted(ratios)[len(ratios) // 2] if ratios else float('nan'):.3f}")

@@ -69,7 +69,8 @@ def headline(rows: list[dict[str, str]]) -> dict[str, list]:
     print("\n== HEADLINE: leave-one-source-out (each source predicted by constants fitted without it) ==")
     print(f"fitter: calibrate.fit rounds={LOSO_ROUNDS} tol={LOSO_TOL:g} (fewer rounds than the packaged fit's 4, "
           f"so the {len(loso)} folds + 1 in-sample fit finish in minutes; {seconds:.0f} s)")
-    print(f"  {'source':12s} {'rows':>4s}  {'held-out median':>15s} {'p90':>7s} {'max':>7s}   {'in-sample median':>16s}")
+    print(f"  {'source':12s} {'rows':>4s}  {'held-out median':>15s} {'p90':>7s} {'max':>7s}   "
+          f"{'in-sample median':>16s}")
     for source, errs in loso.items():
         s, f = summarize(errs), summarize(fitted.get(source, []))
         print(f"  {source:12s} {s.rows:4d}  {s.median_abs_err:15.1%} {s.p90_abs_err:7.1%} {s.max_abs_err:7.1%}"
@@ -93,14 +94,16 @@ def headline(rows: list[dict[str, str]]) -> dict[str, list]:
           "vs planner/data/calibration.json:")
     for (name, family), v in sorted(values.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
         old = (packaged.get("families", {}).get(family, {}) if family else packaged.get("shared", {})).get(name)
-        print(f"  {name:26s} {family or 'shared':7s} fitted={v:10.4f}   packaged={'-' if old is None else f'{old:.4f}'}")
+        print(f"  {name:26s} {family or 'shared':7s} fitted={v:10.4f}   "
+              f"packaged={'-' if old is None else f'{old:.4f}'}")
     return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="published_runs.csv")
-    parser.add_argument("--fit", action="store_true", help="refit the constants and write planner/data/calibration.json")
+    parser.add_argument("--fit", action="store_true",
+                        help="refit the constants and write planner/data/calibration.json")
     parser.add_argument("--no-loso", action="store_true", help="skip leave-one-source-out (the slow part)")
     parser.add_argument("--write-intervals", action="store_true",
                         help="write planner/data/intervals.json from the held-out residuals (planner.uncertainty)")

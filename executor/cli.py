@@ -94,9 +94,10 @@ def check_cpu(plan: Plan, nproc: int) -> str:
     have = available_memory_bytes("cpu")
     if need > have:
         raise AutoparError("--nproc-per-node", nproc, f"{SPREAD}, plan for more ranks that each hold less, or free "
-                           "memory", problem=f"CPU ranks need about {need / GiB:.1f} GiB ({WORKER_BASE_BYTES / GiB:.2f} "
-                                             f"GiB each for torch, {share / GiB:.2f} GiB for its share of the model), "
-                                             f"and this host has {have / GiB:.1f} GiB available")
+                           "memory",
+                           problem=f"CPU ranks need about {need / GiB:.1f} GiB ({WORKER_BASE_BYTES / GiB:.2f} "
+                                   f"GiB each for torch, {share / GiB:.2f} GiB for its share of the model), "
+                                   f"and this host has {have / GiB:.1f} GiB available")
     return (f"{nproc} CPU rank(s) on this host's {cores} core(s), about {need / GiB:.1f} GiB of its "
             f"{have / GiB:.1f} GiB available")
 
@@ -251,7 +252,8 @@ def render_report(report: RunReport, plan: Plan) -> None:
     if report.steps:
         first, last = report.steps[0], report.steps[-1]
         console.print(f"loss {first.loss:.4f} (step {first.step}) -> {last.loss:.4f} (step {last.step}); "
-                      f"median over {len(report.steps) - report.warmup_steps} step(s) after {report.warmup_steps} warm-up")
+                      f"median over {len(report.steps) - report.warmup_steps} step(s) after "
+                      f"{report.warmup_steps} warm-up")
 
 
 def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep: Path) -> dict:
@@ -274,11 +276,13 @@ def run(
     checkpoint_dir: Annotated[Path | None, typer.Option(help="save DCP checkpoints here (step_<N>/)")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=0, help="save every K steps (0: never)")] = 0,
     async_checkpoint: Annotated[bool, typer.Option(help="save with dcp.async_save (overlaps the next steps)")] = False,
-    resume: Annotated[bool, typer.Option(help="continue from the newest checkpoint in --checkpoint-dir (any plan)")] = False,
+    resume: Annotated[bool, typer.Option(help="continue from the newest checkpoint in --checkpoint-dir "
+                                              "(any plan)")] = False,
     data: Annotated[Path | None, typer.Option(help="flat uint16/uint32 token file (default: synthetic tokens)")] = None,
     hf_config: Annotated[Path | None, typer.Option(help="train a Hugging Face model of this config.json "
                                                              "(random weights) instead of the built-in one")] = None,
-    profile: Annotated[Path | None, typer.Option(help="ClusterProfile JSON: the peak the MFU is measured against")] = None,
+    profile: Annotated[Path | None, typer.Option(help="ClusterProfile JSON: the peak the MFU is measured "
+                                                      "against")] = None,
     out: Annotated[Path | None, typer.Option(help="write the RunReport JSON here")] = None,
     server: Annotated[str | None, typer.Option(help="POST the report to {server}/v1/runs")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
@@ -292,7 +296,8 @@ def run(
     max_restarts: Annotated[int, typer.Option(min=0, help="restart all workers this often after a failure; they "
                                                             "resume from the newest checkpoint")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="check the plan, the options and this host (GPUs, or CPU "
-                                                            "cores and memory) and exit: 0 if it can run here")] = False,
+                                                            "cores and memory) and exit: 0 if it can run "
+                                                            "here")] = False,
 ) -> None:
     """Train with a plan under torchrun and report measured step time, tokens/s, MFU and memory.
 
@@ -317,10 +322,12 @@ def run(
                                f"{warmup + 1})", problem=f"is not below --steps {steps}: no step would be timed")
         nproc = nproc_per_node or plan.num_gpus // nnodes
         if nproc * nnodes != plan.num_gpus:
-            raise AutoparError("--nproc-per-node", nproc, f"use nnodes x nproc-per-node = plan.num_gpus = {plan.num_gpus}",
+            raise AutoparError("--nproc-per-node", nproc,
+                               f"use nnodes x nproc-per-node = plan.num_gpus = {plan.num_gpus}",
                                problem=f"x --nnodes {nnodes} = {nproc * nnodes} workers")
         if node_rank >= nnodes:
-            raise AutoparError("--node-rank", node_rank, f"use 0..{nnodes - 1}", problem=f"is not below --nnodes {nnodes}")
+            raise AutoparError("--node-rank", node_rank, f"use 0..{nnodes - 1}",
+                               problem=f"is not below --nnodes {nnodes}")
         if server and plan_id is None:
             raise AutoparError("--plan-id", None, "give the service's id of this plan (GET /v1/plans)",
                                problem="is missing; the service stores a run beside its plan")

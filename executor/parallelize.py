@@ -20,7 +20,8 @@ Order (:func:`parallelize`; each step sees the result of the previous one):
    bf16 plans get FSDP2's ``MixedPrecisionPolicy`` (bf16 gathers and compute, fp32 gradient
    reduction); under ZeRO-0/1 the step runs in ``torch.autocast(bf16)`` (:func:`autocast_context`).
    Either way parameters, gradients and optimizer states stay fp32 (master weights). fp16 (needs loss
-   scaling) and fp8 (needs Transformer Engine / torchao float8 kernels) are refused. Optimizer offload is FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
+   scaling) and fp8 (needs Transformer Engine / torchao float8 kernels) are refused. Optimizer offload is
+   FSDP2's ``CPUOffloadPolicy`` (ZeRO-2/3 only).
 
 Mesh (:func:`build_mesh`): dims ``(pp, dp_replicate, dp_shard, cp, tp)``, outermost first, every dim
 kept even at size 1 (so every named sub-mesh exists under every plan). The routed experts of a MoE

@@ -86,7 +86,11 @@ def initial_values(cases: list[RowCase]) -> Values:
     """Start every constant from the contract's default (not the last fit), so a fit is reproducible."""
     defaults = Assumptions()
     families = {c.family for c in cases}
-    return {(c.name, c.family): getattr(defaults, c.name) for c in CONSTANTS if c.family is None or c.family in families}
+    return {
+        (c.name, c.family): getattr(defaults, c.name)
+        for c in CONSTANTS
+        if c.family is None or c.family in families
+    }
 
 
 def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:

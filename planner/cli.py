@@ -44,7 +44,8 @@ from planner.contracts.limits import (
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for training large transformers.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Auto-parallelism planner for training large transformers.")
 # piped output (CI logs, benchmark captures) gets wide tables instead of truncated run ids
 console = make_console()
 err_console = make_console(stderr=True)
@@ -65,20 +66,24 @@ def describe_validation_error(exc: ValidationError, what: str) -> str:
 # options shared by `predict` and `plan`
 OptModel = Annotated[str | None, typer.Option(help="model preset, e.g. llama3.1-70b (see `autopar presets`)")]
 OptModelFile = Annotated[Path | None, typer.Option(help="ModelSpec JSON file")]
-OptHfConfig = Annotated[Path | None, typer.Option(help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
+OptHfConfig = Annotated[Path | None, typer.Option(
+    help="Hugging Face config.json (Llama/Mistral/Qwen/Mixtral/DeepSeek-V3)")]
 OptCluster = Annotated[str | None, typer.Option(
     help="reference cluster, or a measured profile shipped with the planner (see `autopar clusters`)")]
-OptNodes = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of nodes (reference clusters; default 1)")]
+OptNodes = Annotated[int | None, typer.Option(
+    min=1, max=MAX_GPUS, help="number of nodes (reference clusters; default 1)")]
 OptGpus = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of GPUs instead of --nodes: part of one "
                                              "node (e.g. 4 of a DGX's 8) or whole nodes (reference clusters)")]
 OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
 OptGlobalBatch = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="sequences per optimizer step")]
-OptGlobalBatchTokens = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH_TOKENS, help="tokens per optimizer step")]
+OptGlobalBatchTokens = Annotated[int | None, typer.Option(
+    min=1, max=MAX_GLOBAL_BATCH_TOKENS, help="tokens per optimizer step")]
 OptSeq = Annotated[int, typer.Option(min=1, max=MAX_SEQ, help="sequence length")]
 OptPrecision = Annotated[Precision, typer.Option()]
 OptOptimizer = Annotated[Optimizer, typer.Option()]
 OptUnfusedAttention = Annotated[bool, typer.Option(help="Megatron-2021-style attention that stores the scores")]
-OptMoeImbalance = Annotated[float, typer.Option(min=1.0, max=64.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")]
+OptMoeImbalance = Annotated[float, typer.Option(
+    min=1.0, max=64.0, help="MoE: routed tokens on the busiest expert rank / perfect balance")]
 
 
 def load_model(model: str | None, model_file: Path | None, hf_config: Path | None) -> ModelSpec:
@@ -96,7 +101,9 @@ def load_model(model: str | None, model_file: Path | None, hf_config: Path | Non
     return ModelSpec.model_validate_json(_read(model_file, "--model-file"))
 
 
-def load_profile(cluster: str | None, nodes: int | None, profile: Path | None, gpus: int | None = None) -> ClusterProfile:
+def load_profile(
+    cluster: str | None, nodes: int | None, profile: Path | None, gpus: int | None = None
+) -> ClusterProfile:
     """A reference cluster or a shipped measured profile by name (``planner/data/measured``), or a
     profile file (a measured one describes its own nodes); ``gpus``: a reference cluster's GPU count."""
     if gpus is not None:
@@ -126,7 +133,8 @@ def load_profile(cluster: str | None, nodes: int | None, profile: Path | None, g
                 raise UnknownNameError("cluster", cluster, [*SYSTEMS, *shipped]) from None
         loaded = shipped[cluster]
     elif cluster:
-        raise AutoparError("--cluster", cluster, "give either --cluster or --profile", problem="conflicts with --profile")
+        raise AutoparError("--cluster", cluster, "give either --cluster or --profile",
+                           problem="conflicts with --profile")
     else:
         loaded = ClusterProfile.model_validate_json(_read(profile, "--profile"))
     if nodes is None or nodes == loaded.num_nodes:
@@ -194,16 +202,18 @@ def describe_recompute(lay: ParallelLayout) -> str:
         return lay.recompute.value
     parts: list[str] = []
     for i, r in enumerate(lay.recompute_per_stage):
-        parts.append(f"s{i}:{r.kind.value}" + (f"x{r.num_layers}" if r.num_layers is not None and r.kind is not Recompute.none else ""))
+        parts.append(f"s{i}:{r.kind.value}"
+                     + (f"x{r.num_layers}" if r.num_layers is not None and r.kind is not Recompute.none else ""))
     return "per stage [" + " ".join(parts) + "]"
 
 
 def layout_summary(lay: ParallelLayout) -> str:
     return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
             f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
-            f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp is not None else ''} zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
-            f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''} mb{lay.micro_batch_size}"
-            f" {lay.schedule.value if lay.pp > 1 else ''} rc:{describe_recompute(lay)}"
+            f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp is not None else ''}"
+            f" zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
+            f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''}"
+            f" mb{lay.micro_batch_size} {lay.schedule.value if lay.pp > 1 else ''} rc:{describe_recompute(lay)}"
             f"{f' split{lay.layers_per_stage}' if lay.layers_per_stage else ''}")
 
 
@@ -218,8 +228,8 @@ def render_search(plan: Plan, top_families: int = 12) -> None:
                    f"{best.memory.total_bytes / GiB:.1f} GiB", "", "chosen")
         for i, alt in enumerate(plan.alternatives, 2):
             p = alt.prediction
-            at.add_row(str(i), layout_summary(alt.layout), f"{p.step_time_s:.3f} s" if p else "-", f"{p.mfu:.1%}" if p else "-",
-                       f"{p.memory.total_bytes / GiB:.1f} GiB" if p else "-",
+            at.add_row(str(i), layout_summary(alt.layout), f"{p.step_time_s:.3f} s" if p else "-",
+                       f"{p.mfu:.1%}" if p else "-", f"{p.memory.total_bytes / GiB:.1f} GiB" if p else "-",
                        f"{alt.slower_by:+.2%}" if alt.slower_by is not None else "", alt.reason)
         console.print(at)
     rep = plan.search
@@ -235,10 +245,12 @@ def render_search(plan: Plan, top_families: int = 12) -> None:
         ft.add_row(f"... {len(rep.families) - top_families} more", "", "", "", "see --json")
     console.print(ft)
     removed = sum(rep.removed_by_rule.values())
-    console.print(f"search: {rep.candidates_considered:,} candidates; {removed:,} removed by rules, {rep.dominated:,} dominated, "
-                  f"{rep.memory_infeasible:,} do not fit, {rep.pruned_by_bound:,} pruned by bound, {rep.evaluated:,} priced, "
-                  f"{rep.solved:,} solved by CP-SAT {dict(rep.solver_status_counts)}, {rep.closed_without_solver:,} closed "
-                  f"without it; {rep.wall_s:.2f} s. Chosen plan: {plan.solver_status}")
+    console.print(f"search: {rep.candidates_considered:,} candidates; {removed:,} removed by rules, "
+                  f"{rep.dominated:,} dominated, {rep.memory_infeasible:,} do not fit, "
+                  f"{rep.pruned_by_bound:,} pruned by bound, {rep.evaluated:,} priced, "
+                  f"{rep.solved:,} solved by CP-SAT {dict(rep.solver_status_counts)}, "
+                  f"{rep.closed_without_solver:,} closed without it; {rep.wall_s:.2f} s. "
+                  f"Chosen plan: {plan.solver_status}")
     for rule, count in sorted(rep.removed_by_rule.items(), key=lambda x: -x[1]):
         console.print(f"  removed {count:,}: {rule} (e.g. {rep.rule_examples.get(rule, '')})")
 
@@ -251,7 +263,8 @@ def render_prediction(plan: Plan) -> None:
     console.print(f"layout: dp={lay.dp} (replicate {lay.dp_replicate} x shard {lay.dp_shard}, ZeRO-{lay.zero_stage}) "
                   f"tp={lay.tp}{' +SP' if lay.sp else ''} cp={lay.cp} pp={lay.pp} ep={lay.ep}"
                   f"{f' etp={lay.etp}' if lay.etp is not None else ''} | micro-batch "
-                  f"{lay.micro_batch_size}, {lay.schedule.value}{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
+                  f"{lay.micro_batch_size}, {lay.schedule.value}"
+                  f"{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
                   f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
                   f"{', torch.compile' if lay.compile else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
@@ -316,10 +329,13 @@ def predict(
     pp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="context parallel degree")] = 1,
     ep: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="expert parallel degree")] = 1,
-    etp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="expert tensor parallel degree: the routed "
-                                            "experts' TP degree, dividing tp (MoE parallel folding; default: tp)")] = None,
-    dp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
-    dp_replicate: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
+    etp: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="expert tensor parallel degree: the routed "
+        "experts' TP degree, dividing tp (MoE parallel folding; default: tp)")] = None,
+    dp: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="data parallel degree (default: GPUs / (tp x pp x cp))")] = None,
+    dp_replicate: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="HSDP replicate groups (default: all of dp for ZeRO-0, else 1)")] = None,
     sp: Annotated[bool, typer.Option(help="sequence parallel with TP")] = False,
     zero: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage over the dp shard group (0 = DDP)")] = 0,
     reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
@@ -377,24 +393,34 @@ def plan(
     unfused_attention: OptUnfusedAttention = False,
     moe_imbalance: OptMoeImbalance = 1.0,
     top: Annotated[int, typer.Option("--top", min=1, max=MAX_TOP_K, help="alternatives to keep (top K plans)")] = 5,
-    max_micro_batch: Annotated[int, typer.Option(min=1, max=MAX_MICRO_BATCH, help="largest micro-batch size to consider")] = 16,
-    max_vp: Annotated[int, typer.Option(min=1, max=MAX_VIRTUAL_STAGES, help="most virtual stages per rank to consider")] = 8,
-    max_tp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest TP degree (default: GPUs per node)")] = None,
-    max_pp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest pipeline depth (1: no pipeline)")] = None,
-    max_cp: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest context-parallel degree (1: no CP)")] = None,
-    max_ep: Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="largest expert-parallel degree (1: no EP)")] = None,
+    max_micro_batch: Annotated[int, typer.Option(
+        min=1, max=MAX_MICRO_BATCH, help="largest micro-batch size to consider")] = 16,
+    max_vp: Annotated[int, typer.Option(
+        min=1, max=MAX_VIRTUAL_STAGES, help="most virtual stages per rank to consider")] = 8,
+    max_tp: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="largest TP degree (default: GPUs per node)")] = None,
+    max_pp: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="largest pipeline depth (1: no pipeline)")] = None,
+    max_cp: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="largest context-parallel degree (1: no CP)")] = None,
+    max_ep: Annotated[int | None, typer.Option(
+        min=1, max=MAX_GPUS, help="largest expert-parallel degree (1: no EP)")] = None,
     zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
-    schedules: Annotated[str, typer.Option(help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
+    schedules: Annotated[str, typer.Option(
+        help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
     no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
     no_hsdp: Annotated[bool, typer.Option(help="shard states over all data-parallel ranks only")] = False,
     tp_overlap: Annotated[bool, typer.Option(help="the framework overlaps TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="the framework overlaps gradient reduction / weight gathers")] = True,
-    ep_overlap: Annotated[bool, typer.Option(help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
-    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile of model and loss (torchtitan)")] = False,
-    time_budget: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_BUDGET_S,
-                                               help="seconds after which the search stops and returns its best")] = 20.0,
-    target: Annotated[str, typer.Option(help="what will run the plan: autopar (our executor), megatron, deepspeed or "
-                                        "torchtitan; the search returns only what it runs (planner/targets.py)")] = "autopar",
+    ep_overlap: Annotated[bool, typer.Option(
+        help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
+    compile_model: Annotated[bool, typer.Option(
+        "--compile", help="torch.compile of model and loss (torchtitan)")] = False,
+    time_budget: Annotated[float, typer.Option(
+        min=0.1, max=MAX_TIME_BUDGET_S, help="seconds after which the search stops and returns its best")] = 20.0,
+    target: Annotated[str, typer.Option(
+        help="what will run the plan: autopar (our executor), megatron, deepspeed or "
+        "torchtitan; the search returns only what it runs (planner/targets.py)")] = "autopar",
     robust: Annotated[bool, typer.Option(help="rank plans by the slow end of their step-time interval")] = False,
     memory_headroom: Annotated[float | None, typer.Option(min=0.0, max=0.9, help="share of each GPU's memory kept "
                                                           "free beyond every predicted term (default: the profile's, "
@@ -421,8 +447,8 @@ def plan(
     if target not in {t.value for t in Target}:
         raise AutoparError("--target", target, "use one of " + ", ".join(t.value for t in Target),
                            problem="is not a target autopar plans for")
-    opts = SearchOptions(target=target, robust=robust, top_k=top, max_micro_batch_size=max_micro_batch, max_virtual_stages=max_vp, max_tp=max_tp,
-                         max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
+    opts = SearchOptions(target=target, robust=robust, top_k=top, max_micro_batch_size=max_micro_batch,
+                         max_virtual_stages=max_vp, max_tp=max_tp, max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
                          tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
@@ -448,7 +474,8 @@ def _int_list(text: str, flag: str, allowed: set[int]) -> tuple[int, ...]:
     try:
         values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
-        raise AutoparError(flag, text, "give comma-separated integers, e.g. 1,3", problem="is not a list of integers") from None
+        raise AutoparError(flag, text, "give comma-separated integers, e.g. 1,3",
+                           problem="is not a list of integers") from None
     bad = [v for v in values if v not in allowed]
     if bad or not values:
         raise AutoparError(flag, text, f"choose from {sorted(allowed)}", problem="has values outside the allowed set")
@@ -482,7 +509,8 @@ def _load_plan(path: Path) -> Plan:
 
 @app.command()
 def explain(
-    plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
+    plan_file: Annotated[Path, typer.Argument(
+        metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
 ) -> None:
     """Show a saved plan: its prediction, the alternatives and why the rest lost."""
     saved = _load_plan(plan_file)
@@ -495,9 +523,11 @@ def explain(
 
 @app.command()
 def export(
-    plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
+    plan_file: Annotated[Path, typer.Argument(
+        metavar="PLAN.json", help="a Plan written by `autopar plan --out` or --json")],
     to: Annotated[str, typer.Option("--to", help="megatron | deepspeed | torchtitan")],
-    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="write the files here instead of printing them")] = None,
+    out_dir: Annotated[Path | None, typer.Option(
+        "--out-dir", help="write the files here instead of printing them")] = None,
 ) -> None:
     """Write the launch arguments / config of a plan for Megatron-LM, DeepSpeed or torchtitan."""
     from planner.export import export_plan

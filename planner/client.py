@@ -80,7 +80,8 @@ def check_plan_stored(server: str, plan_id: int, timeout_s: float = 10.0) -> Non
     except httpx.HTTPError as exc:
         raise _unreachable(server, exc) from None
     if r.status_code == 404:
-        raise AutoparError("--plan-id", plan_id, f"give the id of a plan stored there (GET {server.rstrip('/')}/v1/plans)",
+        raise AutoparError("--plan-id", plan_id,
+                           f"give the id of a plan stored there (GET {server.rstrip('/')}/v1/plans)",
                            problem=f"is not a plan stored at {server}")
     if r.status_code != 200:
         raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}",
@@ -105,7 +106,8 @@ def post_json(server: str, path: str, body: bytes, token: str | None, what: str)
     if not isinstance(answer, dict):
         raise AutoparError("--server", server, "give the base URL of an `autopar serve`; check whether the service "
                            f"stored it (GET {server.rstrip('/')}{path})",
-                           problem=f"answered the {what} with {r.status_code} but not with autopar's JSON ({r.text[:120]!r})")
+                           problem=f"answered the {what} with {r.status_code} but not with autopar's JSON "
+                                   f"({r.text[:120]!r})")
     return answer
 
 

@@ -40,7 +40,8 @@ def read_input(path: Path, flag: str, what: str = "JSON file") -> str:
     except OSError as exc:
         raise AutoparError(flag, str(path), fix, problem=f"cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
-        raise AutoparError(flag, str(path), fix, problem=f"is not UTF-8 text (byte {exc.start}: a binary file?)") from None
+        raise AutoparError(flag, str(path), fix,
+                           problem=f"is not UTF-8 text (byte {exc.start}: a binary file?)") from None
 
 
 def unused_path(path: Path) -> Path:

@@ -71,7 +71,8 @@ SYSTEMS: dict[str, NodeDesign] = {
         NodeDesign("dgx-h100", "DGX H100 (8x H100 SXM 80GB, NVLink4 + NVSwitch, 8x NDR 400 Gb/s)", "H100", "hopper", 8,
                    132, 476.0, 370.0, 400, 50.0,
                    notes=("intra-node all-reduce busBW 476 GB/s with NVLS (nccl-tests #290, #212)",
-                          "other intra-node collectives ~370 GB/s (450 GB/s NVLink minus ~20% protocol, nccl-tests #212)",
+                          "other intra-node collectives ~370 GB/s (450 GB/s NVLink minus ~20% protocol, "
+                          "nccl-tests #212)",
                           "network: 400 Gb/s NDR per GPU, 46-48 GB/s measured (nccl-tests #290)",
                           "host link: PCIe 5.0 x16, assumed 50 GB/s pinned")),
         NodeDesign("hgx-h200", "HGX H200 (8x H200 141GB, NVLink4 + NVSwitch, 400 Gb/s per GPU)", "H200", "hopper", 8,
@@ -80,7 +81,8 @@ SYSTEMS: dict[str, NodeDesign] = {
                           "host link: PCIe 5.0 x16, assumed 50 GB/s pinned")),
         NodeDesign("hgx-h800", "HGX H800 (8x H800 80GB, reduced NVLink, 400 Gb/s IB per GPU)", "H800", "hopper", 8, 132,
                    215.0, 160.0, 400, 50.0, memory_gb=80, hbm_tb_s=3.35, peak_bf16_override=989.4,
-                   notes=("H800 compute, memory and HBM bandwidth assumed equal to H100 SXM (the export variant differs in NVLink)",
+                   notes=("H800 compute, memory and HBM bandwidth assumed equal to H100 SXM "
+                          "(the export variant differs in NVLink)",
                           "intra-node all-reduce busBW 215 GB/s (NCCL issue #1374); 160 GB/s usable NVLink and "
                           "50 GB/s IB per GPU (DeepSeek-V3 report 3.2.2)")),
         NodeDesign("gt-h100-96gb-500w", "Grand Teton (8x H100 96GB HBM2e at 500 W, 400 Gb/s RDMA per GPU)",
@@ -190,8 +192,8 @@ def reference_profile(
     net = nic / 8 * NETWORK_EFFICIENCY * GB
     intra_ar, intra = d.intra_all_reduce_gb_s * GB, d.intra_other_gb_s * GB
     links = [
-        LinkProfile(level=LinkLevel.intra_node, collective=Collective.all_reduce, alpha_s=12e-6, busbw_bytes_per_s=intra_ar,
-                    source="nccl-tests busBW, hardware.csv"),
+        LinkProfile(level=LinkLevel.intra_node, collective=Collective.all_reduce, alpha_s=12e-6,
+                    busbw_bytes_per_s=intra_ar, source="nccl-tests busBW, hardware.csv"),
     ]
     for coll in (Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all, Collective.p2p):
         links.append(LinkProfile(level=LinkLevel.intra_node, collective=coll, alpha_s=10e-6, busbw_bytes_per_s=intra,

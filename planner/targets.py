@@ -132,8 +132,9 @@ class TargetFacts:
     ``fp8_saved_inputs``: FP8 training keeps each linear layer's FP8-cast input for its backward (1 byte an
     element, ``memory.layer_activation_bytes``); False: the 16-bit input, cast again in the backward.
     ``expert_gemms(profile, precision)``: how many GEMMs of a grouped expert GEMM run at once on the target, the
-    profile's GPU and the training precision (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after another), or None: the profile's
-    ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams). :func:`priced_profile` applies it.
+    profile's GPU and the training precision (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after
+    another), or None: the profile's ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams).
+    :func:`priced_profile` applies it.
     Each with the source it was read from."""
 
     loss: Callable[[ParallelLayout], float | None]
@@ -171,7 +172,9 @@ def _embedding_and_head(model: ModelSpec, tp: int) -> float:
     return embedding_params(model) / tp + head_per_tp_rank(model, tp)
 
 
-def priced_profile(profile: ClusterProfile, target: str | Target, precision: Precision = Precision.bf16) -> ClusterProfile:
+def priced_profile(
+    profile: ClusterProfile, target: str | Target, precision: Precision = Precision.bf16
+) -> ClusterProfile:
     """``profile`` as ``target`` runs on it in ``precision``: its expert GEMMs' concurrency
     (``TargetFacts.expert_gemms``) in place of the profile's own, where they differ (else ``profile`` itself,
     so its memo is kept)."""
@@ -485,7 +488,8 @@ _AUTOPAR_FACTS = TargetFacts(
     "(torchtitan of 2024 wrapped the same way: parallelisms/parallelize_llama.py apply_fsdp)",
     expert_gemms=_executor_experts,
     expert_source="executor/moe.py GroupedExperts: torch._grouped_mm (one kernel per linear layer) on a GPU of "
-    "compute capability 9 or 10 in bf16, else (fp32, older GPUs) one GEMM per local expert on one stream; on an H100 the 128 "
+    "compute capability 9 or 10 in bf16, else (fp32, older GPUs) one GEMM per local expert on one stream; "
+    "on an H100 the 128 "
     "experts' up-projection at 256 rows each took 0.41 ms as one kernel against 2.0-3.9 ms as a loop "
     "(benchmarks/moe_gpu_check.py, benchmarks/data/moe_h100.log)",
 )

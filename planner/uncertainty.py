@@ -155,7 +155,8 @@ def intervals_document(results: list, frameworks: dict[str, str], source: str) -
         key = f"{case.family}|{model_class(case.model, case.training.precision.value)}"
         if key not in best or mfu > best[key]["mfu"]:
             best[key] = {"mfu": round(mfu, 4), "run_id": case.run_id}
-    return {"level": LEVEL, "min_rows": MIN_ROWS, "residual": "ln(predicted / measured step time), leave-one-source-out",
+    return {"level": LEVEL, "min_rows": MIN_ROWS,
+            "residual": "ln(predicted / measured step time), leave-one-source-out",
             "source": source, "rows": len(residuals), "regimes": quantile_table(residuals), "best_mfu": best}
 
 

@@ -320,7 +320,9 @@ def _family(name: str) -> str:
     return "gpt" if family.startswith("gpt") else family
 
 
-def _matching_preset(row_model: str, layers: int, hidden: int, heads: int, swiglu: bool) -> tuple[str, ModelSpec] | None:
+def _matching_preset(
+    row_model: str, layers: int, hidden: int, heads: int, swiglu: bool
+) -> tuple[str, ModelSpec] | None:
     """The preset with the row's shapes and FFN kind, preferring one of the row's model family
     (Llama 2 70B and Llama 3 70B share their shapes but not their vocabulary)."""
     same = [(name, spec) for name, spec in PRESETS.items()
@@ -637,7 +639,8 @@ def _state_chosen(layout: ParallelLayout, schedule: Schedule, v: int, *, stated_
     elif schedule is Schedule.interleaved_1f1b and v <= 1:
         defaults.append(f"virtual_stages={layout.virtual_stages} (fastest predicted; the source does not say)")
     if not stated_mbs:
-        defaults.append(f"micro_batch_size={layout.micro_batch_size} (fastest predicted that fits; the source does not say)")
+        defaults.append(f"micro_batch_size={layout.micro_batch_size} "
+                        "(fastest predicted that fits; the source does not say)")
     if not stated_recompute:
         per = layout.recompute_per_stage
         text = recompute_text(layout) if per is None else f"full on {per[0].num_layers} layers of each stage"
@@ -703,8 +706,9 @@ def _fill_unstated(
     schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None, *, target: str = "autopar",
 ) -> ParallelLayout | AutoparError:
     """The layout for the knobs a source left unstated: interleaving depth and micro-batch size by
-    fastest prediction, recompute the least that fits (:func:`_least_recompute`). A stated v or micro-batch is kept; plain
-    1F1B is the fallback when no interleaving depth is valid. Returns the last error if none is."""
+    fastest prediction, recompute the least that fits (:func:`_least_recompute`). A stated v or micro-batch
+    is kept; plain 1F1B is the fallback when no interleaving depth is valid. Returns the last error if none
+    is."""
     if schedule is Schedule.interleaved_1f1b:
         depths = [v] if v > 1 else range(2, model.num_layers // layout_kwargs["pp"] + 1)
         combos = [((schedule, d), b) for d in depths for b in mbs_options]
@@ -841,7 +845,8 @@ def build_cases(rows: list[dict[str, str]], fitted: dict | None = None) -> tuple
         if not _ragged(row) and (row.get("config_completeness") or "complete") != "complete":
             run_id = row.get("run_id") or "?"
             skipped.append(Skipped(run_id, source_key(run_id),
-                                   f"config_completeness={row.get('config_completeness')}: missing {row.get('missing_fields')}"))
+                                   f"config_completeness={row.get('config_completeness')}: "
+                                   f"missing {row.get('missing_fields')}"))
             continue
         result = build_case(row, fitted)
         (cases if isinstance(result, RowCase) else skipped).append(result)
@@ -871,7 +876,8 @@ NOISE = 0.02
 
 def release(run_id: str) -> str:
     """The software release (and MLPerf submitter) a run id names after its source, '' where none: runs of
-    one job on different releases differ by more than their layouts (``mbridge_26.02_...``, ``mlperf_v4.0_gpt3_smc_...``)."""
+    one job on different releases differ by more than their layouts (``mbridge_26.02_...``,
+    ``mlperf_v4.0_gpt3_smc_...``)."""
     tokens = run_id.split("_")
     if len(tokens) > 1 and re.fullmatch(r"v?\d+(\.\d+)+", tokens[1]):
         return "_".join(tokens[1:2] + (tokens[3:4] if tokens[0] == "mlperf" else []))

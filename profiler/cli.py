@@ -94,7 +94,9 @@ def profile(
     server: Annotated[str | None, typer.Option(help="POST the profile to {server}/v1/profiles")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token for --server", envvar="AUTOPAR_TOKEN")] = None,
     name: Annotated[str | None, typer.Option(help="cluster name (default from the device and shape)")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="fewer sizes (links up to 16 MiB, every 4x below 1 MiB and 2x above), quick compute grid")] = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="fewer sizes (links up to 16 MiB, every 4x below 1 MiB and 2x above), "
+                        "quick compute grid")] = False,
     model: Annotated[str | None, typer.Option(help="measure the GEMM/attention shapes of this preset")] = None,
     tp_degrees: Annotated[str | None, typer.Option(help="TP degrees for --model shapes, e.g. 1,2,4")] = None,
     precisions: Annotated[str | None, typer.Option(help="e.g. bf16,fp32 (default: all the device runs)")] = None,
@@ -106,8 +108,10 @@ def profile(
     ranks_per_node: Annotated[int | None, typer.Option(
         help="treat consecutive blocks of K ranks as nodes (emulated nodes, labelled so in the profile); "
              "default torchrun's LOCAL_WORLD_SIZE")] = None,
-    timeout: Annotated[float, typer.Option(help="seconds a collective may wait before the run stops (dead/hung rank)")] = 300.0,
-    threads: Annotated[int | None, typer.Option(help="torch threads per rank (default cores / ranks on the host)")] = None,
+    timeout: Annotated[float, typer.Option(
+        help="seconds a collective may wait before the run stops (dead/hung rank)")] = 300.0,
+    threads: Annotated[int | None, typer.Option(
+        help="torch threads per rank (default cores / ranks on the host)")] = None,
 ) -> None:
     """Measure this cluster: links on every rank (all-reduce, all-gather, reduce-scatter, all-to-all,
     p2p; within and across nodes, fitted to α-β), compute on rank 0; write/upload a ClusterProfile.
@@ -130,7 +134,8 @@ def profile(
                               max_bytes=parse_bytes("--max-bytes", max_bytes), ranks_per_node=ranks_per_node,
                               timeout_s=timeout, threads=threads)
         if out is None and server is None:
-            raise AutoparError("--out", None, "give --out PATH and/or --server URL", problem="and --server are both missing")
+            raise AutoparError("--out", None, "give --out PATH and/or --server URL",
+                               problem="and --server are both missing")
         if out is not None and d.rank == 0:  # rank 0 writes it: refused before anyone measures
             check_out(out, "profile.json")
         if server is not None and d.rank == 0:  # rank 0 uploads: it asks before anyone measures
@@ -166,5 +171,6 @@ def profile(
         err.print(f"wrote {out}")
     if uploaded is not None:
         err.print(
-            f"uploaded to {server}: profile #{uploaded.get('id')} ({'new' if uploaded.get('created') else 'already stored'})"
+            f"uploaded to {server}: profile #{uploaded.get('id')} "
+            f"({'new' if uploaded.get('created') else 'already stored'})"
         )

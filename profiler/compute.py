@@ -53,11 +53,11 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 
 # torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp; its source and torch
-# 2.13's timings here agree) takes its queries in blocks of 32 rows below q_len 192, 64 below 768 and 256 from 768, and its
-# keys in blocks of 512, forward and backward alike; a causal query block computes every key block, whole,
-# up to its last row's. Its rate steps where the query blocks change (measured, 1 thread, 8 heads, d=64,
-# bf16 backward on the computed tiles: 15.0 GFLOP/s at 191, 22.6 at 192; 31.0 at 767, 40.2 at 768; fp32
-# alike). Recorded as ComputeProfile.attention_blocking of CPU profiles.
+# 2.13's timings here agree) takes its queries in blocks of 32 rows below q_len 192, 64 below 768 and 256
+# from 768, and its keys in blocks of 512, forward and backward alike; a causal query block computes every
+# key block, whole, up to its last row's. Its rate steps where the query blocks change (measured, 1
+# thread, 8 heads, d=64, bf16 backward on the computed tiles: 15.0 GFLOP/s at 191, 22.6 at 192; 31.0 at
+# 767, 40.2 at 768; fp32 alike). Recorded as ComputeProfile.attention_blocking of CPU profiles.
 CPU_FLASH_BLOCKING = (AttentionBlocking(from_q_len=0, q_block=32, kv_block=512),
                       AttentionBlocking(from_q_len=192, q_block=64, kv_block=512),
                       AttentionBlocking(from_q_len=768, q_block=256, kv_block=512))
@@ -133,7 +133,8 @@ def unsupported_precisions(device: torch.device) -> dict[Precision, str]:
     device = torch.device(device)
     if device.type == "cpu":
         return {
-            Precision.fp16: "CPU fp16 matmul is an unoptimised fallback (~100x slower than bf16); not a training precision on CPU",
+            Precision.fp16: ("CPU fp16 matmul is an unoptimised fallback (~100x slower than bf16); "
+                             "not a training precision on CPU"),
             Precision.fp8: "FP8 matmul needs a CUDA device with FP8 tensor cores",
         }
     out: dict[Precision, str] = {}
@@ -273,7 +274,8 @@ def default_grid(
                 for out_f, in_f in linear_shapes(model, tp).values():
                     gemm.extend(linear_gemms(tokens, out_f, in_f))
                 attention.append((1, tokens, heads, kv_heads, model.head_size))
-        elt_bytes = sorted({t * model.hidden_size * 2 for t in tokens_list} | {max(tokens_list) * model.hidden_size * 8})
+        elt_bytes = sorted({t * model.hidden_size * 2 for t in tokens_list}
+                           | {max(tokens_list) * model.hidden_size * 8})
     else:
         if cpu:
             # 2x apart: rates are interpolated between neighbours, and 4x apart is too coarse for 15%
@@ -281,7 +283,8 @@ def default_grid(
             # torch's CPU flash kernel changes its query blocks at 192 and 768 (CPU_FLASH_BLOCKING):
             # a point in each regime, and 768 itself, so no regime is priced from another's rates
             seqs = [128, 256, 512, 768, 1024] if quick else [64, 128, 256, 512, 768, 1024, 2048]
-            layouts = [(8, 8, 64), (8, 2, 64)] if quick else [(4, 4, 64), (8, 2, 64), (8, 8, 64), (16, 16, 64), (8, 8, 128)]
+            layouts = ([(8, 8, 64), (8, 2, 64)] if quick
+                       else [(4, 4, 64), (8, 2, 64), (8, 8, 64), (16, 16, 64), (8, 8, 128)])
             elt_bytes = [1 << 20, 16 << 20] if quick else [256 << 10, 2 << 20, 16 << 20, 64 << 20]
         else:
             sizes = [512, 1024, 2048, 4096, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -348,7 +351,8 @@ def gemm_operands(m: int, n: int, k: int, layout: GemmLayout, dtype: torch.dtype
     return a, b
 
 
-def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> GemmPoint | None:
+def measure_gemm(m: int, n: int, k: int, precision: Precision, device: torch.device,
+                 grid: ComputeGrid) -> GemmPoint | None:
     return measure_gemms([((m, n, k, GemmLayout.nn), precision)], device, grid)[0]
 
 
@@ -408,7 +412,8 @@ def budget_for(grid: ComputeGrid, share: float = 1.0) -> Budget | None:
     """A fresh time budget for one table of ``grid``, or for ``share`` of one (None: measure every shape)."""
     if grid.max_call_s is None and grid.max_table_s is None:
         return None
-    return Budget(max_call_s=grid.max_call_s, max_total_s=None if grid.max_table_s is None else grid.max_table_s * share)
+    return Budget(max_call_s=grid.max_call_s,
+                  max_total_s=None if grid.max_table_s is None else grid.max_table_s * share)
 
 
 # what a quick CPU profile's compute phase costs besides its GEMM tables, per precision (attention and
@@ -453,7 +458,8 @@ def measure_gemms(jobs: list[tuple[GemmShape, Precision]], device: torch.device,
     sizes = [(m * k + k * n + m * n) * _element_bytes(p) for (m, n, k, _), p in jobs]
     return [None if t is None else GemmPoint(precision=p, m=m, n=n, k=k, time_s=max(t[0].estimate_s, 1e-12),
                                              layout=timed_layout(layout, p))
-            for t, ((m, n, k, layout), p) in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
+            for t, ((m, n, k, layout), p)
+            in zip(_timed_in_rounds(sizes, make, device, grid, on_progress, budget), jobs)]
 
 
 def _attention_dtype(precision: Precision) -> torch.dtype:
@@ -537,7 +543,8 @@ def measure_attentions(jobs: list[tuple[tuple[int, int, int, int, int], Precisio
             for t, ((b, s, h, kv, d), p) in zip(timed, jobs)]
 
 
-def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.device) -> tuple[Callable[[], object], int]:
+def _elementwise_case(op: str, nbytes: int, precision: Precision,
+                      device: torch.device) -> tuple[Callable[[], object], int]:
     """(closure, bytes read + written) for ``op`` on an activation of about ``nbytes`` bytes.
 
     Bytes follow the planner's accounting of the same op: rmsnorm reads x and writes y (2E),
@@ -576,7 +583,8 @@ def _elementwise_case(op: str, nbytes: int, precision: Precision, device: torch.
     raise ValueError(f"op={op!r} is not one of {ELEMENTWISE_OPS}")
 
 
-def measure_elementwise(op: str, nbytes: int, precision: Precision, device: torch.device, grid: ComputeGrid) -> ElementwisePoint:
+def measure_elementwise(op: str, nbytes: int, precision: Precision, device: torch.device,
+                        grid: ComputeGrid) -> ElementwisePoint:
     fn, moved = _elementwise_case(op, nbytes, precision, device)
     result = _time(fn, device, grid)
     return ElementwisePoint(op=op, precision=precision, bytes=moved, time_s=max(result.estimate_s, 1e-12))
@@ -780,7 +788,8 @@ CHECK_GEMM = {"cuda": ((8192, 8192, 8192), Precision.bf16), "cpu": ((512, 512, 5
 CHECK_ADD_BUFFER_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # each of three (read two, write one), at least
 
 
-def check_add_buffer_bytes(kind: str, cache_bytes: int, available_bytes: int, quick: bool = False) -> tuple[int, str | None]:
+def check_add_buffer_bytes(kind: str, cache_bytes: int, available_bytes: int,
+                           quick: bool = False) -> tuple[int, str | None]:
     """Bytes of each of the device check's three add buffers, and a note when the check may not
     stream past the caches.
 

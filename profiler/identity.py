@@ -232,7 +232,8 @@ def device_spec(device, compute: ComputeProfile, ranks_per_node: int) -> tuple[D
         peaks[Precision.bf16] = max(peaks.values(), default=0.01)
         notes.append("no bf16/fp16 GEMM measured: peak_tflops['bf16'] is the best measured rate")
     notes.append("CPU device: peak_tflops are the measured achieved matmul TFLOP/s (no datasheet peak for a CPU); "
-                 f"memory_bytes is host RAM / {ranks_per_node} ranks per node; bandwidth is the measured residual-add rate")
+                 f"memory_bytes is host RAM / {ranks_per_node} ranks per node; bandwidth is the measured "
+                 "residual-add rate")
     spec = DeviceSpec(
         name=f"CPU: {cpu_name()} ({torch.get_num_threads()} threads/rank)",
         memory_bytes=per_rank,

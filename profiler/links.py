@@ -90,7 +90,8 @@ HOST_MIN_MAX_BYTES = 64 * MIB  # host<->device copies are measured to this size 
 QUICK_DENSE_FROM_BYTES = MIB  # a quick profile steps 4x below this size and 2x from it
 
 
-def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_MAX_BYTES, quick: bool = False) -> list[int]:
+def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_MAX_BYTES,
+                  quick: bool = False) -> list[int]:
     """Powers of two from ``min_bytes`` to ``max_bytes`` (both included): every 2x; when quick, every
     4x below 1 MiB and 2x from there. Large messages are where the buffers leave the caches (a few
     MiB on a CPU) and transports switch protocol, and where the planner's gradient and parameter
@@ -120,9 +121,10 @@ def reps_within(nbytes: int, call_s: float, min_trial_s: float) -> int:
     barrier's exit skew does not dominate a trial of fast calls; a slow call needs fewer to outlast it
     (a 4 KiB all-reduce of 4 gloo ranks on 2 vCPUs took 2-5 ms a call, so its 8 calls a trial took
     40 ms where 2 outlast the 1.6 ms barrier several times over, and the 4-rank group's jobs took
-    16 s of a quick profile's 41 s first pass). Shorter trials did not read slower there: the fastest of 15 trials (max over ranks,
-    median of 4 repeats) was 3.9 ms a call with 1 call per trial, 4.2 with 2 and 4.9 with 8; longer
-    trials catch more of the scheduler's slices than the barrier's skew adds to short ones."""
+    16 s of a quick profile's 41 s first pass). Shorter trials did not read slower there: the fastest of
+    15 trials (max over ranks, median of 4 repeats) was 3.9 ms a call with 1 call per trial, 4.2 with 2
+    and 4.9 with 8; longer trials catch more of the scheduler's slices than the barrier's skew adds to
+    short ones."""
     most = reps_for(nbytes)
     if min_trial_s <= 0 or not math.isfinite(call_s):
         return most
@@ -732,7 +734,8 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
         reps_of = reps_by_job.setdefault(job, {})  # set in the first pass, kept by the re-measurements
         ops: dict[int, tuple[Callable[[], None], int, int]] = {}  # small sizes: timed in interleaved rounds
         for i in indices:
-            label = f"{collective.value} {spec.label} {_human(sizes[i])}" + (f" (again, round {round_})" if round_ else "")
+            label = (f"{collective.value} {spec.label} {_human(sizes[i])}"
+                     + (f" (again, round {round_})" if round_ else ""))
             if round_ == 0 and progress is not None:
                 progress(label, done, total)
             if fail_hook is not None:
@@ -948,8 +951,8 @@ def measure_host_device(device, sizes: list[int], trials: int = 5) -> tuple[list
             host = torch.ones(max(1, sizes[-1] // 4))
             dev = torch.ones_like(host, device=device)
             dst, src = (dev, host) if to_device else (host, dev)
-            pageable[collective.value] = sizes[-1] / time_fn(lambda: dst.copy_(src), device=device, warmup=1,
-                                                             trials=trials, min_time_s=COPY_MIN_TRIAL_S,
+            pageable[collective.value] = sizes[-1] / time_fn(lambda dst=dst, src=src: dst.copy_(src), device=device,
+                                                             warmup=1, trials=trials, min_time_s=COPY_MIN_TRIAL_S,
                                                              hold=False).min_s
         src_text = ("measured: pinned host memory, tensor.copy_ on the device's stream" if is_cuda else
                     "CPU stand-in: no device on a CPU rank; host memory copy (tensor.copy_ in RAM) measured as "

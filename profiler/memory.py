@@ -119,7 +119,8 @@ def measured_assumptions(device: torch.device, cpu_resident_bytes: int | None = 
         return Assumptions(runtime_bytes=rss, communicator_bytes=0, all_to_all_communicator_bytes=0, notes=[
             f"runtime_bytes={rss / 2**20:.0f} MiB measured: this rank's resident memory before any model (interpreter, "
             "torch); a CPU rank has no CUDA context, and gloo keeps its buffers on the host (communicators 0)",
-            "optimizer_temp_bytes_per_param, loss_bytes_per_logit, fragmentation: reference defaults (measured on GPUs)",
+            "optimizer_temp_bytes_per_param, loss_bytes_per_logit, fragmentation: reference defaults "
+            "(measured on GPUs)",
         ])
     values: dict = {"runtime_bytes": gpu_runtime_bytes(device),
                     "optimizer_temp_bytes_per_param": round(optimizer_temp_bytes_per_param(device), 3),

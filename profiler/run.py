@@ -90,7 +90,8 @@ def dist_env() -> Dist:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        return Dist(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)), True)
+        return Dist(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)),
+                    True)
     return Dist(0, 1, 0, 1, False)
 
 
@@ -100,7 +101,8 @@ def _parse_tp(text: str | None) -> list[int] | None:
     try:
         tps = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise AutoparError("--tp-degrees", text, "give comma-separated integers, e.g. 1,2,4", problem="is not a list of integers") from None
+        raise AutoparError("--tp-degrees", text, "give comma-separated integers, e.g. 1,2,4",
+                           problem="is not a list of integers") from None
     if not tps or any(t < 1 for t in tps):
         raise AutoparError("--tp-degrees", text, "give positive integers, e.g. 1,2,4", problem="is not valid")
     return tps
@@ -139,7 +141,8 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
         raise AutoparError("--timeout", opts.timeout_s, "give seconds > 0, e.g. --timeout 300",
                            problem="is not a positive number of seconds")
     if opts.timeout_s > MAX_TIMEOUT_S:
-        raise AutoparError("--timeout", opts.timeout_s, f"give at most {MAX_TIMEOUT_S:.0f} s (a day), e.g. --timeout 300",
+        raise AutoparError("--timeout", opts.timeout_s,
+                           f"give at most {MAX_TIMEOUT_S:.0f} s (a day), e.g. --timeout 300",
                            problem="is longer than a collective should ever wait")
     model = None
     if opts.model is not None:  # an empty --model is not a left-out one: the lookup names it
@@ -337,17 +340,20 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         env = identity.environment(node_hosts, backend, c.emulated, c.device_type)
         assumptions = memory_assumptions
         sources = [
-            f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), backend {backend}",
+            f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), "
+            f"backend {backend}",
             f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
-            "compute: rank 0 only (one table stands for every device, scaled to the slowest where a device check finds a straggler)",
+            "compute: rank 0 only (one table stands for every device, scaled to the slowest where a device check "
+            "finds a straggler)",
             *c.notes, *dev_notes, *host_notes, *grid_notes,
         ]
         if c.device_type == "cpu":
             assumptions = assumptions.model_copy(update={"notes": [*assumptions.notes, (
                 f"cpu_optimizer_bytes_per_s left at the default; device memory bandwidth measured "
                 f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s")]})
-        name = opts.name or f"{'emulated-' if c.emulated else ''}{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}" \
-                            f"-{c.num_nodes}x{c.ranks_per_node}"
+        name = opts.name or (f"{'emulated-' if c.emulated else ''}"
+                             f"{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}"
+                             f"-{c.num_nodes}x{c.ranks_per_node}")
         profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,
                                  num_nodes=c.num_nodes, environment=env, compute=compute,
                                  links=[*links, *host_links], assumptions=assumptions, device_checks=checks,

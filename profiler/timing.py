@@ -3,11 +3,12 @@
 On CUDA each trial is bracketed by CUDA events and the device is synchronised before reading them,
 so the time is the GPU's, not the launch queue's; an operation the host launches more slowly than
 the GPU runs it is queued behind a spin kernel first, so its calls run back to back
-(:func:`hold_seconds`). On CPU each trial is a ``time.perf_counter`` wall clock. Tiny operations are repeated inside a trial until the trial lasts at least ``min_time_s``, so
-clock resolution and per-trial overhead do not dominate; the reported time is per call. Each result
-holds the median over trials with the inter-quartile range as the spread, and the statistic a
-profile records (:func:`estimate`): the median on a GPU, the fastest trial on a CPU, whose wall
-clocks a busy host only ever slows. :func:`time_rounds` times many operations with their trials interleaved in rounds,
+(:func:`hold_seconds`). On CPU each trial is a ``time.perf_counter`` wall clock. Tiny operations are
+repeated inside a trial until the trial lasts at least ``min_time_s``, so clock resolution and
+per-trial overhead do not dominate; the reported time is per call. Each result holds the median over
+trials with the inter-quartile range as the spread, and the statistic a profile records
+(:func:`estimate`): the median on a GPU, the fastest trial on a CPU, whose wall clocks a busy host
+only ever slows. :func:`time_rounds` times many operations with their trials interleaved in rounds,
 within a time :class:`Budget` if given.
 """
 
@@ -84,7 +85,8 @@ def _run_calls(fn: Callable[[], object], calls: int) -> None:
 # GPU until the host has queued them, so the events time the GPU alone; launch latency is the
 # planner's own term (Assumptions.kernel_overhead_s). A held trial has at most HOLD_MAX_CALLS calls:
 # a stream's launch queue is finite (about a thousand launches by NVIDIA forum reports; not measured
-# here), and a host blocked on it paces the GPU again. An operation that blocks the host anyway (it synchronises: a pageable copy) is not held.
+# here), and a host blocked on it paces the GPU again. An operation that blocks the host anyway (it
+# synchronises: a pageable copy) is not held.
 HOLD_WHEN_HOST_OVER = 0.9  # hold when queueing a call takes the host over 90% of its GPU time
 HOLD_MARGIN = 1.5  # the hold: this many times the host's queueing time of the trial's calls ...
 HOLD_EXTRA_S = 50e-6  # ... plus this much (the events and the spin kernel's own launch)
@@ -178,13 +180,13 @@ class Budget:
 
     The walk stops at the first operation whose warm-up calls take longer than ``max_call_s`` (the
     first and a second that confirms it: a first call may carry one-off costs, such as autograd's
-    first backward: 0.27 s for an SDPA backward that then takes 0.32 ms, b=1 s=128 2 heads d=64 fp32), or whose timing would take the walk's projected
-    time (warm-ups spent plus ``trials`` trials of every operation kept) past ``max_total_s``: that
-    operation and every later one are not timed. The walk's first group of operations (a GEMM, or an
-    attention forward with its backward) is always kept, however slow, so a table is never empty (an
-    empty one would leave the planner a stand-in rate). One budget may span several
-    :func:`time_rounds` calls (batches of one walk); once stopped, it stays stopped. ``stopped``:
-    (group of the operation it stopped at, seconds of one call of it, why)."""
+    first backward: 0.27 s for an SDPA backward that then takes 0.32 ms, b=1 s=128 2 heads d=64 fp32),
+    or whose timing would take the walk's projected time (warm-ups spent plus ``trials`` trials of every
+    operation kept) past ``max_total_s``: that operation and every later one are not timed. The walk's
+    first group of operations (a GEMM, or an attention forward with its backward) is always kept,
+    however slow, so a table is never empty (an empty one would leave the planner a stand-in rate). One
+    budget may span several :func:`time_rounds` calls (batches of one walk); once stopped, it stays
+    stopped. ``stopped``: (group of the operation it stopped at, seconds of one call of it, why)."""
 
     max_call_s: float | None = None
     max_total_s: float | None = None

@@ -142,7 +142,8 @@ def test_profile_list_filters_and_pagination(client: TestClient) -> None:
     h100 = client.get("/v1/profiles", params={"gpu": "H100"}).json()
     assert h100["total"] >= 2 and all("h100" in p["gpu_name"].lower() for p in h100["items"])
     everything = client.get("/v1/profiles", params={"limit": 500}).json()
-    pages = [client.get("/v1/profiles", params={"limit": 3, "offset": o}).json() for o in range(0, everything["total"], 3)]
+    pages = [client.get("/v1/profiles", params={"limit": 3, "offset": o}).json()
+             for o in range(0, everything["total"], 3)]
     assert [p["id"] for pg in pages for p in pg["items"]] == [p["id"] for p in everything["items"]]
     assert client.get("/v1/profiles", params={"since": "2999-01-01T00:00:00Z"}).json()["total"] == 0
     assert client.get("/v1/profiles", params={"until": "2000-01-01T00:00:00+02:00"}).json()["total"] == 0
@@ -222,7 +223,8 @@ def test_runs_show_prediction_beside_measurement_and_the_error_summary(client: T
     plan = client.post("/v1/plans", json=SMALL_PLAN).json()
     predicted = plan["step_time_s"]
     for factor in (1.25, 0.8, 1.0):
-        r = client.post("/v1/runs", json={"plan_id": plan["id"], "report": run_report(plan["plan"], predicted * factor)})
+        r = client.post("/v1/runs",
+                        json={"plan_id": plan["id"], "report": run_report(plan["plan"], predicted * factor)})
         assert r.status_code == 201, r.text
     run = client.get(f"/v1/runs/{r.json()['id']}").json()
     assert run["predicted_step_s"] == pytest.approx(predicted) and run["measured_step_s"] == pytest.approx(predicted)

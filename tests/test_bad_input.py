@@ -82,7 +82,7 @@ def test_cluster_and_layout_sizes_are_bounded() -> None:
     _refused(lambda: ClusterProfile.model_validate({**body, "device": {**body["device"], "memory_bytes": HUGE}}),
              "memory_bytes")
     for field in ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "micro_batch_size", "virtual_stages"):
-        _refused(lambda: ParallelLayout(**{field: HUGE}), field)
+        _refused(lambda field=field: ParallelLayout(**{field: HUGE}), field)
 
 
 # -- strict types: true is no count ------------------------------------------------------------------
@@ -126,7 +126,8 @@ def test_divisors_are_every_divisor_in_order() -> None:
 
 def test_divisors_refuse_a_count_beyond_every_bound_at_once() -> None:
     # the old trial division ran to √n: for the Mersenne prime 2^61 - 1, 1.5e9 steps
-    code = "from planner.search.engine import divisors\ntry:\n    divisors(2**61 - 1)\nexcept ValueError as e:\n    print(e)"
+    code = ("from planner.search.engine import divisors\ntry:\n    divisors(2**61 - 1)\n"
+            "except ValueError as e:\n    print(e)")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert "outside 1.." in r.stdout and time.perf_counter() - t0 < 10, (r.stdout, r.stderr)
@@ -227,7 +228,8 @@ BAD_BODIES = [  # (path, raw JSON body, the field the 422 names)
     ("/v1/plans", '{"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64}, '
                   '"cluster": "dgx-h100", "options": {"memory_headroom": -Infinity}}', "options.memory_headroom"),
     ("/v1/plans", '{"model": {"hf_config": {"model_type": "llama", "rope_theta": 1e999}}, "training": '
-                  '{"seq_length": 4096, "global_batch_size": 64}, "cluster": "dgx-h100"}', "model.hf_config.rope_theta"),
+                  '{"seq_length": 4096, "global_batch_size": 64}, "cluster": "dgx-h100"}',
+     "model.hf_config.rope_theta"),
     ("/v1/runs", '{"plan_id": 1, "report": {"steps": [{"step": 0, "loss": 1.0, "time_s": 1.0}, '
                  '{"step": 1, "loss": NaN, "time_s": 1.0}]}}', "report.steps.1.loss"),
     ("/v1/profiles", '{"name": "x", "device": {"peak_tflops": {"bf16": Infinity}}}', "device.peak_tflops.bf16"),

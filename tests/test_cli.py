@@ -304,8 +304,10 @@ def test_console_script_success_exits_zero():
 
 
 @pytest.mark.parametrize("path, value, said", [
-    (("compute", "achieved_memory_bandwidth_bytes_per_s"), -1, "achieved_memory_bandwidth_bytes_per_s=-1: Input should be greater than 0"),
-    (("compute", "achieved_matmul_tflops"), {"bf16": -5}, "achieved_matmul_tflops.bf16=-5: Input should be greater than 0"),
+    (("compute", "achieved_memory_bandwidth_bytes_per_s"), -1,
+     "achieved_memory_bandwidth_bytes_per_s=-1: Input should be greater than 0"),
+    (("compute", "achieved_matmul_tflops"), {"bf16": -5},
+     "achieved_matmul_tflops.bf16=-5: Input should be greater than 0"),
     (("device", "peak_tflops"), {"bf16": 1e400}, "peak_tflops.bf16=inf: Input should be a finite number"),
     (("assumptions", "kernel_overhead_s"), 1e400, "kernel_overhead_s=inf: Input should be a finite number"),
 ])

@@ -157,7 +157,8 @@ class TestElementwiseTable:
         base = block_cost(plain, model, 0, mb, layout, groups).forward.memory_s
         assert block_cost(same, model, 0, mb, layout, groups).forward.memory_s == pytest.approx(base)
         # norms (2 x 2E of bf16) and the SwiGLU product (3 x tokens x ffn x 2 bytes) at half the rate
-        slow = self.table(("rmsnorm", Precision.bf16, 10**7, 1e7 / 2e11), ("silu_mul", Precision.bf16, 10**7, 1e7 / 2e11),
+        slow = self.table(("rmsnorm", Precision.bf16, 10**7, 1e7 / 2e11),
+                          ("silu_mul", Precision.bf16, 10**7, 1e7 / 2e11),
                           ("add", Precision.bf16, 10**7, 1e7 / 4e11))
         E = 1024 * 1024
         extra = (2 * 2 * 2 * E + 3 * 2 * 1024 * 4096) / 4e11  # their bytes once more at 4e11 B/s
@@ -212,7 +213,8 @@ class TestSiblingPrecision:
         bf16 = attention_time_s(p, precision=Precision.bf16, **kw)
         assert bf16 == pytest.approx((1e-3, 2.5e-3))
         assert attention_time_s(p, precision=Precision.fp16, **kw) == pytest.approx(bf16)
-        assert attention_time_s(p, precision=Precision.fp8, **kw) == pytest.approx(bf16)  # FP8 recipes: 16-bit attention
+        # FP8 recipes: 16-bit attention
+        assert attention_time_s(p, precision=Precision.fp8, **kw) == pytest.approx(bf16)
 
 
 class TestWaveAndK:

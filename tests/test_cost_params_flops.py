@@ -327,38 +327,38 @@ def megatron_gpt(h: int = 512, layers: int = 4, heads: int = 8, vocab: int = 100
 
 
 class TestStepFlops:
-    B, s, l, h, V = 8, 1024, 4, 512, 1000
+    B, s, L, h, V = 8, 1024, 4, 512, 1000
 
     def test_forward(self):
-        B, s, l, h, V = self.B, self.s, self.l, self.h, self.V
+        B, s, L, h, V = self.B, self.s, self.L, self.h, self.V
         T = B * s
         # per layer: QKV+O 2*T*4h^2, core 4*B*s^2*h, MLP 2*T*8h^2; head 2*T*h*V
         per_layer = 2 * T * 4 * h * h + 4 * B * s * s * h + 2 * T * 8 * h * h
-        assert forward_flops(megatron_gpt(), B, s) == l * per_layer + 2 * T * h * V
+        assert forward_flops(megatron_gpt(), B, s) == L * per_layer + 2 * T * h * V
 
     def test_model_flops_is_megatron_formula(self):
-        B, s, l, h, V = self.B, self.s, self.l, self.h, self.V
+        B, s, L, h, V = self.B, self.s, self.L, self.h, self.V
         # Narayanan et al. (SC21) model FLOPs: 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))
-        expected = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        expected = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
         assert model_flops_per_step(megatron_gpt(), B, s) == pytest.approx(expected, rel=1e-12)
 
     def test_hardware_flops_full_recompute_is_sc21_formula(self):
-        B, s, l, h, V = self.B, self.s, self.l, self.h, self.V
+        B, s, L, h, V = self.B, self.s, self.L, self.h, self.V
         # SC21 Eq. 3 (with activation recomputation): 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))
-        expected = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+        expected = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
         assert hardware_flops_per_step(megatron_gpt(), B, s, Recompute.full) == pytest.approx(expected, rel=1e-12)
 
     def test_hardware_flops_selective_adds_only_attention_core(self):
-        B, s, l, h, V = self.B, self.s, self.l, self.h, self.V
-        model_flops = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        B, s, L, h, V = self.B, self.s, self.L, self.h, self.V
+        model_flops = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
         core = 2 * B * s**2 * 8 * (64 + 64)  # 2*B*s^2*a*(d_qk + d_v) per layer = 4*B*s^2*h
         assert core == 4 * B * s**2 * h
         got = hardware_flops_per_step(megatron_gpt(), B, s, Recompute.selective)
-        assert got == pytest.approx(model_flops + l * core, rel=1e-12)
+        assert got == pytest.approx(model_flops + L * core, rel=1e-12)
 
     def test_hardware_flops_no_recompute_equals_model_flops(self):
-        B, s, l, h, V = self.B, self.s, self.l, self.h, self.V
-        expected = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        B, s, L, h, V = self.B, self.s, self.L, self.h, self.V
+        expected = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
         assert hardware_flops_per_step(megatron_gpt(), B, s, Recompute.none) == pytest.approx(expected, rel=1e-12)
 
     def test_recompute_flops_per_layer(self):
@@ -372,8 +372,8 @@ class TestStepFlops:
     def test_gpt3_175b_model_flops(self):
         # Megatron GPT-3 175B (h=12288, l=96, V=51200), B=1536, s=2048; the preset has biases, which the
         # FLOP count leaves out, so the formula still holds.
-        B, s, l, h, V = 1536, 2048, 96, 12288, 51200
-        expected = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        B, s, L, h, V = 1536, 2048, 96, 12288, 51200
+        expected = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
         got = model_flops_per_step(get_preset("megatron-175b"), B, s)
         assert got == pytest.approx(expected, rel=1e-12)
         assert 3.3e18 < got < 3.5e18  # ~6 x 175e9 x 1536 x 2048 = 3.3e18, plus ~3% attention

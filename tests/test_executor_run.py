@@ -21,7 +21,8 @@ from planner.contracts import ClusterProfile, Precision, RunReport
 
 def autopar_run(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", "from planner.cli import main; main()", "run", *args]
-    return subprocess.run(cmd, check=False, env=env or child_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(cmd, check=False, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
 
 
 def test_unsupported_plans_are_refused_before_any_process_starts(tmp_path: Path) -> None:
@@ -301,7 +302,8 @@ def test_bf16_plans_train_in_mixed_precision_with_fp32_master_weights(tmp_path: 
     gap = max(abs(a - b) / b for a, b in zip(bf16, fp32))
     assert 5e-6 < gap < 2e-2, (bf16, fp32)
     layouts = {"ddp": {"dp_shard": 4, "zero_stage": 0}, "pp": {"pp": 2, "dp_shard": 2, "zero_stage": 1},
-               "fsdp": {"dp_shard": 4, "zero_stage": 3}, "tp_fsdp": {"tp": 2, "sp": True, "dp_shard": 2, "zero_stage": 3}}
+               "fsdp": {"dp_shard": 4, "zero_stage": 3},
+               "tp_fsdp": {"tp": 2, "sp": True, "dp_shard": 2, "zero_stage": 3}}
     for name, lay in layouts.items():
         plan = write_plan(tmp_path / f"{name}.json", **lay, micro_batch_size=1)
         plan = plan.model_copy(update={"training": plan.training.model_copy(update={"precision": Precision.bf16})})

@@ -65,7 +65,8 @@ def test_one_rank_per_node_crosses_the_network_every_step():
     nbytes = 800e6  # a 405B block's 16-bit weights over tp 8
     expected = NET_ALPHA + (63 * INTER_STEP - REF_STEPS) + 63 / 64 * nbytes / 47.5e9  # one NIC per rank
     assert 63 * INTER_STEP - REF_STEPS == pytest.approx(221.4e-6, rel=1e-9)
-    assert collective_time_s(prof, Collective.all_gather, GroupPlacement(64, 1), nbytes) == pytest.approx(expected, rel=1e-9)
+    assert collective_time_s(prof, Collective.all_gather, GroupPlacement(64, 1), nbytes) == pytest.approx(
+        expected, rel=1e-9)
 
 
 def test_a_link_measured_at_64_ranks_pays_only_the_further_steps():

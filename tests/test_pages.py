@@ -39,7 +39,8 @@ def measured_profile(client: TestClient, name: str = "lab-h100") -> dict:
         link["group_size"] = 8
         link["points"] = [{"bytes": b, "time_s": link["alpha_s"] * 1.1 + b * factor / link["busbw_bytes_per_s"] * 1.05}
                           for b in (2**e for e in range(12, 31, 3))]
-    body["compute"]["gemm"] = [{"precision": "bf16", "m": s, "n": s, "k": s, "time_s": 2 * s**3 / (min(700, s / 20) * 1e12)}
+    body["compute"]["gemm"] = [{"precision": "bf16", "m": s, "n": s, "k": s,
+                                "time_s": 2 * s**3 / (min(700, s / 20) * 1e12)}
                                for s in (256, 512, 1024, 2048, 4096, 8192)]
     body["compute"]["attention"] = [
         {"precision": "bf16", "batch": 1, "seq_length": s, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
@@ -176,7 +177,8 @@ def test_a_profile_with_gemm_layouts_draws_a_series_per_layout(site: dict) -> No
     r = c.post("/v1/profiles", json=body)
     assert r.status_code == 201, r.text
     page = html(site, f"/profiles/{r.json()['id']}")
-    names = ["bf16 forward X·Wᵀ (nt) measured", "bf16 input grad dY·W (nn) measured", "bf16 weight grad dYᵀ·X (tn) measured"]
+    names = ["bf16 forward X·Wᵀ (nt) measured", "bf16 input grad dY·W (nn) measured",
+             "bf16 weight grad dYᵀ·X (tn) measured"]
     at = [page.find(n) for n in names]
     assert all(i >= 0 for i in at) and at == sorted(at)  # a linear layer's order
     assert "bf16 tn 4096x4096x4096: 400 TFLOP/s" in page

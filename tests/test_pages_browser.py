@@ -74,7 +74,8 @@ def test_pages_in_a_real_browser(tmp_path: Path, live_server) -> None:  # noqa: 
                         assert sizes and all(w > 50 and h > 50 for w, h in sizes), (url, sizes)
                         drawn = page.evaluate(
                             "() => [...document.querySelectorAll('svg.chart circle, svg.chart rect')]"
-                            ".filter(e => { const r = e.getBoundingClientRect(); return r.width > 0 && r.height > 0; }).length"
+                            ".filter(e => { const r = e.getBoundingClientRect(); "
+                            "return r.width > 0 && r.height > 0; }).length"
                         )
                         assert drawn >= 2, (url, drawn)  # the background and at least one mark
                     if url == f"/plans/{infeasible['id']}":

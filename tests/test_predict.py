@@ -289,9 +289,9 @@ class TestPredictProperties:
         assert none.step_time_s < sel.step_time_s < full.step_time_s
 
     def test_flops_conventions(self, node):
-        B, s, l, h = 32, SEQ, L, Hd
-        megatron = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
-        sc21 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+        B, s, layers, h = 32, SEQ, L, Hd
+        megatron = 72 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (12 * layers * h))
+        sc21 = 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
         full = run(node, dp_shard=8, recompute=Recompute.full)
         assert full.model_flops_per_step == pytest.approx(megatron, rel=1e-12)
         assert full.hardware_flops_per_step == pytest.approx(sc21, rel=1e-12)
@@ -324,7 +324,8 @@ class TestPredictProperties:
             pred = run(node, **layout)
             assert pred.step_time_s >= pred.compute_time_s > 0
             crit = max(pred.stages, key=lambda st: st.forward_s + st.backward_s)
-            assert pred.compute_time_s == pytest.approx((32 // (layout["dp_shard"])) * (crit.forward_s + crit.backward_s))
+            assert pred.compute_time_s == pytest.approx(
+                (32 // (layout["dp_shard"])) * (crit.forward_s + crit.backward_s))
 
     def test_pipeline_bubble(self, node):
         one = run(node, dp_shard=4, pp=2)
@@ -405,7 +406,8 @@ class TestDevicePace:
         # a GEMM tile's fixed overhead (fitted, in units of K) left out, so a K = 16 GEMM is memory-bound below
         node = node.model_copy(update={"assumptions": node.assumptions.model_copy(update={"gemm_k_overhead": 0.0})})
         # rank 2's GEMM check 20% below the median, rank 3's add 47% below: stragglers (GPU limit 10%)
-        slow = node.model_copy(update={"device_checks": _checks([250, 260, 200, 255], [1.8e12, 1.7e12, 1.8e12, 0.9e12])})
+        slow = node.model_copy(
+            update={"device_checks": _checks([250, 260, 200, 255], [1.8e12, 1.7e12, 1.8e12, 0.9e12])})
         pace = device_pace(slow)
         assert pace.compute == pytest.approx(1.25) and pace.compute_rank == 2
         assert pace.memory == pytest.approx(2.0) and pace.memory_rank == 3
@@ -446,7 +448,8 @@ class TestDevicePace:
     def test_a_measured_tables_times_are_scaled_too(self, node):
         from planner.cost.compute import gemm_time_s
 
-        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, layout=lay, time_s=1e-3 * s / 1024)
+        table = ComputeProfile(gemm=[GemmPoint(precision=Precision.bf16, m=s, n=s, k=s, layout=lay,
+                                               time_s=1e-3 * s / 1024)
                                      for s in (1024, 2048) for lay in GemmLayout])
         measured = node.model_copy(update={"compute": table})
         slow = measured.model_copy(update={"device_checks": _checks([250, 260, 200, 255], [1.8e12] * 4)})
@@ -459,9 +462,11 @@ class TestDevicePace:
 
         assert device_pace(node) == (1.0, 1.0, None, None)
         # within 10% of the median: timing noise, not a straggler
-        noisy = node.model_copy(update={"device_checks": _checks([250, 240, 232, 255], [1.8e12, 1.7e12, 1.65e12, 1.8e12])})
+        noisy = node.model_copy(
+            update={"device_checks": _checks([250, 240, 232, 255], [1.8e12, 1.7e12, 1.65e12, 1.8e12])})
         # rank 0 itself the straggler: its tables already run at the slowest pace
-        first = node.model_copy(update={"device_checks": _checks([200, 250, 245, 260], [0.9e12, 1.8e12, 1.7e12, 1.9e12])})
+        first = node.model_copy(
+            update={"device_checks": _checks([200, 250, 245, 260], [0.9e12, 1.8e12, 1.7e12, 1.9e12])})
         for p in (noisy, first):
             assert device_pace(p) == (1.0, 1.0, None, None)
             a, b = run(node, tp=8), run(p, tp=8)
@@ -470,8 +475,9 @@ class TestDevicePace:
     def test_cpu_profiles_allow_more_noise(self, node):
         from planner.cost.compute import device_pace
 
-        cpu = node.model_copy(update={"device": node.device.model_copy(update={"name": "CPU: AMD EPYC (1 threads/rank)"}),
-                                      "device_checks": _checks([100, 98, 80, 101], [30e9, 29e9, 28e9, 31e9])})
+        cpu = node.model_copy(update={
+            "device": node.device.model_copy(update={"name": "CPU: AMD EPYC (1 threads/rank)"}),
+            "device_checks": _checks([100, 98, 80, 101], [30e9, 29e9, 28e9, 31e9])})
         assert cpu.is_cpu and device_pace(cpu).compute == 1.0  # 19% below the median: within the CPU limit 25%
         cpu.device_checks[2].gemm_tflops = 60.0
         assert device_pace(cpu).compute == pytest.approx(100 / 60)

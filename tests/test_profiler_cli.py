@@ -193,7 +193,8 @@ def test_unknown_precision_stops_before_measuring(tmp_path):
 def test_max_bytes_too_large_for_memory_stops(tmp_path):
     proc = _single("--max-bytes", str(1 << 40), "--out", str(tmp_path / "p.json"))
     _no_measuring(proc)
-    assert proc.returncode == 2 and "--max-bytes" in proc.stderr and "does not fit in memory" in proc.stderr, proc.stderr
+    assert (proc.returncode == 2 and "--max-bytes" in proc.stderr
+            and "does not fit in memory" in proc.stderr), proc.stderr
 
 
 def test_message_sizes_take_units_and_refuse_what_is_not_a_size(tmp_path):
@@ -343,7 +344,7 @@ def test_two_torchrun_nodes_read_from_torchrun_not_emulated(tmp_path):
     finally:
         for a in agents:
             a.kill()
-    for a, (stdout, stderr) in zip(agents, results):
+    for a, (_stdout, stderr) in zip(agents, results):
         assert a.returncode == 0, stderr[-3000:]
     p = ClusterProfile.model_validate_json(out.read_text())
     assert (p.num_nodes, p.gpus_per_node) == (2, 2)

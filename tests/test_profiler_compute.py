@@ -508,7 +508,8 @@ def test_measure_compute_walks_each_precision_in_order_of_flops_within_the_budge
     try:
         x = torch.randn(768, 768)
         single = min(time_fn(lambda: x @ x, device=CPU, warmup=1, trials=3).trials)
-        grid = ComputeGrid(gemm=[(768, 768, 768, GemmLayout.nn), (32, 32, 32, GemmLayout.nn), (64, 64, 64, GemmLayout.nn)],
+        grid = ComputeGrid(gemm=[(768, 768, 768, GemmLayout.nn), (32, 32, 32, GemmLayout.nn),
+                                 (64, 64, 64, GemmLayout.nn)],
                            attention=[], elementwise_bytes=[],
                            precisions=[Precision.fp32], warmup=1, trials=2, min_time_s=0.0, max_call_s=single / 8)
         compute = measure_compute(CPU, grid)

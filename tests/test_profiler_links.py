@@ -135,7 +135,8 @@ def _profile(links: list[LinkProfile], nodes: int = 2, per_node: int = 2) -> Clu
     return ClusterProfile(kind="measured", name="t", device=dev, gpus_per_node=per_node, num_nodes=nodes, links=links)
 
 
-@pytest.mark.parametrize("collective", [c for c in Collective if c not in (Collective.host_to_device, Collective.device_to_host)])
+@pytest.mark.parametrize("collective", [c for c in Collective
+                                        if c not in (Collective.host_to_device, Collective.device_to_host)])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_fitted_busbw_means_what_collective_time_s_assumes(collective, n):
     """Points made as alpha + slope·bytes come back from the planner's own formula, per level."""
@@ -145,12 +146,14 @@ def test_fitted_busbw_means_what_collective_time_s_assumes(collective, n):
     intra = fit_link(LinkLevel.intra_node, collective, size, size, pts, "t")
     prof = _profile([intra], nodes=1, per_node=8)
     for p in pts:
-        assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(p.time_s, rel=1e-9)
+        assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(
+            p.time_s, rel=1e-9)
     # across nodes, one rank per node
     inter = fit_link(LinkLevel.inter_node, collective, size, 1, pts, "t")
     prof = _profile([inter], nodes=size, per_node=1)
     for p in pts:
-        assert collective_time_s(prof, collective, GroupPlacement(size, 1), p.bytes) == pytest.approx(p.time_s, rel=1e-9)
+        assert collective_time_s(prof, collective, GroupPlacement(size, 1), p.bytes) == pytest.approx(
+            p.time_s, rel=1e-9)
 
 
 @pytest.mark.parametrize("collective", [Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter,
@@ -334,17 +337,21 @@ def test_piecewise_link_priced_per_segment_by_the_planner(collective):
     assert all(s.points == sorted(pts, key=lambda p: p.bytes) for s in segs)  # every entry shows the whole measurement
     prof = _profile(segs, nodes=1, per_node=8)
     for p in pts:
-        assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(p.time_s, rel=1e-6)
+        assert collective_time_s(prof, collective, GroupPlacement(size, size), p.bytes) == pytest.approx(
+            p.time_s, rel=1e-6)
     rows = link_fit_report(prof)
     assert len(rows) == 1 and rows[0]["segments"] == 2 and rows[0]["points"] == len(pts)
     assert rows[0]["worst_rel_err"] < 1e-6 and rows[0]["r2"] == pytest.approx(1.0)
     # across nodes, 2 ranks per node: the stored per-rank network busbw still reproduces each segment
-    inter = fit_link_segments(LinkLevel.inter_node, collective, 4, 2, pts, "t") if collective is not Collective.p2p else []
+    inter = (fit_link_segments(LinkLevel.inter_node, collective, 4, 2, pts, "t")
+             if collective is not Collective.p2p else [])
     if inter:
-        fast = LinkProfile(level=LinkLevel.intra_node, collective=collective, group_size=2, alpha_s=0, busbw_bytes_per_s=1e15)
+        fast = LinkProfile(level=LinkLevel.intra_node, collective=collective, group_size=2, alpha_s=0,
+                           busbw_bytes_per_s=1e15)
         prof = _profile([*inter, fast])
         for p in pts:
-            assert collective_time_s(prof, collective, GroupPlacement(4, 2), p.bytes) == pytest.approx(p.time_s, rel=1e-6)
+            assert collective_time_s(prof, collective, GroupPlacement(4, 2), p.bytes) == pytest.approx(
+                p.time_s, rel=1e-6)
 
 
 def _seg(lo, hi, busbw, collective=Collective.all_reduce, n=2) -> LinkProfile:

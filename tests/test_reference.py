@@ -155,7 +155,8 @@ def test_nic_override():
     assert all("100 Gb/s" in link.source for link in inter)
     # intra-node links do not change
     base = reference_profile("dgx-h100", 4)
-    intra = lambda prof: [(lnk.collective, lnk.busbw_bytes_per_s) for lnk in prof.links if lnk.level is LinkLevel.intra_node]  # noqa: E731
+    intra = lambda prof: [(lnk.collective, lnk.busbw_bytes_per_s)  # noqa: E731
+                          for lnk in prof.links if lnk.level is LinkLevel.intra_node]
     assert intra(p) == intra(base)
 
 

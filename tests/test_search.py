@@ -38,11 +38,13 @@ DECOMPOSITION_CASES = [
     ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp_shard=2, zero_stage=1, sp=True), 64, 4096),
     ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.interleaved_1f1b,
                                       virtual_stages=2), 64, 4096),
-    ("llama3-8b", "dgx-a100-80gb", 2, dict(tp=1, pp=4, dp_shard=4, zero_stage=2, schedule=Schedule.zero_bubble), 64, 4096),
+    ("llama3-8b", "dgx-a100-80gb", 2, dict(tp=1, pp=4, dp_shard=4, zero_stage=2, schedule=Schedule.zero_bubble),
+     64, 4096),
     ("mixtral-8x7b", "dgx-h100", 4, dict(tp=2, pp=4, dp_shard=4, ep=4, zero_stage=1, offload_optimizer=True), 64, 4096),
     ("deepseek-v3", "dgx-h100", 16, dict(tp=1, pp=8, dp_shard=16, ep=16, zero_stage=1,
                                          schedule=Schedule.interleaved_1f1b, virtual_stages=2), 256, 4096),
-    ("gpt3-175b", "dgx-a100-80gb", 16, dict(tp=8, pp=8, dp_replicate=2, zero_stage=0, schedule=Schedule.gpipe), 64, 2048),
+    ("gpt3-175b", "dgx-a100-80gb", 16, dict(tp=8, pp=8, dp_replicate=2, zero_stage=0, schedule=Schedule.gpipe),
+     64, 2048),
     # MoE parallel folding: experts on ep x etp of the dp x cp x tp ranks (etp < tp)
     ("qwen3-30b-a3b", "dgx-h100", 2, dict(tp=4, sp=True, pp=2, dp_shard=2, ep=8, etp=1, zero_stage=1), 64, 4096),
     ("mixtral-8x7b", "dgx-h100", 4, dict(tp=4, sp=True, pp=4, dp_shard=2, ep=4, etp=2, zero_stage=1,
@@ -83,7 +85,8 @@ def test_stage_model_equals_predict_on_random_splits(name, system, nodes, layout
 # ------------------------------------------------------------------ CP-SAT == brute force per candidate
 CPSAT_CASES = [
     ("llama3-8b", 8, "dgx-h100", 1, dict(tp=2, pp=4, zero_stage=1), 32, 4096),
-    ("llama3-8b", 8, "dgx-h100", 1, dict(tp=1, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.zero_bubble), 32, 4096),
+    ("llama3-8b", 8, "dgx-h100", 1, dict(tp=1, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.zero_bubble),
+     32, 4096),
     ("llama3-70b", 8, "dgx-a100-40gb", 1, dict(tp=2, pp=2, dp_shard=2, zero_stage=1,
                                                  schedule=Schedule.interleaved_1f1b, virtual_stages=2), 32, 4096),
     ("deepseek-v3", 6, "dgx-h100", 2, dict(tp=1, pp=2, dp_shard=8, ep=8, zero_stage=2), 32, 4096),
@@ -264,7 +267,8 @@ def test_min_max_stage_is_a_lower_bound_of_every_split():
     assert bound >= best * 0.99  # and tight
 
 
-@pytest.mark.parametrize("name,layers,pp,nodes", [("llama3-8b", 7, 3, 3), ("gpt3-175b", 9, 2, 4), ("llama3-70b", 12, 8, 4)])
+@pytest.mark.parametrize("name,layers,pp,nodes",
+                         [("llama3-8b", 7, 3, 3), ("gpt3-175b", 9, 2, 4), ("llama3-70b", 12, 8, 4)])
 def test_uniform_min_max_stage_equals_every_split_minimum(name, layers, pp, nodes):  # noqa: ANN001
     """Equal layers take the closed form: it equals the best contiguous split's slowest stage (to 1e-9),
     never above it."""
@@ -362,9 +366,9 @@ def test_leaf_bound_with_exposed_zero_traffic_is_a_lower_bound_of_every_split(na
                                                                              (True, False), (False, True)):
             if (zero < 3 and not reshard) or (offload and zero == 2):
                 continue
-            lay = ParallelLayout(tp=1, pp=st.pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero, reshard_after_forward=reshard,
-                                 schedule=sched, virtual_stages=v, micro_batch_size=1, dp_comm_overlap=overlap,
-                                 offload_optimizer=offload)
+            lay = ParallelLayout(tp=1, pp=st.pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero,
+                                 reshard_after_forward=reshard, schedule=sched, virtual_stages=v, micro_batch_size=1,
+                                 dp_comm_overlap=overlap, offload_optimizer=offload)
             sm = StageModel(model, tr, prof, lay, block_cache=cache)
             dense = sum(sm.kind_cost[k].dense_params for k in sm.kinds) + sm.emb_params + sm.head_params
             expert = sum(sm.kind_cost[k].expert_params for k in sm.kinds)
@@ -466,8 +470,8 @@ def test_cli_plan_bad_input_is_one_line(tmp_path):  # noqa: ANN001
     bad.write_text('{"schema_version": "1"}')
     r = run_cli("explain", str(bad))
     assert r.returncode == 2 and "not a valid Plan" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("plan", "--model", "llama3.1-405b", "--cluster", "dgx-a100-40gb", "--global-batch", "8", "--seq", "8192",
-                "--no-offload")
+    r = run_cli("plan", "--model", "llama3.1-405b", "--cluster", "dgx-a100-40gb", "--global-batch", "8",
+                "--seq", "8192", "--no-offload")
     assert r.returncode == 2 and "GiB" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -494,7 +498,8 @@ def test_gemm_memo_is_scoped_to_the_search_and_changes_nothing():
     from planner.cost.memo import memoised as memoised_gemms
 
     prof, other = reference_profile("dgx-h100", 1), reference_profile("dgx-a100-40gb", 1)
-    plain = gemm_time_s(prof, 4096, 4096, 4096, tr_precision := TrainingConfig(global_batch_size=1, seq_length=8).precision, 3)
+    plain = gemm_time_s(prof, 4096, 4096, 4096,
+                        tr_precision := TrainingConfig(global_batch_size=1, seq_length=8).precision, 3)
     with memoised_gemms(prof):
         assert gemm_time_s(prof, 4096, 4096, 4096, tr_precision, 3) == plain
         assert gemm_time_s(prof, 4096, 4096, 4096, tr_precision, 3) == plain  # from the memo
@@ -603,7 +608,8 @@ def test_search_settles_leaves_by_the_split_bound_without_changing_the_plan():
     assert plan.prediction.step_time_s == pytest.approx(brute[0], rel=1e-6)
 
 
-@pytest.mark.parametrize("name,layers,system,pp", [("gpt3-175b", 5, "dgx-a100-80gb", 2), ("gpt3-175b", 6, "dgx-a100-80gb", 4),
+@pytest.mark.parametrize("name,layers,system,pp", [("gpt3-175b", 5, "dgx-a100-80gb", 2),
+                                                    ("gpt3-175b", 6, "dgx-a100-80gb", 4),
                                                     ("mixtral-8x7b", 5, "dgx-a100-40gb", 2)])
 def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, layers, system, pp):
     """leaf_bound with the tails of ranks holding ceil(blocks / p) blocks of a kind (pigeonhole_comms)
@@ -627,8 +633,8 @@ def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, 
         for (sched, v), zero, offload in itertools.product(scheds, (0, 1, 3), (False, True)):
             if offload and zero == 0:
                 continue
-            lay = ParallelLayout(tp=1, pp=pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero, schedule=sched, virtual_stages=v,
-                                 micro_batch_size=1, offload_optimizer=offload)
+            lay = ParallelLayout(tp=1, pp=pp, dp_shard=st.dp, ep=st.ep, zero_stage=zero, schedule=sched,
+                                 virtual_stages=v, micro_batch_size=1, offload_optimizer=offload)
             sm = StageModel(model, tr, prof, lay, block_cache=cache)
             dense = sum(sm.kind_cost[k].dense_params for k in sm.kinds) + sm.emb_params + sm.head_params
             expert = sum(sm.kind_cost[k].expert_params for k in sm.kinds)
@@ -749,7 +755,8 @@ def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
     assert lazy.layout == eager.layout
     assert lazy.prediction.step_time_s == eager.prediction.step_time_s
     assert [a.layout for a in lazy.alternatives] == [a.layout for a in eager.alternatives]
-    assert lazy.search.evaluated == eager.search.evaluated and lazy.search.pruned_by_bound == eager.search.pruned_by_bound
+    assert (lazy.search.evaluated == eager.search.evaluated
+            and lazy.search.pruned_by_bound == eager.search.pruned_by_bound)
     assert n_lazy < len(structures(model, tr, prof, SearchOptions(), Rules()))
 
 

@@ -62,7 +62,8 @@ def test_assess_attaches_the_interval_and_flags_an_mfu_above_every_published_run
     assert out.interval.low_s < out.step_time_s < out.interval.high_s
     assert any("above the best published run of its class (dense|bf16|<13B) on hopper" in n for n in out.notes)
     # megatron's residuals judge a megatron plan: no regime here, so no interval
-    assert assess(raw.model_copy(update={"interval": None}), model, training, prof, layout, "megatron", doc).interval is None
+    assert assess(raw.model_copy(update={"interval": None}), model, training, prof, layout, "megatron",
+                  doc).interval is None
     assert layout_style(layout) == "sharded"
 
 
@@ -86,7 +87,8 @@ def test_robust_ranks_by_the_slow_end_and_overlaps_are_ties():
     assert not ties(fast_wide, apart)
 
 
-def _result(run_id: str, layout: ParallelLayout, predicted_s: float, measured_s: float, metric: str = "iteration_time_s"):
+def _result(run_id: str, layout: ParallelLayout, predicted_s: float, measured_s: float,
+            metric: str = "iteration_time_s"):
     from types import SimpleNamespace
 
     from planner.validate import RowResult

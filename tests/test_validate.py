@@ -24,7 +24,8 @@ from planner.validate import COLUMNS
 HEADER = ",".join(COLUMNS)
 
 REAL_CSV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "published_runs.csv"
-needs_real_csv = pytest.mark.skipif(not REAL_CSV.is_file(), reason=f"{REAL_CSV} is not present (shared data not mounted)")
+needs_real_csv = pytest.mark.skipif(not REAL_CSV.is_file(),
+                                    reason=f"{REAL_CSV} is not present (shared data not mounted)")
 
 IB_HDR = ("8x NVIDIA Mellanox 200 Gb/s HDR InfiniBand HCAs per node for application traffic (+2 for storage); "
           "3-level fat tree, 850 switches")
@@ -391,7 +392,8 @@ def test_load_rows_empty_file(tmp_path):
 
 
 # ---------------------------------------------------------------- the real data
-KORTH = [f"korth_{size}_{kind}" for size in ("22B", "175B", "530B", "1T") for kind in ("full_recompute", "present_work")]
+KORTH = [f"korth_{size}_{kind}" for size in ("22B", "175B", "530B", "1T")
+         for kind in ("full_recompute", "present_work")]
 
 
 @needs_real_csv
@@ -623,7 +625,8 @@ def test_packaged_published_runs_reads_and_groups_by_its_fourteen_sources():
     assert all(c.source == v.source_key(c.run_id) for c in cases)
 
 
-QWEN3_235B = ("mbridge_26.04.01_dgx-h100_qwen3_235b_a22b_256gpu_fp8", "mbridge_25.11_dgx-h100_qwen3_235b_a22b_256gpu_fp8-cs")
+QWEN3_235B = ("mbridge_26.04.01_dgx-h100_qwen3_235b_a22b_256gpu_fp8",
+              "mbridge_25.11_dgx-h100_qwen3_235b_a22b_256gpu_fp8-cs")
 
 
 def test_packaged_qwen3_235b_h100_rows_are_judged_with_the_etp_their_source_states():

@@ -204,7 +204,7 @@ def test_a_trailing_comma_is_not_a_ragged_row():
     assert "row has 3 cells but the header has 2 columns" in _ragged({"run_id": "x", "tp": "8", None: ["9"]})
 
 
-# ---------------------------------------------------------------- phrasings found building planner/data/published_runs.csv
+# ---------------------------------------------------------- phrasings found building planner/data/published_runs.csv
 @pytest.mark.parametrize(
     ("text", "stage"),
     [

@@ -54,9 +54,9 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
-    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel", "Collective",
-    "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "LINEAR_LAYOUTS", "AttentionPoint", "AttentionBlocking",
-    "ElementwisePoint",
+    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel",
+    "Collective", "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "LINEAR_LAYOUTS",
+    "AttentionPoint", "AttentionBlocking", "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
     "SearchReport", "FamilyOutcome",

@@ -193,7 +193,8 @@ class GemmLayout(str, Enum):
     @property
     def role(self) -> str:
         """The linear-layer GEMM this layout is, e.g. ``forward X·Wᵀ (nt)``."""
-        return {"nt": "forward X·Wᵀ", "nn": "input grad dY·W", "tn": "weight grad dYᵀ·X"}[self.value] + f" ({self.value})"
+        return ({"nt": "forward X·Wᵀ", "nn": "input grad dY·W", "tn": "weight grad dYᵀ·X"}[self.value]
+                + f" ({self.value})")
 
 
 # a linear layer's GEMMs in the order they run: forward, input gradient, weight gradient
@@ -273,7 +274,9 @@ class Assumptions(Contract):
     against published runs; ``notes`` says where each of the others comes from.
     """
 
-    matmul_efficiency: float = Field(0.75, gt=0, le=1, description="fraction of the dense 16-bit peak a large GEMM reaches (fitted)")
+    matmul_efficiency: float = Field(
+        0.75, gt=0, le=1, description="fraction of the dense 16-bit peak a large GEMM reaches (fitted)"
+    )
     fp8_matmul_efficiency: float = Field(
         0.55, gt=0, le=1, description="fraction of the dense FP8 peak an FP8 GEMM reaches (fitted)"
     )
@@ -288,14 +291,23 @@ class Assumptions(Contract):
         description="output tiles the GEMM library picks from (wave quantisation over sm_count)",
     )
     gemm_k_overhead: float = Field(
-        256.0, ge=0, description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)"
+        256.0,
+        ge=0,
+        description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)",
     )
     kernel_overhead_s: float = Field(3e-6, ge=0, description="launch latency per kernel (CUDA launch, typical)")
     async_overlap_efficiency: float = Field(
-        0.85, ge=0, le=1, description="share of a collective hidden behind independent compute running beside it: DP/FSDP traffic, the backward TP all-reduce beside the weight-gradient GEMM (fitted)"
+        0.85,
+        ge=0,
+        le=1,
+        description="share of a collective hidden behind independent compute running beside it: DP/FSDP traffic, "
+        "the backward TP all-reduce beside the weight-gradient GEMM (fitted)",
     )
     tp_overlap_efficiency: float = Field(
-        0.6, ge=0, le=1, description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)"
+        0.6,
+        ge=0,
+        le=1,
+        description="share of TP collectives hidden by decomposed GEMMs (async TP / TP-comm-overlap) (fitted)",
     )
     # -- MoE token dispatch (planner.cost.layer) ----------------------------------------------------------
     moe_host_sync_s: float = Field(
@@ -435,7 +447,8 @@ class ClusterProfile(Contract):
         ranks = [c.rank for c in self.device_checks]
         if ranks and (0 not in ranks or len(set(ranks)) != len(ranks)):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            problems = ([f"repeats rank(s) {dup[:16]}"] if dup else []) + ([] if 0 in ranks else ["has no check of rank 0"])
+            problems = (([f"repeats rank(s) {dup[:16]}"] if dup else [])
+                        + ([] if 0 in ranks else ["has no check of rank 0"]))
             raise ValueError(
                 f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
                 "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)"

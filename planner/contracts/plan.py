@@ -64,7 +64,9 @@ class ParallelLayout(Contract):
     recompute: Recompute = Recompute.none
     recompute_per_stage: list[StageRecompute] | None = Field(None, description="overrides recompute per stage")
     offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
-    tp_comm_overlap: bool = Field(False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)")
+    tp_comm_overlap: bool = Field(
+        False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)"
+    )
     dp_comm_overlap: bool = Field(True, description="gradient reduce / param gather overlapped with compute")
     ep_comm_overlap: bool = Field(
         False, description="expert all-to-all overlapped with another micro-batch's compute (DualPipe, 2-batch overlap)"
@@ -86,7 +88,9 @@ class ParallelLayout(Contract):
         if "pp_scatter_gather" not in self.model_fields_set:
             object.__setattr__(self, "pp_scatter_gather", self.sp)  # the sends follow sp unless stated
         if self.sp and self.tp == 1:
-            raise ValueError("sp=True splits the sequence over the TP group, so it needs tp > 1; set sp=False or tp > 1")
+            raise ValueError(
+                "sp=True splits the sequence over the TP group, so it needs tp > 1; set sp=False or tp > 1"
+            )
         if self.schedule is Schedule.interleaved_1f1b and self.pp == 1:
             raise ValueError("schedule='interleaved_1f1b' needs pp > 1; use schedule='1f1b' for pp=1")
         if self.schedule is not Schedule.interleaved_1f1b and self.virtual_stages != 1:
@@ -253,7 +257,9 @@ class SearchReport(Contract):
     evaluated: int = Field(0, description="priced exactly (default split, per-stage recompute)")
     solved: int = Field(0, description="layer split and recompute solved by CP-SAT")
     solver_status_counts: dict[str, int] = Field(default_factory=dict)
-    closed_without_solver: int = Field(0, description="default split already met the lower bound: optimal without CP-SAT")
+    closed_without_solver: int = Field(
+        0, description="default split already met the lower bound: optimal without CP-SAT"
+    )
     wall_s: float
     families: list[FamilyOutcome] = Field(default_factory=list)
     smallest_shortfall_bytes: float | None = Field(

@@ -41,7 +41,8 @@ class TrainingConfig(Contract):
         if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_length:
             raise ValueError(
                 f"global_batch_tokens={self.global_batch_tokens} is not a multiple of seq_length="
-                f"{self.seq_length}; use {self.global_batch_tokens // self.seq_length * self.seq_length or self.seq_length}"
+                f"{self.seq_length}; use "
+                f"{self.global_batch_tokens // self.seq_length * self.seq_length or self.seq_length}"
             )
         if self.global_batch_seqs > MAX_GLOBAL_BATCH:
             raise ValueError(

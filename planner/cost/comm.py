@@ -201,8 +201,9 @@ def collective_time_s(
     """α-β time of one collective on ``nbytes`` (the full buffer: all-gather output, all-reduce input).
 
     ``t = alpha + ring_factor · bytes / busbw``, all-gather and reduce-scatter adding the ring steps a
-    group larger than the link's measured one pays (:func:`extra_ring_latency_s`). A group spanning nodes with g members per node runs
-    g rails in parallel: ``busbw = min(intra-node busbw, g · per-GPU network busbw)``. All-to-all
+    group larger than the link's measured one pays (:func:`extra_ring_latency_s`). A group spanning
+    nodes with g members per node runs g rails in parallel:
+    ``busbw = min(intra-node busbw, g · per-GPU network busbw)``. All-to-all
     has no such sharing: each rank pushes its own ``(n - g)/n`` of the buffer through its own NIC,
     ``t = alpha + max(bytes·(n-g)/n / nic, bytes·(g-1)/n / nvlink)``.
 

@@ -3,8 +3,9 @@ slowest checked device's pace where the profile's device checks found a straggle
 
 Reference profiles have no tables: a GEMM takes ``max(flops / (peak · matmul_efficiency · waves ·
 K/(K+K0)), bytes / (hbm · memory_efficiency))``. These are times of the work itself; the fixed cost of
-launching each kernel is added per kernel by the caller (:mod:`planner.cost.layer`). Measured profiles interpolate the achieved
-rate of the nearest measured shapes with a local linear fit in log space (:func:`local_log_fit`),
+launching each kernel is added per kernel by the caller (:mod:`planner.cost.layer`). Measured profiles
+interpolate the achieved rate of the nearest measured shapes with a local linear fit in log space
+(:func:`local_log_fit`),
 so the datasheet enters only to scale a GPU's table of one 16-bit precision to the other where that
 one has none (:func:`_sibling_table`); bandwidth-bound ops at their own table's rates
 (:func:`elementwise_time_s`). A precision without a table or a sibling (an fp32 or fp8 GEMM with
@@ -333,7 +334,8 @@ def _interpolated_gemm_time(table, m: int, n: int, k: int) -> float:  # noqa: AN
     """Measured GEMMs: achieved rate fitted locally in log space (see :func:`local_log_fit`) on
     (log m, log n, log k); the measured time itself at a measured shape."""
     target = (math.log(m), math.log(n), math.log(k))
-    points = [((math.log(p.m), math.log(p.n), math.log(p.k)), math.log(2.0 * p.m * p.n * p.k / p.time_s)) for p in table]
+    points = [((math.log(p.m), math.log(p.n), math.log(p.k)), math.log(2.0 * p.m * p.n * p.k / p.time_s))
+              for p in table]
     return 2.0 * m * n * k / math.exp(local_log_fit(points, target))
 
 
@@ -342,8 +344,9 @@ def local_log_fit(points: list[tuple[tuple[float, ...], float]], target: tuple[f
 
     Used on x = logs of the shape, y = log of the achieved rate: between measured shapes this is
     multilinear interpolation in log space (on a cell of a rectilinear grid, the fit through its
-    2^d corners; weights ``1/distance⁴`` keep points beyond the cell from tilting it), so a shape halfway between a slow small GEMM
-    and a fast large one gets the geometric mean of their rates instead of the nearest one's.
+    2^d corners; weights ``1/distance⁴`` keep points beyond the cell from tilting it), so a shape
+    halfway between a slow small GEMM and a fast large one gets the geometric mean of their rates
+    instead of the nearest one's.
     Neighbours: the 2^d + d nearest (with ties); a small ridge keeps slopes along directions the
     neighbours do not span at zero (one point: its rate everywhere); the result is clamped to the
     neighbours' range, so it never extrapolates a rate beyond what was measured.
@@ -554,15 +557,16 @@ def _interpolated_attention(table, blocking, cpu, batch, seq, heads, kv_heads, h
     ``work`` is the target's FLOPs.
 
     The coordinates follow how the kernel spreads its work (:func:`attention_coords`). A CPU kernel
-    (``cpu``): (log seq, log batch·heads, log batch·kv_heads, log head_dim). A GPU flash kernel runs one thread block per (sequence, head, query tile), so its rate follows
+    (``cpu``): (log seq, log batch·heads, log batch·kv_heads, log head_dim). A GPU flash kernel runs
+    one thread block per (sequence, head, query tile), so its rate follows
     the number of those blocks against the GPU's SMs (wave fill) and the work of each (its keys, its
     head dim): (log seq, log batch·heads·seq/128, log head_dim), K/V heads left out. On the lent
     H200's full table (24 bf16 points) that took the leave-one-out error from a median of 8.9% to
     6.3%, and with each whole head layout left out (as a model's heads the grid never measured) from
     12.5% to 7.1%; the executor's step (batch 2 and 8, 16/8 heads) was priced 21% and 20% high
     instead of 45% and 108%. On a CPU's table the old coordinates had the lower medians, so they
-    stay there (a one-thread CPU profile measured then, not kept: README, "On a GPU"). ``benchmarks/attention_fit.py`` prints these figures for a profile, both
-    fits side by side."""
+    stay there (a one-thread CPU profile measured then, not kept: README, "On a GPU").
+    ``benchmarks/attention_fit.py`` prints these figures for a profile, both fits side by side."""
 
     coords = attention_coords(cpu)
     target = coords(batch, seq, heads, kv_heads, head_dim)

@@ -367,7 +367,8 @@ def _elementwise_s(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | Non
     norm = 2 * elt * E / rep
     add = (3 * elt * E + dropout) / rep
     if moe is not None:
-        ffn = moe.expert_ffn_hidden_size * routed_token_count(moe, 1, mb.moe_imbalance) + moe.shared_ffn * moe.num_shared_experts
+        ffn = (moe.expert_ffn_hidden_size * routed_token_count(moe, 1, mb.moe_imbalance)
+               + moe.shared_ffn * moe.num_shared_experts)
     else:
         ffn = model.ffn_hidden_size
     swiglu = model.ffn_kind == "swiglu"
@@ -491,8 +492,8 @@ def forward_kernel_count(model: ModelSpec, is_moe: bool, mb: MicroBatch, layout:
     each (2·E/ep) and their activation 1, shared experts 3 each (2 GEMMs and the activation), with EP the
     tokens' dispatch and combine all-to-all and the probabilities' 3, with ep·etp > 1 the counts'
     all-gather 1; one launch per grouped linear instead for a single grouped kernel, ``expert_streams`` =
-    :data:`~planner.contracts.limits.ONE_KERNEL`: Transformer Engine's streams launch every expert's GEMM), TP collectives (2 per :func:`tp_pairs` pair, 1
-    without SP; MoE with SP: 2 for the
+    :data:`~planner.contracts.limits.ONE_KERNEL`: Transformer Engine's streams launch every expert's
+    GEMM), TP collectives (2 per :func:`tp_pairs` pair, 1 without SP; MoE with SP: 2 for the
     experts' own all-gather/reduce-scatter when etp > 1), CP key/value gather 1. FP8 input casts are
     fused into the producing norm / activation kernels (Transformer Engine): no extra launches.
     """
@@ -546,8 +547,9 @@ def lm_head_cost(
     profile: ClusterProfile, model: ModelSpec, mb: MicroBatch, groups: dict[str, GroupPlacement]
 ) -> tuple[PassCost, PassCost]:
     """Final norm, the vocab-parallel output GEMM and the fp32 softmax cross-entropy (an upcast and
-    the log-softmax forward, :func:`cross_entropy_bytes`: 14 bytes per 16-bit logit; 8 backward). With TP the head's input is replicated: with SP it is all-gathered
-    forward and its gradient reduce-scattered backward; without SP the gradient is all-reduced."""
+    the log-softmax forward, :func:`cross_entropy_bytes`: 14 bytes per 16-bit logit; 8 backward). With
+    TP the head's input is replicated: with SP it is all-gathered forward and its gradient
+    reduce-scattered backward; without SP the gradient is all-reduced."""
     fwd, bwd = PassCost(), PassCost()
     t, h, tokens = mb.tp, model.hidden_size, mb.tokens
     fwd.gemm_s, bwd.gemm_s = gemm_fwd_bwd_s(profile, tokens, model.vocab_size // t, h, mb.precision)

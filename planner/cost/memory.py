@@ -123,8 +123,9 @@ def layer_activation_bytes(
     and product ``3·s·b·f``; MoE: router input, the top-k dispatched copies and the experts'
     intermediates. ``fp8``: the FP8-cast input of each linear layer is saved for backward (Transformer
     Engine; a target's ``TargetFacts.fp8_saved_inputs``): 1 byte instead of ``elt`` for the QKV,
-    output-projection, FC1 and FC2 inputs. With folded experts (``etp < tp``) a rank keeps its ``T·k·etp/tp`` routed rows
-    (:func:`planner.cost.layer.expert_rows`), their intermediates at width ``f/etp``.
+    output-projection, FC1 and FC2 inputs. With folded experts (``etp < tp``) a rank keeps its
+    ``T·k·etp/tp`` routed rows (:func:`planner.cost.layer.expert_rows`), their intermediates at
+    width ``f/etp``.
     """
     b, s, t = shape.batch, shape.seq, shape.tp
     h = model.hidden_size
@@ -282,7 +283,8 @@ def fixed_terms(a: Assumptions, layout: ParallelLayout) -> dict[str, float]:
     comms = communicator_groups(layout) * a.communicator_bytes
     if layout.ep > 1:
         comms += a.all_to_all_communicator_bytes
-    return {"runtime": float(a.runtime_bytes), "communicators": float(comms), "reserved": float(a.reserved_memory_bytes)}
+    return {"runtime": float(a.runtime_bytes), "communicators": float(comms),
+            "reserved": float(a.reserved_memory_bytes)}
 
 
 def fragmentation_share(a: Assumptions, zero_stage: int) -> float:

@@ -186,7 +186,8 @@ def _stages(model: ModelSpec, layout: ParallelLayout) -> list[_Stage]:
     starts = [sum(counts[:i]) for i in range(p * v)]
     stages = []
     for rank in range(p):
-        layers = [i for chunk in range(v) for i in range(starts[chunk * p + rank], starts[chunk * p + rank] + counts[chunk * p + rank])]
+        layers = [i for chunk in range(v)
+                  for i in range(starts[chunk * p + rank], starts[chunk * p + rank] + counts[chunk * p + rank])]
         if layout.recompute_per_stage is not None:
             choice = layout.recompute_per_stage[rank]
             n = len(layers) if choice.num_layers is None else min(choice.num_layers, len(layers))

@@ -21,7 +21,9 @@ def compositions(total: int, parts: int):  # noqa: ANN201 - generator of lists
         yield [edges[i + 1] - edges[i] for i in range(parts)]
 
 
-def brute_force_stages(sm: StageModel, target: str | None = None) -> tuple[float, list[int], list[tuple[Recompute, int]]] | None:
+def brute_force_stages(
+    sm: StageModel, target: str | None = None
+) -> tuple[float, list[int], list[tuple[Recompute, int]]] | None:
     """(step seconds, chunks, per-rank recompute) of the fastest split that fits, or None; with a ``target``,
     of those its capability table accepts (planner/targets.py)."""
     best: tuple[float, list[int], list[tuple[Recompute, int]]] | None = None

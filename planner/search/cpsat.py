@@ -47,8 +47,8 @@ def layer_kind_prefix(sm: StageModel) -> tuple[bool, int] | None:
     return first, d
 
 
-def solve_stages(sm: StageModel, time_limit_s: float = 2.0, workers: int = 2, upper_bound_s: float | None = None, *, even_split: bool = False,
-                 uniform_recompute: bool = False) -> StageSolution:
+def solve_stages(sm: StageModel, time_limit_s: float = 2.0, workers: int = 2, upper_bound_s: float | None = None, *,
+                 even_split: bool = False, uniform_recompute: bool = False) -> StageSolution:
     """Best split and per-stage recompute of ``sm``'s candidate; INFEASIBLE if no split fits memory.
     ``even_split``: only the default split; ``uniform_recompute``: one kind and count on every rank (what a
     target that cannot run more accepts, ``planner.targets.TargetSpec``)."""

@@ -86,8 +86,10 @@ RULE_FOLD = "ep x etp must divide dp x cp x tp (experts are folded over data/con
 RULE_FOLD_SHARD = "ep x etp must divide dp_shard x cp x tp (HSDP shard group too small)"
 """The two removal rules of expert folding (:meth:`ParallelLayout.expert_fold_problem` is the rule):
 over a structure's whole dp, and over a leaf's ZeRO/HSDP shard group."""
+# structures priced first, on one plain leaf each, to start the bound
 SEED_STRUCTURES = 48
-EXPLAINED_FAMILIES = 12  # structures whose best plan is priced in full to say why it lost  # structures priced first, on one plain leaf each, to start the bound
+# structures whose best plan is priced in full to say why it lost
+EXPLAINED_FAMILIES = 12
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class SearchOptions:
     def __post_init__(self) -> None:
         b = self.time_budget_s
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= MAX_TIME_BUDGET_S:
-            raise AutoparError("time_budget_s", b, f"give a number of seconds above 0 and at most {MAX_TIME_BUDGET_S:g}",
+            raise AutoparError("time_budget_s", b,
+                               f"give a number of seconds above 0 and at most {MAX_TIME_BUDGET_S:g}",
                                problem="is not a time budget the search can keep")
 
 
@@ -251,7 +254,8 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                     for ep, etp in _expert_degrees(model, opts, rules, dp, cp, tp, sp):
                         for mb in divisors(gbs // dp):
                             if mb > opts.max_micro_batch_size:
-                                rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)", f"mb={mb}")
+                                rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)",
+                                             f"mb={mb}")
                                 continue
                             out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp,
                                                  pp_scatter_gather=stage_sends(model, opts, sp)))
@@ -315,8 +319,8 @@ def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, p
         core = cache[core_key] = _structure_work(sc)
     elif p2p_s is None:  # the send alone: no layout to build (its group is the mesh's pipeline placement)
         group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
-        p2p_s = cache[p2p_key] = pipeline_send_s(model, training, profile, group, st.mb * (training.seq_length // st.cp),
-                                                 st.tp, st.pp_scatter_gather)
+        p2p_s = cache[p2p_key] = pipeline_send_s(model, training, profile, group,
+                                                 st.mb * (training.seq_length // st.cp), st.tp, st.pp_scatter_gather)
     (st.layer_times, st.emb_s, st.head_s, st.work_s, st.forward_work_s, st.forward_ratio,
      st.forward_ratio_min) = core
     st.p2p_s = p2p_s
@@ -355,7 +359,8 @@ def structure_floors(structs: list[Structure], model: ModelSpec, training: Train
         skey = (st.pp, stride, tokens, tp, sg)
         p2p_s = sends.get(skey)
         if p2p_s is None:
-            p2p_s = sends[skey] = pipeline_send_s(model, training, profile, placement(st.pp, stride, gpn), tokens, tp, sg)
+            p2p_s = sends[skey] = pipeline_send_s(model, training, profile, placement(st.pp, stride, gpn),
+                                                  tokens, tp, sg)
         out.append(st.m * (work / st.pp + 2 * p2p_s))
     return out
 
@@ -485,7 +490,9 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
     return out
 
 
-def leaf_choices(st: Structure, opts: SearchOptions, rules: Rules | None = None) -> tuple[tuple[int, int, int, bool, bool], ...]:
+def leaf_choices(
+    st: Structure, opts: SearchOptions, rules: Rules | None = None
+) -> tuple[tuple[int, int, int, bool, bool], ...]:
     """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
     reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
     group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1."""
@@ -799,9 +806,9 @@ def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
     for kind in sorted(set(sm.kinds)):
         held = -(-sm.kinds.count(kind) // p)
         kc = sm.kind_cost[kind]
-        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer, lay.reshard_after_forward,
-                               lay.dp_comm_overlap, held * kc.dense_params, held * kc.expert_params, cache,
-                               pp=lay.pp))
+        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer,
+                               lay.reshard_after_forward, lay.dp_comm_overlap, held * kc.dense_params,
+                               held * kc.expert_params, cache, pp=lay.pp))
     return tuple(out)
 
 
@@ -902,7 +909,8 @@ class _SearchState:
         if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
             # nothing to price the optimizer-state copies with: offload is not a choice on this profile
             opts = dataclasses.replace(opts, offload=False)
-            self.rules.remove("optimizer offload needs a host<->device link in the profile", f"profile '{profile.name}'")
+            self.rules.remove("optimizer offload needs a host<->device link in the profile",
+                              f"profile '{profile.name}'")
         self.opts = opts
         targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
         if opts.compile:  # a target that compiles nothing refuses every leaf: say so once
@@ -917,7 +925,8 @@ class _SearchState:
         if not structs:
             raise AutoparError("cluster", f"{profile.num_gpus} GPUs",
                                "change the GPU count, global batch or sequence length so that some layout divides them",
-                               problem="admits no layout: " + "; ".join(f"{r} ({n}x)" for r, n in self.rules.counts.items()))
+                               problem="admits no layout: "
+                               + "; ".join(f"{r} ({n}x)" for r, n in self.rules.counts.items()))
         self.heap = [(floor, i, False) for i, floor
                      in enumerate(structure_floors(structs, model, training, profile, opts, self.cache, self.deadline))]
         heapq.heapify(self.heap)
@@ -948,11 +957,14 @@ class _SearchState:
         self.status_counts: dict[str, int] = defaultdict(int)
         self.shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
         self.pending: list[tuple] = []
-        self.lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []  # (order, need, label), priced if nothing fits
+        # (order, need, label), priced if nothing fits
+        self.lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []
         self.no_fits = iter(range(1 << 60))
         self.priced: set[tuple] = set()
-        self.leaf_memory: dict[tuple, list] = {}  # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
-        self.states_need: dict[tuple, float] = {}  # model-state bytes per GPU by (tp, pp, ep, etp, zero, shard, offload)
+        # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
+        self.leaf_memory: dict[tuple, list] = {}
+        # model-state bytes per GPU by (tp, pp, ep, etp, zero, shard, offload)
+        self.states_need: dict[tuple, float] = {}
         self.per_param: dict[tuple, tuple[float, float, bool]] = {}
         self.ids = iter(range(1, 1 << 60))
         self.prefix_ok: bool | None = None
@@ -960,10 +972,12 @@ class _SearchState:
         self.minmax_of: dict[int, float] = {}
         self.scheds_of: dict[tuple[int, int], tuple[list, list]] = {}  # per (pp, m): schedule_choices and its removals
         self.leaves_of: dict[tuple, tuple[tuple, int]] = {}  # per (dp, cp, tp, ep, etp): leaf_choices
-        self.frugal_of: dict[tuple, tuple[float, float]] = {}  # per structure and ranks' micro-batches: (rec_min, stage_min)
+        # per structure and ranks' micro-batches: (rec_min, stage_min)
+        self.frugal_of: dict[tuple, tuple[float, float]] = {}
         self.interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
         self.tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep, etp): tail bounds
-        self.ordered: list[tuple[Structure, float, bool]] = []  # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
+        # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
+        self.ordered: list[tuple[Structure, float, bool]] = []
 
     # ------------------------------------------------------------------ shared bookkeeping
     def over_budget(self) -> bool:
@@ -1179,7 +1193,8 @@ class _SearchState:
             self.pending.append((lb, leaf_id, sm, st, label, greedy[0] if greedy else None, chunks,
                                  (sched, v, stage_lb, rec_s, comm, slowest)))
         elif greedy is None and leaf_id not in self.results and refused is None:
-            self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label, "needs, even with full recompute,")
+            self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label,
+                        "needs, even with full recompute,")
 
     def _uniform_default(self, sm: StageModel, st: Structure) -> tuple[tuple | None, object]:
         """(the target's best uniform recompute choice on the default split as (step, terms, per-rank choices),
@@ -1277,7 +1292,8 @@ class _SearchState:
             self.report["pruned"] += count
             if not fam["reason"]:
                 fam["reason"] = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
-                                 f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread evenly)") + why
+                                 f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread "
+                                 "evenly)") + why
         for (pp, m, dp, cp, tp, ep, etp), times in repeats.items():
             for rule, example, count in self.scheds_of[(pp, m)][1]:
                 self.rules.remove(rule, example, count * times)
@@ -1354,7 +1370,8 @@ class _SearchState:
         sched = Schedule.interleaved_1f1b
         if si not in self.interleaved_floor_of:
             self.interleaved_floor_of[si] = interleaved_memory_floor(
-                self.model, self.training, self.profile, st, self.opts, [d for s, d in scheds if s is sched], self.cache)
+                self.model, self.training, self.profile, st, self.opts, [d for s, d in scheds if s is sched],
+                self.cache)
         floor_stage = self.interleaved_floor_of[si]
         if not math.isfinite(floor_stage):
             self.report["infeasible"] += per_sched  # no split of any of its leaves fits, at any depth
@@ -1439,7 +1456,8 @@ class _SearchState:
         2.58 s of CP-SAT with hints, 0.53 s without, the same plans)."""
         opts = self.opts
         self.report["solved"] += 1
-        sol = solve_stages(sm, time_limit_s=min(opts.solver_time_limit_s, max(self.deadline - time.perf_counter(), 0.01)),
+        sol = solve_stages(sm,
+                           time_limit_s=min(opts.solver_time_limit_s, max(self.deadline - time.perf_counter(), 0.01)),
                            workers=opts.workers,
                            upper_bound_s=cutoff if math.isfinite(cutoff) else None,
                            even_split=not self.spec.uneven_split, uniform_recompute=not self.spec.per_stage_recompute)
@@ -1453,7 +1471,8 @@ class _SearchState:
                     self.no_fit(st, lambda sm=sm, chunks=chunks: sm.min_memory(chunks), label,
                                 "needs, on the default split with full recompute,")
             elif cutoff == greedy_val:
-                self.record(leaf, greedy_val, self.results[leaf].layout, st, "OPTIMAL")  # nothing beats the default split
+                # nothing beats the default split
+                self.record(leaf, greedy_val, self.results[leaf].layout, st, "OPTIMAL")
         elif greedy_val is not None:
             self.record(leaf, greedy_val, self.results[leaf].layout, st,
                         f"FEASIBLE (CP-SAT {sol.status} in its time limit)")
@@ -1463,8 +1482,9 @@ class _SearchState:
         """Why no plan was found: the budget ran out, or the closest leaf's memory shortfall."""
         report, shortfall = self.report, self.shortfall
         if self.budget_hit:
-            return out_of_time(self.opts, f"before any layout that fits was priced ({report['considered']:,} candidates "
-                                          f"considered, {report['infeasible']:,} shown not to fit)")
+            return out_of_time(self.opts, "before any layout that fits was priced "
+                                          f"({report['considered']:,} candidates considered, "
+                                          f"{report['infeasible']:,} shown not to fit)")
         for order, need, label in self.lazy_needs:  # the first smallest gap, as if priced when found
             if self.over_budget() and math.isfinite(shortfall[0]):
                 break  # the closest seen so far stands for the rest
@@ -1497,13 +1517,15 @@ class _SearchState:
             candidates_considered=report["considered"] + sum(rules.counts.values()),
             removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
             pruned_by_bound=report["pruned"], memory_infeasible=report["infeasible"], evaluated=report["evaluated"],
-            solved=report["solved"], solver_status_counts=dict(self.status_counts), closed_without_solver=report["closed"],
+            solved=report["solved"], solver_status_counts=dict(self.status_counts),
+            closed_without_solver=report["closed"],
             wall_s=wall, families=fam_out,
         )
         return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
                     precision=training.precision, target=opts.target, prediction=best_pred, alternatives=alternatives,
-                    solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every bound was "
-                                   f"closed (the chosen candidate's own split: {best.status})" if self.budget_hit
+                    solver_status=(f"FEASIBLE: search stopped at its {opts.time_budget_s:g} s budget before every "
+                                   f"bound was closed (the chosen candidate's own split: {best.status})"
+                                   if self.budget_hit
                                    else best.status),
                     search=search_report)
 
@@ -1533,7 +1555,8 @@ class _SearchState:
 def why_slower(pred: Prediction, best: Prediction) -> str:
     """The term that grew most against the best plan: compute, bubble, a kind of exposed comm, optimizer."""
     def terms(p: Prediction) -> dict[str, float]:
-        out = {"compute on the critical stage": p.compute_time_s - sum(c.exposed_s for c in p.comm if c.kind in ("tp", "cp", "ep")),
+        out = {"compute on the critical stage":
+               p.compute_time_s - sum(c.exposed_s for c in p.comm if c.kind in ("tp", "cp", "ep")),
                "pipeline bubble": p.bubble_time_s, "optimizer step": p.optimizer_time_s}
         for c in p.comm:
             out[f"exposed {c.kind} communication"] = out.get(f"exposed {c.kind} communication", 0.0) + c.exposed_s
@@ -1549,7 +1572,9 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
             f"{deltas[worst]:+.3f} s")
 
 
-def _nothing_fits(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict) -> AutoparError:
+def _nothing_fits(
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict
+) -> AutoparError:
     gap, where = shortfall[:2]
     fixes = ("more GPUs (more pipeline/tensor/ZeRO sharding), optimizer offload, full recompute, "
              "a smaller micro-batch or a shorter sequence, or a GPU with more memory")

@@ -172,8 +172,8 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     ``cache`` across the candidates of one search."""
     fp8_in = training.precision is Precision.fp8 and targets.target_facts(target).fp8_saved_inputs
     # fast path: the same layout fields give the same groups and micro-batch, so the same result
-    fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp, layout.pp,
-                layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
+    fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp,
+                layout.pp, layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
                 layout.pp_scatter_gather, profile.gpus_per_node, training.seq_length, training.precision,
                 training.flash_attention, training.moe_load_imbalance,
                 activation_factor(profile.assumptions, training, layout.zero_stage), fp8_in,
@@ -202,7 +202,8 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
         core_key = ("blocks", mb, layout.ep, groups["tp"], groups["cp"], groups["ep"], layout.tp_comm_overlap,
                     layout.ep_comm_overlap, factor, fp8_in, profile.assumptions.grouped_gemm_streams)
         if core_key not in cache:
-            kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache, fp8_in)
+            kind_cost = {kind: _kind_cost(model, training, profile, layout, mb, groups, kinds.index(kind), cache,
+                                          fp8_in)
                          for kind in sorted(set(kinds))}
             # the embedding and head see the TP group only: shared by every expert-parallel degree
             ends_key = ("ends", mb, groups["tp"])
@@ -247,8 +248,8 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
             shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp,
                                     mb.etp)
             elt = training.precision.bytes
-            cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r, flash=training.flash_attention,
-                                                                  elt=elt, fp8=fp8_in,
+            cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r,
+                                                                  flash=training.flash_attention, elt=elt, fp8=fp8_in,
                                                                   moe_imbalance=training.moe_load_imbalance)
                                for r in Recompute}
         bc = block_cost(profile, model, index, mb, layout, groups)
@@ -256,16 +257,18 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
             forward_s=bc.forward.total_s, backward_s={r: bc.backward_s(r) for r in Recompute},
             activations=cache[acts_key], dense_params=dense_per_tp_rank(model, index, layout.tp),
             expert_params=expert / expert_split(layout),
-            gather_params=dense_per_tp_rank(model, index, layout.tp) + expert / expert_split(layout),  # this rank's share
+            # this rank's share
+            gather_params=dense_per_tp_rank(model, index, layout.tp) + expert / expert_split(layout),
         )
     return cache[key]
 
 
-def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int, expert_shard: int,
-                     offload: bool, dense_params: float, expert_params: float) -> float:
+def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int,
+                     expert_shard: int, offload: bool, dense_params: float, expert_params: float) -> float:
     """Optimizer step of a stage holding these parameters per GPU (as in ``predict``): HBM-bound on the
     GPU, or copies over the host link plus the CPU step when offloaded."""
-    local = dense_params / (shard_n if zero_stage >= 1 else 1) + expert_params / (expert_shard if zero_stage >= 1 else 1)
+    local = (dense_params / (shard_n if zero_stage >= 1 else 1)
+             + expert_params / (expert_shard if zero_stage >= 1 else 1))
     if offload:
         state = state_bytes_per_param(training)
         copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
@@ -277,7 +280,8 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
 def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
               cache: dict, key: tuple | None = None) -> tuple[dict[str, Affine], dict[str, Affine]]:
     """(dense, expert) grad/replica/gather seconds of ``dp_traffic`` as ``alpha + slope·params`` plus
-    ``per_call`` for each further call (they are α-β), memoised per data-parallel grouping ``(zero, dp_shard, dp_replicate, cp, tp, ep, etp)``
+    ``per_call`` for each further call (they are α-β), memoised per data-parallel grouping
+    ``(zero, dp_shard, dp_replicate, cp, tp, ep, etp)``
     (etp: the experts' TP degree, tp when not folded): they do not depend on pp or the split. ``layout``
     may be a factory, called on a cache miss."""
     if key is None:
@@ -389,7 +393,8 @@ class StageModel:
     def __init__(self, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,
                  block_cache: dict | None = None, target: str = "autopar") -> None:
         profile = targets.priced_profile(profile, target, training.precision)  # the search's is already: itself back
-        if layout.layers_per_stage is None and layout.recompute_per_stage is None and layout.recompute is Recompute.none:
+        if (layout.layers_per_stage is None and layout.recompute_per_stage is None
+                and layout.recompute is Recompute.none):
             base = layout  # the search's own base layouts already are (a copy costs a validation)
         else:
             base = layout.model_copy(update={"layers_per_stage": None, "recompute_per_stage": None,
@@ -478,11 +483,13 @@ class StageModel:
     def rank_layers(self, chunks: list[int]) -> list[list[int]]:
         """Block indices each pipeline rank owns, chunk by chunk (rank r holds chunks r, r+p, ...)."""
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        return [[i for c in range(self.v) for i in range(starts[c * self.p + r], starts[c * self.p + r] + chunks[c * self.p + r])]
+        return [[i for c in range(self.v)
+                 for i in range(starts[c * self.p + r], starts[c * self.p + r] + chunks[c * self.p + r])]
                 for r in range(self.p)]
 
     def _counts(self, layers: list[int], count: int) -> tuple[int, int, int, int]:
-        """(dense blocks, MoE blocks, recomputed dense, recomputed MoE) of ``layers``, the first ``count`` recomputed."""
+        """(dense blocks, MoE blocks, recomputed dense, recomputed MoE) of ``layers``, the first ``count``
+        recomputed."""
         count = min(count, len(layers))
         n_moe = sum(self.kinds[i] for i in layers)
         r_moe = sum(self.kinds[i] for i in layers[:count])
@@ -652,11 +659,12 @@ class StageModel:
                 moe_prefix.append(moe_prefix[-1] + self.kinds[i])
             n, n_moe = len(layers), moe_prefix[-1]
 
-            def at(kind: Recompute, count: int) -> StageTerms:
+            # the loop's values bound as defaults: both helpers are only called within this iteration
+            def at(kind: Recompute, count: int, *, moe_prefix=moe_prefix, r=r, n=n, n_moe=n_moe) -> StageTerms:
                 rm = moe_prefix[count]
                 return self.stage_terms_counts(r, n - n_moe, n_moe, kind, count - rm, rm)
 
-            def fits(kind: Recompute, count: int) -> bool:
+            def fits(kind: Recompute, count: int, *, moe_prefix=moe_prefix, r=r, n=n, n_moe=n_moe) -> bool:
                 rm = moe_prefix[count]
                 return self.stage_memory_counts(r, n - n_moe, n_moe, kind, count - rm, rm) <= self.capacity
 
@@ -676,7 +684,9 @@ class StageModel:
                     else:
                         lo = mid + 1
                 t = at(kind, lo)
-                if best is None or t.forward_s + t.backward_s + t.tail_s < best[0].forward_s + best[0].backward_s + best[0].tail_s:
+                if (best is None
+                        or t.forward_s + t.backward_s + t.tail_s
+                        < best[0].forward_s + best[0].backward_s + best[0].tail_s):
                     best = (t, (kind, lo))
             if best is None:
                 return None

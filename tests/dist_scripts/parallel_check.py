@@ -6,9 +6,9 @@ For each case of :data:`CASES` (all when none are named) every rank builds the t
 device, applies :func:`executor.parallelize.parallelize` for the case's layout, loads the
 plan-independent weights, and trains 3 AdamW steps of 2 micro-batches per data-parallel rank (fp32),
 each micro-batch's loss = token-loss sum / global tokens x :func:`loss_scale`, the collectives of each
-micro-batch as the executor runs them (:func:`accumulation_cadence`). It writes OUT_DIR/<case>/rank<r>.json (the step losses,
-summed over all ranks and divided by tp, so every rank reports the global loss; wall time of the case)
-and rank 0 OUT_DIR/<case>/grads.pt: the first step's reduced gradients as full tensors
+micro-batch as the executor runs them (:func:`accumulation_cadence`). It writes OUT_DIR/<case>/rank<r>.json
+(the step losses, summed over all ranks and divided by tp, so every rank reports the global loss; wall time of
+the case) and rank 0 OUT_DIR/<case>/grads.pt: the first step's reduced gradients as full tensors
 (``DTensor.full_tensor()``) by plan-independent name. tests/test_executor_parallel.py compares them
 with :func:`executor.reference.reference_run` on one process.
 """

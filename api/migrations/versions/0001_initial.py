@@ -1,7 +1,7 @@
 """initial schema: clusters, profiles, plans, runs
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-22
 """
 import sqlalchemy as sa
