@@ -113,8 +113,8 @@ def serve(
     db = Database(settings.database_url)
     migrate(db.engine)
     loaded = load_reference_profiles(db) if settings.load_reference else []
-    new = sum(1 for *_, created in loaded if created)
-    measured = sum(1 for profile, *_ in loaded if profile.kind == "measured")
+    new = sum(1 for u in loaded if u.created)
+    measured = sum(1 for u in loaded if u.entry.profile.kind == "measured")
     console.print(f"database {db.engine.url.render_as_string(hide_password=True)}: migrated; "
                   f"{len(loaded) - measured} reference profiles and {measured} measured ({new} new)")
     db.dispose()

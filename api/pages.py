@@ -66,8 +66,8 @@ def _id(raw: str) -> int | None:
 
 
 def _stored(request: Request, raw: str, getter):  # noqa: ANN001, ANN202
-    """``getter(db, id)`` for a page id given as text, or None when the id is malformed or unknown
-    (the caller answers with the 404 page)."""
+    """``getter(db, id)`` (a store function's entry by its row id) for a page id given as text, or None when
+    the id is malformed or unknown (the caller answers with the 404 page)."""
     key = _id(raw)
     if key is None:
         return None
@@ -285,12 +285,12 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
 
 @router.get("/profiles/{profile_id}", response_class=HTMLResponse)
 def profile_page(request: Request, profile_id: str) -> HTMLResponse:
-    found = _stored(request, profile_id, store.get_profile)
+    found = _stored(request, profile_id, lambda db, key: store.get_profile(db, profile_id=key))
     if found is None:
         return _not_found(request, "profile", profile_id)
     row, cluster = found
     db = _db(request)
-    history = store.cluster_history(db, cluster.name)
+    history = store.cluster_history(db, name=cluster.name)
     problem, links, compute = None, [], []
     try:
         profile = ClusterProfile.model_validate(row.body)
@@ -390,7 +390,7 @@ def plan_charts(plan: Plan) -> dict:
 
 @router.get("/plans/{plan_id}", response_class=HTMLResponse)
 def plan_page(request: Request, plan_id: str) -> HTMLResponse:
-    found = _stored(request, plan_id, store.get_plan)
+    found = _stored(request, plan_id, lambda db, key: store.get_plan(db, plan_id=key))
     if found is None:
         return _not_found(request, "plan", plan_id)
     row, cluster = found
@@ -443,7 +443,7 @@ def runs_page(request: Request) -> HTMLResponse:
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str) -> HTMLResponse:
-    found = _stored(request, run_id, store.get_run)
+    found = _stored(request, run_id, lambda db, key: store.get_run(db, run_id=key))
     if found is None:
         return _not_found(request, "run", run_id)
     row, plan_row = found

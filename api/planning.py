@@ -39,8 +39,8 @@ def resolve_model(ref: ModelRef) -> ModelSpec:
 
 def resolve_profile(db: Database, req: PlanRequest) -> tuple[int, ClusterProfile]:
     try:
-        row, _ = (store.get_profile(db, req.profile_id) if req.profile_id is not None
-                  else store.latest_profile(db, req.cluster))
+        row, _ = (store.get_profile(db, profile_id=req.profile_id) if req.profile_id is not None
+                  else store.latest_profile(db, cluster=req.cluster))
     except store.NotFound as exc:
         field = "profile_id" if req.profile_id is not None else "cluster"
         raise AutoparError(field, exc.key,
@@ -95,7 +95,7 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
                                        options=req.options.model_dump(mode="json")))
     common = dict(profile_id=profile_id, request=request, request_hash=digest, model_name=model.name,
                   num_gpus=profile.num_gpus)
-    earlier = store.find_reusable_plan(db, digest)
+    earlier = store.find_reusable_plan(db, request_hash=digest)
     budget_stopped = ((earlier.plan or {}).get("solver_status") or "").startswith("FEASIBLE") or \
         (earlier.explanation or {}).get("field") == "time_budget_s" if earlier is not None else False
     if earlier is not None and not budget_stopped:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import statistics
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +22,38 @@ from planner.contracts import ClusterProfile, RunReport
 from planner.errors import AutoparError
 
 WRITE_RETRIES = 8
+T = TypeVar("T")
+
+
+class ProfileEntry(NamedTuple):
+    profile: Profile
+    cluster: Cluster
+
+
+class Uploaded(NamedTuple):
+    entry: ProfileEntry
+    created: bool  # False: the same content was stored before; ``entry`` is that row
+
+
+class ClusterEntry(NamedTuple):
+    cluster: Cluster
+    latest: Profile  # the newest version
+    versions: int
+
+
+class PlanEntry(NamedTuple):
+    plan: PlanRow
+    cluster: Cluster  # the cluster of the profile the plan was made for
+
+
+class RunEntry(NamedTuple):
+    run: RunRow
+    plan: PlanRow
+
+
+class Paged(NamedTuple, Generic[T]):
+    items: list[T]  # one page
+    total: int  # rows matching in all
 
 
 class NotFound(LookupError):
@@ -61,7 +93,7 @@ def _cluster_id(session: Session, name: str) -> int:
     return row.id
 
 
-def upload_profile(db: Database, profile: ClusterProfile) -> tuple[Profile, Cluster, bool]:
+def upload_profile(db: Database, *, profile: ClusterProfile) -> Uploaded:
     """Store ``profile`` as the next version of its cluster, or return the stored copy of the same content."""
     digest = profile_hash(profile)
     for _ in range(WRITE_RETRIES):
@@ -71,7 +103,7 @@ def upload_profile(db: Database, profile: ClusterProfile) -> tuple[Profile, Clus
                 if existing is not None:
                     cluster = session.get(Cluster, existing.cluster_id)
                     session.commit()
-                    return existing, cluster, False
+                    return Uploaded(ProfileEntry(existing, cluster), False)
                 cid = _cluster_id(session, profile.name)
                 version = (session.scalar(select(func.max(Profile.version)).where(Profile.cluster_id == cid)) or 0) + 1
                 row = Profile(cluster_id=cid, version=version, content_hash=digest, kind=profile.kind,
@@ -82,21 +114,21 @@ def upload_profile(db: Database, profile: ClusterProfile) -> tuple[Profile, Clus
                 session.flush()
                 cluster = session.get(Cluster, cid)
                 session.commit()
-                return row, cluster, True
+                return Uploaded(ProfileEntry(row, cluster), True)
             except IntegrityError:
                 session.rollback()  # same content, cluster or version stored concurrently: look again
     raise RuntimeError(f"could not store profile {profile.name!r} after {WRITE_RETRIES} attempts under contention")
 
 
-def get_profile(db: Database, profile_id: int) -> tuple[Profile, Cluster]:
+def get_profile(db: Database, *, profile_id: int) -> ProfileEntry:
     with db.read() as session:
         row = session.get(Profile, profile_id)
         if row is None:
             raise NotFound("profile", profile_id)
-        return row, session.get(Cluster, row.cluster_id)
+        return ProfileEntry(row, session.get(Cluster, row.cluster_id))
 
 
-def latest_profile(db: Database, cluster: str) -> tuple[Profile, Cluster]:
+def latest_profile(db: Database, *, cluster: str) -> ProfileEntry:
     with db.read() as session:
         c = session.scalar(select(Cluster).where(Cluster.name == cluster))
         if c is None:
@@ -105,12 +137,12 @@ def latest_profile(db: Database, cluster: str) -> tuple[Profile, Cluster]:
                              .order_by(Profile.version.desc()).limit(1))
         if row is None:
             raise NotFound("cluster", cluster)
-        return row, c
+        return ProfileEntry(row, c)
 
 
 def list_profiles(db: Database, *, gpu: str | None = None, kind: str | None = None, cluster: str | None = None,
                   since: datetime | None = None, until: datetime | None = None, limit: int = 50,
-                  offset: int = 0) -> tuple[list[tuple[Profile, Cluster]], int]:
+                  offset: int = 0) -> Paged[ProfileEntry]:
     """Profiles newest first; ``gpu`` matches the device name case-insensitively as a substring."""
     q = select(Profile, Cluster).join(Cluster, Cluster.id == Profile.cluster_id)
     if gpu:
@@ -124,20 +156,20 @@ def list_profiles(db: Database, *, gpu: str | None = None, kind: str | None = No
     if until:
         q = q.where(Profile.measured_at <= until)
     rows, total = _paged(db, q, (Profile.uploaded_at.desc(), Profile.id.desc()), limit, offset)
-    return [(p, c) for p, c in rows], total
+    return Paged([ProfileEntry(p, c) for p, c in rows], total)
 
 
-def cluster_history(db: Database, name: str) -> list[tuple[Profile, Cluster]]:
+def cluster_history(db: Database, *, name: str) -> list[ProfileEntry]:
     with db.read() as session:
         c = session.scalar(select(Cluster).where(Cluster.name == name))
         if c is None:
             raise NotFound("cluster", name)
         rows = session.scalars(select(Profile).where(Profile.cluster_id == c.id).order_by(Profile.version)).all()
-        return [(p, c) for p in rows]
+        return [ProfileEntry(p, c) for p in rows]
 
 
 def list_clusters(db: Database, *, gpu: str | None = None, kind: str | None = None, limit: int = 50,
-                  offset: int = 0) -> tuple[list[tuple[Cluster, Profile, int]], int]:
+                  offset: int = 0) -> Paged[ClusterEntry]:
     """Clusters by name, each with its newest profile and its number of versions."""
     newest = (select(Profile.cluster_id, func.max(Profile.version).label("v"), func.count().label("n"))
               .group_by(Profile.cluster_id).subquery())
@@ -148,22 +180,22 @@ def list_clusters(db: Database, *, gpu: str | None = None, kind: str | None = No
     if kind:
         q = q.where(Profile.kind == kind)
     rows, total = _paged(db, q, (Cluster.name,), limit, offset)
-    return [(c, p, n) for c, p, n in rows], total
+    return Paged([ClusterEntry(c, p, n) for c, p, n in rows], total)
 
 
-def load_reference_profiles(db: Database) -> list[tuple[Profile, Cluster, bool]]:
+def load_reference_profiles(db: Database) -> list[Uploaded]:
     """Store the reference profile of every system in ``planner.reference`` (one node), and the
     measured profiles shipped with the planner (:func:`planner.reference.measured_profiles`), if not
     stored yet."""
     from planner.reference import list_systems, measured_profiles, reference_profile
 
     profiles = [reference_profile(system, 1) for system in list_systems()] + measured_profiles()
-    return [upload_profile(db, profile) for profile in profiles]
+    return [upload_profile(db, profile=profile) for profile in profiles]
 
 
 # -- plans -----------------------------------------------------------------------------------------
 
-def find_reusable_plan(db: Database, request_hash: str) -> PlanRow | None:
+def find_reusable_plan(db: Database, *, request_hash: str) -> PlanRow | None:
     with db.read() as session:
         return session.scalar(select(PlanRow).where(PlanRow.request_hash == request_hash)
                               .order_by(PlanRow.id).limit(1))
@@ -179,17 +211,17 @@ def store_plan(db: Database, *, profile_id: int, request: dict, request_hash: st
     return row
 
 
-def get_plan(db: Database, plan_id: int) -> tuple[PlanRow, Cluster]:
+def get_plan(db: Database, *, plan_id: int) -> PlanEntry:
     with db.read() as session:
         row = session.get(PlanRow, plan_id)
         if row is None:
             raise NotFound("plan", plan_id)
         prof = session.get(Profile, row.profile_id)
-        return row, session.get(Cluster, prof.cluster_id)
+        return PlanEntry(row, session.get(Cluster, prof.cluster_id))
 
 
 def list_plans(db: Database, *, model: str | None = None, status: str | None = None, profile_id: int | None = None,
-               limit: int = 50, offset: int = 0) -> tuple[list[tuple[PlanRow, Cluster]], int]:
+               limit: int = 50, offset: int = 0) -> Paged[PlanEntry]:
     q = (select(PlanRow, Cluster).join(Profile, Profile.id == PlanRow.profile_id)
          .join(Cluster, Cluster.id == Profile.cluster_id))
     if model:
@@ -199,12 +231,12 @@ def list_plans(db: Database, *, model: str | None = None, status: str | None = N
     if profile_id:
         q = q.where(PlanRow.profile_id == profile_id)
     rows, total = _paged(db, q, (PlanRow.id.desc(),), limit, offset)
-    return [(p, c) for p, c in rows], total
+    return Paged([PlanEntry(p, c) for p, c in rows], total)
 
 
 # -- runs ------------------------------------------------------------------------------------------
 
-def store_run(db: Database, plan_id: int, report: RunReport) -> RunRow:
+def store_run(db: Database, *, plan_id: int, report: RunReport) -> RunRow:
     with db.write() as session, session.begin():
         plan = session.get(PlanRow, plan_id)
         if plan is None:
@@ -227,21 +259,21 @@ def store_run(db: Database, plan_id: int, report: RunReport) -> RunRow:
     return row
 
 
-def get_run(db: Database, run_id: int) -> tuple[RunRow, PlanRow]:
+def get_run(db: Database, *, run_id: int) -> RunEntry:
     with db.read() as session:
         row = session.get(RunRow, run_id)
         if row is None:
             raise NotFound("run", run_id)
-        return row, session.get(PlanRow, row.plan_id)
+        return RunEntry(row, session.get(PlanRow, row.plan_id))
 
 
 def list_runs(db: Database, *, plan_id: int | None = None, limit: int = 50,
-              offset: int = 0) -> tuple[list[RunRow], int]:
+              offset: int = 0) -> Paged[RunRow]:
     q = select(RunRow)
     if plan_id:
         q = q.where(RunRow.plan_id == plan_id)
     rows, total = _paged(db, q, (RunRow.id.desc(),), limit, offset)
-    return [r for (r,) in rows], total
+    return Paged([r for (r,) in rows], total)
 
 
 def run_error_summary(db: Database) -> dict:

@@ -312,25 +312,8 @@ def run(
     try:
         plan = load_plan(plan_file)
         config = load_hf_config(hf_config, plan)
-        if not math.isfinite(lr) or not 0 <= lr <= MAX_LR:
-            raise AutoparError("--lr", lr, f"give a finite learning rate in [0, {MAX_LR:g}], e.g. 1e-3",
-                               problem="is not a learning rate AdamW can train with")
-        if warmup is None:
-            warmup = min(DEFAULT_WARMUP, steps - 1)
-        elif warmup >= steps:
-            raise AutoparError("--warmup", warmup, f"use --warmup {steps - 1} or less, or more --steps (at least "
-                               f"{warmup + 1})", problem=f"is not below --steps {steps}: no step would be timed")
-        nproc = nproc_per_node or plan.num_gpus // nnodes
-        if nproc * nnodes != plan.num_gpus:
-            raise AutoparError("--nproc-per-node", nproc,
-                               f"use nnodes x nproc-per-node = plan.num_gpus = {plan.num_gpus}",
-                               problem=f"x --nnodes {nnodes} = {nproc * nnodes} workers")
-        if node_rank >= nnodes:
-            raise AutoparError("--node-rank", node_rank, f"use 0..{nnodes - 1}",
-                               problem=f"is not below --nnodes {nnodes}")
-        if server and plan_id is None:
-            raise AutoparError("--plan-id", None, "give the service's id of this plan (GET /v1/plans)",
-                               problem="is missing; the service stores a run beside its plan")
+        warmup, nproc = _check_run_options(plan, lr, steps, warmup, nproc_per_node, nnodes, node_rank,
+                                           server, plan_id)
         check_checkpoint_options(checkpoint_dir, checkpoint_every, resume, async_checkpoint)
         load_profile(profile)
         if data is not None:  # the checks each worker makes, made here: a bad file is no torchrun traceback
@@ -378,7 +361,38 @@ def run(
             raise typer.Exit(1)
         err.print(f"node {node_rank} done (rank 0 writes the report on node 0)")
         return
-    report = RunReport.model_validate_json(report_path.read_text())
+    _show_and_upload(RunReport.model_validate_json(report_path.read_text()), plan, report_path, out, server, token,
+                     plan_id)
+
+
+def _check_run_options(plan: Plan, lr: float, steps: int, warmup: int | None, nproc_per_node: int | None,
+                       nnodes: int, node_rank: int, server: str | None, plan_id: int | None) -> tuple[int, int]:
+    """(warmup steps, workers per node) of ``autopar run``'s options, or the AutoparError naming the option."""
+    if not math.isfinite(lr) or not 0 <= lr <= MAX_LR:
+        raise AutoparError("--lr", lr, f"give a finite learning rate in [0, {MAX_LR:g}], e.g. 1e-3",
+                           problem="is not a learning rate AdamW can train with")
+    if warmup is None:
+        warmup = min(DEFAULT_WARMUP, steps - 1)
+    elif warmup >= steps:
+        raise AutoparError("--warmup", warmup, f"use --warmup {steps - 1} or less, or more --steps (at least "
+                           f"{warmup + 1})", problem=f"is not below --steps {steps}: no step would be timed")
+    nproc = nproc_per_node or plan.num_gpus // nnodes
+    if nproc * nnodes != plan.num_gpus:
+        raise AutoparError("--nproc-per-node", nproc,
+                           f"use nnodes x nproc-per-node = plan.num_gpus = {plan.num_gpus}",
+                           problem=f"x --nnodes {nnodes} = {nproc * nnodes} workers")
+    if node_rank >= nnodes:
+        raise AutoparError("--node-rank", node_rank, f"use 0..{nnodes - 1}",
+                           problem=f"is not below --nnodes {nnodes}")
+    if server and plan_id is None:
+        raise AutoparError("--plan-id", None, "give the service's id of this plan (GET /v1/plans)",
+                           problem="is missing; the service stores a run beside its plan")
+    return warmup, nproc
+
+
+def _show_and_upload(report: RunReport, plan: Plan, report_path: Path, out: Path | None, server: str | None,
+                     token: str | None, plan_id: int | None) -> None:
+    """Print the run report beside the plan's prediction; post it to ``server`` (exit 2 if refused)."""
     render_report(report, plan)
     if out is not None:
         err.print(f"report written to {out}")

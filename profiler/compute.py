@@ -642,11 +642,44 @@ def gemm_state_sampler(device: torch.device) -> GpuStateSampler | None:
     return GpuStateSampler(device) if device.type == "cuda" else None
 
 
+class _Walk:
+    """Progress over one compute profile's jobs: ``done`` of ``total`` reported to ``progress(label,
+    done, total)``; :meth:`table` measures one table within its own budget."""
+
+    def __init__(self, device: torch.device, grid: ComputeGrid, total: int, progress: Progress | None):
+        self.device, self.grid, self.total, self.progress, self.done = device, grid, total, progress, 0
+
+    def tick(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(label, self.done, self.total)
+
+    def _advance(self, section: str, start: int) -> Callable[[int], None]:
+        def on_progress(n: int) -> None:
+            if start + n > self.done:
+                self.done = start + n
+                self.tick(f"{section}: {n} timed")
+        return on_progress
+
+    def table(self, table: str, unit: str, jobs: list, cost: Callable, measure: Callable, name: Callable,
+              result: Callable, share: float = 1.0) -> list:
+        """One table (one kind of operation in one precision) measured in order of ``cost`` within
+        a fresh budget (:func:`budget_for`; ``share`` of it), the stop noted; each job's point, or None."""
+        jobs.sort(key=cost)
+        budget, start = budget_for(self.grid, share), self.done
+        points = measure(jobs, self.device, self.grid, self._advance(table, start), budget)
+        _note_budget_stop(self.grid, table, unit, [name(*j[0]) for j in jobs],
+                          [None if x is None else result(x) for x in points], budget)
+        self.done = start + len(jobs)
+        return points
+
+
 def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress | None = None) -> ComputeProfile:
     """Measure ``grid`` on ``device`` (this process only) and return the tables and achieved peaks.
 
     ``progress(label, done, total)`` is called before each measurement (done = finished so far) and
-    once at the end with done == total.
+    once at the end with done == total. GEMMs and attention are timed in rounds (every shape one trial
+    per round, grid.trials rounds: see time_rounds), each precision's table its own walk in order of
+    FLOPs within the grid's time budget (ComputeGrid): the progress advances as rounds finish.
     """
     device = torch.device(device)
     _check_precisions(grid, device)
@@ -657,86 +690,75 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
     attn_jobs = [(c, p) for p in grid.precisions for c in grid.attention]
     elt_precisions = [p for p in grid.precisions if p is not Precision.fp8]  # fp8 recipes keep bf16 activations
     elt_jobs = [(op, b, p) for p in elt_precisions for b in grid.elementwise_bytes for op in ELEMENTWISE_OPS]
-    total = len(gemm_jobs) + len(attn_jobs) + len(elt_jobs)
-    done = 0
-
-    def tick(label: str) -> None:
-        if progress is not None:
-            progress(label, done, total)
-
+    walk = _Walk(device, grid, len(gemm_jobs) + len(attn_jobs) + len(elt_jobs), progress)
     profile = ComputeProfile()
-    # GEMMs and attention are timed in rounds (every shape one trial per round, grid.trials rounds:
-    # see time_rounds), each precision's table its own walk in order of FLOPs within the grid's time
-    # budget (ComputeGrid): the progress advances as rounds finish
-
-    def advance(section: str, start: int) -> Callable[[int], None]:
-        def on_progress(n: int) -> None:
-            nonlocal done
-            if start + n > done:
-                done = start + n
-                tick(f"{section}: {n} timed")
-        return on_progress
-
-    def walk(table: str, unit: str, jobs: list, cost: Callable, measure: Callable, name: Callable,
-             result: Callable, share: float = 1.0) -> list:
-        """One table (one kind of operation in one precision) measured in order of ``cost`` within
-        a fresh budget (:func:`budget_for`; ``share`` of it), the stop noted; each job's point, or None."""
-        nonlocal done
-        jobs.sort(key=cost)
-        budget, start = budget_for(grid, share), done
-        points = measure(jobs, device, grid, advance(table, start), budget)
-        _note_budget_stop(grid, table, unit, [name(*j[0]) for j in jobs],
-                          [None if x is None else result(x) for x in points], budget)
-        done = start + len(jobs)
-        return points
-
     if gemm_jobs:
-        tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
-        state = gemm_state_sampler(device)
-        with torch.no_grad(), state or contextlib.nullcontext():
-            for p in grid.precisions:
-                if state:
-                    state.section(f"{p.value} GEMMs")
-                # each layout its own walk with an equal share of the precision's budget: one layout's
-                # slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others
-                layouts = list(dict.fromkeys(j[0][3] for j in gemm_jobs if j[1] is p))
-                for lay in layouts:
-                    points = walk(f"{p.value} {lay.value} GEMMs", "shapes",
-                                  [j for j in gemm_jobs if j[1] is p and j[0][3] is lay],
-                                  lambda j: math.prod(j[0][:3]), measure_gemms, lambda m, n, k, _: f"{m}x{n}x{k}",
-                                  lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s",
-                                  share=1.0 / len(layouts))
-                    profile.gemm += [point for point in points if point is not None]
-        if state:
-            grid.notes.append(state.note("GEMM tables"))
+        profile.gemm += _gemm_tables(walk, gemm_jobs)
     if attn_jobs:
-        # fp8 recipes run attention in bf16: an fp8 config reuses the bf16 measurement of it
-        attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]
-        tick(f"attention: {len(attn_run)} configs in rounds of {grid.trials} trials")
-        measured: dict = {}
-        for p in grid.precisions:
-            jobs = [j for j in attn_run if j[1] is p]
-            if jobs:
-                points = walk(f"{p.value} attention", "configs", jobs, lambda j: _attention_flops(*j[0]),
-                              measure_attentions, lambda b, s, h, kv, d: f"b={b} s={s} h={h}/{kv} d={d}",
-                              lambda x: f"took {x.forward_time_s * 1e3:.3g} ms forward and "
-                                        f"{x.backward_time_s * 1e3:.3g} ms backward")
-                measured.update((j, x) for j, x in zip(jobs, points) if x is not None)
-        for (b, s, h, kv, d), p in attn_jobs:
-            point = measured.get(((b, s, h, kv, d), p))
-            if point is None and p is Precision.fp8 and ((b, s, h, kv, d), Precision.bf16) in measured:
-                # the same bf16 kernel: reuse the measurement
-                point = measured[((b, s, h, kv, d), Precision.bf16)].model_copy(update={"precision": Precision.fp8})
-            if point is not None:
-                profile.attention.append(point)
-        done = len(gemm_jobs) + len(attn_jobs)
+        profile.attention += _attention_tables(walk, attn_jobs)
+        walk.done = len(gemm_jobs) + len(attn_jobs)
     with torch.no_grad():
         for op, nbytes, p in elt_jobs:
-            tick(f"{op} {p.value} {nbytes / 2**20:.1f} MiB")
+            walk.tick(f"{op} {p.value} {nbytes / 2**20:.1f} MiB")
             profile.elementwise.append(measure_elementwise(op, nbytes, p, device, grid))
-            done += 1
-    tick("compute done")
+            walk.done += 1
+    walk.tick("compute done")
+    _note_timing(profile, grid, device)
+    _achieved_rates(profile, grid, device)
+    return ComputeProfile.model_validate(profile.model_dump())
 
+
+def _gemm_tables(walk: _Walk, gemm_jobs: list) -> list[GemmPoint]:
+    """Every precision's GEMM tables; each layout its own walk with an equal share of the precision's
+    budget: one layout's slow calls (torch's CPU bf16 fallback runs nn 3-16x slower) do not stop the others."""
+    grid, out = walk.grid, []
+    walk.tick(f"GEMMs: {len(gemm_jobs)} shapes in rounds of {grid.trials} trials")
+    state = gemm_state_sampler(walk.device)
+    with torch.no_grad(), state or contextlib.nullcontext():
+        for p in grid.precisions:
+            if state:
+                state.section(f"{p.value} GEMMs")
+            layouts = list(dict.fromkeys(j[0][3] for j in gemm_jobs if j[1] is p))
+            for lay in layouts:
+                points = walk.table(f"{p.value} {lay.value} GEMMs", "shapes",
+                                    [j for j in gemm_jobs if j[1] is p and j[0][3] is lay],
+                                    lambda j: math.prod(j[0][:3]), measure_gemms, lambda m, n, k, _: f"{m}x{n}x{k}",
+                                    lambda x: f"ran at {2e-9 * x.m * x.n * x.k / x.time_s:.3g} GFLOP/s",
+                                    share=1.0 / len(layouts))
+                out += [point for point in points if point is not None]
+    if state:
+        grid.notes.append(state.note("GEMM tables"))
+    return out
+
+
+def _attention_tables(walk: _Walk, attn_jobs: list) -> list[AttentionPoint]:
+    """Every precision's attention table. FP8 recipes run attention in bf16: an fp8 config reuses the
+    bf16 measurement of it."""
+    attn_run = [(c, p) for c, p in attn_jobs if p is not Precision.fp8 or (c, Precision.bf16) not in attn_jobs]
+    walk.tick(f"attention: {len(attn_run)} configs in rounds of {walk.grid.trials} trials")
+    measured: dict = {}
+    for p in walk.grid.precisions:
+        jobs = [j for j in attn_run if j[1] is p]
+        if jobs:
+            points = walk.table(f"{p.value} attention", "configs", jobs, lambda j: _attention_flops(*j[0]),
+                                measure_attentions, lambda b, s, h, kv, d: f"b={b} s={s} h={h}/{kv} d={d}",
+                                lambda x: f"took {x.forward_time_s * 1e3:.3g} ms forward and "
+                                          f"{x.backward_time_s * 1e3:.3g} ms backward")
+            measured.update((j, x) for j, x in zip(jobs, points) if x is not None)
+    out = []
+    for (b, s, h, kv, d), p in attn_jobs:
+        point = measured.get(((b, s, h, kv, d), p))
+        if point is None and p is Precision.fp8 and ((b, s, h, kv, d), Precision.bf16) in measured:
+            # the same bf16 kernel: reuse the measurement
+            point = measured[((b, s, h, kv, d), Precision.bf16)].model_copy(update={"precision": Precision.fp8})
+        if point is not None:
+            out.append(point)
+    return out
+
+
+def _note_timing(profile: ComputeProfile, grid: ComputeGrid, device: torch.device) -> None:
+    """The grid's notes on how the tables were timed: CUDA operations held behind a spin kernel, CPU
+    flash-attention regimes without a measurement."""
     if device.type == "cuda" and HOLD_STATS["held"]:
         paced = HOLD_STATS["host_paced"]
         grid.notes.append(f"CUDA timing: {HOLD_STATS['held']} operations that the host launches more slowly than the "
@@ -753,6 +775,10 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
                               f"{' and '.join(str(b.from_q_len) for b in CPU_FLASH_BLOCKING[1:])}; nothing was "
                               f"measured for {'; '.join(gaps)}, so the planner prices those at the rates of the "
                               "nearest measured lengths' regime")
+
+
+def _achieved_rates(profile: ComputeProfile, grid: ComputeGrid, device: torch.device) -> None:
+    """The best GEMM rate per precision and the memory bandwidth of the largest adds."""
     rates: dict[Precision, float] = {}
     for g in profile.gemm:
         rates[g.precision] = max(rates.get(g.precision, 0.0), 2.0 * g.m * g.n * g.k / g.time_s / 1e12)
@@ -764,7 +790,6 @@ def measure_compute(device: torch.device, grid: ComputeGrid, progress: Progress 
         largest = max(grid.elementwise_bytes)
         big = [e for e in adds if e.bytes >= 3 * largest * 0.99] or adds
         profile.achieved_memory_bandwidth_bytes_per_s = max(e.bytes / e.time_s for e in big)
-    return ComputeProfile.model_validate(profile.model_dump())
 
 
 def _bf16_fallback_note(gemm: list[GemmPoint], fp32_tflops: float | None) -> str:

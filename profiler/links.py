@@ -689,30 +689,7 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     from profiler.timing import sync
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    # create every subgroup on every rank, in the same order (new_group is collective)
-    handles: list[tuple[GroupSpec, object, list[int] | None]] = []
-    for spec in plan.specs:
-        mine = None
-        my_group = None
-        for ranks in spec.ranks:
-            g = dist.new_group(ranks, timeout=plan.timeout) if len(ranks) < world else dist.group.WORLD
-            if rank in ranks:
-                mine, my_group = ranks, g
-        handles.append((spec, my_group, mine))
-    # a job: one collective of one spec, all of its groups side by side or (one_group_at_a_time) the
-    # first wave of them (one per host) while the other ranks wait; a link's times are the max over
-    # the groups timed (its slowest group)
-    jobs: list[tuple[GroupSpec, object, list[int] | None, Collective]] = []
-    leaders: list[list[int]] = []  # a job some ranks sit out: the first rank of each group that runs
-    timed: list[int] = []  # per job: how many of its spec's groups are timed
-    for spec, group, mine in handles:
-        waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
-        wave = timed_groups(waves, plan.hosts, plan.crowded_hosts)
-        on = mine is not None and mine in wave
-        for c in spec.collectives:
-            jobs.append((spec, group if on else None, mine if on else None, c))
-            leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
-            timed.append(len(wave))
+    jobs, leaders, timed = _link_jobs(plan, rank, world)
     # the ranks sitting a job out wait on the rendezvous store, not in a collective: a collective's
     # messages would reach the busy ranks before they post a receive, and gloo's receive thread
     # polls until they do (oversubscribed); the store lives in torchrun's agent, apart from the ranks.
@@ -723,7 +700,6 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
     total = len(jobs) * len(plan.sizes)
     done = 0
     reps_by_job: dict[int, dict[int, int]] = {}
-    links: list[LinkProfile] = []
     sizes = plan.sizes
 
     def time_sizes(job: int, indices: list[int], round_: int) -> list[float]:
@@ -785,10 +761,54 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
 
     # the slowest rank of the groups timed (idle ranks reported 0)
     all_times, all_extra = remeasured_fastest(len(jobs), sizes, time_sizes, slowest_rank)
+    links = _fitted_links(plan, jobs, all_times, all_extra, timed)
+    if progress is not None:
+        progress("links done", total, total)
+    return links
+
+
+LinkJob = tuple[GroupSpec, object, "list[int] | None", Collective]
+
+
+def _link_jobs(plan: LinkPlan, rank: int, world: int) -> tuple[list[LinkJob], list[list[int]], list[int]]:
+    """(jobs, leaders, timed): a job is one collective of one spec, all of its groups side by side or
+    (one_group_at_a_time) the first wave of them (one per host) while the other ranks wait; a link's
+    times are the max over the groups timed (its slowest group). ``leaders``: per job the first rank of
+    each group that runs where some ranks sit it out; ``timed``: per job how many of its groups are timed.
+    Every subgroup is created on every rank, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    handles: list[tuple[GroupSpec, object, list[int] | None]] = []
+    for spec in plan.specs:
+        mine = None
+        my_group = None
+        for ranks in spec.ranks:
+            g = dist.new_group(ranks, timeout=plan.timeout) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                mine, my_group = ranks, g
+        handles.append((spec, my_group, mine))
+    jobs: list[LinkJob] = []
+    leaders: list[list[int]] = []
+    timed: list[int] = []
+    for spec, group, mine in handles:
+        waves = host_waves(spec.ranks, plan.hosts) if plan.one_group_at_a_time else [spec.ranks]
+        wave = timed_groups(waves, plan.hosts, plan.crowded_hosts)
+        on = mine is not None and mine in wave
+        for c in spec.collectives:
+            jobs.append((spec, group if on else None, mine if on else None, c))
+            leaders.append([g[0] for g in wave] if len(waves) > 1 else [])
+            timed.append(len(wave))
+    return jobs, leaders, timed
+
+
+def _fitted_links(plan: LinkPlan, jobs: list[LinkJob], all_times: list, all_extra: list,
+                  timed: list[int]) -> list[LinkProfile]:
+    """Each job's times (slowest rank, fastest trial) fitted into link segments, with their source."""
+    links: list[LinkProfile] = []
     per_trial = (f"calls per trial by size, cut to what lasts {plan.min_trial_s * 1e3:g} ms"
                  if plan.min_trial_s > 0 else "calls per trial by size")
     for (spec, _, _, collective), times, extra, n_timed in zip(jobs, all_times, all_extra, timed):
-        points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(sizes, times)]
+        points = [TimedPoint(bytes=b, time_s=max(float(t), 1e-9)) for b, t in zip(plan.sizes, times)]
         size = 2 if collective is Collective.p2p else spec.size
         side = (f"{n_timed} timed, one per host, the others' ranks idle (more ranks than cores on a host: side by "
                 "side they would time the scheduler, and in turn they repeat the timed group's measurement on "
@@ -798,8 +818,6 @@ def measure_links(plan: LinkPlan, device, progress: Callable[[str, int, int], No
                   f"{_human(INTERLEAVE_MAX_BYTES)}), fastest trial per rank, max over ranks; "
                   + _remeasure_note(extra, plan.trials))
         links.extend(fit_link_segments(spec.level, collective, size, spec.per_node, points, source))
-    if progress is not None:
-        progress("links done", total, total)
     return links
 
 

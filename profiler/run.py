@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from planner.contracts import ClusterProfile, Collective, ModelSpec
+from planner.contracts import Assumptions, ClusterProfile, Collective, ComputeProfile, ModelSpec
 from planner.errors import AutoparError, UnknownNameError
 from profiler import identity
 from profiler.links import (
@@ -237,10 +237,62 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
     (rank 0 only) returns a context manager whose value is a ``progress(label, done, total)`` callable."""
     import contextlib
 
-    import torch
     import torch.distributed as dist
 
     c = check(opts)
+    d = c.dist
+    device, backend, timeout = _start_process_group(c, opts)
+    phase = "start"
+    t_start = time.perf_counter()
+    try:
+        # waits for rank 0's compute go over a gloo group of their own, also when the collectives
+        # are NCCL: an NCCL barrier runs under the group's timeout, and the watchdog aborts the
+        # waiting ranks when rank 0's compute takes longer (minutes with --model); a gloo monitored
+        # barrier takes its own timeout and names the ranks that did not arrive (one code path,
+        # tested on CPU). On NCCL clusters gloo needs its own TCP connections between the nodes.
+        phase = ("gloo group for the waits (on a GPU cluster, set GLOO_SOCKET_IFNAME to the network interface "
+                 "if the host name resolves to a loopback address)")
+        wait_group = dist.new_group(backend="gloo", timeout=timeout)
+        phase = "identity (gather hostnames)"
+        gathered, node_hosts = _gather_hosts(c)
+        hostnames = [h for h, _ in gathered]
+        phase = "memory beside the tensors (every rank: CUDA context, optimizer step, loss, a new communicator)"
+        from profiler.memory import measured_assumptions
+
+        memory_assumptions = measured_assumptions(device)
+        ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
+        with ctx as progress:
+            report = _stage_reporter(progress)
+            phase = "links"
+            links = _measure_link_table(c, opts, device, gathered, timeout, report)
+            phase = "device check (every rank: one GEMM, one add)"
+            checks = _check_devices(dist, wait_group, c, device, hostnames, opts.quick, report)
+            phase = "compute (rank 0 measures, the others wait)"
+            measured = _rank0_compute(c, opts, device, t_start, report) if d.rank == 0 else None
+            # the others wait here for rank 0's compute, on wait_group (see above)
+            _wait_for_rank0(dist, wait_group, rank0_wait_s(opts.quick, opts.timeout_s))
+        if d.rank != 0:
+            dist.destroy_process_group()
+            return None
+        phase = "assemble"
+        profile = _assemble(c, opts, device, backend, node_hosts, memory_assumptions, links, checks, measured,
+                            t_start)
+        dist.destroy_process_group()
+        return profile
+    except AutoparError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - collective failures: name the rank and the phase, then stop
+        text = str(exc).strip()
+        msg = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        raise RankFailure(d.rank, d.world, phase, msg) from exc
+
+
+def _start_process_group(c: Checked, opts: ProfileOptions):  # noqa: ANN202 - (torch.device, backend, timeout)
+    """This rank's device and the default process group: NCCL on GPUs, gloo on CPUs (a one-rank group
+    outside torchrun)."""
+    import torch
+    import torch.distributed as dist
+
     d = c.dist
     torch.set_num_threads(c.threads)
     backend = "nccl" if c.device_type == "cuda" else "gloo"
@@ -254,120 +306,123 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
         dist.init_process_group(backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    phase = "start"
-    t_start = time.perf_counter()
-    try:
-        # waits for rank 0's compute go over a gloo group of their own, also when the collectives
-        # are NCCL: an NCCL barrier runs under the group's timeout, and the watchdog aborts the
-        # waiting ranks when rank 0's compute takes longer (minutes with --model); a gloo monitored
-        # barrier takes its own timeout and names the ranks that did not arrive (one code path,
-        # tested on CPU). On NCCL clusters gloo needs its own TCP connections between the nodes.
-        phase = ("gloo group for the waits (on a GPU cluster, set GLOO_SOCKET_IFNAME to the network interface "
-                 "if the host name resolves to a loopback address)")
-        wait_group = dist.new_group(backend="gloo", timeout=timeout)
-        phase = "identity (gather hostnames)"
-        gathered: list = [None] * d.world
-        dist.all_gather_object(gathered, (identity.hostname(), identity.usable_cpus()))
-        hostnames = [h for h, _ in gathered]
-        # one name per node, the host of its first rank (torchrun numbers a node's ranks consecutively)
-        node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
-        shared = {h: node_hosts.count(h) for h in node_hosts if node_hosts.count(h) > 1}
-        if shared and not c.emulated:
-            c.notes.append("SHARED HOSTS: " + ", ".join(f"{k} torchrun nodes report host name {h}" for h, k in
-                                                        shared.items())
-                           + "; if they are one machine, the inter_node links between them are its loopback, "
-                             "not a network")
-        phase = "memory beside the tensors (every rank: CUDA context, optimizer step, loss, a new communicator)"
-        from profiler.memory import measured_assumptions
+    return device, backend, timeout
 
-        memory_assumptions = measured_assumptions(device)
-        ctx = progress_factory() if (progress_factory is not None and d.rank == 0) else contextlib.nullcontext(None)
-        with ctx as progress:
-            def report(stage: str):
-                if progress is None:
-                    return None
-                return lambda label, done, total: progress(f"{stage}: {label}", done, total)
 
-            phase = "links"
-            # every rank holds the same gathered (host, cores) and so builds the same jobs
-            crowded = crowded_hosts(gathered)
-            one_at_a_time = bool(crowded)
-            plan = LinkPlan(plan_groups(d.world, c.ranks_per_node, c.emulated), c.sizes,
-                            trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
-                            one_group_at_a_time=one_at_a_time, hosts=hostnames, timeout=timeout,
-                            min_trial_s=LINK_MIN_TRIAL_S, crowded_hosts=crowded)
-            if one_at_a_time:
-                c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
-                               "each level that share such a host only one was timed, the host's other ranks idle "
-                               "(side by side, each rank's polling receive thread holds a core and the ranks wait "
-                               "for time slices; the groups left out run on the same cores)")
-            links = measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(d.rank))
-            phase = "device check (every rank: one GEMM, one add)"
-            tick = report("check")
-            if tick is not None:
-                tick(f"every rank's device: one GEMM, one add ({d.world} ranks)", 0, 1)
-            checks, check_note = _device_checks(dist, wait_group, d, device, hostnames, quick=opts.quick)
-            if tick is not None:
-                tick("devices checked", 1, 1)
-            if check_note:  # what this rank's check streamed: rank 0's goes in the profile
-                c.notes.append(check_note)
-            phase = "compute (rank 0 measures, the others wait)"
-            compute = None
-            host_links, host_notes = [], []
-            if d.rank == 0:
-                from profiler.compute import default_grid, fit_table_budget, measure_compute
+def _gather_hosts(c: Checked) -> tuple[list, list[str]]:
+    """Every rank's (host name, usable CPUs), and one host name per node: the host of its first rank
+    (torchrun numbers a node's ranks consecutively). Nodes that report one host name are noted."""
+    import torch.distributed as dist
 
-                grid = default_grid(c.model, c.tp_degrees, quick=opts.quick, device_type=c.device_type)
-                if c.precisions:
-                    grid.precisions = c.precisions
-                if opts.quick:
-                    fit_table_budget(grid, QUICK_MEASURE_S - (time.perf_counter() - t_start))
-                compute = measure_compute(device, grid, progress=report("compute"))
-                # every 2x and to 64 MiB at least: copies are cheap, and a fit wants the bulk rate
-                # (offloaded optimizer states are far larger than any message) under many points
-                host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
-                host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
-                grid_notes = list(grid.notes)
-            # the others wait here for rank 0's compute, on wait_group (see above)
-            _wait_for_rank0(dist, wait_group, rank0_wait_s(opts.quick, opts.timeout_s))
-        if d.rank != 0:
-            dist.destroy_process_group()
+    gathered: list = [None] * c.dist.world
+    dist.all_gather_object(gathered, (identity.hostname(), identity.usable_cpus()))
+    hostnames = [h for h, _ in gathered]
+    node_hosts = [hostnames[n * c.ranks_per_node] for n in range(c.num_nodes)]
+    shared = {h: node_hosts.count(h) for h in node_hosts if node_hosts.count(h) > 1}
+    if shared and not c.emulated:
+        c.notes.append("SHARED HOSTS: " + ", ".join(f"{k} torchrun nodes report host name {h}" for h, k in
+                                                    shared.items())
+                       + "; if they are one machine, the inter_node links between them are its loopback, "
+                         "not a network")
+    return gathered, node_hosts
+
+
+def _stage_reporter(progress):  # noqa: ANN001, ANN202
+    """``report(stage)``: a progress callable whose labels start with the stage, or None without progress."""
+    def report(stage: str):  # noqa: ANN202
+        if progress is None:
             return None
-        phase = "assemble"
-        from profiler.compute import device_check_notes
+        return lambda label, done, total: progress(f"{stage}: {label}", done, total)
+    return report
 
-        spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
-        env = identity.environment(node_hosts, backend, c.emulated, c.device_type)
-        assumptions = memory_assumptions
-        sources = [
-            f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), "
-            f"backend {backend}",
-            f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
-            "compute: rank 0 only (one table stands for every device, scaled to the slowest where a device check "
-            "finds a straggler)",
-            *c.notes, *dev_notes, *host_notes, *grid_notes,
-        ]
-        if c.device_type == "cpu":
-            assumptions = assumptions.model_copy(update={"notes": [*assumptions.notes, (
-                f"cpu_optimizer_bytes_per_s left at the default; device memory bandwidth measured "
-                f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s")]})
-        name = opts.name or (f"{'emulated-' if c.emulated else ''}"
-                             f"{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}"
-                             f"-{c.num_nodes}x{c.ranks_per_node}")
-        profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,
-                                 num_nodes=c.num_nodes, environment=env, compute=compute,
-                                 links=[*links, *host_links], assumptions=assumptions, device_checks=checks,
-                                 sources=[*sources, *device_check_notes(checks, c.device_type),
-                                          f"measured in {time.perf_counter() - t_start:.1f} s"])
-        profile = ClusterProfile.model_validate(profile.model_dump())
-        dist.destroy_process_group()
-        return profile
-    except AutoparError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - collective failures: name the rank and the phase, then stop
-        text = str(exc).strip()
-        msg = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        raise RankFailure(d.rank, d.world, phase, msg) from exc
+
+def _measure_link_table(c: Checked, opts: ProfileOptions, device, gathered: list, timeout: timedelta,  # noqa: ANN001
+                        report) -> list:  # noqa: ANN001
+    """Every level's links, measured on every rank; every rank holds the same gathered (host, cores)
+    and so builds the same jobs."""
+    crowded = crowded_hosts(gathered)
+    one_at_a_time = bool(crowded)
+    plan = LinkPlan(plan_groups(c.dist.world, c.ranks_per_node, c.emulated), c.sizes,
+                    trials=5 if opts.quick else 7, warmup=2 if opts.quick else 3,
+                    one_group_at_a_time=one_at_a_time, hosts=[h for h, _ in gathered], timeout=timeout,
+                    min_trial_s=LINK_MIN_TRIAL_S, crowded_hosts=crowded)
+    if one_at_a_time:
+        c.notes.append("links: a host runs more ranks than it has cores, so of the disjoint groups of "
+                       "each level that share such a host only one was timed, the host's other ranks idle "
+                       "(side by side, each rank's polling receive thread holds a core and the ranks wait "
+                       "for time slices; the groups left out run on the same cores)")
+    return measure_links(plan, device, progress=report("links"), fail_hook=_die_hook(c.dist.rank))
+
+
+def _check_devices(dist, wait_group, c: Checked, device, hostnames: list[str], quick: bool,  # noqa: ANN001
+                   report) -> list:  # noqa: ANN001
+    """Every rank's device check (one GEMM, one add); what this rank's check streamed goes in the notes."""
+    tick = report("check")
+    if tick is not None:
+        tick(f"every rank's device: one GEMM, one add ({c.dist.world} ranks)", 0, 1)
+    checks, check_note = _device_checks(dist, wait_group, c.dist, device, hostnames, quick=quick)
+    if tick is not None:
+        tick("devices checked", 1, 1)
+    if check_note:  # rank 0's goes in the profile
+        c.notes.append(check_note)
+    return checks
+
+
+@dataclass
+class _Rank0Compute:
+    compute: ComputeProfile
+    host_links: list
+    host_notes: list[str]
+    grid_notes: list[str]
+
+
+def _rank0_compute(c: Checked, opts: ProfileOptions, device, t_start: float, report) -> _Rank0Compute:  # noqa: ANN001
+    """Rank 0's compute tables and host-device copies (the other ranks wait)."""
+    from profiler.compute import default_grid, fit_table_budget, measure_compute
+
+    grid = default_grid(c.model, c.tp_degrees, quick=opts.quick, device_type=c.device_type)
+    if c.precisions:
+        grid.precisions = c.precisions
+    if opts.quick:
+        fit_table_budget(grid, QUICK_MEASURE_S - (time.perf_counter() - t_start))
+    compute = measure_compute(device, grid, progress=report("compute"))
+    # every 2x and to 64 MiB at least: copies are cheap, and a fit wants the bulk rate
+    # (offloaded optimizer states are far larger than any message) under many points
+    host_sizes = message_sizes(c.sizes[0], max(c.sizes[-1], HOST_MIN_MAX_BYTES))
+    host_links, host_notes = measure_host_device(device, host_sizes, trials=3 if opts.quick else 5)
+    return _Rank0Compute(compute, host_links, host_notes, list(grid.notes))
+
+
+def _assemble(c: Checked, opts: ProfileOptions, device, backend: str, node_hosts: list[str],  # noqa: ANN001
+              assumptions: Assumptions, links: list, checks: list, measured: _Rank0Compute,
+              t_start: float) -> ClusterProfile:
+    """Rank 0's ClusterProfile from what every phase measured, with the sources that say how."""
+    from profiler.compute import device_check_notes
+
+    d, compute = c.dist, measured.compute
+    spec, dev_notes = identity.device_spec(device, compute, c.ranks_per_node)
+    env = identity.environment(node_hosts, backend, c.emulated, c.device_type)
+    sources = [
+        f"autopar profile on {d.world} rank(s), {c.ranks_per_node} per node x {c.num_nodes} node(s), "
+        f"backend {backend}",
+        f"links: {len(c.sizes)} message sizes {c.sizes[0]} B..{c.sizes[-1]} B, all ranks; "
+        "compute: rank 0 only (one table stands for every device, scaled to the slowest where a device check "
+        "finds a straggler)",
+        *c.notes, *dev_notes, *measured.host_notes, *measured.grid_notes,
+    ]
+    if c.device_type == "cpu":
+        assumptions = assumptions.model_copy(update={"notes": [*assumptions.notes, (
+            f"cpu_optimizer_bytes_per_s left at the default; device memory bandwidth measured "
+            f"{(compute.achieved_memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s")]})
+    name = opts.name or (f"{'emulated-' if c.emulated else ''}"
+                         f"{spec.name.split(' (')[0].replace('CPU: ', 'cpu-').replace(' ', '-').lower()}"
+                         f"-{c.num_nodes}x{c.ranks_per_node}")
+    profile = ClusterProfile(kind="measured", name=name[:200], device=spec, gpus_per_node=c.ranks_per_node,
+                             num_nodes=c.num_nodes, environment=env, compute=compute,
+                             links=[*links, *measured.host_links], assumptions=assumptions, device_checks=checks,
+                             sources=[*sources, *device_check_notes(checks, c.device_type),
+                                      f"measured in {time.perf_counter() - t_start:.1f} s"])
+    return ClusterProfile.model_validate(profile.model_dump())
 
 
 def check_turns(hostnames: list[str], rank: int) -> tuple[int, int]:

@@ -111,7 +111,8 @@ def test_migration_0002_rehashes_rows_stored_under_the_older_rule(database_url: 
                 "measured_at, uploaded_at, body) VALUES (:c, 1, :h, 'measured', 'x', 8, 1, :t, :t, :b)"),
                 {"c": cid, "h": legacy, "t": prof.created_at, "b": json.dumps(prof.model_dump(mode="json"))})
         migrate(db.engine)
-        row, _cluster, created = store.upload_profile(db, prof)
+        uploaded = store.upload_profile(db, profile=prof)
+        row, created = uploaded.entry.profile, uploaded.created
         assert not created and row.version == 1 and row.content_hash == store.profile_hash(prof)
     finally:
         downgrade(db.engine)
@@ -124,14 +125,14 @@ def test_concurrent_uploads_give_gapless_versions_and_no_duplicates(client: Test
 
     bodies = [ClusterProfile.model_validate(measured("race", memory_delta=i % 6)) for i in range(24)]
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda p: store.upload_profile(db, p), bodies))
-    created = {row.id for row, _, new in results if new}
+        results = list(pool.map(lambda p: store.upload_profile(db, profile=p), bodies))
+    created = {u.entry.profile.id for u in results if u.created}
     assert len(created) == 6  # six distinct contents, each uploaded four times
     ids_by_delta: dict[int, set[int]] = {}
-    for i, (row, _, _) in enumerate(results):
-        ids_by_delta.setdefault(i % 6, set()).add(row.id)
+    for i, u in enumerate(results):
+        ids_by_delta.setdefault(i % 6, set()).add(u.entry.profile.id)
     assert all(len(ids) == 1 for ids in ids_by_delta.values())
-    versions = sorted(row.version for row, _ in store.cluster_history(db, "race"))
+    versions = sorted(row.version for row, _ in store.cluster_history(db, name="race"))
     assert versions == [1, 2, 3, 4, 5, 6]
 
 

@@ -1,0 +1,66 @@
+"""Runs: what the executor measured for a plan, beside the plan's prediction: ``/v1/runs``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from api import store
+from api.bodies import FiniteJSONRoute
+from api.deps import AUTH_RESPONSES, DB, Id, Limit, Offset, Writer, aware, link
+from api.schemas import MAX_ID, Page, RunErrorSummary, RunOut, RunSubmit, RunSummary
+from planner.contracts import RunReport
+from planner.errors import AutoparError
+
+router = APIRouter(route_class=FiniteJSONRoute, tags=["runs"])
+
+
+def _error(predicted_s: float | None, measured_s: float) -> float | None:
+    return (predicted_s / measured_s - 1) if predicted_s else None
+
+
+def run_out(entry: store.RunEntry) -> RunOut:
+    row = entry.run
+    report = RunReport.model_validate(row.report)
+    pred = (entry.plan.plan or {}).get("prediction") or {}
+    return RunOut(id=row.id, plan_id=row.plan_id, created_at=aware(row.created_at),
+                  predicted_step_s=row.predicted_step_s, measured_step_s=row.measured_step_s,
+                  error=_error(row.predicted_step_s, row.measured_step_s),
+                  report=report, predicted_tokens_per_s=pred.get("tokens_per_s"),
+                  measured_tokens_per_s=report.tokens_per_s,
+                  predicted_peak_memory_bytes=(pred.get("memory") or {}).get("total_bytes"),
+                  measured_peak_memory_bytes=max(report.peak_memory_bytes_per_rank or [0]))
+
+
+@router.post("/v1/runs", status_code=201, dependencies=[Writer],
+             responses={404: {"description": "no such plan"}, 201: {"links": link("GetRun", "run_id")},
+                        **AUTH_RESPONSES})
+def submit_run(body: RunSubmit, db: DB) -> RunOut:
+    """Store what the executor measured for a plan; shown beside the plan's prediction."""
+    if body.report.plan_id is not None and body.report.plan_id != str(body.plan_id):
+        raise AutoparError("report.plan_id", body.report.plan_id, f"leave it out or set it to '{body.plan_id}'",
+                           problem=f"differs from plan_id={body.plan_id}")
+    row = store.store_run(db, plan_id=body.plan_id, report=body.report)
+    return run_out(store.get_run(db, run_id=row.id))
+
+
+@router.get("/v1/runs/summary")
+def run_summary(db: DB) -> RunErrorSummary:
+    """Prediction error of step time (predicted / measured - 1) over every stored run."""
+    return RunErrorSummary(**store.run_error_summary(db))
+
+
+@router.get("/v1/runs")
+def list_runs(db: DB, limit: Limit = 50, offset: Offset = 0,
+              plan_id: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None) -> Page[RunSummary]:
+    page = store.list_runs(db, plan_id=plan_id, limit=limit, offset=offset)
+    items = [RunSummary(id=r.id, plan_id=r.plan_id, created_at=aware(r.created_at),
+                        predicted_step_s=r.predicted_step_s, measured_step_s=r.measured_step_s,
+                        error=_error(r.predicted_step_s, r.measured_step_s)) for r in page.items]
+    return Page[RunSummary](items=items, total=page.total, limit=limit, offset=offset)
+
+
+@router.get("/v1/runs/{run_id}", responses={404: {"description": "no such run"}})
+def get_run(run_id: Id, db: DB) -> RunOut:
+    return run_out(store.get_run(db, run_id=run_id))
