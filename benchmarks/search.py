@@ -48,7 +48,7 @@ from planner.reference import SYSTEMS, reference_profile  # noqa: E402
 from planner.search import SearchOptions, search  # noqa: E402
 from planner.validate import build_cases, load_rows  # noqa: E402
 
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "published_runs.csv"
+DEFAULT_DATA = REPO / "planner" / "data" / "published_runs.csv"
 FAST_TARGET_S = 2.0
 FAST_REPEATS = 3  # a 2-vCPU VM's speed drifts by ~20% between seconds: one run is a sample, the median a figure
 REL_TOL = 1e-6

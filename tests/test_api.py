@@ -14,6 +14,7 @@ from api.db import Database
 from api.migrate import downgrade, migrate
 from api.settings import Settings
 from planner.reference import list_systems, measured_profiles, reference_profile
+from planner.search.rules import Rule
 
 SMALL_PLAN = {"model": {"preset": "llama3-8b"}, "training": {"seq_length": 4096, "global_batch_size": 64},
               "cluster": "dgx-h100", "num_nodes": 2}
@@ -176,7 +177,7 @@ def test_plan_options_restrict_the_search(client: TestClient) -> None:
                                                       "offload": False}}).json()
     lay = free["plan"]["layout"]
     assert (lay["tp"], lay["pp"], lay["cp"], lay["zero_stage"]) == (1, 1, 1, 3) and not lay["offload_optimizer"]
-    assert any("max_pp" in rule for rule in free["plan"]["search"]["removed_by_rule"])
+    assert Rule.MAX_PP.message(limit=1) in free["plan"]["search"]["removed_by_rule"]
 
 
 def test_memory_headroom_keeps_memory_free(client: TestClient) -> None:

@@ -20,7 +20,8 @@ from planner.reference import reference_profile
 from planner.search import SearchOptions, search
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
-from planner.search.engine import RULE_FOLD, Rules, leaf_bound, min_max_stage, price_structure, structures
+from planner.search.engine import Rules, leaf_bound, min_max_stage, price_structure, structures
+from planner.search.rules import Rule
 from planner.search.stages import LeafComm, StageModel, floor_states, memory_minmax_s, recompute_bound_s
 
 
@@ -189,7 +190,7 @@ def test_search_folds_experts_over_tensor_ranks_where_faster():
     plan = search(model, tr, prof, SearchOptions(**{**BRUTE_OPTS, "target": "megatron", "max_cp": 1}))
     lay = plan.layout
     assert lay.tp == 4 and lay.etp == 1 and lay.ep == 8 and lay.ep * lay.etp > lay.dp_shard * lay.cp
-    assert plan.search.removed_by_rule[RULE_FOLD] > 0
+    assert plan.search.removed_by_rule[Rule.FOLD.message()] > 0
     unfolded = predict(model, tr, prof, lay.model_copy(update={"etp": None, "ep": lay.dp_shard * lay.cp}))
     assert unfolded.step_time_s > plan.prediction.step_time_s * 1.01
 
@@ -215,9 +216,9 @@ def test_divisibility_rules_remove_and_name_candidates():
         layout = ParallelLayout(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, dp_shard=st.dp, micro_batch_size=st.mb)
         check_layout(model, tr, layout, prof.num_gpus)  # every surviving structure is a valid layout
         assert st.tp <= prof.gpus_per_node and 48 % (st.dp * st.mb) == 0
-    assert rules.counts["tp > GPUs per node (tensor parallel stays inside a node)"] > 0
-    assert rules.counts["dp must divide global_batch_size"] > 0  # dp=32 does not divide 48
-    assert "micro_batch_size > 4 (search option)" in rules.counts
+    assert rules.by_rule[Rule.TP_PER_NODE] > 0
+    assert rules.by_rule[Rule.DP_BATCH] > 0  # dp=32 does not divide 48
+    assert Rule.MAX_MICRO_BATCH.message(limit=4) in rules.counts
     assert "dp=" in rules.examples["dp must divide global_batch_size"]
 
 
@@ -233,13 +234,13 @@ def test_head_and_expert_rules():
     assert all((st.dp * st.cp) % st.ep == 0 for st in found if st.etp is None)
     assert all(st.sp and st.etp < st.tp for st in found if st.etp is not None)
     assert any(st.etp is not None and st.ep > st.dp * st.cp for st in found)  # folded over tensor ranks too
-    assert rules.counts["tp must divide num_kv_heads or be a multiple of it"] == 0  # powers of two all divide
-    assert rules.counts[RULE_FOLD] > 0
+    assert rules.by_rule[Rule.TP_KV_HEADS] == 0  # powers of two all divide
+    assert rules.by_rule[Rule.FOLD] > 0
     odd = get_preset("gpt3-6.7b")  # 32 heads
     odd = odd.model_copy(update={"num_attention_heads": 20, "num_kv_heads": 20, "hidden_size": 2560})
     rules2 = Rules()
     structures(odd, tr, reference_profile("dgx-h100", 2), SearchOptions(), rules2)
-    assert rules2.counts["tp must divide num_attention_heads"] > 0  # tp=8 vs 20 heads
+    assert rules2.by_rule[Rule.TP_HEADS] > 0  # tp=8 vs 20 heads
     assert rules2.examples["tp must divide num_attention_heads"] == "tp=8, heads=20"
 
 
@@ -249,9 +250,9 @@ def test_sequence_rules():
     rules = Rules()
     found = structures(model, tr, reference_profile("dgx-h100", 1), SearchOptions(), rules)
     assert all(st.cp == 1 for st in found)
-    assert rules.counts["2 x cp must divide seq_length (causal load balancing)"] > 0
+    assert rules.by_rule[Rule.CP_SEQ] > 0
     assert all(not st.sp or 4098 % st.tp == 0 for st in found)
-    assert rules.counts["sp needs tp to divide seq_length / cp"] > 0
+    assert rules.by_rule[Rule.SP_SEQ] > 0
 
 
 def test_min_max_stage_is_a_lower_bound_of_every_split():
@@ -525,7 +526,7 @@ def test_profile_without_host_link_plans_without_offload_and_says_why():
     plan = search(model, TrainingConfig(seq_length=1024, global_batch_size=16), profile)
     assert not plan.layout.offload_optimizer
     assert all(not a.layout.offload_optimizer for a in plan.alternatives)
-    assert plan.search.removed_by_rule["optimizer offload needs a host<->device link in the profile"] == 1
+    assert plan.search.removed_by_rule[Rule.OFFLOAD_LINK.message()] == 1
 
 
 # ------------------------------------------------------------------ split bounds before CP-SAT
@@ -848,7 +849,7 @@ def test_search_returns_only_what_its_target_runs(target):  # noqa: ANN001
         m = tr.global_batch_seqs // (layout.dp * layout.micro_batch_size)
         assert targets.refusal(target, targets.Job(model, tr, layout, micro_batches=m)) is None, layout
     if target != "autopar":
-        assert any(k.startswith(f"target {target} cannot run") for k in plan.search.removed_by_rule)
+        assert any(k.startswith(Rule.TARGET.message(target=target, feature="")) for k in plan.search.removed_by_rule)
 
 
 def test_cpsat_holds_to_one_split_and_one_recompute_choice_when_asked():

@@ -65,6 +65,7 @@ from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
+from planner.search.rules import Rule, Rules
 from planner.search.stages import (
     RECOMPUTE_KINDS,
     LeafComm,
@@ -82,8 +83,6 @@ from planner.search.stages import (
 )
 
 GIB = 2**30
-RULE_FOLD = "ep x etp must divide dp x cp x tp (experts are folded over data/context/tensor ranks)"
-RULE_FOLD_SHARD = "ep x etp must divide dp_shard x cp x tp (HSDP shard group too small)"
 """The two removal rules of expert folding (:meth:`ParallelLayout.expert_fold_problem` is the rule):
 over a structure's whole dp, and over a leaf's ZeRO/HSDP shard group."""
 # structures priced first, on one plain leaf each, to start the bound
@@ -195,18 +194,6 @@ class Structure:
         return self.tp if self.etp is None else self.etp
 
 
-class Rules:
-    """Counts candidates removed by each rule, with one example each."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = defaultdict(int)
-        self.examples: dict[str, str] = {}
-
-    def remove(self, rule: str, example: str, count: int = 1) -> None:
-        self.counts[rule] += count
-        self.examples.setdefault(rule, example)
-
-
 def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
                rules: Rules, deadline: float = math.inf) -> list[Structure]:
     """Every (tp, sp, cp, pp, dp, ep, etp, micro-batch) that passes the divisibility and placement rules
@@ -219,43 +206,42 @@ def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         if time.perf_counter() > deadline:
             raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
         if tp > max_tp:
-            rules.remove("tp > GPUs per node (tensor parallel stays inside a node)", f"tp={tp}")
+            rules.remove(Rule.TP_PER_NODE, f"tp={tp}")
             continue
         if a % tp:
-            rules.remove("tp must divide num_attention_heads", f"tp={tp}, heads={a}")
+            rules.remove(Rule.TP_HEADS, f"tp={tp}, heads={a}")
             continue
         if k % tp and tp % k:
-            rules.remove("tp must divide num_kv_heads or be a multiple of it", f"tp={tp}, kv_heads={k}")
+            rules.remove(Rule.TP_KV_HEADS, f"tp={tp}, kv_heads={k}")
             continue
         for cp in divisors(n // tp):
             if opts.max_cp is not None and cp > opts.max_cp:
-                rules.remove(f"cp > {opts.max_cp} (search option max_cp)", f"cp={cp}")
+                rules.remove(Rule.MAX_CP, f"cp={cp}", limit=opts.max_cp)
                 continue
             if cp > 1 and s % (2 * cp):
-                rules.remove("2 x cp must divide seq_length (causal load balancing)", f"cp={cp}, seq={s}")
+                rules.remove(Rule.CP_SEQ, f"cp={cp}, seq={s}")
                 continue
             for pp in divisors(n // (tp * cp)):
                 if time.perf_counter() > deadline:
                     raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
                 if pp > L:
-                    rules.remove("pp > num_layers", f"pp={pp}, layers={L}")
+                    rules.remove(Rule.PP_LAYERS, f"pp={pp}, layers={L}")
                     continue
                 if opts.max_pp is not None and pp > opts.max_pp:
-                    rules.remove(f"pp > {opts.max_pp} (search option max_pp)", f"pp={pp}")
+                    rules.remove(Rule.MAX_PP, f"pp={pp}", limit=opts.max_pp)
                     continue
                 dp = n // (tp * cp * pp)
                 if gbs % dp:
-                    rules.remove("dp must divide global_batch_size", f"dp={dp}, batch={gbs}")
+                    rules.remove(Rule.DP_BATCH, f"dp={dp}, batch={gbs}")
                     continue
                 for sp in ((False, True) if tp > 1 and opts.sequence_parallel else (False,)):
                     if sp and (s // cp) % tp:
-                        rules.remove("sp needs tp to divide seq_length / cp", f"tp={tp}, cp={cp}, seq={s}")
+                        rules.remove(Rule.SP_SEQ, f"tp={tp}, cp={cp}, seq={s}")
                         continue
                     for ep, etp in _expert_degrees(model, opts, rules, dp, cp, tp, sp):
                         for mb in divisors(gbs // dp):
                             if mb > opts.max_micro_batch_size:
-                                rules.remove(f"micro_batch_size > {opts.max_micro_batch_size} (search option)",
-                                             f"mb={mb}")
+                                rules.remove(Rule.MAX_MICRO_BATCH, f"mb={mb}", limit=opts.max_micro_batch_size)
                                 continue
                             out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp,
                                                  pp_scatter_gather=stage_sends(model, opts, sp)))
@@ -275,10 +261,10 @@ def _expert_degrees(model: ModelSpec, opts: SearchOptions, rules: Rules, dp: int
     for etp in etps:
         for ep in divisors(model.moe.num_experts):
             if opts.max_ep is not None and ep > opts.max_ep:
-                rules.remove(f"ep > {opts.max_ep} (search option max_ep)", f"ep={ep}")
+                rules.remove(Rule.MAX_EP, f"ep={ep}", limit=opts.max_ep)
                 continue
             if expert_fold(dp, cp, tp, ep, etp)[0] is not None:
-                rules.remove(RULE_FOLD, f"ep={ep}, etp={etp}, dp x cp x tp={dp * cp * tp}")
+                rules.remove(Rule.FOLD, f"ep={ep}, etp={etp}, dp x cp x tp={dp * cp * tp}")
                 continue
             out.append((ep, None if etp == tp else etp))
     return out
@@ -478,11 +464,11 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
     for sched in opts.schedules:
         if sched is Schedule.interleaved_1f1b:
             if st.m % st.pp:
-                rules.remove("interleaved 1F1B needs micro-batches divisible by pp", f"m={st.m}, pp={st.pp}")
+                rules.remove(Rule.INTERLEAVED_MICRO_BATCHES, f"m={st.m}, pp={st.pp}")
                 continue
             for v in range(2, opts.max_virtual_stages + 1):
                 if st.pp * v > model.num_layers:
-                    rules.remove("pp x virtual_stages > num_layers", f"pp={st.pp}, v={v}")
+                    rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={v}")
                     break
                 out.append((sched, v))
         else:
@@ -498,7 +484,7 @@ def leaf_choices(
     group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1."""
     out, removed = _leaf_choices(st.dp, st.cp, st.tp, st.ep, st.expert_tp, opts)
     if rules is not None and removed:
-        rules.remove(RULE_FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
+        rules.remove(Rule.FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
     return out
 
 
@@ -909,7 +895,7 @@ class _SearchState:
         if opts.offload and not any(link.level is LinkLevel.host_device for link in profile.links):
             # nothing to price the optimizer-state copies with: offload is not a choice on this profile
             opts = dataclasses.replace(opts, offload=False)
-            self.rules.remove("optimizer offload needs a host<->device link in the profile",
+            self.rules.remove(Rule.OFFLOAD_LINK,
                               f"profile '{profile.name}'")
         self.opts = opts
         targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
@@ -995,7 +981,7 @@ class _SearchState:
         if refused is not None:  # a split or recompute the target cannot run: its even split, one choice
             legal = target_fallback(sm, opts.target, st.m) if sm is not None else None
             if legal is None:
-                self.rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+                self.rules.remove(Rule.TARGET, str(refused), target=opts.target, feature=refused.feature)
                 return
             step, layout = legal.step_s, legal.layout
             status = f"{status.split(' ')[0]} ({opts.target}: even split, one recompute choice)"
@@ -1087,7 +1073,7 @@ class _SearchState:
 
         refused = target_refusal(self.model, self.training, opts.target, make_layout(), st.m, ("layout",))
         if refused is not None:
-            self.rules.remove(f"target {opts.target} cannot run: {refused.feature}", str(refused))
+            self.rules.remove(Rule.TARGET, str(refused), target=opts.target, feature=refused.feature)
             return
         comm = self.leaf_comm(st, zero, rep, shard, offload, reshard)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= self.kth():
@@ -1116,7 +1102,7 @@ class _SearchState:
             return StageModel(self.model, self.training, self.profile, make_layout(), block_cache=self.cache,
                               target=self.opts.target)
         except AutoparError as err:
-            self.rules.remove(f"{err.field}: {err.problem}", str(err))
+            self.rules.remove(Rule.CONTRACT, str(err), field=err.field, problem=err.problem)
             return None
 
     def _memory_bound(self, st: Structure, sched: Schedule, v: int, minmax: float, comm: LeafComm, label: _LeafLabel,
@@ -1202,7 +1188,7 @@ class _SearchState:
         target = self.opts.target
         refused = default_split_refusal(sm, target, st.m)
         if refused is not None:
-            self.rules.remove(f"target {target} cannot run: {refused.feature}", str(refused))
+            self.rules.remove(Rule.TARGET, str(refused), target=target, feature=refused.feature)
             return None, refused
         uniform = best_uniform(sm, target, st.m)
         return (None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)), None
@@ -1264,8 +1250,7 @@ class _SearchState:
         sched_key, leaves_key = (st.pp, st.m), (st.dp, st.cp, st.tp, st.ep, st.expert_tp)
         if sched_key not in self.scheds_of:  # depends on (pp, m) only: its rule removals are replayed
             sub = Rules()
-            self.scheds_of[sched_key] = (schedule_choices(st, self.model, self.opts, sub),
-                                         [(r, sub.examples[r], n) for r, n in sub.counts.items()])
+            self.scheds_of[sched_key] = (schedule_choices(st, self.model, self.opts, sub), sub)
         if leaves_key not in self.leaves_of:
             self.leaves_of[leaves_key] = _leaf_choices(*leaves_key, self.opts)
         return self.scheds_of[sched_key], self.leaves_of[leaves_key]
@@ -1295,11 +1280,10 @@ class _SearchState:
                                  f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread "
                                  "evenly)") + why
         for (pp, m, dp, cp, tp, ep, etp), times in repeats.items():
-            for rule, example, count in self.scheds_of[(pp, m)][1]:
-                self.rules.remove(rule, example, count * times)
+            self.rules.merge(self.scheds_of[(pp, m)][1], times)
             removed = self.leaves_of[(dp, cp, tp, ep, etp)][1]
             if removed:
-                self.rules.remove(RULE_FOLD_SHARD, f"ep={ep}, etp={etp}", removed * times)
+                self.rules.remove(Rule.FOLD_SHARD, f"ep={ep}, etp={etp}", removed * times)
 
     # ------------------------------------------------------------------ phase A
     def price_structures(self) -> None:
@@ -1320,10 +1304,9 @@ class _SearchState:
         """Every schedule of one structure that its bounds do not rule out, and their leaves."""
         report = self.report
         (scheds, sched_removed), (leaves, removed) = self._choices(st)
-        for rule, example, count in sched_removed:
-            self.rules.remove(rule, example, count)
+        self.rules.merge(sched_removed)
         if removed:
-            self.rules.remove(RULE_FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
+            self.rules.remove(Rule.FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
         per_sched = len(leaves)
         self.families[st.family]["members"] += per_sched * len(scheds)
         report["considered"] += per_sched * len(scheds)
