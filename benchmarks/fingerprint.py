@@ -6,9 +6,9 @@
 
 Items: the plan (best layout, its prediction, the ranked alternatives; not the search's wall time)
 of each job of ``benchmarks/search.py``'s fast section, under its target and under each of the four
-targets for the two smallest jobs; and the whole output of ``autopar validate`` on the packaged
-published runs. Run it on the commit before a refactor and after it: equal lines mean the same plans
-and the same validation, to the last digit of every predicted figure.
+targets for the two smallest jobs, with the files ``autopar export`` writes for it (framework targets);
+and the whole output of ``autopar validate`` on the packaged published runs. Run it on the commit before a
+refactor and after it: equal lines mean the same plans, launch files and validation, to the last digit.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from search import fast_jobs  # noqa: E402  (benchmarks/search.py)
 
 from planner.contracts import Plan, TrainingConfig  # noqa: E402
+from planner.export import TARGETS as EXPORT_TARGETS  # noqa: E402
+from planner.export import export_plan  # noqa: E402
 from planner.presets import get_preset  # noqa: E402
 from planner.reference import reference_profile  # noqa: E402
 from planner.search import SearchOptions, search  # noqa: E402
@@ -44,7 +46,10 @@ def _strip(doc: object) -> object:
 
 
 def plan_digest(plan: Plan) -> str:
+    """The plan's answers, and the launch files of a framework target."""
     doc = _strip(json.loads(plan.model_dump_json()))
+    if plan.target in EXPORT_TARGETS:
+        doc = {"plan": doc, "export": export_plan(plan, plan.target)}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -14,7 +14,7 @@ Needs a Megatron-LM checkout and this repository's .venv (torch); no network. Me
     .venv/bin/python benchmarks/megatron_flags.py --megatron Megatron-LM --tag core_v0.19.0 \\
         [--commit SHA] [--out tests/data/megatron_core_v0.19.0_flags.json]
 
-The test tests/test_export_megatron_flags.py checks every flag planner/export.py writes against the file
+The test tests/test_export_megatron_flags.py checks every flag planner/export/megatron.py writes against the file
 named by the release in planner/targets.py.
 """
 

@@ -1,4 +1,4 @@
-"""planner/export.py: plans exported as Megatron-LM, DeepSpeed (Megatron-DeepSpeed) and torchtitan
+"""planner/export/: plans exported as Megatron-LM, DeepSpeed (Megatron-DeepSpeed) and torchtitan
 launch files.
 
 Plans are built without the search: a fixed ParallelLayout, ``predict`` for the prediction. Shell scripts

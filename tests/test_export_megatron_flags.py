@@ -1,4 +1,4 @@
-"""Every flag planner/export.py writes for Megatron-LM exists in the release planner/targets.py names.
+"""Every flag planner/export/megatron.py writes for Megatron-LM exists in the release planner/targets.py names.
 
 The release's options (names, how many values each takes, the accepted values of enumerated options) are
 facts read from Megatron-LM's own parser at that tag by benchmarks/megatron_flags.py and stored in
@@ -26,7 +26,7 @@ from planner.targets import TARGETS, Target
 DATA = Path(__file__).parent / "data"
 
 # Flags the exporter may write although the release lacks them: flag -> why (e.g. only on Megatron-LM
-# main). Empty: --overlap-moe-expert-parallel-comm, which export.py calls main-only, is in core_v0.19.0.
+# main). Empty: --overlap-moe-expert-parallel-comm, which the Megatron exporter calls main-only, is in core_v0.19.0.
 NOT_IN_RELEASE: dict[str, str] = {}
 
 # Flags the export's comments name although the release lacks them: flag -> why.
@@ -211,9 +211,7 @@ def test_every_flag_is_in_the_release(name, exported):
 
 def test_the_cases_write_every_flag_the_megatron_exporter_can_write(exported):
     """A flag added to the exporter without a plan here that writes it fails this test."""
-    source = "\n".join(
-        inspect.getsource(f) for n, f in vars(export).items() if n.startswith(("_megatron", "_run_lines"))
-    )
+    source = inspect.getsource(export.megatron) + inspect.getsource(export.common.run_lines)
     written = set(re.findall(r"\.(?:add|raw)\(\s*[\"'](--[a-z0-9-]+)", source))
     seen = {w for argv in exported.values() for w in argv if w.startswith("--")}
     assert written and written - seen == set(), "add a case to CASES that writes these"
