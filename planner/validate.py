@@ -14,6 +14,7 @@ import io
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,11 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "g
 #  - torchtitan and Meta's Llama 3 stack: flash attention, FSDP, SP with TP.
 _ERA_2021 = re.compile(r"Narayanan|Korthikanti|BLOOM|bigscience|MT-NLG|Megatron-Turing", re.I)
 _MCORE = re.compile(r"Megatron-Core|NeMo|Megatron-Bridge", re.I)
+# torchtitan of 2024 split a rank's batch into as many pipeline micro-batches as there are stages in all
+# (pp x stages per rank) unless told otherwise: ``experimental.pipeline_parallel_microbatches`` defaulted to
+# None, read as ``num_total_stages`` by its ``build_pipeline_schedule`` (torchtitan/config_manager.py and
+# torchtitan/parallelisms/pipelining_utils.py of late 2024); later releases take a micro-batch size instead.
+_TITAN_2024 = re.compile(r"torchtitan.*\b2024\b|\b2024\b.*torchtitan", re.I)
 # A cell that only says the source gives no value ("none stated", "not stated", "unknown", "n/a", "-")
 # is a blank cell: the value is unstated, not "none".
 _UNSTATED = re.compile(r"(?:(?:none|not)\s+(?:stated|given|reported)|unknown|n/?a|-+|\?)", re.I)
@@ -553,12 +559,14 @@ def _build_case(row: dict[str, str], fitted: dict | None) -> RowCase | Skipped:
         ep_comm_overlap="dualpipe" in vp_text.lower(),
     )
     recompute = _stated_recompute(row, fw, model, pp, layout_kwargs, defaults)
+    per_stage = None if mbs else _titan_2024_micro_batches(row, gbs // dp, pp, defaults)
     found = _fill_unstated(model, training, profile, layout_kwargs, schedule, v, mbs_options, recompute,
-                           target=target)
+                           target=target, mbs_of_v=per_stage)
     if isinstance(found, AutoparError):
         return Skipped(run_id, source, f"layout not valid: {found}")
     layout = found
-    _state_chosen(layout, schedule, v, stated_mbs=mbs is not None, stated_recompute=recompute is not None,
+    _state_chosen(layout, schedule, v, stated_mbs=mbs is not None or per_stage is not None,
+                  stated_recompute=recompute is not None,
                   defaults=defaults)
 
     comparison = _comparison(row, precision, n)
@@ -701,20 +709,34 @@ def _expert_tp(stated: int | None, mcore: bool, *, tp: int, cp: int, ep: int, dp
     return 1
 
 
+def _titan_2024_micro_batches(row: dict[str, str], local: int, pp: int,
+                              defaults: list[str]) -> Callable[[int], list[int]] | None:
+    """A 2024 torchtitan row's micro-batch size at each interleaving depth v: the rank's ``local`` batch over
+    pp x v micro-batches (:data:`_TITAN_2024`); None for other rows or without a pipeline."""
+    if pp <= 1 or not _TITAN_2024.search(_text(row, "source") + " " + _text(row, "framework")):
+        return None
+    defaults.append(f"micro_batch_size=local batch {local} / (pp x stages per rank) (torchtitan 2024: "
+                    "pipeline_parallel_microbatches defaulted to the number of stages)")
+    return lambda v: [local // (pp * v)] if local % (pp * v) == 0 else []
+
+
 def _fill_unstated(
     model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout_kwargs: dict,
     schedule: Schedule, v: int, mbs_options: list[int], recompute: Recompute | None, *, target: str = "autopar",
+    mbs_of_v: Callable[[int], list[int]] | None = None,
 ) -> ParallelLayout | AutoparError:
     """The layout for the knobs a source left unstated: interleaving depth and micro-batch size by
     fastest prediction, recompute the least that fits (:func:`_least_recompute`). A stated v or micro-batch
-    is kept; plain 1F1B is the fallback when no interleaving depth is valid. Returns the last error if none
-    is."""
+    is kept; plain 1F1B is the fallback when no interleaving depth is valid. ``mbs_of_v``: the micro-batch
+    sizes a framework's own default gives at depth v, in place of ``mbs_options``. Returns the last error
+    if none is."""
+    sizes = mbs_of_v or (lambda _v: mbs_options)
     if schedule is Schedule.interleaved_1f1b:
         depths = [v] if v > 1 else range(2, model.num_layers // layout_kwargs["pp"] + 1)
-        combos = [((schedule, d), b) for d in depths for b in mbs_options]
-        fallback = [((Schedule.one_f_one_b, 1), b) for b in mbs_options]
+        combos = [((schedule, d), b) for d in depths for b in sizes(d)]
+        fallback = [((Schedule.one_f_one_b, 1), b) for b in sizes(1)]
     else:
-        combos, fallback = [((schedule, 1), b) for b in mbs_options], []
+        combos, fallback = [((schedule, 1), b) for b in sizes(1)], []
     best: tuple[float, ParallelLayout] | None = None
     last_error = AutoparError("layout", "none", "check the row's degrees", problem="found no valid combination")
     for options in (combos, fallback):

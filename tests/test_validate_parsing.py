@@ -97,6 +97,30 @@ def test_an_unstated_interleaving_depth_is_chosen_like_a_blank_cell_and_said_so(
     assert not any(d.startswith("virtual_stages=") for d in one.defaults)
 
 
+
+@pytest.mark.parametrize("vp, source, expected", [
+    ("1", "PyTorch torchtitan H100 benchmarks (Dec 2024)", {1: 4}),  # local batch 32 over pp=8 micro-batches
+    ("Interleaved 1F1B (stages per rank not stated)", "PyTorch torchtitan H100 benchmarks (Dec 2024)", {2: 2, 4: 1}),
+    ("1", "PyTorch torchtitan H100 benchmarks (Jun 2025)", None),  # later releases: not this default
+])
+def test_a_2024_torchtitan_pipeline_splits_the_local_batch_into_as_many_micro_batches_as_stages(vp, source, expected):
+    """torchtitan of 2024 ran pp x (stages per rank) micro-batches unless told (its pipeline_parallel_microbatches
+    defaulted to the number of stages): an unstated micro-batch size is the local batch over that, not the
+    fastest the model predicts (which would price a far smaller bubble)."""
+    from planner.validate import RowCase, build_case
+
+    row = _pipeline_row(vp)
+    row.update(run_id="t_pp8", source=source, framework="torchtitan", micro_batch_size="", num_gpus="64", tp="1",
+               pp="8", dp="8", global_batch_size_seqs="256", num_layers="48")
+    case = build_case(row)
+    assert isinstance(case, RowCase)
+    lay = case.layout
+    if expected is None:
+        assert not any("pipeline_parallel_microbatches" in d for d in case.defaults)
+        return
+    assert lay.micro_batch_size == expected[lay.virtual_stages]
+    assert any(d.startswith("micro_batch_size=local batch 32 / (pp x stages per rank)") for d in case.defaults)
+
 # ---------------------------------------------------------------- numbers in cells
 @pytest.mark.parametrize(
     ("text", "expected"),
