@@ -14,8 +14,6 @@ from planner.contracts import ClusterProfile, ModelSpec, Plan
 from planner.errors import AutoparError
 from planner.search import SearchOptions, search
 
-DEFAULT_BUDGET_S = 20.0
-
 
 def resolve_model(ref: ModelRef) -> ModelSpec:
     """The ModelSpec a request names; AutoparError (field ``model.*``) for unknown presets and bad configs."""
@@ -62,7 +60,7 @@ def resolve_profile(db: Database, req: PlanRequest) -> tuple[int, ClusterProfile
 
 def search_options(req: PlanRequest, max_budget_s: float) -> SearchOptions:
     o = req.options
-    budget = min(DEFAULT_BUDGET_S, max_budget_s) if o.time_budget_s is None else o.time_budget_s
+    budget = min(SearchOptions().time_budget_s, max_budget_s) if o.time_budget_s is None else o.time_budget_s
     if budget > max_budget_s:
         raise AutoparError("options.time_budget_s", o.time_budget_s, f"ask for at most {max_budget_s:g} s "
                            "(the server's AUTOPAR_PLAN_BUDGET_S)", problem="is above the server's limit")

@@ -15,7 +15,10 @@ from planner.contracts.limits import (
     MAX_TOP_K,
     MAX_VIRTUAL_STAGES,
 )
+from planner.search import SearchOptions
 from planner.targets import Target
+
+SEARCH = SearchOptions()  # the search's defaults: one home (planner.search.engine.SearchOptions)
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
@@ -86,34 +89,36 @@ class PlanOptions(Strict):
     """What the search may choose; bounds from ``planner/contracts/limits.py``. Integers are JSON
     integers (``true`` is no count), numbers are JSON numbers."""
 
-    top_k: int = Field(5, ge=1, le=MAX_TOP_K, strict=True, description="alternatives to keep")
+    top_k: int = Field(SEARCH.top_k, ge=1, le=MAX_TOP_K, strict=True, description="alternatives to keep")
     max_tp: Degree | None = Field(None, description="largest TP degree (default: GPUs per node)")
     max_pp: Degree | None = Field(None, description="largest pipeline depth (1 = no pipeline parallelism)")
     max_cp: Degree | None = Field(None, description="largest context-parallel degree (1 = none)")
     max_ep: Degree | None = Field(None, description="largest expert-parallel degree (1 = none)")
-    sequence_parallel: bool = True
+    sequence_parallel: bool = SEARCH.sequence_parallel
     zero_stages: list[Annotated[int, Field(strict=True)]] = Field(
-        [0, 1, 2, 3], min_length=1, description="ZeRO stages to consider")
-    schedules: list[Schedule] = Field(list(Schedule), min_length=1)
-    hsdp: bool = True
-    offload: bool = True
-    max_micro_batch_size: int = Field(16, ge=1, le=MAX_MICRO_BATCH, strict=True)
-    max_virtual_stages: int = Field(8, ge=1, le=MAX_VIRTUAL_STAGES, strict=True)
+        list(SEARCH.zero_stages), min_length=1, description="ZeRO stages to consider")
+    schedules: list[Schedule] = Field(list(SEARCH.schedules), min_length=1)
+    hsdp: bool = SEARCH.hsdp
+    offload: bool = SEARCH.offload
+    max_micro_batch_size: int = Field(SEARCH.max_micro_batch_size, ge=1, le=MAX_MICRO_BATCH, strict=True)
+    max_virtual_stages: int = Field(SEARCH.max_virtual_stages, ge=1, le=MAX_VIRTUAL_STAGES, strict=True)
     memory_headroom: float | None = Field(
         None, ge=0.0, lt=0.9, strict=True,
         description="fraction of each GPU's memory a plan keeps free beyond every predicted term; default: the "
                     "profile's assumptions.memory_headroom (5% in reference profiles)")
-    tp_comm_overlap: bool = False
-    dp_comm_overlap: bool = True
-    ep_comm_overlap: bool = False
-    compile: bool = Field(False, description="torch.compile of model and loss (torchtitan only; its loss then keeps "
-                          "4 B per logit)")
-    target: Target = Field(Target.autopar, description="what will run the plan: autopar (the executor), megatron, "
-                           "deepspeed or torchtitan; the search returns only what it runs (planner/targets.py)")
-    robust: bool = Field(False, description="rank plans by the slow end of their 80% step-time interval")
+    tp_comm_overlap: bool = SEARCH.tp_comm_overlap
+    dp_comm_overlap: bool = SEARCH.dp_comm_overlap
+    ep_comm_overlap: bool = SEARCH.ep_comm_overlap
+    compile: bool = Field(SEARCH.compile, description="torch.compile of model and loss (torchtitan only; its loss "
+                          "then keeps 4 B per logit)")
+    target: Target = Field(Target(SEARCH.target), description="what will run the plan: autopar (the executor), "
+                           "megatron, deepspeed or torchtitan; the search returns only what it runs "
+                           "(planner/targets.py)")
+    robust: bool = Field(SEARCH.robust, description="rank plans by the slow end of their 80% step-time interval")
     time_budget_s: float | None = Field(
         None, gt=0, le=MAX_TIME_BUDGET_S, strict=True,
-        description="seconds after which the search returns its best (default: 20, or the server's limit if lower)")
+        description=f"seconds after which the search returns its best (default: {SEARCH.time_budget_s:g}, or the "
+                    "server's limit if lower)")
 
     @model_validator(mode="after")
     def _zero(self) -> PlanOptions:

@@ -43,6 +43,9 @@ from planner.contracts.limits import (
 )
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
+from planner.search.options import SearchOptions
+
+SEARCH = SearchOptions()  # the search's defaults (one home: planner/search/options.py)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Auto-parallelism planner for training large transformers.")
@@ -392,11 +395,12 @@ def plan(
     optimizer: OptOptimizer = Optimizer.adamw,
     unfused_attention: OptUnfusedAttention = False,
     moe_imbalance: OptMoeImbalance = 1.0,
-    top: Annotated[int, typer.Option("--top", min=1, max=MAX_TOP_K, help="alternatives to keep (top K plans)")] = 5,
+    top: Annotated[int, typer.Option(
+        "--top", min=1, max=MAX_TOP_K, help="alternatives to keep (top K plans)")] = SEARCH.top_k,
     max_micro_batch: Annotated[int, typer.Option(
-        min=1, max=MAX_MICRO_BATCH, help="largest micro-batch size to consider")] = 16,
+        min=1, max=MAX_MICRO_BATCH, help="largest micro-batch size to consider")] = SEARCH.max_micro_batch_size,
     max_vp: Annotated[int, typer.Option(
-        min=1, max=MAX_VIRTUAL_STAGES, help="most virtual stages per rank to consider")] = 8,
+        min=1, max=MAX_VIRTUAL_STAGES, help="most virtual stages per rank to consider")] = SEARCH.max_virtual_stages,
     max_tp: Annotated[int | None, typer.Option(
         min=1, max=MAX_GPUS, help="largest TP degree (default: GPUs per node)")] = None,
     max_pp: Annotated[int | None, typer.Option(
@@ -405,23 +409,30 @@ def plan(
         min=1, max=MAX_GPUS, help="largest context-parallel degree (1: no CP)")] = None,
     max_ep: Annotated[int | None, typer.Option(
         min=1, max=MAX_GPUS, help="largest expert-parallel degree (1: no EP)")] = None,
-    zero_stages: Annotated[str, typer.Option(help="ZeRO stages to consider, comma-separated")] = "0,1,2,3",
+    zero_stages: Annotated[str, typer.Option(
+        help="ZeRO stages to consider, comma-separated")] = ",".join(map(str, SEARCH.zero_stages)),
     schedules: Annotated[str, typer.Option(
-        help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in Schedule),
-    no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = False,
-    no_hsdp: Annotated[bool, typer.Option(help="shard states over all data-parallel ranks only")] = False,
-    tp_overlap: Annotated[bool, typer.Option(help="the framework overlaps TP collectives with GEMMs")] = False,
-    dp_overlap: Annotated[bool, typer.Option(help="the framework overlaps gradient reduction / weight gathers")] = True,
+        help="pipeline schedules to consider, comma-separated")] = ",".join(s.value for s in SEARCH.schedules),
+    no_offload: Annotated[bool, typer.Option(help="never offload the optimizer to the CPU")] = not SEARCH.offload,
+    no_hsdp: Annotated[bool, typer.Option(help="shard states over all data-parallel ranks only")] = not SEARCH.hsdp,
+    sequence_parallel: Annotated[bool, typer.Option(
+        help="consider sequence parallelism beside TP (--no-sequence-parallel: never)")] = SEARCH.sequence_parallel,
+    tp_overlap: Annotated[bool, typer.Option(
+        help="the framework overlaps TP collectives with GEMMs")] = SEARCH.tp_comm_overlap,
+    dp_overlap: Annotated[bool, typer.Option(
+        help="the framework overlaps gradient reduction / weight gathers")] = SEARCH.dp_comm_overlap,
     ep_overlap: Annotated[bool, typer.Option(
-        help="the framework overlaps the expert all-to-all (DualPipe-style)")] = False,
+        help="the framework overlaps the expert all-to-all (DualPipe-style)")] = SEARCH.ep_comm_overlap,
     compile_model: Annotated[bool, typer.Option(
-        "--compile", help="torch.compile of model and loss (torchtitan)")] = False,
+        "--compile", help="torch.compile of model and loss (torchtitan)")] = SEARCH.compile,
     time_budget: Annotated[float, typer.Option(
-        min=0.1, max=MAX_TIME_BUDGET_S, help="seconds after which the search stops and returns its best")] = 20.0,
+        min=0.1, max=MAX_TIME_BUDGET_S,
+        help="seconds after which the search stops and returns its best")] = SEARCH.time_budget_s,
     target: Annotated[str, typer.Option(
         help="what will run the plan: autopar (our executor), megatron, deepspeed or "
-        "torchtitan; the search returns only what it runs (planner/targets.py)")] = "autopar",
-    robust: Annotated[bool, typer.Option(help="rank plans by the slow end of their step-time interval")] = False,
+        "torchtitan; the search returns only what it runs (planner/targets.py)")] = SEARCH.target,
+    robust: Annotated[bool, typer.Option(
+        help="rank plans by the slow end of their step-time interval")] = SEARCH.robust,
     memory_headroom: Annotated[float | None, typer.Option(min=0.0, max=0.9, help="share of each GPU's memory kept "
                                                           "free beyond every predicted term (default: the profile's, "
                                                           "5% in reference profiles)")] = None,
@@ -431,7 +442,7 @@ def plan(
     """Search every layout (TP/PP/DP/SP/CP/EP x ZeRO x recompute x micro-batch x schedule) for the fastest that fits."""
     from rich.progress import Progress
 
-    from planner.search import SearchOptions, search
+    from planner.search import search
 
     spec = load_model(model, model_file, hf_config)
     prof = load_profile(cluster, nodes, profile, gpus)
@@ -451,6 +462,7 @@ def plan(
                          max_virtual_stages=max_vp, max_tp=max_tp, max_pp=max_pp, max_cp=max_cp, max_ep=max_ep,
                          zero_stages=_int_list(zero_stages, "--zero-stages", {0, 1, 2, 3}),
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
+                         sequence_parallel=sequence_parallel,
                          tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
                          compile=compile_model, time_budget_s=time_budget)
     if as_json:

@@ -429,3 +429,38 @@ def test_gpus_plans_a_job_on_part_of_a_node():
     both = _sp.run([_sys.executable, "-m", "planner.cli", "predict", "--model", "llama3-8b", "--gpus", "4", "--nodes",
                     "1"], capture_output=True, text=True)
     assert both.returncode == 2 and "--gpus" in both.stderr
+
+
+def test_the_search_options_have_one_set_of_defaults():
+    """SearchOptions is the one home of the search's defaults: the API's PlanOptions and `autopar plan`'s flags
+    (each flag's default, read from the command's signature) equal it field by field."""
+    import inspect
+
+    from api.schemas import PlanOptions
+    from planner.cli import plan
+    from planner.search import SearchOptions
+
+    search, api = SearchOptions(), PlanOptions()
+    for name in ("top_k", "max_micro_batch_size", "max_virtual_stages", "hsdp", "offload", "sequence_parallel",
+                 "tp_comm_overlap", "dp_comm_overlap", "ep_comm_overlap", "compile", "robust", "max_tp", "max_pp",
+                 "max_cp", "max_ep"):
+        assert getattr(api, name) == getattr(search, name), name
+    assert tuple(api.zero_stages) == search.zero_stages and tuple(api.schedules) == search.schedules
+    assert api.target.value == search.target
+    cli = {k: p.default for k, p in inspect.signature(plan).parameters.items()}
+    assert (cli["top"], cli["max_micro_batch"], cli["max_vp"]) == (
+        search.top_k, search.max_micro_batch_size, search.max_virtual_stages)
+    assert (cli["time_budget"], cli["target"], cli["robust"], cli["compile_model"]) == (
+        search.time_budget_s, search.target, search.robust, search.compile)
+    assert (not cli["no_offload"], not cli["no_hsdp"], cli["sequence_parallel"]) == (
+        search.offload, search.hsdp, search.sequence_parallel)
+    assert (cli["tp_overlap"], cli["dp_overlap"], cli["ep_overlap"]) == (
+        search.tp_comm_overlap, search.dp_comm_overlap, search.ep_comm_overlap)
+    assert cli["zero_stages"] == ",".join(map(str, search.zero_stages))
+    assert cli["schedules"] == ",".join(s.value for s in search.schedules)
+    from api.planning import search_options
+    from api.schemas import PlanRequest
+
+    req = PlanRequest.model_validate({"model": {"preset": "llama3-8b"}, "cluster": "dgx-h100",
+                                      "training": {"seq_length": 4096, "global_batch_size": 64}})
+    assert search_options(req, max_budget_s=3600).time_budget_s == search.time_budget_s

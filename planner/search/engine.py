@@ -51,7 +51,6 @@ from planner.contracts import (
     SearchReport,
     TrainingConfig,
 )
-from planner.contracts.limits import MAX_TIME_BUDGET_S
 from planner.cost.comm import placement
 from planner.cost.memo import memoised
 from planner.cost.memory import (
@@ -65,6 +64,7 @@ from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
+from planner.search.options import SearchOptions
 from planner.search.rules import Rule, Rules
 from planner.search.stages import (
     RECOMPUTE_KINDS,
@@ -83,48 +83,10 @@ from planner.search.stages import (
 )
 
 GIB = 2**30
-"""The two removal rules of expert folding (:meth:`ParallelLayout.expert_fold_problem` is the rule):
-over a structure's whole dp, and over a leaf's ZeRO/HSDP shard group."""
 # structures priced first, on one plain leaf each, to start the bound
 SEED_STRUCTURES = 48
 # structures whose best plan is priced in full to say why it lost
 EXPLAINED_FAMILIES = 12
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What the search may choose, and the framework features the layouts assume."""
-
-    top_k: int = 5
-    max_micro_batch_size: int = 16
-    max_virtual_stages: int = 8
-    schedules: tuple[Schedule, ...] = tuple(Schedule)
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    hsdp: bool = True
-    offload: bool = True
-    max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
-    max_pp: int | None = None  # default: no limit but the layer count
-    max_cp: int | None = None
-    max_ep: int | None = None
-    sequence_parallel: bool = True  # False: never split norms/dropout over the TP group
-    # framework features (not searched): what the training stack does
-    tp_comm_overlap: bool = False
-    dp_comm_overlap: bool = True
-    ep_comm_overlap: bool = False
-    compile: bool = False  # torch.compile of model and loss (ParallelLayout.compile): torchtitan only
-    pp_scatter_gather: bool | None = None  # None: what the target's pipeline sends (TargetFacts.pp_sends, by sp)
-    solver_time_limit_s: float = 1.0
-    time_budget_s: float = 30.0  # seconds for the whole search, every phase (0 < budget <= MAX_TIME_BUDGET_S)
-    workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
-    target: str = "autopar"  # what will run the plan (planner.targets): its regime prices the intervals
-    robust: bool = False  # rank the plans found by the pessimistic end of their step-time interval
-
-    def __post_init__(self) -> None:
-        b = self.time_budget_s
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= MAX_TIME_BUDGET_S:
-            raise AutoparError("time_budget_s", b,
-                               f"give a number of seconds above 0 and at most {MAX_TIME_BUDGET_S:g}",
-                               problem="is not a time budget the search can keep")
 
 
 def out_of_time(opts: SearchOptions, what: str) -> AutoparError:
