@@ -1,65 +1,24 @@
 """Link measurements: collectives and point-to-point per level and group size, fitted to α-β.
 
-Every collective is timed on the *full buffer* the planner prices (:func:`planner.cost.comm.collective_time_s`):
-the all-reduce input, the all-gather output, the reduce-scatter input, each rank's all-to-all buffer,
-the point-to-point message. Each size is timed in trials; each trial starts at a barrier of the
-group and times ``reps`` back-to-back calls (more for small messages, so barrier skew does not
-dominate; with ``LinkPlan.min_trial_s``, cut to the fewest calls that last that long,
-:func:`reps_within`). Sizes up to 16 MiB (all of a quick profile) are timed in interleaved rounds
-(one trial of each size per round), so a burst of other work spoils one trial of several sizes, not every trial of
-one; each such trial makes one untimed call first (the 16 MiB call before the 4 KiB one that opens a
-round leaves its buffer cold). A rank's time is its *fastest* trial: on a shared machine the
-scheduler preempts ranks for whole milliseconds, and the median of 5 trials moved by 50-800% between
-repeated profiles on a loaded 2-vCPU VM (the minimum by about half that); on an idle cluster minimum
-and median agree. Messages up to 256 KiB get 3x the trials (:func:`trials_for`): they are cheap, and
-their latency is what a busy host spoils most. The time recorded is the maximum over ranks (the
-slowest rank finishes the collective).
+Contract: :func:`measure_links` runs on every rank with the same :class:`LinkPlan` and returns, on every
+rank, the fitted :class:`~planner.contracts.LinkProfile` entries. Every collective is timed on the *full
+buffer* the planner prices (:func:`planner.cost.comm.collective_time_s`): the all-reduce input, the
+all-gather output, the reduce-scatter input, each rank's all-to-all buffer, the point-to-point message.
+A rank's time for a size is its fastest trial; the time recorded is the maximum over ranks.
 
-**Groups side by side, or one per host.** A level's disjoint groups (the TP pairs of every node)
-are timed side by side, as training runs them, except on a host with more ranks than cores
-(:func:`oversubscribed`): gloo's receive thread polls while a message waits for its receive to be
-posted, so every waiting rank holds a core, and side by side the ranks time the scheduler's slices
-(a 4 KiB ping-pong: 43-61 µs alone, 0.1-1.7 ms with the other pair at it, on a 2-vCPU VM). Then
-only one group per host is timed, the first wave of :func:`host_waves` (groups on other hosts, and
-groups spanning hosts, which share the hosts' network links in training, still run side by side),
-while the others wait on the rendezvous store (not in a collective, whose messages would set the
-busy ranks' receive threads polling). The groups left out share the timed group's host and, its
-ranks outnumbering the cores, the same cores: timing them in turn repeated the measurement (and
-took a third of a quick profile's link time on a 2-vCPU VM), and the link kept the slower of two
-noisy repeats. Hosts with a core per rank still time all their groups side by side
-(``LinkPlan.crowded_hosts``). The profile's sources say how many groups were timed.
-
-**Re-measurement** (:func:`remeasured_fastest`): after every link's first pass, the sizes whose
-time looks spoiled (:func:`remeasure_candidates`: slower than a larger message of the same link, or
-more than 10% slower than its neighbours' log-log interpolation) are timed again, in up to 2 more
-rounds of the same trials, and keep the fastest of all their trials. The extra rounds run after all
-links, so a point spoiled by a burst of other work is timed again seconds later. Every rank holds the
-same all-reduced times, so all pick the same sizes; each link's ``source`` says how many sizes were
-re-measured. This is the standard practice for timing on shared machines; it only lowers a point
-towards what the machine can do, so a true step (leaving a cache) is kept.
-
-The points are fitted to ``t = alpha_s + slope · bytes`` (``alpha_s, slope ≥ 0``) by a *minimax* fit
-of the relative error (:func:`fit_alpha_beta`: the line whose worst ``|pred - t| / t`` over the
-points is smallest, a small linear program), since the planner needs a bound on every message size.
-Transports change regime with size (messages that stay in cache vs ones that do not, eager vs
-rendezvous protocols), so the fit is *piecewise* where one line misses by more than 10% and more
-segments clearly help (:func:`fit_segments`, breakpoints chosen by the same minimax error): up to 3
-contiguous size ranges of ≥ 3 points, each
-stored as its own :class:`LinkProfile` entry with ``min_bytes``/``max_bytes``; the planner prices a
-message with the segment covering it. Each segment's slope becomes a bus bandwidth in the planner's
-own convention:
+Fit: ``t = alpha_s + slope · bytes`` (``alpha_s, slope ≥ 0``), minimax in the relative error
+(:func:`fit_alpha_beta`), piecewise over up to 3 contiguous size ranges where one line misses by more than
+10% (:func:`fit_segments`). A segment's slope becomes a bus bandwidth in the planner's convention:
 
 - intra-node, and across nodes with one rank per node: ``busbw = ring_factor(collective, n) / slope``
   (2(n-1)/n all-reduce; (n-1)/n all-gather, reduce-scatter, all-to-all; 1 p2p);
-- across nodes with ``g > 1`` ranks per node, the planner prices ring collectives at
-  ``min(intra busbw, g · per-rank network busbw)`` and all-to-all by its off-node share
-  ``bytes·(n-g)/n / network busbw``; the stored per-rank network busbw is ``factor / (g · slope)``
-  resp. ``((n-g)/n) / slope``, and each entry records ``ranks_per_node = g``: for a group of exactly
-  the measured size and placement the planner then leaves out its intra-node bound (the measurement
-  holds the on-node legs already), so its formula reproduces the fit.
+- across nodes with ``g > 1`` ranks per node: the per-rank network busbw ``factor / (g · slope)`` (ring
+  collectives) or ``((n-g)/n) / slope`` (all-to-all), with ``ranks_per_node = g`` recorded, so that the
+  planner's ``min(intra busbw, g · network busbw)`` reproduces the fit for a group of the measured shape.
 
-:func:`link_fit_report` checks the fit the way the planner uses it: it predicts every measured
-point with ``collective_time_s`` and reports R² and the worst relative error.
+:func:`link_fit_report` predicts every measured point with ``collective_time_s`` (R², worst error).
+How the trials are scheduled on shared machines (interleaved rounds, one group per crowded host,
+re-measurement of spoiled points) and why: ``docs/profiler.md``, "How links are timed".
 """
 
 from __future__ import annotations
