@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.contracts import ModelSpec, ParallelLayout, Schedule
+from planner.contracts import ModelSpec, ParallelLayout
+from planner.cost.pipeline import SCHEDULES
 from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
@@ -199,13 +200,8 @@ def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: di
     schedule backpropagates it times ``grad_scale``. ``aux_weight`` > 0 adds each MoE chunk's
     load-balancing loss times ``aux_weight`` (x ``grad_scale`` in the gradient) per micro-batch.
     ``pp_rank``: this rank's index in ``pp_group`` (default: looked up)."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
+    import torch.distributed.pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     group_rank = dist.get_rank(group=pp_group)
     if pp_rank is not None and pp_rank != group_rank:
@@ -227,14 +223,9 @@ def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: di
     n = num_chunks(layout)
     stages = [PipelineStage(m, c, n, device, group=pp_group) for m, c in zip(modules, indices)]
     scaled = loss_fn if grad_scale == 1.0 else (lambda out, tgt: loss_fn(out, tgt) * grad_scale)
-    kind = layout.schedule
-    if kind is Schedule.zero_bubble:
-        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn=scaled, scale_grads=False)
-    elif kind is Schedule.interleaved_1f1b:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=scaled, scale_grads=False)
-    else:
-        cls = ScheduleGPipe if kind is Schedule.gpipe else Schedule1F1B
-        schedule = cls(stages[0], n_microbatches, loss_fn=scaled, scale_grads=False)
+    facts = SCHEDULES[layout.schedule]  # the torch class of each schedule: planner/cost/pipeline.py
+    cls = getattr(torch.distributed.pipelining, facts.torch_class)
+    schedule = cls(stages if facts.looped else stages[0], n_microbatches, loss_fn=scaled, scale_grads=False)
     schedule.autopar_step = _StepInfo(grad_scale, n_microbatches)  # read back by pipeline_step
     return schedule, stages
 

@@ -16,11 +16,10 @@ from planner.cost.memory import (
     StateBytes,
     layer_activation_bytes,
     logits_bytes,
-    microbatches_in_flight,
     model_state_bytes,
     state_bytes_per_param,
 )
-from planner.cost.pipeline import pipeline_time_s
+from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
 
 
 def training(**changes) -> TrainingConfig:

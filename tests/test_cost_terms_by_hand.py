@@ -42,7 +42,8 @@ from planner.cost.layer import (
     forward_kernel_count,
     lm_head_cost,
 )
-from planner.cost.memory import microbatches_in_flight, optimizer_step_bytes_per_param
+from planner.cost.memory import optimizer_step_bytes_per_param
+from planner.cost.pipeline import microbatches_in_flight
 from planner.cost.predict import dp_traffic
 
 INTRA_BUSBW, INTER_BUSBW = 100e9, 10e9

@@ -458,3 +458,20 @@ def test_executor_refuses_with_the_autopar_rows(limit) -> None:
         with pytest.raises(TargetRefusal) as info:
             check_builtin(hit.model)
         assert info.value.limit is limit
+
+
+def test_a_schedule_torchtitan_has_no_name_for_is_refused_by_its_table():
+    """planner/cost/pipeline.py's SCHEDULES gives each schedule its torchtitan name; one without a name is a
+    schedule torchtitan's table refuses, so the export never meets it."""
+    from planner.contracts import ParallelLayout, TrainingConfig
+    from planner.cost.pipeline import SCHEDULES
+    from planner.presets import get_preset
+    from planner.targets import Job, refusal
+
+    model, training = get_preset("llama3-8b"), TrainingConfig(global_batch_size=64, seq_length=4096)
+    for schedule, facts in SCHEDULES.items():
+        v = 2 if schedule.value == "interleaved_1f1b" else 1
+        layout = ParallelLayout(dp_shard=2, pp=4, zero_stage=3, schedule=schedule, virtual_stages=v)
+        refused = refusal("torchtitan", Job(model, training, layout, micro_batches=8))
+        named = facts.torchtitan is not None
+        assert (refused is None or refused.limit.field != "schedule") == named, (schedule, refused)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.contracts import Assumptions, ModelSpec, ParallelLayout, Recompute, Schedule, TrainingConfig
+from planner.contracts import Assumptions, ModelSpec, ParallelLayout, Recompute, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -169,22 +169,6 @@ def layer_activation_bytes(
         per_mlp = 3 if model.ffn_kind == "swiglu" else 2
         ffn = tokens * (elt * (per_mlp - 1) + lin) * model.ffn_hidden_size / t  # last one is FC2's input
     return replicated + attn + core + ffn
-
-
-def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_batches: int, virtual: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
-
-    GPipe: all ``m``. 1F1B and zero-bubble (ZB-H1): ``p - i``. Interleaved 1F1B: Megatron's warm-up
-    runs ``(v-1)·p + 2·(p-1-i)`` chunk forwards before the first backward, and each chunk holds
-    ``1/v`` of the stage's activations, so with the chunk in progress ``((v-1)p + 2(p-1-i) + 1)/v =
-    p + (p - 1 - 2i)/v``; stage 0 holds ``p·(1 + (p-1)/(p·v))`` (Korthikanti et al. §3).
-    """
-    m = num_micro_batches
-    if schedule is Schedule.gpipe:
-        return float(m)
-    if schedule is Schedule.interleaved_1f1b:
-        return float(min(m, pp + (pp - 1 - 2 * stage) / virtual))
-    return float(min(m, pp - stage))
 
 
 def logits_bytes(model: ModelSpec, tokens: int, tp: int, bytes_per_logit: float = 6.0) -> float:

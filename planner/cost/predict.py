@@ -47,7 +47,6 @@ from planner.cost.memory import (
     kept_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
-    microbatches_in_flight,
     model_state_bytes,
     optimizer_step_bytes_per_param,
     root_gathered_bytes_per_param,
@@ -55,7 +54,7 @@ from planner.cost.memory import (
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import pipeline_time_s
+from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
 from planner.errors import AutoparError
 
 if TYPE_CHECKING:

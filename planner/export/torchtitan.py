@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from planner.contracts import ParallelLayout, Plan, Precision, Schedule
+from planner.contracts import ParallelLayout, Plan, Precision
+from planner.cost.pipeline import SCHEDULES
 from planner.export.common import (
     bash_script,
     layer_counts,
@@ -30,11 +31,6 @@ _TORCHTITAN_CONFIGS = {
         "deepseek_v3",
         "deepseek_v3_671b",
     ),
-}
-_TORCHTITAN_SCHEDULES = {
-    Schedule.gpipe: "GPipe",
-    Schedule.one_f_one_b: "1F1B",
-    Schedule.interleaved_1f1b: "Interleaved1F1B",
 }
 TORCHTITAN_RELEASE = "torchtitan 0.3.0"
 
@@ -118,7 +114,7 @@ def _titan_overrides(plan: Plan) -> list[tuple[object, ...]]:
         out.append(
             ("--parallelism.module_fqns_per_model_part", *map(",".join, _torchtitan_parts(layer_counts(plan))))
         )
-        out.append(("--parallelism.pipeline_parallel_schedule", _TORCHTITAN_SCHEDULES[lay.schedule]))
+        out.append(("--parallelism.pipeline_parallel_schedule", SCHEDULES[lay.schedule].torchtitan))
         out.append(("--parallelism.pipeline_parallel_microbatch_size", lay.micro_batch_size))
     out += [
         ("--training.local_batch_size", t.global_batch_seqs // dp if pp > 1 else lay.micro_batch_size),

@@ -55,12 +55,12 @@ from planner.cost.comm import placement
 from planner.cost.memo import memoised
 from planner.cost.memory import (
     activation_factor,
-    microbatches_in_flight,
     model_state_bytes,
     state_bytes_per_param,
     usable_bytes,
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
+from planner.cost.pipeline import SCHEDULES, microbatches_in_flight
 from planner.cost.predict import check_sequence, default_layer_split, predict
 from planner.errors import AutoparError
 from planner.search.cpsat import layer_kind_prefix, solve_stages
@@ -1052,7 +1052,7 @@ class _SearchState:
         # equal in those share them (ZeRO-3 with and without resharding, ZeRO-0 and -1 unsharded, ...)
         # the memory bounds read the leaf's whole data-parallel choice: states per parameter, and by ZeRO stage
         # the activation factor, fragmentation, held and gathered weights; by replication the communicators
-        mem_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
+        mem_key = (si, SCHEDULES[sched].in_flight, v,
                    self.states_per_param(st, zero, shard, offload), zero, rep, reshard or zero < 3, minmax)
         bounded = self._memory_bound(st, sched, v, minmax, comm, label, make_layout, mem_key)
         if bounded is not None:
@@ -1332,7 +1332,7 @@ class _SearchState:
         report, per_sched = self.report, len(leaves)
         # the recompute and the slowest rank that memory forces even on the leaf with the least
         # state memory (highest ZeRO stage, fully sharded, offloaded) bound every leaf of this schedule
-        frugal_key = (si, sched if sched in (Schedule.gpipe, Schedule.interleaved_1f1b) else Schedule.one_f_one_b, v,
+        frugal_key = (si, SCHEDULES[sched].in_flight, v,
                       stage_min)  # as for the leaves: 1F1B and zero-bubble ranks hold the same
         if frugal_key in self.frugal_of:
             rec_min, stage_min = self.frugal_of[frugal_key]
