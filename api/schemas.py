@@ -18,7 +18,7 @@ from planner.contracts.limits import (
 from planner.search import SearchOptions
 from planner.targets import Target
 
-SEARCH = SearchOptions()  # the search's defaults: one home (planner.search.engine.SearchOptions)
+SEARCH = SearchOptions()  # the search's defaults: one home (planner.search.options.SearchOptions)
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)

@@ -20,7 +20,7 @@ from planner.contracts.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ
 from planner.errors import AutoparError
 from planner.reference import reference_profile
 from planner.search import SearchOptions, search
-from planner.search.engine import divisors
+from planner.search.enumerate import divisors
 
 ROOT = Path(__file__).resolve().parents[1]
 HUGE = 10**30
@@ -126,7 +126,7 @@ def test_divisors_are_every_divisor_in_order() -> None:
 
 def test_divisors_refuse_a_count_beyond_every_bound_at_once() -> None:
     # the old trial division ran to √n: for the Mersenne prime 2^61 - 1, 1.5e9 steps
-    code = ("from planner.search.engine import divisors\ntry:\n    divisors(2**61 - 1)\n"
+    code = ("from planner.search.enumerate import divisors\ntry:\n    divisors(2**61 - 1)\n"
             "except ValueError as e:\n    print(e)")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)

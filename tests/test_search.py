@@ -18,10 +18,12 @@ from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.reference import reference_profile
 from planner.search import SearchOptions, search
+from planner.search.bound import leaf_bound, min_max_stage
 from planner.search.brute import brute_force_search, brute_force_stages, compositions
 from planner.search.cpsat import solve_stages
-from planner.search.engine import Rules, leaf_bound, min_max_stage, price_structure, structures
-from planner.search.rules import Rule
+from planner.search.enumerate import structures
+from planner.search.price import price_structure
+from planner.search.rules import Rule, Rules
 from planner.search.stages import LeafComm, StageModel, floor_states, memory_minmax_s, recompute_bound_s
 
 
@@ -616,7 +618,7 @@ def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, 
     """leaf_bound with the tails of ranks holding ceil(blocks / p) blocks of a kind (pigeonhole_comms)
     and the split bound as the slowest rank never exceeds the step of any split and per-stage
     recompute that fits; on a slow network (large tails) it is above the average-stage bound."""
-    from planner.search.engine import pigeonhole_comms
+    from planner.search.bound import pigeonhole_comms
     from planner.search.stages import SplitBound
     model = small(name, layers)
     prof = reference_profile(system, 1, nic_gbit_per_gpu=25)
@@ -701,7 +703,7 @@ def test_structure_floor_is_a_lower_bound_of_every_structure_bound(name, layers,
     """The search prices a structure's blocks only once its floor (structure_floor, from
     work_floor_s) is below the k-th best: the floor must never exceed the priced bound ``bound_s``
     (nor ``work_floor_s`` the priced ``work_s``) on any structure, and must not be vacuous."""
-    from planner.search.engine import structure_floor
+    from planner.search.bound import structure_floor
     from planner.search.stages import work_floor_s
     model, prof = small(name, layers), reference_profile(system, nodes)
     tr = TrainingConfig(global_batch_size=gbs, seq_length=seq, **train)
@@ -727,7 +729,7 @@ def test_structure_floor_is_a_lower_bound_of_every_structure_bound(name, layers,
 def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
     """Structures are priced in bound order, lazily: the plan equals the one found when every
     structure's blocks are priced up front (the floor only skips work), with fewer shapes priced."""
-    from planner.search import engine
+    from planner.search import bound, engine
     model, prof = small("deepseek-v3", 6), reference_profile("dgx-h100", 4)
     tr = TrainingConfig(global_batch_size=64, seq_length=4096)
     calls = []
@@ -741,18 +743,18 @@ def test_lazy_structure_pricing_prices_few_shapes_and_keeps_the_plan():
         real(st, model, training, profile, opts, cache)
         return st.bound_s
 
-    engine.price_structure = counting
+    engine.price_structure = bound.price_structure = counting  # each module calls the name it imported
     try:
         lazy = search(model, tr, prof, SearchOptions(target="megatron"))  # MLA: not the built-in decoder's
         n_lazy = len(calls)
-        floor = engine.structure_floor
-        engine.structure_floor = exact_floor  # every structure priced up front, as before lazy pricing
+        floor = bound.structure_floor
+        bound.structure_floor = exact_floor  # every structure priced up front, as before lazy pricing
         try:
             eager = search(model, tr, prof, SearchOptions(target="megatron"))
         finally:
-            engine.structure_floor = floor
+            bound.structure_floor = floor
     finally:
-        engine.price_structure = real
+        engine.price_structure = bound.price_structure = real
     assert lazy.layout == eager.layout
     assert lazy.prediction.step_time_s == eager.prediction.step_time_s
     assert [a.layout for a in lazy.alternatives] == [a.layout for a in eager.alternatives]
@@ -806,7 +808,9 @@ def test_interleaved_memory_floor_is_a_lower_bound_of_every_depth(name, layers, 
     """One memory bound stands for every interleaving depth of a structure (the search prunes all of
     them with it before pricing each): it never exceeds any depth's own frugal memory min-max, and
     it binds (memory forces more than the plain min-max stage on some structures)."""
-    from planner.search.engine import frugal_stage_model, interleaved_memory_floor, schedule_choices
+    from planner.search.bound import interleaved_memory_floor
+    from planner.search.enumerate import schedule_choices
+    from planner.search.price import frugal_stage_model
     model, prof = small(name, layers), reference_profile(system, nodes)
     tr = TrainingConfig(global_batch_size=gbs, seq_length=seq)
     o = SearchOptions()

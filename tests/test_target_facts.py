@@ -24,7 +24,9 @@ from planner.contracts import GemmLayout, ModelSpec, ParallelLayout, Precision, 
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
-from planner.search.engine import Rules, SearchOptions, _base_layout, structures
+from planner.search.enumerate import base_layout, structures
+from planner.search.options import SearchOptions
+from planner.search.rules import Rules
 from planner.search.stages import StageModel
 from planner.targets import (
     ONE_KERNEL,
@@ -178,7 +180,7 @@ def test_the_search_sets_the_sends_from_the_target(node, target):
     assert any(st.sp for st in structs) and any(not st.sp and st.tp > 1 for st in structs)
     for st in structs:
         assert st.pp_scatter_gather is planned_scatter_gather(target, model, st.sp)
-        assert _base_layout(st, opts).pp_scatter_gather is st.pp_scatter_gather
+        assert base_layout(st, opts).pp_scatter_gather is st.pp_scatter_gather
 
 
 # ------------------------------------------------------------------ model states

@@ -11,7 +11,8 @@ from planner.contracts.plan import StepTimeInterval
 from planner.cost.predict import predict
 from planner.presets import get_preset
 from planner.reference import reference_profile
-from planner.search.engine import Found, rank_found, ties
+from planner.search.explain import rank_found, ties
+from planner.search.price import Found
 from planner.uncertainty import (
     MIN_ROWS,
     Regime,

@@ -17,7 +17,7 @@ the chunk in progress ``((v-1)p + 2(p-1-i) + 1)/v = p + (p - 1 - 2i)/v``; stage 
 ``p·(1 + (p-1)/(p·v))`` (Korthikanti et al. §3). Each capped at ``m``.
 
 A new schedule is a row here, its objective in the CP-SAT model (:mod:`planner.search.cpsat`) and its
-lower bound in the search (:func:`planner.search.engine.schedule_bound`), and a refusal row in each target's
+lower bound in the search (:func:`planner.search.bound.schedule_bound`), and a refusal row in each target's
 table (:mod:`planner.targets`) that cannot run it.
 """
 

@@ -64,7 +64,9 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
     """
     from planner import targets
     from planner.errors import AutoparError
-    from planner.search.engine import Rules, SearchOptions, _base_layout, leaf_choices, schedule_choices, structures
+    from planner.search.enumerate import base_layout, leaf_choices, schedule_choices, structures
+    from planner.search.options import SearchOptions
+    from planner.search.rules import Rules
 
     opts = options or SearchOptions()
     rules = Rules()
@@ -73,7 +75,7 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
     for st in structures(model, training, profile, opts, rules):
         for sched, v in schedule_choices(st, model, opts, rules):
             for zero, rep, shard, offload, reshard in leaf_choices(st, opts):
-                layout = _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
+                layout = base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
                                       offload_optimizer=offload, reshard_after_forward=reshard,
                                       schedule=sched, virtual_stages=v)
                 if targets.refusal(opts.target, targets.Job(model, training, layout, micro_batches=st.m),

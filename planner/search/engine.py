@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import functools
 import gc
 import heapq
 import math
@@ -33,12 +32,9 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from planner import targets
 from planner.contracts import (
-    Alternative,
     ClusterProfile,
     FamilyOutcome,
     LinkLevel,
@@ -46,40 +42,58 @@ from planner.contracts import (
     ParallelLayout,
     Plan,
     Prediction,
-    Recompute,
     Schedule,
     SearchReport,
     TrainingConfig,
 )
-from planner.cost.comm import placement
 from planner.cost.memo import memoised
 from planner.cost.memory import (
-    activation_factor,
     model_state_bytes,
     state_bytes_per_param,
     usable_bytes,
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
-from planner.cost.pipeline import SCHEDULES, microbatches_in_flight
-from planner.cost.predict import check_sequence, default_layer_split, predict
+from planner.cost.pipeline import SCHEDULES
+from planner.cost.predict import check_sequence, predict
 from planner.errors import AutoparError
+from planner.search.bound import (
+    interleaved_memory_floor,
+    leaf_bound,
+    leaf_tail_bound,
+    min_max_stage,
+    pigeonhole_comms,
+    schedule_bound,
+    structure_floors,
+)
 from planner.search.cpsat import layer_kind_prefix, solve_stages
+from planner.search.enumerate import (
+    Structure,
+    base_layout,
+    leaf_choices_of,
+    out_of_time,
+    schedule_choices,
+    structures,
+)
+from planner.search.explain import LeafLabel, NoFitReason, alternative, nothing_fits, rank_found, ties, why_slower
 from planner.search.options import SearchOptions
+from planner.search.price import (
+    Found,
+    best_uniform,
+    default_split_refusal,
+    frugal_stage_model,
+    price_structure,
+    target_fallback,
+    target_refusal,
+)
 from planner.search.rules import Rule, Rules
 from planner.search.stages import (
-    RECOMPUTE_KINDS,
     LeafComm,
-    SharedCosts,
     SplitBound,
     StageModel,
     expert_fold,
-    floor_states,
     memory_minmax_s,
-    pipeline_send_s,
     recompute_bound_s,
-    shared_costs,
     state_bytes_per_param_split,
-    work_floor_s,
 )
 
 GIB = 2**30
@@ -87,692 +101,6 @@ GIB = 2**30
 SEED_STRUCTURES = 48
 # structures whose best plan is priced in full to say why it lost
 EXPLAINED_FAMILIES = 12
-
-
-def out_of_time(opts: SearchOptions, what: str) -> AutoparError:
-    """The error of a search whose budget ran out before any layout that fits was priced."""
-    return AutoparError("time_budget_s", f"{opts.time_budget_s:g}",
-                        "raise the search time budget (autopar plan --time-budget SECONDS, options.time_budget_s), or "
-                        "narrow the search (--max-tp, --max-pp, --max-micro-batch)", problem=f"ran out {what}")
-
-
-DIVISORS_MAX = 2**40  # above every count the contracts allow (planner/contracts/limits.py)
-
-
-def divisors(n: int) -> list[int]:
-    """Every d with n % d == 0, ascending: the products of n's prime powers. Factorising by trial
-    division takes at most √n steps: 2^12 for the counts the contracts allow (GPUs <= 2^20,
-    sequences per step <= 2^24), and far fewer for the smooth counts real jobs use."""
-    return list(_divisors(n))
-
-
-@functools.lru_cache(maxsize=4096)
-def _divisors(n: int) -> tuple[int, ...]:
-    if not 1 <= n <= DIVISORS_MAX:
-        raise ValueError(f"divisors({n}) is outside 1..{DIVISORS_MAX}; the contracts bound every count below it")
-    out, rest, p = [1], n, 2
-    while p * p <= rest:
-        if rest % p == 0:
-            base, power = list(out), 1
-            while rest % p == 0:
-                rest //= p
-                power *= p
-                out += [d * power for d in base]
-        p += 1 if p == 2 else 2
-    if rest > 1:  # a prime factor above √rest
-        out += [d * rest for d in out]
-    return tuple(sorted(out))
-
-
-@dataclass
-class Structure:
-    tp: int
-    sp: bool
-    cp: int
-    pp: int
-    dp: int
-    ep: int
-    mb: int
-    m: int  # micro-batches per step
-    etp: int | None = None  # the routed experts' TP degree when folded below tp (MoE); None = tp
-    pp_scatter_gather: bool = True  # each TP rank sends 1/tp of the activation (:func:`stage_sends`)
-    work_s: float = 0.0  # forward+backward of the whole model for one micro-batch (no recompute)
-    p2p_s: float = 0.0
-    bound_s: float = 0.0
-    layer_times: list[float] = field(default_factory=list)
-    emb_s: float = 0.0
-    head_s: float = 0.0
-    forward_work_s: float = 0.0  # the forward part of work_s
-    forward_ratio: float = 0.5  # largest forward / (forward + backward) of any block, embedding or head
-    forward_ratio_min: float = 0.0  # smallest, with the slowest (recomputing) backward, sends included
-    family: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.family = (f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp} dp{self.dp}"
-                       + (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp is not None else ""))
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-
-def structures(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, opts: SearchOptions,
-               rules: Rules, deadline: float = math.inf) -> list[Structure]:
-    """Every (tp, sp, cp, pp, dp, ep, etp, micro-batch) that passes the divisibility and placement rules
-    (AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
-    n, gpn, L = profile.num_gpus, profile.gpus_per_node, model.num_layers
-    a, k, s, gbs = model.num_attention_heads, model.kv_heads, training.seq_length, training.global_batch_seqs
-    max_tp = opts.max_tp or gpn
-    out = []
-    for tp in divisors(n):
-        if time.perf_counter() > deadline:
-            raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
-        if tp > max_tp:
-            rules.remove(Rule.TP_PER_NODE, f"tp={tp}")
-            continue
-        if a % tp:
-            rules.remove(Rule.TP_HEADS, f"tp={tp}, heads={a}")
-            continue
-        if k % tp and tp % k:
-            rules.remove(Rule.TP_KV_HEADS, f"tp={tp}, kv_heads={k}")
-            continue
-        for cp in divisors(n // tp):
-            if opts.max_cp is not None and cp > opts.max_cp:
-                rules.remove(Rule.MAX_CP, f"cp={cp}", limit=opts.max_cp)
-                continue
-            if cp > 1 and s % (2 * cp):
-                rules.remove(Rule.CP_SEQ, f"cp={cp}, seq={s}")
-                continue
-            for pp in divisors(n // (tp * cp)):
-                if time.perf_counter() > deadline:
-                    raise out_of_time(opts, f"while listing the layouts ({len(out):,} listed so far)")
-                if pp > L:
-                    rules.remove(Rule.PP_LAYERS, f"pp={pp}, layers={L}")
-                    continue
-                if opts.max_pp is not None and pp > opts.max_pp:
-                    rules.remove(Rule.MAX_PP, f"pp={pp}", limit=opts.max_pp)
-                    continue
-                dp = n // (tp * cp * pp)
-                if gbs % dp:
-                    rules.remove(Rule.DP_BATCH, f"dp={dp}, batch={gbs}")
-                    continue
-                for sp in ((False, True) if tp > 1 and opts.sequence_parallel else (False,)):
-                    if sp and (s // cp) % tp:
-                        rules.remove(Rule.SP_SEQ, f"tp={tp}, cp={cp}, seq={s}")
-                        continue
-                    for ep, etp in _expert_degrees(model, opts, rules, dp, cp, tp, sp):
-                        for mb in divisors(gbs // dp):
-                            if mb > opts.max_micro_batch_size:
-                                rules.remove(Rule.MAX_MICRO_BATCH, f"mb={mb}", limit=opts.max_micro_batch_size)
-                                continue
-                            out.append(Structure(tp, sp, cp, pp, dp, ep, mb, gbs // (dp * mb), etp=etp,
-                                                 pp_scatter_gather=stage_sends(model, opts, sp)))
-    return out
-
-
-def _expert_degrees(model: ModelSpec, opts: SearchOptions, rules: Rules, dp: int, cp: int, tp: int,
-                    sp: bool) -> list[tuple[int, int | None]]:
-    """(ep, etp) of a (dp, cp, tp, sp) shape: (1, None) for a dense model; for an MoE model every ep
-    dividing the experts and etp dividing tp (etp = tp first, kept as None) whose ep x etp folds over the
-    ``dp x cp x tp`` ranks (:func:`~planner.search.stages.expert_fold`). Folding below tp (etp < tp) needs
-    sequence parallelism: the experts take each rank's share of the sequence."""
-    if model.moe is None:
-        return [(1, None)]
-    out = []
-    etps = [tp] + [e for e in reversed(divisors(tp)) if e < tp] if sp else [tp]
-    for etp in etps:
-        for ep in divisors(model.moe.num_experts):
-            if opts.max_ep is not None and ep > opts.max_ep:
-                rules.remove(Rule.MAX_EP, f"ep={ep}", limit=opts.max_ep)
-                continue
-            if expert_fold(dp, cp, tp, ep, etp)[0] is not None:
-                rules.remove(Rule.FOLD, f"ep={ep}, etp={etp}, dp x cp x tp={dp * cp * tp}")
-                continue
-            out.append((ep, None if etp == tp else etp))
-    return out
-
-
-def stage_sends(model: ModelSpec, opts: SearchOptions, sp: bool) -> bool:
-    """The ``pp_scatter_gather`` of a structure: the option's, or what ``opts.target``'s pipeline sends with
-    (or without) sequence parallelism (:func:`planner.targets.planned_scatter_gather`); a value the target
-    does not run is its table's to refuse."""
-    if opts.pp_scatter_gather is not None:
-        return opts.pp_scatter_gather
-    return targets.planned_scatter_gather(opts.target, model, sp)
-
-
-def _base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout:  # noqa: ANN003
-    fields = dict(tp=st.tp, sp=st.sp, cp=st.cp, pp=st.pp, ep=st.ep, etp=st.etp, dp_shard=st.dp, dp_replicate=1,
-                  micro_batch_size=st.mb, tp_comm_overlap=opts.tp_comm_overlap and st.tp > 1,
-                  dp_comm_overlap=opts.dp_comm_overlap, ep_comm_overlap=opts.ep_comm_overlap and st.ep > 1,
-                  pp_scatter_gather=st.pp_scatter_gather, compile=opts.compile)
-    fields.update(extra)
-    return ParallelLayout(**fields)
-
-
-def price_structure(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
-                    opts: SearchOptions, cache: dict) -> None:
-    """Fill the structure's per-micro-batch work and its lower bound ``m · (W/p + 2·t_p2p)``.
-
-    The blocks, embedding and head depend only on (tp, sp, cp, ep, micro-batch) and the pipeline
-    send only on (tp, cp, micro-batch, pp, dp) (see :func:`~planner.search.stages.shared_costs`),
-    so both are memoised in ``cache`` under those keys: most structures build no layout."""
-    flags = (opts.tp_comm_overlap, opts.ep_comm_overlap, st.pp_scatter_gather, opts.dp_comm_overlap)
-    core_key = ("structure-work", st.tp, st.sp, st.cp, st.ep, st.etp, st.mb, flags)
-    p2p_key = ("structure-p2p", st.tp, st.cp, st.mb, st.pp, st.dp, flags)
-    core, p2p_s = cache.get(core_key), cache.get(p2p_key)
-    if core is None:
-        sc = shared_costs(model, training, profile, _base_layout(st, opts), cache, opts.target)
-        p2p_s = cache[p2p_key] = sc.p2p_s
-        core = cache[core_key] = _structure_work(sc)
-    elif p2p_s is None:  # the send alone: no layout to build (its group is the mesh's pipeline placement)
-        group = placement(st.pp, st.tp * st.cp * st.dp, profile.gpus_per_node)
-        p2p_s = cache[p2p_key] = pipeline_send_s(model, training, profile, group,
-                                                 st.mb * (training.seq_length // st.cp), st.tp, st.pp_scatter_gather)
-    (st.layer_times, st.emb_s, st.head_s, st.work_s, st.forward_work_s, st.forward_ratio,
-     st.forward_ratio_min) = core
-    st.p2p_s = p2p_s
-    st.bound_s = st.m * (st.work_s / st.pp + 2 * st.p2p_s)
-
-
-def structure_floor(st: Structure, model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
-                    opts: SearchOptions, cache: dict) -> float:
-    """A floor of ``st.bound_s`` without pricing its blocks: ``m · (W_floor/p + 2·t_p2p)`` with
-    :func:`~planner.search.stages.work_floor_s` <= ``work_s`` and the pipeline send computed as
-    :func:`price_structure` does (``tests/test_search.py`` checks floor <= bound on every structure)."""
-    return structure_floors([st], model, training, profile, opts, cache)[0]
-
-
-def structure_floors(structs: list[Structure], model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
-                     opts: SearchOptions, cache: dict, deadline: float = math.inf) -> list[float]:
-    """:func:`structure_floor` of each structure (one loop, the floors and sends memoised per shape;
-    AutoparError once ``time.perf_counter()`` passes ``deadline``)."""
-    works: dict[tuple, float] = {}
-    sends: dict[tuple, float] = {}
-    seq, gpn = training.seq_length, profile.gpus_per_node
-    tp_ov, ep_ov = opts.tp_comm_overlap, opts.ep_comm_overlap
-    out = []
-    for n, st in enumerate(structs):
-        if n % 1024 == 0 and time.perf_counter() > deadline:
-            raise out_of_time(opts, f"while bounding the layouts ({n:,} of {len(structs):,} bounded)")
-        tp, cp, mb = st.tp, st.cp, st.mb
-        wkey = (tp, st.sp, cp, st.ep, st.etp, mb)
-        work = works.get(wkey)
-        if work is None:
-            work = works[wkey] = work_floor_s(model, training, profile, tp, st.sp, cp, st.ep, mb, tp_ov and tp > 1,
-                                              ep_ov and st.ep > 1, cache, st.etp)
-        tokens = mb * (seq // cp)
-        stride = tp * cp * st.dp
-        sg = st.pp_scatter_gather
-        skey = (st.pp, stride, tokens, tp, sg)
-        p2p_s = sends.get(skey)
-        if p2p_s is None:
-            p2p_s = sends[skey] = pipeline_send_s(model, training, profile, placement(st.pp, stride, gpn),
-                                                  tokens, tp, sg)
-        out.append(st.m * (work / st.pp + 2 * p2p_s))
-    return out
-
-
-def _structure_work(sc: SharedCosts) -> tuple[list[float], float, float, float, float, float, float]:
-    """(per-layer f+b, embedding f+b, head f+b, whole-model f+b, its forward part, largest and
-    smallest forward share) of one micro-batch without recompute: see :class:`Structure`.
-    The layer list is shared by every structure of this shape and must not be mutated."""
-    per_kind = {k: (kc.forward_s + kc.backward_s[Recompute.none], kc.forward_s) for k, kc in sc.kind_cost.items()}
-    layer_times = [per_kind[k][0] for k in sc.kinds]
-    (ef_s, eb_s), (hf_s, hb_s) = sc.emb, sc.head
-    emb_s, head_s = ef_s + eb_s, hf_s + hb_s
-    counts = {k: sc.kinds.count(k) for k in per_kind}
-    work_s = sum(counts[k] * per_kind[k][0] for k in per_kind) + emb_s + head_s
-    forward_work_s = sum(counts[k] * per_kind[k][1] for k in per_kind) + ef_s + hf_s
-    ratios = [f / t for t, f in per_kind.values() if t > 0]
-    ratios += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
-    lows = [kc.forward_s / (kc.forward_s + max(kc.backward_s.values())) for kc in sc.kind_cost.values()
-            if kc.forward_s > 0]
-    lows += [x / (x + y) for x, y in ((ef_s, eb_s), (hf_s, hb_s)) if x + y > 0]
-    return (layer_times, emb_s, head_s, work_s, forward_work_s, max(ratios) if ratios else 0.5, min(lows + [0.5]))
-
-
-def min_max_stage(st: Structure) -> float:
-    """Smallest possible slowest-stage time over contiguous splits (v=1, no recompute, no DP traffic)."""
-    p, times = st.pp, st.layer_times
-    if p == 1:
-        return st.work_s + 2 * st.p2p_s
-    send = 2 * st.p2p_s
-    if all(t == times[0] for t in times):
-        bases = [(send + st.emb_s, 1), (send, p - 2), (send + st.head_s, 1)]
-        return _uniform_min_max(len(times), times[0], [(b, c) for b, c in bases if c > 0])
-
-    n = len(times)
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
-
-    emb_s, head_s, right = st.emb_s, st.head_s, bisect.bisect_right
-    first_base = send + emb_s
-
-    def fits(cap: float) -> bool:
-        """Greedy: fill each stage as far as ``cap`` allows, leaving one layer for each later stage."""
-        i = 0
-        base = first_base
-        for stage in range(p - 1):
-            j = right(prefix, cap - base + prefix[i]) - 1  # furthest end within cap
-            if j < i + 1:  # noqa: PLR1730 - max() is slower in this hot loop
-                j = i + 1
-            last_ok = n - (p - 1 - stage)
-            if j > last_ok:  # noqa: PLR1730
-                j = last_ok
-            if base + prefix[j] - prefix[i] > cap:
-                return False
-            i = j
-            base = send + 0.0
-        return base + prefix[n] - prefix[i] + head_s <= cap
-
-    lo, hi = st.work_s / p, st.work_s + send
-    eps = (hi - lo) / 2**24  # the precision of 24 halvings of that bracket
-    # the default split fits its own slowest stage: a much tighter start for the bisection
-    start, slowest = 0, 0.0
-    for stage, size in enumerate(default_layer_split(n, p)):
-        end = start + size
-        slowest = max(slowest, send + prefix[end] - prefix[start] + (st.emb_s if stage == 0 else 0.0)
-                      + (st.head_s if stage == p - 1 else 0.0))
-        start = end
-    hi = max(min(hi, slowest), lo)
-    while hi - lo > eps:
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return lo
-
-
-def _uniform_min_max(n: int, t: float, stages: list[tuple[float, int]]) -> float:
-    """Exact min-max of :func:`min_max_stage` when all ``n`` layers take ``t``; ``stages``: (fixed
-    time, how many stages have it), every stage holding at least one layer.
-
-    A cap ``T`` admits a split iff every stage holds one layer (``T >= b + t``) and the stages'
-    capacities ``floor((T - b)/t)`` add up to ``n`` (any counts within the capacities, at least
-    one each, make a contiguous split). The optimum is the time of its slowest stage, so it is
-    ``b + k·t`` for one stage's ``b`` and an integer ``k``: per fixed time, bisect the smallest
-    feasible ``k`` (feasibility grows with ``T``) and take the least of those caps. The floor
-    rounds up by ``1e-9`` of a layer and the result is lowered by ``1e-12`` relative: rounding
-    only ever makes the bound smaller, so it stays a lower bound of every split's slowest stage."""
-    if t <= 0:
-        return max(b for b, _ in stages)
-    floor_b = max(b for b, _ in stages) + t  # every stage holds a layer
-
-    def feasible(cap: float) -> bool:
-        return cap >= floor_b * (1 - 1e-12) and sum(c * math.floor((cap - b) / t + 1e-9) for b, c in stages) >= n
-
-    best = math.inf
-    for b, _ in stages:
-        lo, hi = 1, n  # b + n·t is feasible: that stage alone can hold every layer
-        if not feasible(b + hi * t):
-            continue
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if feasible(b + mid * t):
-                hi = mid
-            else:
-                lo = mid + 1
-        best = min(best, b + lo * t)
-    return best * (1 - 1e-12)
-
-
-def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules: Rules) -> list[tuple[Schedule, int]]:
-    if st.pp == 1:
-        return [(Schedule.one_f_one_b, 1)]
-    out = []
-    for sched in opts.schedules:
-        if sched is Schedule.interleaved_1f1b:
-            if st.m % st.pp:
-                rules.remove(Rule.INTERLEAVED_MICRO_BATCHES, f"m={st.m}, pp={st.pp}")
-                continue
-            for v in range(2, opts.max_virtual_stages + 1):
-                if st.pp * v > model.num_layers:
-                    rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={v}")
-                    break
-                out.append((sched, v))
-        else:
-            out.append((sched, 1))
-    return out
-
-
-def leaf_choices(
-    st: Structure, opts: SearchOptions, rules: Rules | None = None
-) -> tuple[tuple[int, int, int, bool, bool], ...]:
-    """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
-    reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
-    group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1."""
-    out, removed = _leaf_choices(st.dp, st.cp, st.tp, st.ep, st.expert_tp, opts)
-    if rules is not None and removed:
-        rules.remove(Rule.FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _leaf_choices(dp: int, cp: int, tp: int, ep: int, etp: int,
-                  opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, bool, bool], ...], int]:
-    out, removed = [], 0
-    for zero in opts.zero_stages:
-        if zero == 0:
-            splits = [(1, dp)]
-        else:
-            shards = divisors(dp) if opts.hsdp else [dp]
-            splits = [(dp // d, d) for d in shards if expert_fold(d, cp, tp, ep, etp)[0] is None]
-            removed += len(shards) - len(splits)
-        for rep, shard in splits:
-            for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
-                for reshard in ((True, False) if zero == 3 else (True,)):
-                    out.append((zero, rep, shard, offload, reshard))
-    return tuple(out), removed  # cached: immutable
-
-
-def _rank_work(st: Structure, v: int, recompute_s: float, comm_f: float, comm_b: float,
-               eff: float) -> tuple[float, float, float]:
-    """(Σ forward compute, Σ backward compute, Σ (f + b) with the per-micro-batch collectives) over
-    the ranks for one micro-batch; see :func:`schedule_bound`."""
-    p = st.pp
-    fwd = st.forward_work_s + v * p * st.p2p_s
-    bwd = st.work_s - st.forward_work_s + v * p * st.p2p_s + recompute_s
-    keep = 1.0 - eff
-
-    def with_comm(work: float, comm: float) -> float:
-        return max(work + keep * comm, comm + keep * work) if comm else work
-
-    return fwd, bwd, with_comm(fwd, p * comm_f) + with_comm(bwd, p * comm_b)
-
-
-def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float = 0.0,
-                   comm_f: float = 0.0, comm_b: float = 0.0, eff: float = 1.0) -> float:
-    """Lower bound of the pipeline phase.
-
-    Every term grows with the collectives (``comm_f = comm_b = 0`` bounds every ZeRO stage).
-
-    ``minmax``: a lower bound on the slowest rank's ``f + b`` valid for this schedule's chunking;
-    ``recompute_s``: least recompute time over all ranks that memory forces (see
-    :func:`~planner.search.stages.recompute_bound_s`); ``comm_f``/``comm_b``: per-micro-batch
-    ZeRO-2/3 collectives of a rank holding the average parameters (affine in them, so the ranks'
-    sum is ``p·comm``). A rank's forward with its collective is ``f + c - eff·min(c, f)``
-    (``eff``: the share of a collective its compute window hides), which equals
-    ``max(f + (1-eff)·c, c + (1-eff)·f)``: convex, so the ranks' sum is at least
-    ``max(F + (1-eff)·C, C + (1-eff)·F)`` with ``F = Σf``, ``C = p·c``; likewise the backward. The
-    slowest rank is at least the summed work over ``p``.
-    """
-    m, p = st.m, st.pp
-    fwd, bwd, total = _rank_work(st, v, recompute_s, comm_f, comm_b, eff)
-    compute = fwd + bwd
-    if p == 1:
-        return m * total
-    minmax = max(minmax, total / p)
-    if sched is Schedule.interleaved_1f1b:
-        return (m - 1 / v) * minmax + total / v
-    if sched is Schedule.zero_bubble:
-        # m·T* + Σ_{i≠i*} f_i: every other rank's forward is at least the smallest forward share
-        # ρ_min of its compute (recompute included), which sums to at least compute - T*; the
-        # expression increases with T* (m >= 1 > ρ_min), so the lower bound of T* may stand in
-        others = m * minmax + st.forward_ratio_min * max(0.0, compute - minmax)
-        # the slowest rank's forward compute is at most ρ of its compute (ρ: the largest forward
-        # share of any block, embedding or head; recompute only lowers it), which is at most
-        # T* - 2vt: f* = fc* + vt + g* with g* its exposed forward collective. Every rank's forward
-        # holds its own g_i, so Σ_{i≠i*} f_i = Σf - f* >= fwd + g* - f* = fwd - fc* - vt
-        # >= fwd - ρ(T* - 2vt) - vt, and m·T* + Σ_{i≠i*} f_i >= (m - ρ)·T* + fwd + (2ρ - 1)·vt,
-        # which grows with T* (m >= 1 > ρ): with or without collectives in the stages
-        rho = st.forward_ratio
-        return max((m - rho) * minmax + fwd + (2 * rho - 1) * v * st.p2p_s, others)
-    return (m - 1) * minmax + total
-
-
-@dataclass(frozen=True)
-class _LeafLabel:
-    """A leaf's name in messages, formatted only when one is shown (most leaves are pruned unnamed)."""
-
-    family: str
-    zero: int
-    rep: int
-    shard: int
-    offload: bool
-
-    def __str__(self) -> str:
-        return (f"{self.family} zero{self.zero}" + (f" hsdp{self.rep}x{self.shard}" if self.rep > 1 else "")
-                + (" offload" if self.offload else ""))
-
-
-class _NoFitReason:
-    """A family's reason "does not fit: ... GiB", formatted (and its memory priced) only when shown."""
-
-    __slots__ = ("capacity", "need", "why")
-
-    def __init__(self, need: float | Callable[[], float], why: str, capacity: float) -> None:
-        self.need, self.why, self.capacity = need, why, capacity
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __str__(self) -> str:
-        if callable(self.need):
-            self.need = self.need()
-        return f"does not fit: {self.why} {self.need / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB"
-
-
-@dataclass(order=True)
-class Found:
-    step_s: float
-    order: int
-    layout: ParallelLayout = field(compare=False)
-    family: str = field(compare=False)
-    status: str = field(compare=False)
-
-
-def target_refusal(model: ModelSpec, training: TrainingConfig, target: str, layout: ParallelLayout,
-                   micro_batches: int, scopes: tuple[str, ...] = targets.SCOPES) -> targets.TargetRefusal | None:
-    """The first row of ``target``'s capability table (planner/targets.py) that refuses this layout."""
-    return targets.refusal(target, targets.Job(model, training, layout, micro_batches=micro_batches), scopes)
-
-
-class Uniform(NamedTuple):
-    """:func:`target_fallback`'s choice: step seconds, the layout, its stage terms, the per-rank recompute."""
-
-    step_s: float
-    layout: ParallelLayout
-    terms: list
-    recompute: list[tuple[Recompute, int]]
-
-
-def target_fallback(sm: StageModel, target: str, micro_batches: int) -> Uniform | None:
-    """The fastest fitting layout of ``sm`` that ``target`` runs when it refused the search's split or per-stage
-    recompute: the default split with one recompute kind and count on every pipeline rank (a count past a
-    rank's layers recomputes all of them, as ``--recompute-num-layers`` does). Per kind, the step time grows
-    and the memory falls with the count, so the fewest layers that fit (bisected on memory alone) is the
-    kind's best, and no recompute, where it fits and runs, beats every kind; a count the target refuses there
-    is passed for the next larger one it runs. Targets with one recompute choice for every stage price a
-    leaf's default split with :func:`best_uniform` directly (``_price_default``)."""
-    if default_split_refusal(sm, target, micro_batches) is not None:
-        return None  # refused whatever the recompute (its micro-batches, its split): nothing here to choose
-    return best_uniform(sm, target, micro_batches)
-
-
-def default_split_refusal(sm: StageModel, target: str, micro_batches: int) -> targets.TargetRefusal | None:
-    """``target``'s refusal of ``sm``'s default split without recompute: what no recompute choice there mends."""
-    layout = sm.layout_for(sm.default_chunks(), [(Recompute.none, 0)] * sm.p)
-    return target_refusal(sm.model, sm.training, target, layout, micro_batches)
-
-
-def best_uniform(sm: StageModel, target: str, micro_batches: int) -> Uniform | None:
-    """:func:`target_fallback`'s search, on a split the target does not refuse as such."""
-    chunks = sm.default_chunks()
-    most = max(len(r) for r in sm.rank_layers(chunks))
-    best = None
-
-    for kind in (Recompute.none, *RECOMPUTE_KINDS):
-        counts = [0] if kind is Recompute.none else range(1, most + 1)
-        lo, hi = 0, len(counts) - 1
-        while lo < hi:  # the first count that fits (the last one when none does)
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if sm.uniform_fits(chunks, kind, counts[mid]) else (mid + 1, hi)
-        for count in counts[lo:]:
-            step, terms = sm.evaluate(chunks, [(kind, count)] * sm.p)
-            if not sm.fits(terms) or (best is not None and step >= best[0]):
-                break
-            layout = sm.layout_for(chunks, [(kind, count)] * sm.p)
-            if target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
-                best = Uniform(step, layout, terms, [(kind, count)] * sm.p)
-                break
-        if best is not None and kind is Recompute.none:
-            return best  # every recompute only adds time
-    return best
-
-
-
-def pessimistic_s(pred: Prediction) -> float:
-    """The slow end of a prediction's step-time interval (the step time itself without one)."""
-    return pred.interval.high_s if pred.interval is not None else pred.step_time_s
-
-
-def rank_found(ranked: list[Found], preds: list[Prediction | None], robust: bool) -> tuple[list, list]:
-    """Equally fast plans (to 1e-9) with the least memory per GPU first; ``robust``: by the slow end of
-    each interval (a plan not predicted in full keeps its place behind those that are)."""
-    fastest = ranked[0].step_s
-
-    def key(i: int) -> tuple:
-        pred = preds[i]
-        nominal = round(ranked[i].step_s / fastest, 9)
-        first = (pessimistic_s(pred) if pred is not None else math.inf) if robust else nominal
-        return first, nominal, pred.memory.total_bytes if pred else math.inf, i
-
-    order = sorted(range(len(ranked)), key=key)
-    return [ranked[i] for i in order], [preds[i] for i in order]
-
-
-def ties(pred: Prediction, best: Prediction) -> bool:
-    """Whether two predictions' step-time intervals overlap (neither is surely faster)."""
-    if pred.interval is None or best.interval is None:
-        return False
-    return pred.interval.low_s <= best.interval.high_s and best.interval.low_s <= pred.interval.high_s
-
-
-def alternative(alt: Found, pred: Prediction | None, best: Found, best_pred: Prediction) -> Alternative:
-    """An alternative and why it lost (or that it ties the best within the model's accuracy)."""
-    if pred is None:
-        return Alternative(layout=alt.layout, slower_by=alt.step_s / best.step_s - 1,
-                           reason=f"{alt.step_s / best.step_s - 1:+.1%} step time; not predicted in "
-                                  "full: the search's time budget was spent")
-    reason = why_slower(pred, best_pred)
-    if ties(pred, best_pred):
-        reason += (f"; a tie within the model's accuracy: its {pred.interval.level:.0%} interval "
-                   f"[{pred.interval.low_s:.3g}, {pred.interval.high_s:.3g}] s overlaps the best's "
-                   f"[{best_pred.interval.low_s:.3g}, {best_pred.interval.high_s:.3g}] s")
-    return Alternative(layout=alt.layout, prediction=pred, slower_by=pred.step_time_s / best_pred.step_time_s - 1,
-                       reason=reason)
-
-
-def frugal_layout(st: Structure, opts: SearchOptions, sched: Schedule, v: int,
-                  training: TrainingConfig | None = None, profile: ClusterProfile | None = None) -> ParallelLayout:
-    """The structure's leaf with the least activation memory per formula byte (ties: the highest ZeRO
-    stage), fully sharded, offloaded; :func:`frugal_stage_model` lowers its states to every leaf's least."""
-    zeros = sorted(opts.zero_stages, reverse=True)
-    if training is not None and profile is not None:
-        zeros.sort(key=lambda z: activation_factor(profile.assumptions, training, z))
-    frugal_zero = zeros[0]
-    return _base_layout(st, opts, dp_shard=st.dp, zero_stage=frugal_zero, schedule=sched, virtual_stages=v,
-                        offload_optimizer=opts.offload and frugal_zero >= 1)
-
-
-def frugal_stage_model(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
-                       opts: SearchOptions, sched: Schedule, v: int, cache: dict) -> StageModel:
-    """A stage model holding no more than any leaf of ``st`` with schedule ``sched`` (memory bounds only)."""
-    sm = StageModel(model, training, profile, frugal_layout(st, opts, sched, v, training, profile), block_cache=cache,
-                    target=opts.target)
-    return floor_states(sm, opts.zero_stages, opts.offload)
-
-
-def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
-                             opts: SearchOptions, depths: list[int], cache: dict) -> float:
-    """A lower bound of the frugal memory min-max stage (``memory_minmax_s`` of :func:`frugal_layout`,
-    without ZeRO-3 gather buffers) of every interleaving depth in ``depths`` at once.
-
-    :func:`~planner.search.stages.memory_minmax_s` grows with each rank's micro-batches in flight
-    (they multiply the activations a rank keeps, whatever it recomputes, so every holding's memory
-    grows with them) and with its fixed time (the sends, ``2·v·t_p2p``). Interleaved rank ``r``
-    keeps ``p + (p-1-2r)/v`` in flight: fewest at the deepest ``v`` for the first half of the ranks,
-    at the shallowest for the rest. The frugal stage model of the shallowest depth with each rank's
-    fewest in flight over the depths therefore bounds them all: one bound where the search would
-    compute one per depth (seven for DeepSeek-V3's 61 layers) to prune them. 0 (no bound) when
-    that layout is not valid.
-    """
-    try:
-        sm = frugal_stage_model(model, training, profile, st, opts, Schedule.interleaved_1f1b, min(depths), cache)
-    except AutoparError:
-        return 0.0
-    flights = [[microbatches_in_flight(Schedule.interleaved_1f1b, r, st.pp, st.m, d) for r in range(st.pp)]
-               for d in depths]
-    sm.in_flight = [min(f[r] for f in flights) for r in range(st.pp)]  # its own list: the cached one is shared
-    return memory_minmax_s(sm, 0.0, gather_buffers=False)
-
-
-def leaf_bound(st: Structure, sched: Schedule, v: int, minmax: float, recompute_s: float, comm: LeafComm,
-               tail_comms: tuple[LeafComm, ...] = ()) -> float:
-    """Schedule bound with the per-micro-batch ZeRO-2/3 collectives (:func:`schedule_bound`), plus a
-    bound on the slowest tail.
-
-    ``comm`` is the data-parallel side of a stage holding the average parameters per GPU
-    (collective and optimizer times are affine in them, so the largest stage has at least the
-    average). The tail of a stage is its optimizer step plus the exposed part of its once-per-step
-    traffic ``c``, which is at least ``(1 - eff)·c`` and at least ``c - eff·T`` with ``T`` the slowest
-    stage (the windows it hides behind are that stage's forward and backward). Both are convex in
-    the stage's parameters, so the most loaded stage has at least the average's. The pipeline term
-    grows by ``(m - 1)`` per second of ``T`` (more for the other schedules) and the tail shrinks by
-    at most ``eff`` <= 1, so for ``m >= 2`` the bound holds at the smallest ``T``.
-
-    ``tail_comms``: the same data-parallel side for stages holding other parameters that some
-    stage is known to hold at least (e.g. ``ceil(blocks / p)`` blocks of one kind: by pigeonhole
-    some rank holds that many); the tail bound is the largest of them (the same affine times, the
-    same argument per stage)."""
-    gpm = comm.gathers_per_mb
-    comm_f = comm.gather_s if gpm else 0.0
-    comm_b = (comm.gather_s * (gpm - 1) if gpm else 0.0) + (comm.grad_s if comm.grads_per_mb else 0.0)
-    bound = schedule_bound(st, sched, v, minmax, recompute_s, comm_f, comm_b, comm.eff)
-    # the smallest slowest-stage time the pipeline term above was priced at
-    t_min = max(minmax, _rank_work(st, v, recompute_s, comm_f, comm_b, comm.eff)[2] / st.pp) if st.m >= 2 else None
-    tail = 0.0
-    for c in (comm, *tail_comms):
-        per_step = _per_step_s(c)
-        exposed = (1.0 - c.eff) * per_step
-        if t_min is not None:
-            exposed = max(exposed, per_step - c.eff * t_min)
-        tail = max(tail, c.optimizer_s + exposed)
-    return bound + tail
-
-
-def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
-    """Per block kind, the data-parallel side of a rank holding ``ceil(count / p)`` blocks of it and
-    nothing else: some rank holds at least that many, and the tail bound of :func:`leaf_bound`
-    only grows with the parameters (its collective and optimizer times are affine, increasing)."""
-    lay, p = sm.layout, sm.p
-    key = (lay.zero_stage, lay.dp_shard, lay.dp_replicate, lay.cp, lay.tp, lay.ep, lay.expert_tp)
-    out = []
-    for kind in sorted(set(sm.kinds)):
-        held = -(-sm.kinds.count(kind) // p)
-        kc = sm.kind_cost[kind]
-        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer,
-                               lay.reshard_after_forward, lay.dp_comm_overlap, held * kc.dense_params,
-                               held * kc.expert_params, cache, pp=lay.pp))
-    return tuple(out)
-
-
-def _per_step_s(comm: LeafComm) -> float:
-    """Once-per-step data-parallel traffic of a stage holding the average parameters."""
-    gpm = comm.gathers_per_mb
-    return comm.replica_s + (0.0 if comm.grads_per_mb else comm.grad_s) + (0.0 if gpm else comm.gather_s)
-
-
-def leaf_tail_bound(comm: LeafComm) -> float:
-    """The part of :func:`leaf_bound` that does not depend on the schedule: the optimizer step and
-    the exposed once-per-step traffic ``(1 - eff)·c`` of a stage holding the average parameters.
-    ``leaf_bound >= schedule_bound(...) (no collectives) + leaf_tail_bound``: its pipeline
-    term grows with the per-micro-batch collectives (``with_comm >= work``, and every schedule's
-    bound grows with the summed work and the slowest rank) and its tail is at least this."""
-    return comm.optimizer_s + (1.0 - comm.eff) * _per_step_s(comm)
 
 
 _gc_lock = threading.Lock()
@@ -906,7 +234,7 @@ class _SearchState:
         self.shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
         self.pending: list[tuple] = []
         # (order, need, label), priced if nothing fits
-        self.lazy_needs: list[tuple[int, Callable[[], float], _LeafLabel]] = []
+        self.lazy_needs: list[tuple[int, Callable[[], float], LeafLabel]] = []
         self.no_fits = iter(range(1 << 60))
         self.priced: set[tuple] = set()
         # per leaf, its ranks' micro-batches and minmax: [recompute bound, memory min-max]
@@ -960,7 +288,7 @@ class _SearchState:
         if fam["best"] is None or step < fam["best"].step_s:
             fam["best"] = item
 
-    def no_fit(self, st: Structure, need: float | Callable[[], float], label: _LeafLabel, why: str) -> None:
+    def no_fit(self, st: Structure, need: float | Callable[[], float], label: LeafLabel, why: str) -> None:
         """Count a leaf that does not fit. ``need`` may be a function (a stage model's memory on a
         split, which takes pricing): it is called only if the shortfall or the family's reason is shown."""
         self.report["infeasible"] += 1
@@ -971,7 +299,7 @@ class _SearchState:
             self.shortfall[:] = [need - self.capacity, str(label), order]
         fam = self.families[st.family]
         if not fam["reason"]:
-            fam["reason"] = _NoFitReason(need, why, self.capacity)
+            fam["reason"] = NoFitReason(need, why, self.capacity)
 
     def states_need_of(self, st: Structure, zero: int, shard: int, offload: bool) -> float:
         """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
@@ -1004,7 +332,7 @@ class _SearchState:
         opts = self.opts
 
         def make_layout() -> ParallelLayout:
-            return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard)
 
         return LeafComm.of(self.profile, self.training, make_layout,
@@ -1023,14 +351,14 @@ class _SearchState:
             return
         self.priced.add(key)
         opts, report = self.opts, self.report
-        label = _LeafLabel(st.family, zero, rep, shard, offload)
+        label = LeafLabel(st.family, zero, rep, shard, offload)
         need = self.states_need_of(st, zero, shard, offload)
         if need > self.capacity:
             self.no_fit(st, need, label, "model states alone need")
             return
 
         def make_layout() -> ParallelLayout:
-            return _base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
+            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
                                 reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
 
         refused = target_refusal(self.model, self.training, opts.target, make_layout(), st.m, ("layout",))
@@ -1067,7 +395,7 @@ class _SearchState:
             self.rules.remove(Rule.CONTRACT, str(err), field=err.field, problem=err.problem)
             return None
 
-    def _memory_bound(self, st: Structure, sched: Schedule, v: int, minmax: float, comm: LeafComm, label: _LeafLabel,
+    def _memory_bound(self, st: Structure, sched: Schedule, v: int, minmax: float, comm: LeafComm, label: LeafLabel,
                       make_layout: Callable[[], ParallelLayout], mem_key: tuple) -> tuple | None:
         """The leaf's bound with the recompute and slowest rank its memory forces: (stage model, bound,
         slowest rank's f + b at least, recompute bound), or None when the bound prunes it or it does not fit."""
@@ -1106,7 +434,7 @@ class _SearchState:
         return sm, lb, stage_lb, rec_s
 
     def _price_default(self, st: Structure, sm: StageModel, lb: float, stage_lb: float, rec_s: float,
-                       label: _LeafLabel, leaf: tuple) -> None:
+                       label: LeafLabel, leaf: tuple) -> None:
         """Price an unpruned leaf (``leaf``: its schedule, depth and data-parallel side) on the default
         split; one that meets its bound there is closed, the rest are queued for CP-SAT."""
         sched, v, comm = leaf
@@ -1155,7 +483,7 @@ class _SearchState:
         uniform = best_uniform(sm, target, st.m)
         return (None if uniform is None else (uniform.step_s, uniform.terms, uniform.recompute)), None
 
-    def _price_single_stage(self, leaf_id: int, st: Structure, sm: StageModel, label: _LeafLabel) -> None:
+    def _price_single_stage(self, leaf_id: int, st: Structure, sm: StageModel, label: LeafLabel) -> None:
         """One stage: no split to choose; per kind, the fewest recomputed layers that fit."""
         layers = self.model.num_layers
         best = None
@@ -1214,7 +542,7 @@ class _SearchState:
             sub = Rules()
             self.scheds_of[sched_key] = (schedule_choices(st, self.model, self.opts, sub), sub)
         if leaves_key not in self.leaves_of:
-            self.leaves_of[leaves_key] = _leaf_choices(*leaves_key, self.opts)
+            self.leaves_of[leaves_key] = leaf_choices_of(*leaves_key, self.opts)
         return self.scheds_of[sched_key], self.leaves_of[leaves_key]
 
     def drain(self, si: int) -> None:
@@ -1393,7 +721,7 @@ class _SearchState:
         split_stage = split.minmax_s(stage_lb, slowest) if v == 1 else split.holding_minmax_s(stage_lb, slowest)
         return leaf_bound(st, sched, v, split_stage, rec_s, comm, pigeonhole_comms(sm, self.cache)) >= cutoff
 
-    def _solve(self, leaf: int, sm: StageModel, st: Structure, label: _LeafLabel, greedy_val: float | None,
+    def _solve(self, leaf: int, sm: StageModel, st: Structure, label: LeafLabel, greedy_val: float | None,
                chunks: list, cutoff: float) -> None:
         """CP-SAT on one leaf's split and per-stage recompute, below ``cutoff``; its outcome recorded. No
         solution hint: with the default split and greedy recompute as a hint, one CP-SAT worker stopped at
@@ -1436,7 +764,7 @@ class _SearchState:
             gap = need() - self.capacity
             if gap < shortfall[0] or (gap == shortfall[0] and order < shortfall[2]):
                 shortfall[:] = [gap, str(label), order]
-        return _nothing_fits(self.model, self.training, self.profile, shortfall, report)
+        return nothing_fits(self.model, self.training, self.profile, shortfall, report)
 
     def plan(self) -> Plan:
         """The fastest plan found, its alternatives (predicted while the budget lasts), the families' outcomes
@@ -1495,41 +823,3 @@ class _SearchState:
                                          slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"],
                                          reason=reason))
         return fam_out
-
-
-def why_slower(pred: Prediction, best: Prediction) -> str:
-    """The term that grew most against the best plan: compute, bubble, a kind of exposed comm, optimizer."""
-    def terms(p: Prediction) -> dict[str, float]:
-        out = {"compute on the critical stage":
-               p.compute_time_s - sum(c.exposed_s for c in p.comm if c.kind in ("tp", "cp", "ep")),
-               "pipeline bubble": p.bubble_time_s, "optimizer step": p.optimizer_time_s}
-        for c in p.comm:
-            out[f"exposed {c.kind} communication"] = out.get(f"exposed {c.kind} communication", 0.0) + c.exposed_s
-        return out
-    if abs(pred.step_time_s - best.step_time_s) <= 1e-9 * best.step_time_s:
-        return (f"as fast, but needs {pred.memory.total_bytes / GIB:.1f} GiB per GPU against the chosen plan's "
-                f"{best.memory.total_bytes / GIB:.1f} GiB (equal step times: the smaller footprint ranks first)")
-    a, b = terms(pred), terms(best)
-    deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
-    worst = max(deltas, key=deltas.get)
-    total = pred.step_time_s - best.step_time_s
-    return (f"{total / best.step_time_s:+.1%} step time ({total:+.3f} s); largest difference: {worst} "
-            f"{deltas[worst]:+.3f} s")
-
-
-def _nothing_fits(
-    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict
-) -> AutoparError:
-    gap, where = shortfall[:2]
-    fixes = ("more GPUs (more pipeline/tensor/ZeRO sharding), optimizer offload, full recompute, "
-             "a smaller micro-batch or a shorter sequence, or a GPU with more memory")
-    if math.isfinite(gap):
-        return AutoparError(
-            "cluster", f"{profile.num_gpus} x {profile.device.name}",
-            f"add about {gap / GIB:.1f} GiB per GPU: {fixes}",
-            problem=f"has no layout of {model.name} that fits: the closest ({where}) is {gap / GIB:.1f} GiB over "
-                    f"the {usable_bytes(profile.device.memory_bytes, profile.assumptions) / GIB:.1f} GiB a plan may "
-                    f"fill ({profile.device.memory_bytes / GIB:.0f} GiB less the "
-                    f"{profile.assumptions.memory_headroom:.0%} memory_headroom)",
-        )
-    return AutoparError("cluster", f"{profile.num_gpus} GPUs", fixes, problem="has no layout that could be evaluated")

@@ -317,7 +317,7 @@ def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: Paralle
 @dataclass(frozen=True)
 class LeafComm:
     """A candidate's data-parallel side for a stage holding the average parameters: what
-    :func:`planner.search.engine.leaf_bound` needs, computable without a :class:`StageModel`."""
+    :func:`planner.search.bound.leaf_bound` needs, computable without a :class:`StageModel`."""
 
     grad_s: float
     replica_s: float
@@ -1177,7 +1177,7 @@ def _last_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
 def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, tp: int, sp: bool, cp: int,
                  ep: int, batch: int, tp_overlap: bool, ep_overlap: bool, cache: dict, etp: int | None = None) -> float:
     """A lower bound of a structure shape's whole-model forward + backward (no recompute) for one
-    micro-batch, :attr:`~planner.search.engine.Structure.work_s`, without building a layout: per
+    micro-batch, :attr:`~planner.search.enumerate.Structure.work_s`, without building a layout: per
     block, the GEMMs, the attention core and the context-parallel collectives exactly as
     ``block_cost`` computes them (same functions, same arguments, groups from the same mesh
     placement), the TP and EP collectives less the most an overlap could hide; the memory-bound
