@@ -15,7 +15,7 @@ from planner.export.common import (
     header,
     launch_shape,
     max_positions,
-    recompute_setting,
+    recompute_flags,
     run_lines,
     torchrun,
 )
@@ -196,14 +196,8 @@ def _ds_parallel(plan: Plan, a: Command) -> list[str]:
 
 
 def _ds_recompute(plan: Plan, a: Command) -> list[str]:
-    """Selective, or full of every layer (uniform) or of ``block`` layers per stage."""
-    recompute = recompute_setting(plan)
-    if recompute.kind == "selective":
-        a.add("--recompute-granularity", "selective")
-    elif recompute.kind == "full":
-        a.add("--recompute-granularity", "full")
-        a.add("--recompute-method", "uniform" if recompute.block is None else "block")
-        a.add("--recompute-num-layers", 1 if recompute.block is None else recompute.block)
+    """Megatron-DeepSpeed takes Megatron-LM's recompute flags (per stage: ``block`` layers of each)."""
+    recompute_flags(plan, a)
     return []
 
 

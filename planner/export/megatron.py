@@ -12,7 +12,7 @@ from planner.export.common import (
     layer_counts,
     max_positions,
     moe_layer_pattern,
-    recompute_setting,
+    recompute_flags,
     run_lines,
     torchrun,
 )
@@ -245,18 +245,8 @@ def _megatron_data_parallel(plan: Plan, a: Command) -> list[str]:
 
 
 def _megatron_recompute(plan: Plan, a: Command) -> list[str]:
-    """Selective, or full of every layer (uniform) or of the first ``block`` layers of each model chunk."""
-    recompute = recompute_setting(plan)
-    if recompute.kind == "selective":
-        a.add("--recompute-granularity", "selective")
-    elif recompute.kind == "full":
-        a.add("--recompute-granularity", "full")
-        if recompute.block is None:
-            a.add("--recompute-method", "uniform")
-            a.add("--recompute-num-layers", 1)
-        else:
-            a.add("--recompute-method", "block")
-            a.add("--recompute-num-layers", recompute.block)
+    """The recompute flags (``block``: the first layers of each model chunk)."""
+    recompute_flags(plan, a)
     return []
 
 
