@@ -61,7 +61,7 @@ from profiler.compute import (  # noqa: E402
     parse_precisions,
     timed_layout,
 )
-from profiler.links import link_fit_report  # noqa: E402
+from profiler.fit import link_fit_report  # noqa: E402
 from profiler.timing import time_rounds  # noqa: E402
 
 TARGET = 0.15

@@ -158,7 +158,7 @@ def profile(
     except AutoparError as exc:
         err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(2) from None
-    from profiler.links import link_fit_report
+    from profiler.fit import link_fit_report
 
     rows = link_fit_report(result)
     worst = max((r["worst_rel_err"] for r in rows if r["level"] != "host_device"), default=0.0)

@@ -20,7 +20,7 @@ from planner.contracts import ClusterProfile, Collective, LinkLevel, TrainingCon
 from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.search import search
-from profiler.links import link_fit_report
+from profiler.fit import link_fit_report
 
 VENV_BIN = Path(sys.executable).parent
 AUTOPAR = str(VENV_BIN / "autopar")

@@ -9,21 +9,23 @@ import pytest
 from planner.contracts import ClusterProfile, Collective, LinkLevel
 from planner.contracts.cluster import DeviceSpec, LinkProfile, TimedPoint
 from planner.cost.comm import GroupPlacement, collective_time_s, find_link
-from profiler.identity import last_level_cache_bytes, reachable_cache_bytes
-from profiler.links import (
-    MIB,
-    ColdCopies,
+from profiler.fit import (
     busbw_from_slope,
-    cold_arena_bytes,
     fit_alpha_beta,
     fit_link,
     fit_link_segments,
     fit_segments,
-    host_waves,
     link_fit_report,
+    minimax_rel_err,
+)
+from profiler.identity import last_level_cache_bytes, reachable_cache_bytes
+from profiler.links import (
+    MIB,
+    ColdCopies,
+    cold_arena_bytes,
+    host_waves,
     measure_host_device,
     message_sizes,
-    minimax_rel_err,
     oversubscribed,
     plan_groups,
     remeasure_candidates,
