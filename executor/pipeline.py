@@ -3,7 +3,7 @@
 **Split.** The model is cut into ``pp x virtual_stages`` chunks (pipeline stages) of consecutive
 layers. ``layout.layers_per_stage`` holds one count per chunk, in pipeline order (the planner's
 contract, :mod:`planner.search.stages`: chunk ``c`` holds the next ``layers_per_stage[c]`` layers);
-without it the planner's default split is used (:func:`planner.cost.predict.default_layer_split`:
+without it the planner's default split is used (:func:`planner.cost.checks.default_layer_split`:
 as even as possible, extra layers to the interior chunks first). Chunk ``c`` runs on pipeline rank
 ``c % pp`` — rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``, the interleaved placement torch's
 multi-stage schedules expect and the one the planner prices (``StageModel.rank_layers``). Every
@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.contracts import ModelSpec, ParallelLayout
+from planner.cost.checks import default_layer_split
 from planner.cost.pipeline import SCHEDULES
-from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
 

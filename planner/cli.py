@@ -504,8 +504,8 @@ def _schedules(text: str) -> tuple[Schedule, ...]:
 
 
 def _load_plan(path: Path) -> Plan:
-    """A saved plan, checked as the planner's own (:func:`planner.cost.predict.check_plan`)."""
-    from planner.cost.predict import check_plan
+    """A saved plan, checked as the planner's own (:func:`planner.cost.checks.check_plan`)."""
+    from planner.cost.checks import check_plan
 
     try:
         plan = Plan.model_validate_json(_read(path, "PLAN.json"))

@@ -44,8 +44,8 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.contracts.limits import ONE_KERNEL
+from planner.cost.checks import default_layer_split
 from planner.cost.params import embedding_params, head_per_tp_rank
-from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError, UnknownNameError
 
 GPUS_PER_NODE = 8  # launchers start this many processes per node (fewer when the plan has fewer GPUs)

@@ -12,11 +12,12 @@ import pytest
 from test_cost_terms_by_hand import easy_profile, llama, small_moe, train
 
 from planner.contracts import LinkLevel, ParallelLayout, Precision, Recompute, TrainingConfig
+from planner.cost.checks import check_layout
 from planner.cost.comm import GroupPlacement, mesh_groups
 from planner.cost.layer import MicroBatch, block_cost, expert_rows, forward_kernel_count, routed_expert_gemms
 from planner.cost.memory import ActivationShape, layer_activation_bytes
 from planner.cost.params import routed_expert_params
-from planner.cost.predict import check_layout, dp_traffic, expert_split, predict, stage_memory
+from planner.cost.predict import dp_traffic, expert_split, predict, stage_memory
 from planner.errors import AutoparError
 
 

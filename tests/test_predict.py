@@ -23,7 +23,8 @@ from planner.contracts import (
     Schedule,
     TrainingConfig,
 )
-from planner.cost.predict import check_layout, default_layer_split, predict
+from planner.cost.checks import check_layout, default_layer_split
+from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.reference import reference_profile
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from planner.contracts import LinkLevel, ParallelLayout, Plan, Recompute, Schedule, TrainingConfig
-from planner.cost.predict import check_layout, predict
+from planner.cost.checks import check_layout
+from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.reference import reference_profile

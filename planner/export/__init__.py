@@ -27,7 +27,7 @@ copied): NVIDIA/Megatron-LM ``megatron/training/arguments.py`` and
 from __future__ import annotations
 
 from planner.contracts import Plan
-from planner.cost.predict import check_plan
+from planner.cost.checks import check_plan
 from planner.errors import UnknownNameError
 from planner.export import deepspeed, megatron, torchtitan
 from planner.targets import GPUS_PER_NODE, Target, job_of, refusal

@@ -14,9 +14,9 @@ from planner.contracts import (
     Schedule,
     TrainingConfig,
 )
+from planner.cost.checks import default_layer_split
 from planner.cost.comm import placement
 from planner.cost.pipeline import microbatches_in_flight
-from planner.cost.predict import default_layer_split
 from planner.errors import AutoparError
 from planner.search.enumerate import Structure, out_of_time
 from planner.search.options import SearchOptions

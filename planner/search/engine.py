@@ -46,6 +46,7 @@ from planner.contracts import (
     SearchReport,
     TrainingConfig,
 )
+from planner.cost.checks import check_sequence
 from planner.cost.memo import memoised
 from planner.cost.memory import (
     model_state_bytes,
@@ -54,7 +55,7 @@ from planner.cost.memory import (
 )
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import SCHEDULES
-from planner.cost.predict import check_sequence, predict
+from planner.cost.predict import predict
 from planner.errors import AutoparError
 from planner.search.bound import (
     interleaved_memory_floor,
