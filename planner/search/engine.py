@@ -75,7 +75,17 @@ from planner.search.enumerate import (
     schedule_choices,
     structures,
 )
-from planner.search.explain import LeafLabel, NoFitReason, alternative, nothing_fits, rank_found, ties, why_slower
+from planner.search.explain import (
+    Counts,
+    FamilyState,
+    LeafLabel,
+    NoFitReason,
+    alternative,
+    nothing_fits,
+    rank_found,
+    ties,
+    why_slower,
+)
 from planner.search.options import SearchOptions
 from planner.search.price import (
     Found,
@@ -210,7 +220,7 @@ class _SearchState:
         self._init_memory()
         self._init_tallies()
         for _, i, _ in sorted(self.heap):
-            self.families.setdefault(structs[i].family, {"members": 0, "best": None, "reason": ""})
+            self.families.setdefault(structs[i].family, FamilyState())
 
     def _init_memory(self) -> None:
         """The model's parameter totals and what a GPU may hold."""
@@ -229,8 +239,8 @@ class _SearchState:
         """The results, counters and memo caches the phases share."""
         self.results: dict[int, Found] = {}  # leaf id -> best known solution
         self.values: list[float] = []  # sorted step times of every priced leaf
-        self.families: dict[str, dict] = {}
-        self.report = dict(considered=0, dominated=0, pruned=0, infeasible=0, evaluated=0, solved=0, closed=0)
+        self.families: dict[str, FamilyState] = {}
+        self.report = Counts()
         self.status_counts: dict[str, int] = defaultdict(int)
         self.shortfall: list = [math.inf, "", -1]  # gap, leaf, order of the no_fit call
         self.pending: list[tuple] = []
@@ -286,21 +296,21 @@ class _SearchState:
         item = Found(step, leaf, layout, st.family, status)
         self.results[leaf] = item
         fam = self.families[st.family]
-        if fam["best"] is None or step < fam["best"].step_s:
-            fam["best"] = item
+        if fam.best is None or step < fam.best.step_s:
+            fam.best = item
 
     def no_fit(self, st: Structure, need: float | Callable[[], float], label: LeafLabel, why: str) -> None:
         """Count a leaf that does not fit. ``need`` may be a function (a stage model's memory on a
         split, which takes pricing): it is called only if the shortfall or the family's reason is shown."""
-        self.report["infeasible"] += 1
+        self.report.infeasible += 1
         order = next(self.no_fits)
         if callable(need):
             self.lazy_needs.append((order, need, label))
         elif need - self.capacity < self.shortfall[0]:
             self.shortfall[:] = [need - self.capacity, str(label), order]
         fam = self.families[st.family]
-        if not fam["reason"]:
-            fam["reason"] = NoFitReason(need, why, self.capacity)
+        if not fam.reason:
+            fam.reason = NoFitReason(need, why, self.capacity)
 
     def states_need_of(self, st: Structure, zero: int, shard: int, offload: bool) -> float:
         """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
@@ -368,11 +378,11 @@ class _SearchState:
             return
         comm = self.leaf_comm(st, zero, rep, shard, offload, reshard)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= self.kth():
-            report["pruned"] += 1
+            report.pruned += 1
             return
         if self.over_budget():
             self.budget_hit = True
-            report["pruned"] += 1
+            report.pruned += 1
             return
         # the memory bounds depend on the micro-batches each rank holds, not on how the schedule
         # orders them: 1F1B and zero-bubble leaves share them (their ranks hold p - r); and on the
@@ -410,7 +420,7 @@ class _SearchState:
         rec_s = bounds[0]
         lb = leaf_bound(st, sched, v, minmax, rec_s, comm)
         if lb >= self.kth():
-            self.report["pruned"] += 1
+            self.report.pruned += 1
             return None
         if sm is None:
             sm = self._build(make_layout)
@@ -430,7 +440,7 @@ class _SearchState:
                 stage_lb = mem_stage
                 lb = leaf_bound(st, sched, v, mem_stage, rec_s, comm)
                 if lb >= self.kth():
-                    self.report["pruned"] += 1
+                    self.report.pruned += 1
                     return None
         return sm, lb, stage_lb, rec_s
 
@@ -439,7 +449,7 @@ class _SearchState:
         """Price an unpruned leaf (``leaf``: its schedule, depth and data-parallel side) on the default
         split; one that meets its bound there is closed, the rest are queued for CP-SAT."""
         sched, v, comm = leaf
-        self.report["evaluated"] += 1
+        self.report.evaluated += 1
         leaf_id = next(self.ids)
         if self.prefix_ok is None:
             self.prefix_ok = layer_kind_prefix(sm) is not None
@@ -463,7 +473,7 @@ class _SearchState:
             self.record(leaf_id, greedy[0], sm.layout_for(chunks, greedy[2]), st,
                         "OPTIMAL (bound)" if met else "FEASIBLE (default split)", sm)
             if met:
-                self.report["closed"] += 1
+                self.report.closed += 1
                 return
         if self.prefix_ok:
             slowest = max(t.forward_s + t.backward_s for t in greedy[1]) if greedy else math.inf
@@ -496,7 +506,7 @@ class _SearchState:
             self.no_fit(st, lambda sm=sm: sm.min_memory([layers]), label, "needs, even with full recompute,")
             return
         self.record(leaf_id, best[0], sm.layout_for([layers], [(best[1], best[2])]), st, "OPTIMAL (enumerated)", sm)
-        self.report["closed"] += 1
+        self.report.closed += 1
 
     # ------------------------------------------------------------------ structures in bound order
     def minmax_for(self, si: int) -> float:
@@ -563,11 +573,11 @@ class _SearchState:
             repeats[key] = repeats.get(key, 0) + 1
             count = len(leaves) * len(scheds)
             fam = self.families[st.family]
-            fam["members"] += count
-            self.report["considered"] += count
-            self.report["pruned"] += count
-            if not fam["reason"]:
-                fam["reason"] = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
+            fam.members += count
+            self.report.considered += count
+            self.report.pruned += count
+            if not fam.reason:
+                fam.reason = (f"lower bound {st_bound:.3f} s (its work spread evenly)" if exact else
                                  f"lower bound {st_bound:.3f} s (its GEMMs, attention and collectives spread "
                                  "evenly)") + why
         for (pp, m, dp, cp, tp, ep, etp), times in repeats.items():
@@ -599,8 +609,8 @@ class _SearchState:
         if removed:
             self.rules.remove(Rule.FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
         per_sched = len(leaves)
-        self.families[st.family]["members"] += per_sched * len(scheds)
-        report["considered"] += per_sched * len(scheds)
+        self.families[st.family].members += per_sched * len(scheds)
+        report.considered += per_sched * len(scheds)
         minmax = self.minmax_for(si)
         # per leaf, its schedule-free tail bound (None: its model states alone do not fit, which
         # price_leaf reports), and the least of them: a floor every leaf's tail stands on; computed
@@ -609,17 +619,17 @@ class _SearchState:
         tail_min = 0.0
         for sched, v in scheds:
             if sched is Schedule.gpipe and Schedule.one_f_one_b in self.opts.schedules:
-                report["dominated"] += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
+                report.dominated += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
             stage_min = minmax if v == 1 else 0.0
             plain = schedule_bound(st, sched, v, stage_min)
             if plain >= self.kth():
-                report["pruned"] += per_sched
+                report.pruned += per_sched
                 continue
             if not tails:
                 tails, tail_min = self._tails(st, leaves)
             if plain + tail_min >= self.kth():
-                report["pruned"] += per_sched
+                report.pruned += per_sched
                 continue
             if sched is Schedule.interleaved_1f1b and st.pp > 1 and not self._interleaved_may_fit(si, st, scheds, v,
                                                                                                   per_sched, tail_min):
@@ -648,10 +658,10 @@ class _SearchState:
                 self.cache)
         floor_stage = self.interleaved_floor_of[si]
         if not math.isfinite(floor_stage):
-            self.report["infeasible"] += per_sched  # no split of any of its leaves fits, at any depth
+            self.report.infeasible += per_sched  # no split of any of its leaves fits, at any depth
             return False
         if schedule_bound(st, sched, v, floor_stage) + tail_min >= self.kth():
-            self.report["pruned"] += per_sched
+            self.report.pruned += per_sched
             return False
         return True
 
@@ -677,15 +687,15 @@ class _SearchState:
                 rec_min = 0.0
             self.frugal_of[frugal_key] = (rec_min, stage_min)
         if not math.isfinite(stage_min):
-            report["infeasible"] += per_sched  # no split of any of its leaves fits, at any speed
+            report.infeasible += per_sched  # no split of any of its leaves fits, at any speed
             return
         base = schedule_bound(st, sched, v, stage_min, rec_min)
         if base + tail_min >= self.kth():
-            report["pruned"] += per_sched
+            report.pruned += per_sched
             return
         for (zero, rep, shard, offload, reshard), tail in zip(leaves, tails):
             if tail is not None and base + tail >= self.kth():
-                report["pruned"] += 1  # leaf_bound would be at least this
+                report.pruned += 1  # leaf_bound would be at least this
                 continue
             self.price_leaf(si, st, sched, v, stage_min, rec_min, zero, rep, shard, offload, reshard)
 
@@ -695,7 +705,7 @@ class _SearchState:
         self.pending.sort(key=lambda x: (x[0], x[1]))
         for lb, leaf, sm, st, label, greedy_val, chunks, bounds in self.pending:
             if lb >= self.kth():
-                self.report["pruned"] += 1
+                self.report.pruned += 1
                 continue
             if self.over_budget():
                 self.budget_hit = True
@@ -704,9 +714,9 @@ class _SearchState:
             if math.isfinite(bounds[-1]) and self._split_settles(sm, st, cutoff, bounds):
                 if cutoff == greedy_val:  # the default split is this leaf's optimum
                     self.record(leaf, greedy_val, self.results[leaf].layout, st, "OPTIMAL")
-                    self.report["closed"] += 1
+                    self.report.closed += 1
                 else:
-                    self.report["pruned"] += 1
+                    self.report.pruned += 1
                 continue
             self._solve(leaf, sm, st, label, greedy_val, chunks, cutoff)
 
@@ -729,7 +739,7 @@ class _SearchState:
         FEASIBLE on zero-bubble leaves it proves OPTIMAL in 0.01 s without (12 benchmark and test searches:
         2.58 s of CP-SAT with hints, 0.53 s without, the same plans)."""
         opts = self.opts
-        self.report["solved"] += 1
+        self.report.solved += 1
         sol = solve_stages(sm,
                            time_limit_s=min(opts.solver_time_limit_s, max(self.deadline - time.perf_counter(), 0.01)),
                            workers=opts.workers,
@@ -757,8 +767,8 @@ class _SearchState:
         report, shortfall = self.report, self.shortfall
         if self.budget_hit:
             return out_of_time(self.opts, "before any layout that fits was priced "
-                                          f"({report['considered']:,} candidates considered, "
-                                          f"{report['infeasible']:,} shown not to fit)")
+                                          f"({report.considered:,} candidates considered, "
+                                          f"{report.infeasible:,} shown not to fit)")
         for order, need, label in self.lazy_needs:  # the first smallest gap, as if priced when found
             if self.over_budget() and math.isfinite(shortfall[0]):
                 break  # the closest seen so far stands for the rest
@@ -788,11 +798,11 @@ class _SearchState:
         wall = time.perf_counter() - self.t0
         rules = self.rules
         search_report = SearchReport(
-            candidates_considered=report["considered"] + sum(rules.counts.values()),
-            removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report["dominated"],
-            pruned_by_bound=report["pruned"], memory_infeasible=report["infeasible"], evaluated=report["evaluated"],
-            solved=report["solved"], solver_status_counts=dict(self.status_counts),
-            closed_without_solver=report["closed"],
+            candidates_considered=report.considered + sum(rules.counts.values()),
+            removed_by_rule=dict(rules.counts), rule_examples=dict(rules.examples), dominated=report.dominated,
+            pruned_by_bound=report.pruned, memory_infeasible=report.infeasible, evaluated=report.evaluated,
+            solved=report.solved, solver_status_counts=dict(self.status_counts),
+            closed_without_solver=report.closed,
             wall_s=wall, families=fam_out,
         )
         return Plan(model=model, training=training, cluster=profile.name, num_gpus=profile.num_gpus, layout=best.layout,
@@ -808,9 +818,9 @@ class _SearchState:
         why none of it was found."""
         fam_out = []
         ranked_fams = sorted(self.families.items(),
-                             key=lambda kv: (kv[1]["best"] is None, kv[1]["best"].step_s if kv[1]["best"] else 0.0))
+                             key=lambda kv: (kv[1].best is None, kv[1].best.step_s if kv[1].best else 0.0))
         for n, (name, fam) in enumerate(ranked_fams):
-            b = fam["best"]
+            b = fam.best
             if b is not None and b.layout == best.layout:
                 reason = "the chosen plan's structure"
             elif b is not None and n < EXPLAINED_FAMILIES and not self.over_budget():
@@ -819,8 +829,8 @@ class _SearchState:
             elif b is not None:
                 reason = f"slower: its best is {b.step_s / best.step_s - 1:+.1%}"
             else:
-                reason = str(fam["reason"]) or "not reached"
+                reason = str(fam.reason) or "not reached"
             fam_out.append(FamilyOutcome(family=name, best_step_s=b.step_s if b else None,
-                                         slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam["members"],
+                                         slower_by=(b.step_s / best.step_s - 1) if b else None, members=fam.members,
                                          reason=reason))
         return fam_out

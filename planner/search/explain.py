@@ -23,6 +23,29 @@ from planner.search.price import Found
 GIB = 2**30
 
 
+@dataclass
+class Counts:
+    """What happened to the candidates the search considered (the ``SearchReport`` counters)."""
+
+    considered: int = 0  # leaves of the structures listed (rule removals are counted by Rules)
+    dominated: int = 0  # another candidate is as fast with less memory
+    pruned: int = 0  # lower bound no better than the k-th best plan
+    infeasible: int = 0  # shown not to fit
+    evaluated: int = 0  # priced exactly
+    solved: int = 0  # layer split and recompute solved by CP-SAT
+    closed: int = 0  # the default split met the bound: optimal without CP-SAT
+
+
+@dataclass
+class FamilyState:
+    """A structural family (tp, cp, pp, ep, sp) during the search: how many candidates it had, its fastest
+    found, and why it lost when none was found."""
+
+    members: int = 0
+    best: Found | None = None
+    reason: str | NoFitReason = ""
+
+
 @dataclass(frozen=True)
 class LeafLabel:
     """A leaf's name in messages, formatted only when one is shown (most leaves are pruned unnamed)."""
@@ -118,7 +141,7 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
 
 
 def nothing_fits(
-    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: dict
+    model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, shortfall: list, report: Counts
 ) -> AutoparError:
     gap, where = shortfall[:2]
     fixes = ("more GPUs (more pipeline/tensor/ZeRO sharding), optimizer offload, full recompute, "
