@@ -22,8 +22,9 @@ from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
-from planner.contracts.cluster import LINEAR_LAYOUTS, Collective, LinkLevel, link_key, link_points
+from planner.contracts.cluster import LINEAR_LAYOUTS, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
+from planner.cost.comm import ring_factor
 
 log = logging.getLogger("autopar.pages")
 HERE = Path(__file__).parent
@@ -85,15 +86,6 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
 def _text_param(request: Request, name: str) -> str | None:
     raw = (request.query_params.get(name) or "").replace("\x00", "").strip()[:200]
     return raw or None
-
-
-def ring_factor(collective: Collective, n: int) -> float:
-    """Bus-bandwidth factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; else 1."""
-    if collective is Collective.all_reduce:
-        return 2.0 * (n - 1) / n
-    if collective in (Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all):
-        return (n - 1) / n
-    return 1.0
 
 
 def _log_range(lo: float, hi: float, per_octave: int = 2) -> list[float]:

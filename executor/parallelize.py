@@ -132,15 +132,13 @@ class Meshes:
 
 
 def mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Sizes and names of the world mesh, outermost first (TP innermost: neighbouring ranks)."""
-    return ((layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
-            ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    """Sizes and names of the world mesh, outermost first (the layout's ``MESH_ORDER``: TP innermost)."""
+    return layout.mesh_sizes(), layout.MESH_ORDER
 
 
 def expert_mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Sizes and names of the folded expert mesh over the same ranks (etp innermost)."""
-    return ((layout.pp, layout.dp_replicate, layout.expert_dp, layout.ep, layout.expert_tp),
-            ("pp", "dp_replicate", "edp", "ep", "etp"))
+    """Sizes and names of the folded expert mesh over the same ranks (``EXPERT_MESH_ORDER``: etp innermost)."""
+    return layout.mesh_sizes(expert=True), layout.EXPERT_MESH_ORDER
 
 
 def build_mesh(layout: ParallelLayout, world_size: int, device_type: str, *, moe: bool = False) -> Meshes:

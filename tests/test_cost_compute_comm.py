@@ -693,3 +693,25 @@ def test_sdpa_takes_grouped_kv_on_cpus_and_on_cuda_flash_only():
     assert not sdpa_takes_grouped_kv("cuda", False, 9, 128)  # fp32: memory-efficient only
     assert not sdpa_takes_grouped_kv("cuda", True, 7, 128)  # before Ampere: no flash
     assert not sdpa_takes_grouped_kv("cuda", True, 9, 512)  # past flash's head dims
+
+
+def test_the_mesh_order_is_one_fact_the_cost_model_and_the_executor_read():
+    """ParallelLayout.MESH_ORDER (pp, dp_replicate, dp_shard, cp, tp; TP innermost) sets each group's stride
+    by hand here, the cost model's placements (mesh_groups) and the executor's device mesh alike."""
+    from executor.parallelize import expert_mesh_shape, mesh_shape
+    from planner.contracts import ParallelLayout
+    from planner.cost.comm import mesh_groups
+
+    lay = ParallelLayout(pp=2, dp_replicate=3, dp_shard=2, cp=2, tp=4, ep=2, etp=2)
+    assert lay.mesh_strides() == {"tp": 1, "cp": 4, "dp_shard": 8, "dp_replicate": 16, "pp": 48,
+                                  "etp": 1, "ep": 2, "edp": 4}
+    assert lay.expert_dp == 4  # dp_shard x cp x tp = 16 ranks over ep x etp = 4
+    groups = mesh_groups(lay, gpus_per_node=8)
+    # a group with stride s on 8-GPU nodes: min(size, 8 // s) of its ranks share a node (1 once s >= 8)
+    assert (groups["tp"].size, groups["tp"].per_node) == (4, 4)
+    assert (groups["cp"].size, groups["cp"].per_node) == (2, 2)
+    assert (groups["dp_shard"].size, groups["dp_shard"].per_node) == (2, 1)
+    assert (groups["ep"].size, groups["ep"].per_node) == (2, 2)
+    assert (groups["expert_dp"].size, groups["expert_dp"].per_node) == (4, 2)
+    assert mesh_shape(lay) == ((2, 3, 2, 2, 4), ParallelLayout.MESH_ORDER)
+    assert expert_mesh_shape(lay) == ((2, 3, 4, 2, 2), ParallelLayout.EXPERT_MESH_ORDER)

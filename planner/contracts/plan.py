@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -109,6 +109,30 @@ class ParallelLayout(Contract):
                 "give one entry per pipeline stage"
             )
         return self
+
+    MESH_ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    """The world mesh, outermost first: TP innermost (neighbouring ranks, a node's NVLink), then CP, the ZeRO
+    shard group, the replicate group, the pipeline. The cost model places groups by it
+    (:func:`planner.cost.comm.mesh_groups`) and the executor builds its device mesh by it."""
+    EXPERT_MESH_ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "edp", "ep", "etp")
+    """The routed experts' mesh over the same ranks (folded: ``edp x ep x etp = dp_shard x cp x tp``)."""
+
+    def mesh_sizes(self, expert: bool = False) -> tuple[int, ...]:
+        """Sizes of :attr:`MESH_ORDER` (``expert``: of :attr:`EXPERT_MESH_ORDER`)."""
+        if expert:
+            return self.pp, self.dp_replicate, self.expert_dp, self.ep, self.expert_tp
+        return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
+
+    def mesh_strides(self) -> dict[str, int]:
+        """Per mesh dimension (both meshes), the ranks between neighbouring members of its group: the product
+        of the dimensions inside it."""
+        out: dict[str, int] = {}
+        for order, sizes in ((self.MESH_ORDER, self.mesh_sizes()), (self.EXPERT_MESH_ORDER, self.mesh_sizes(True))):
+            stride = 1
+            for name, size in zip(reversed(order), reversed(sizes)):
+                out.setdefault(name, stride)
+                stride *= size
+        return out
 
     @property
     def dp(self) -> int:

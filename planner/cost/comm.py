@@ -48,20 +48,20 @@ def placement(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
 
 
 def mesh_groups(layout: ParallelLayout, gpus_per_node: int) -> dict[str, GroupPlacement]:
-    """Placement of every parallel dimension's group under the fixed mesh order (experts: ``etp``,
-    ``ep`` and ``expert_dp`` as folded over the ``dp_shard × cp × tp`` ranks)."""
-    tp, cp, dps, dpr = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
-    etp = layout.expert_tp
+    """Placement of every parallel dimension's group under the layout's mesh order
+    (:attr:`~planner.contracts.ParallelLayout.MESH_ORDER`; experts: ``etp``, ``ep`` and ``expert_dp`` as
+    folded over the ``dp_shard × cp × tp`` ranks, :attr:`~planner.contracts.ParallelLayout.EXPERT_MESH_ORDER`)."""
+    stride = layout.mesh_strides().__getitem__
     return {
-        "tp": placement(tp, 1, gpus_per_node),
-        "cp": placement(cp, tp, gpus_per_node),
-        "ep": placement(layout.ep, etp, gpus_per_node),
-        "etp": placement(etp, 1, gpus_per_node),
-        "expert_dp": placement(layout.expert_dp, layout.ep * etp, gpus_per_node),
-        "dp_shard": placement(dps, tp * cp, gpus_per_node),
-        "dp_replicate": placement(dpr, tp * cp * dps, gpus_per_node),
-        "dp": placement(dps * dpr, tp * cp, gpus_per_node),
-        "pp": placement(layout.pp, tp * cp * dps * dpr, gpus_per_node),
+        "tp": placement(layout.tp, stride("tp"), gpus_per_node),
+        "cp": placement(layout.cp, stride("cp"), gpus_per_node),
+        "ep": placement(layout.ep, stride("ep"), gpus_per_node),
+        "etp": placement(layout.expert_tp, stride("etp"), gpus_per_node),
+        "expert_dp": placement(layout.expert_dp, stride("edp"), gpus_per_node),
+        "dp_shard": placement(layout.dp_shard, stride("dp_shard"), gpus_per_node),
+        "dp_replicate": placement(layout.dp_replicate, stride("dp_replicate"), gpus_per_node),
+        "dp": placement(layout.dp, stride("dp_shard"), gpus_per_node),
+        "pp": placement(layout.pp, stride("pp"), gpus_per_node),
     }
 
 
