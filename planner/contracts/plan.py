@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from enum import Enum
+from types import MappingProxyType
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -123,16 +126,10 @@ class ParallelLayout(Contract):
             return self.pp, self.dp_replicate, self.expert_dp, self.ep, self.expert_tp
         return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
 
-    def mesh_strides(self) -> dict[str, int]:
+    def mesh_strides(self) -> Mapping[str, int]:
         """Per mesh dimension (both meshes), the ranks between neighbouring members of its group: the product
-        of the dimensions inside it."""
-        out: dict[str, int] = {}
-        for order, sizes in ((self.MESH_ORDER, self.mesh_sizes()), (self.EXPERT_MESH_ORDER, self.mesh_sizes(True))):
-            stride = 1
-            for name, size in zip(reversed(order), reversed(sizes)):
-                out.setdefault(name, stride)
-                stride *= size
-        return out
+        of the dimensions inside it (read-only; memoised by the sizes, as the search asks per candidate)."""
+        return _mesh_strides(self.mesh_sizes(), self.mesh_sizes(True))
 
     @property
     def dp(self) -> int:
@@ -312,3 +309,15 @@ class Plan(Contract):
         "'OPTIMAL (bound)' when the default split met the lower bound; None for a layout given by hand",
     )
     search: SearchReport | None = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_strides(sizes: tuple[int, ...], expert_sizes: tuple[int, ...]) -> Mapping[str, int]:
+    out: dict[str, int] = {}
+    orders = ((ParallelLayout.MESH_ORDER, sizes), (ParallelLayout.EXPERT_MESH_ORDER, expert_sizes))
+    for order, dims in orders:
+        stride = 1
+        for name, size in zip(reversed(order), reversed(dims)):
+            out.setdefault(name, stride)  # pp and dp_replicate: the world mesh's (the same ranks inside)
+            stride *= size
+    return MappingProxyType(out)
