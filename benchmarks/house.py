@@ -7,6 +7,8 @@
 - ``README.md`` at most 15 KB, a user's manual.
 - No link in ``README.md`` or ``docs/`` leaves the repository (relative links resolve inside it; no file
   paths outside it).
+- No internal issue numbers ("issue 23") in ``README.md`` or ``docs/`` (an upstream project's "issue #175" is a
+  citation, not a session log).
 - ``ruff check .`` clean with the project's own rules (``pyproject.toml``), as ``.ci/run`` runs it.
 ``benchmarks/fingerprint.py`` is the check that a refactor changed no plan, export or validation.
 """
@@ -24,6 +26,7 @@ PACKAGES = ("planner", "api", "executor", "profiler")
 MAX_FUNCTION_LINES = 120
 MAX_README_BYTES = 15 * 1024
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
+_ISSUE = re.compile(r"\bissue \d+", re.I)
 
 
 def function_lengths() -> list[tuple[int, str]]:
@@ -50,6 +53,12 @@ def links_leaving_the_repo() -> list[str]:
     return bad
 
 
+def issue_numbers() -> list[str]:
+    """Lines of README.md and docs/ that name an internal issue number."""
+    return [f"{doc.relative_to(REPO)}:{n}" for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+            for n, line in enumerate(doc.read_text().splitlines(), 1) if _ISSUE.search(line)]
+
+
 def main() -> int:
     failures = 0
 
@@ -66,6 +75,9 @@ def main() -> int:
     judge(size <= MAX_README_BYTES, f"README.md {size / 1024:.1f} KB (at most {MAX_README_BYTES // 1024} KB)")
     bad = links_leaving_the_repo()
     judge(not bad, f"links leaving the repository: {len(bad)}" + "".join(f"\n      {b}" for b in bad))
+    issues = issue_numbers()
+    judge(not issues, f"internal issue numbers in README.md and docs/: {len(issues)}" + "".join(
+        f"\n      {i}" for i in issues))
     ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "."], cwd=REPO, capture_output=True,
                           text=True, check=False)
     judge(ruff.returncode == 0, "ruff check . clean" if ruff.returncode == 0

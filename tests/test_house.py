@@ -24,9 +24,12 @@ def test_the_function_lengths_are_measured():
 def test_the_readme_is_short_and_no_link_leaves_the_repository(tmp_path, monkeypatch):
     assert (house.REPO / "README.md").stat().st_size <= house.MAX_README_BYTES
     assert house.links_leaving_the_repo() == []
+    assert house.issue_numbers() == []
     fake = tmp_path / "repo"
     (fake / "docs").mkdir(parents=True)
     (fake / "README.md").write_text("[ok](docs/a.md) [web](https://pytorch.org) [out](../shared/DESIGN.md)\n")
     (fake / "docs" / "a.md").write_text("[up](../README.md) [out](../../elsewhere.md)\n")
     monkeypatch.setattr(house, "REPO", fake)
     assert house.links_leaving_the_repo() == ["README.md: ../shared/DESIGN.md", "docs/a.md: ../../elsewhere.md"]
+    (fake / "docs" / "b.md").write_text("fine: NCCL issue #812\nsince issue 23 the rows...\n")
+    assert house.issue_numbers() == ["docs/b.md:2"]
