@@ -286,8 +286,3 @@ def allocator_budget_bytes(capacity_bytes: float, a: Assumptions, layout: Parall
     iff its allocated peak is at most this (the search compares allocations against it)."""
     fixed = sum(fixed_terms(a, layout).values())
     return (usable_bytes(capacity_bytes, a) - fixed) / (1.0 + fragmentation_share(a, layout.zero_stage))
-
-
-def peak_total_bytes(allocated: float, a: Assumptions, layout: ParallelLayout) -> float:
-    """Device memory in use at a peak of ``allocated`` bytes: fixed terms plus the allocator's reserve."""
-    return sum(fixed_terms(a, layout).values()) + allocated * (1.0 + fragmentation_share(a, layout.zero_stage))
