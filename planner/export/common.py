@@ -155,9 +155,9 @@ def run_lines(a: Command, *, log_throughput: bool) -> None:
     a.raw('"$@"')
 
 
-def recompute_flags(plan: Plan, a: Command) -> None:
-    """Megatron-LM's recompute flags, which Megatron-DeepSpeed shares: selective, or full of every layer
-    (``uniform``) or of the first ``block`` layers of each stage or model chunk."""
+def recompute_flags(plan: Plan, a: Command) -> list[str]:
+    """Megatron-LM's recompute flags, which Megatron-DeepSpeed shares (a section of both exporters; no notes):
+    selective, or full of every layer (``uniform``) or of the first ``block`` layers of each stage or chunk."""
     recompute = recompute_setting(plan)
     if recompute.kind == "selective":
         a.add("--recompute-granularity", "selective")
@@ -165,3 +165,4 @@ def recompute_flags(plan: Plan, a: Command) -> None:
         a.add("--recompute-granularity", "full")
         a.add("--recompute-method", "uniform" if recompute.block is None else "block")
         a.add("--recompute-num-layers", 1 if recompute.block is None else recompute.block)
+    return []

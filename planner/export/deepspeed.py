@@ -27,7 +27,7 @@ def render(plan: Plan) -> dict[str, str]:
     returns the version notes of the flags it added, in flag order."""
     a = Command("pretrain_gpt.py")
     vnotes: list[str] = []  # flags that older Megatron-DeepSpeed releases do not have
-    for section in (_ds_model, _ds_moe, _ds_batch_precision, _ds_parallel, _ds_recompute):
+    for section in (_ds_model, _ds_moe, _ds_batch_precision, _ds_parallel, recompute_flags):
         vnotes += section(plan, a)
     a.add("--deepspeed")
     a.raw('--deepspeed_config "${DS_CONFIG:-ds_config.json}"')
@@ -193,12 +193,6 @@ def _ds_parallel(plan: Plan, a: Command) -> list[str]:
         )
     a.add("--zero-stage", lay.zero_stage)
     return vnotes
-
-
-def _ds_recompute(plan: Plan, a: Command) -> list[str]:
-    """Megatron-DeepSpeed takes Megatron-LM's recompute flags (per stage: ``block`` layers of each)."""
-    recompute_flags(plan, a)
-    return []
 
 
 def _ds_env(plan: Plan) -> list[str]:

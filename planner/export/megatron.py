@@ -24,7 +24,7 @@ def render(plan: Plan) -> dict[str, str]:
     a = Command("pretrain_gpt.py")
     vnotes: list[str] = []  # flags that older Megatron-LM releases do not have
     for section in (_megatron_model, _megatron_moe, _megatron_batch_precision, _megatron_tp_cp_ep,
-                    _megatron_pipeline, _megatron_data_parallel, _megatron_recompute):
+                    _megatron_pipeline, _megatron_data_parallel, recompute_flags):
         vnotes += section(plan, a)
     run_lines(a, log_throughput=True)
     cmd = torchrun(plan, '"${MEGATRON_LM_DIR:-.}/pretrain_gpt.py"')
@@ -242,12 +242,6 @@ def _megatron_data_parallel(plan: Plan, a: Command) -> list[str]:
             "precision-aware optimizer."
         )
     return vnotes
-
-
-def _megatron_recompute(plan: Plan, a: Command) -> list[str]:
-    """The recompute flags (``block``: the first layers of each model chunk)."""
-    recompute_flags(plan, a)
-    return []
 
 
 def _megatron_env(plan: Plan) -> list[str]:
