@@ -166,3 +166,17 @@ def recompute_flags(plan: Plan, a: Command) -> list[str]:
         a.add("--recompute-method", "uniform" if recompute.block is None else "block")
         a.add("--recompute-num-layers", 1 if recompute.block is None else recompute.block)
     return []
+
+
+def block_flags(plan: Plan, a: Command) -> None:
+    """The block's flags Megatron-LM and Megatron-DeepSpeed name alike (both parse Megatron-LM's arguments):
+    SwiGLU, biases, untied embeddings, dropout."""
+    m = plan.model
+    if m.ffn_kind == "swiglu":
+        a.add("--swiglu")
+    if not m.linear_bias:
+        a.add("--disable-bias-linear")
+    if not m.tied_embeddings:
+        a.add("--untie-embeddings-and-output-weights")
+    a.add("--attention-dropout", m.dropout)
+    a.add("--hidden-dropout", m.dropout)

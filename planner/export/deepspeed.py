@@ -12,6 +12,7 @@ from planner.contracts import Plan, Precision, Schedule
 from planner.export.common import (
     Command,
     bash_script,
+    block_flags,
     header,
     launch_shape,
     max_positions,
@@ -128,14 +129,7 @@ def _ds_model(plan: Plan, a: Command) -> list[str]:
     if m.position_embedding == "rope":
         a.add("--use-rotary-position-embeddings")
     a.add("--normalization", m.norm)
-    if m.ffn_kind == "swiglu":
-        a.add("--swiglu")
-    if not m.linear_bias:
-        a.add("--disable-bias-linear")
-    if not m.tied_embeddings:
-        a.add("--untie-embeddings-and-output-weights")
-    a.add("--attention-dropout", m.dropout)
-    a.add("--hidden-dropout", m.dropout)
+    block_flags(plan, a)
     if t.flash_attention:
         a.add("--use-flash-attn-v2")
     return []

@@ -8,6 +8,7 @@ from planner.contracts import Plan, Precision
 from planner.export.common import (
     Command,
     bash_script,
+    block_flags,
     launch_shape,
     layer_counts,
     max_positions,
@@ -62,14 +63,7 @@ def _megatron_model(plan: Plan, a: Command) -> list[str]:
     a.add("--max-position-embeddings", max_positions(plan))
     a.add("--position-embedding-type", "rope" if m.position_embedding == "rope" else "learned_absolute")
     a.add("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm")
-    if m.ffn_kind == "swiglu":
-        a.add("--swiglu")
-    if not m.linear_bias:
-        a.add("--disable-bias-linear")
-    if not m.tied_embeddings:
-        a.add("--untie-embeddings-and-output-weights")
-    a.add("--attention-dropout", m.dropout)
-    a.add("--hidden-dropout", m.dropout)
+    block_flags(plan, a)
     if not t.flash_attention:
         a.add("--attention-backend", "unfused")
         vnotes.append(
