@@ -24,14 +24,6 @@ from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
 from planner.contracts.cluster import TimedPoint, link_key, link_points
 from planner.cost.comm import GroupPlacement, collective_time_s, link_segments, pick_segment, ring_factor
 
-COLLECTIVES = (Collective.all_reduce, Collective.all_gather, Collective.reduce_scatter, Collective.all_to_all,
-               Collective.p2p)
-KIB, MIB = 1024, 1024 * 1024
-DEFAULT_MIN_BYTES = 4 * KIB
-DEFAULT_MAX_BYTES = 256 * MIB
-QUICK_MAX_BYTES = 16 * MIB
-HOST_MIN_MAX_BYTES = 64 * MIB  # host<->device copies are measured to this size at least
-
 
 @dataclass
 class Fit:
