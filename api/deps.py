@@ -27,11 +27,12 @@ def stored_utc(dt: datetime | None, db: Database) -> datetime | None:
     return dt.replace(tzinfo=None) if db.dialect == "sqlite" else dt
 
 
-def _db(request: Request) -> Database:
+def request_db(request: Request) -> Database:
+    """The database of the app serving ``request`` (routes and pages alike)."""
     return request.app.state.db
 
 
-DB = Annotated[Database, Depends(_db)]
+DB = Annotated[Database, Depends(request_db)]
 Limit = Annotated[int, Query(ge=1, le=500, description="page size")]
 Offset = Annotated[int, Query(ge=0, le=10**9, description="rows to skip")]
 NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL characters

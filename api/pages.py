@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from api import charts, store
 from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
+from api.deps import request_db
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
@@ -40,10 +41,6 @@ LEVELS = (LinkLevel.intra_node, LinkLevel.inter_node, LinkLevel.host_device)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-def _db(request: Request):  # noqa: ANN202
-    return request.app.state.db
-
 
 def _page(request: Request, _template: str, _status: int = 200, **context: Any) -> HTMLResponse:
     return templates.TemplateResponse(request, _template, context, status_code=_status)
@@ -73,7 +70,7 @@ def _stored(request: Request, raw: str, getter):  # noqa: ANN001, ANN202
     if key is None:
         return None
     try:
-        return getter(_db(request), key)
+        return getter(request_db(request), key)
     except store.NotFound:
         return None
 
@@ -107,7 +104,7 @@ def static(name: str) -> Response:
 
 @router.get("/", response_class=HTMLResponse)
 def index(request: Request) -> HTMLResponse:
-    db = _db(request)
+    db = request_db(request)
     gpu = _text_param(request, "gpu")
     kind = _text_param(request, "kind")
     kind = kind if kind in ("measured", "reference") else None
@@ -281,7 +278,7 @@ def profile_page(request: Request, profile_id: str) -> HTMLResponse:
     if found is None:
         return _not_found(request, "profile", profile_id)
     row, cluster = found
-    db = _db(request)
+    db = request_db(request)
     history = store.cluster_history(db, name=cluster.name)
     problem, links, compute = None, [], []
     try:
@@ -306,7 +303,7 @@ def profile_page(request: Request, profile_id: str) -> HTMLResponse:
 
 @router.get("/plans", response_class=HTMLResponse)
 def plans_page(request: Request) -> HTMLResponse:
-    db = _db(request)
+    db = request_db(request)
     model = _text_param(request, "model")
     status = _text_param(request, "status")
     status = status if status in ("ok", "infeasible") else None
@@ -399,7 +396,7 @@ def plan_page(request: Request, plan_id: str) -> HTMLResponse:
         except Exception:  # noqa: BLE001 - a chart must never take the page down
             log.exception("charts of plan %s", row.id)
             problem = "some charts could not be drawn from this plan (the server log has the details)"
-    runs, run_total = store.list_runs(_db(request), plan_id=row.id, limit=20)
+    runs, run_total = store.list_runs(request_db(request), plan_id=row.id, limit=20)
     return _page(request, "plan.html", title=f"Plan {row.id}", row=row, cluster=cluster, plan=plan,
                  explanation=row.explanation, request_body=row.request or {}, charts=view, timeline=timeline,
                  problem=problem, runs=runs, run_total=run_total,
@@ -424,7 +421,7 @@ def runs_chart(rows: list) -> Any:
 
 @router.get("/runs", response_class=HTMLResponse)
 def runs_page(request: Request) -> HTMLResponse:
-    db = _db(request)
+    db = request_db(request)
     limit = 100
     offset = _int_param(request, "offset", 0, 0, 10**9)
     rows, total = store.list_runs(db, limit=limit, offset=offset)

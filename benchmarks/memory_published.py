@@ -190,7 +190,8 @@ def layout_of(row: dict[str, str]) -> ParallelLayout:
         micro_batch_size=_int(row, "micro_batch_size"),
         schedule=_cell(row, "schedule"), virtual_stages=_int(row, "virtual_stages"),
         layers_per_stage=[int(x) for x in lps.split(",")] if lps else None, **recompute_of(row, pp),
-        compile=row.get("compile", "").strip().lower() == "true",  # model and loss compiled (the loss: 4 B/logit)
+        # model and loss compiled (the loss: 4 B/logit); a blank cell is not compiled, a typo is an error
+        compile=_bool(row, "compile") if row.get("compile", "").strip() else False,
     )
 
 

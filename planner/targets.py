@@ -72,6 +72,7 @@ __all__ = [
     "recompute_text",
     "refusal",
     "stage_layers",
+    "titan_compiled",
     "target_facts",
     "uniform_recompute",
 ]
@@ -538,8 +539,14 @@ _DEEPSPEED_FACTS = TargetFacts(
 )
 
 
+def titan_compiled(lay: ParallelLayout) -> bool:
+    """torchtitan runs the layout compiled (model and loss): asked for (``compile``), or for async TP, which
+    torchtitan only runs compiled. The loss's bytes and the export's ``--compile`` flags both follow it."""
+    return lay.compile or (lay.tp_comm_overlap and lay.tp > 1)
+
+
 def _titan_loss(lay: ParallelLayout) -> float:
-    if lay.compile or (lay.tp_comm_overlap and lay.tp > 1):  # the export compiles model and loss (async TP too)
+    if titan_compiled(lay):
         return 4.0
     return (16.0 if lay.tp > 1 else 12.0) + (2.0 if lay.pp > 1 else 0.0)
 

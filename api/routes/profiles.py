@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
@@ -36,8 +36,7 @@ def upload_profile(profile: ClusterProfile, db: DB, response: Response) -> Profi
     for field, value in (("name", profile.name), ("device.name", profile.device.name)):
         if "\x00" in value:
             raise AutoparError(field, value, "remove the NUL character", problem="contains a NUL character")
-    if profile.created_at.tzinfo is None:
-        profile.created_at = profile.created_at.replace(tzinfo=UTC)
+    profile.created_at = aware(profile.created_at)
     uploaded = store.upload_profile(db, profile=profile)
     if not uploaded.created:
         response.status_code = 200

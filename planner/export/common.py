@@ -9,7 +9,9 @@ import re
 from planner.contracts import Plan
 from planner.targets import (
     GPUS_PER_NODE,
+    TARGETS,
     RecomputeSetting,
+    Target,
     recompute_text,
     stage_layers,
     uniform_recompute,
@@ -18,7 +20,7 @@ from planner.targets import (
 NAMES = {
     "megatron": "Megatron-LM",
     "deepspeed": "DeepSpeed (Megatron-DeepSpeed)",
-    "torchtitan": "torchtitan 0.3.0",
+    "torchtitan": TARGETS[Target.torchtitan].framework,
 }
 
 

@@ -14,7 +14,10 @@ from planner.export.common import (
     torchrun,
 )
 from planner.targets import (
+    TARGETS,
+    Target,
     every_nth_recompute,
+    titan_compiled,
     uniform_recompute,
 )
 
@@ -32,7 +35,7 @@ _TORCHTITAN_CONFIGS = {
         "deepseek_v3_671b",
     ),
 }
-TORCHTITAN_RELEASE = "torchtitan 0.3.0"
+TORCHTITAN_RELEASE = TARGETS[Target.torchtitan].framework  # the release its table was checked against
 
 
 def render(plan: Plan) -> dict[str, str]:
@@ -142,7 +145,7 @@ def _titan_compile(lay: ParallelLayout) -> list[tuple[str, ...]]:
     """torch.compile of model and loss as the plan was priced (``ParallelLayout.compile``; async TP only runs
     compiled), and off otherwise: registry entries may turn it on (llama3_405b), which the plan did not price."""
     async_tp = lay.tp_comm_overlap and lay.tp > 1
-    if not (lay.compile or async_tp):
+    if not titan_compiled(lay):
         return [("--compile.no-enable",), ("--compile.no-enable_async_tensor_parallel",)]
     return [("--compile.enable",), ("--compile.components", "model,loss"),
             ("--compile.enable_async_tensor_parallel",) if async_tp else ("--compile.no-enable_async_tensor_parallel",)]

@@ -107,7 +107,6 @@ from planner.search.stages import (
     state_bytes_per_param_split,
 )
 
-GIB = 2**30
 # structures priced first, on one plain leaf each, to start the bound
 SEED_STRUCTURES = 48
 # structures whose best plan is priced in full to say why it lost

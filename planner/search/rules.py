@@ -44,7 +44,7 @@ class Rules:
         self._rule_of: dict[str, Rule] = {}
 
     def remove(self, rule: Rule, example: str, count: int = 1, **values: object) -> None:
-        key = rule.value.format(**values) if values else rule.value
+        key = rule.message(**values)
         if key not in self._rule_of:
             self._rule_of[key], self.examples[key] = rule, example
         self.counts[key] += count
