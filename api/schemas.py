@@ -113,7 +113,7 @@ class PlanOptions(Strict):
                           "then keeps 4 B per logit)")
     target: Target = Field(Target(SEARCH.target), description="what will run the plan: autopar (the executor), "
                            "megatron, deepspeed or torchtitan; the search returns only what it runs "
-                           "(planner/targets.py)")
+                           "(planner/targets/)")
     robust: bool = Field(SEARCH.robust, description="rank plans by the slow end of their 80% step-time interval")
     time_budget_s: float | None = Field(
         None, gt=0, le=MAX_TIME_BUDGET_S, strict=True,

@@ -14,8 +14,8 @@ Needs a Megatron-LM checkout and this repository's .venv (torch); no network. Me
     .venv/bin/python benchmarks/megatron_flags.py --megatron Megatron-LM --tag core_v0.19.0 \\
         [--commit SHA] [--out tests/data/megatron_core_v0.19.0_flags.json]
 
-The test tests/test_export_megatron_flags.py checks every flag planner/export/megatron.py writes against the file
-named by the release in planner/targets.py.
+The test tests/test_export_megatron_flags.py checks every flag planner/targets/megatron.py writes against the file
+named by the release in its SPEC (planner/targets/megatron.py).
 """
 
 from __future__ import annotations

@@ -354,7 +354,7 @@ def predict(
                                                 "the loss then keeps 4 B per logit)")] = False,
     target: Annotated[str, typer.Option(help="what will run it: autopar (our executor), megatron, deepspeed or "
                                         "torchtitan; prices its loss memory, model states and pipeline sends "
-                                        "(planner/targets.py)")] = "autopar",
+                                        "(planner/targets/)")] = "autopar",
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan (layout + prediction) as JSON")] = False,
 ) -> None:
     """Predict step time, throughput, MFU, memory and communication of one given layout."""
@@ -430,7 +430,7 @@ def plan(
         help="seconds after which the search stops and returns its best")] = SEARCH.time_budget_s,
     target: Annotated[str, typer.Option(
         help="what will run the plan: autopar (our executor), megatron, deepspeed or "
-        "torchtitan; the search returns only what it runs (planner/targets.py)")] = SEARCH.target,
+        "torchtitan; the search returns only what it runs (planner/targets/)")] = SEARCH.target,
     robust: Annotated[bool, typer.Option(
         help="rank plans by the slow end of their step-time interval")] = SEARCH.robust,
     memory_headroom: Annotated[float | None, typer.Option(min=0.0, max=0.9, help="share of each GPU's memory kept "

@@ -1,4 +1,4 @@
-"""Every flag planner/export/megatron.py writes for Megatron-LM exists in the release planner/targets.py names.
+"""Every flag planner/targets/megatron.py writes for Megatron-LM exists in the release its SPEC names.
 
 The release's options (names, how many values each takes, the accepted values of enumerated options) are
 facts read from Megatron-LM's own parser at that tag by benchmarks/megatron_flags.py and stored in
@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 from test_export import make_plan, run_script
 
-from planner import export
 from planner.contracts import ModelSpec, MoESpec, Precision, StageRecompute
 from planner.export import export_plan
-from planner.targets import TARGETS, Target
+from planner.targets import TARGETS, Target, launch, megatron
 
 DATA = Path(__file__).parent / "data"
 
@@ -211,8 +210,8 @@ def test_every_flag_is_in_the_release(name, exported):
 
 def test_the_cases_write_every_flag_the_megatron_exporter_can_write(exported):
     """A flag added to the exporter without a plan here that writes it fails this test."""
-    source = (inspect.getsource(export.megatron) + inspect.getsource(export.common.run_lines)
-              + inspect.getsource(export.common.recompute_flags) + inspect.getsource(export.common.block_flags))
+    source = (inspect.getsource(megatron) + inspect.getsource(launch.run_lines)
+              + inspect.getsource(launch.recompute_flags) + inspect.getsource(launch.block_flags))
     written = set(re.findall(r"\.(?:add|raw)\(\s*[\"'](--[a-z0-9-]+)", source))
     seen = {w for argv in exported.values() for w in argv if w.startswith("--")}
     assert written and written - seen == set(), "add a case to CASES that writes these"

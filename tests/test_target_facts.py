@@ -1,4 +1,4 @@
-"""planner/targets.py TargetFacts: what each target does that the cost model prices by target.
+"""planner/targets/ TargetFacts: what each target does that the cost model prices by target.
 
 The loss term by hand (bytes per logit x tokens x vocab / tp) for every target; the pipeline sends by
 hand for every target with and without sequence parallelism, and the rows that refuse any other
@@ -43,7 +43,7 @@ from planner.targets import (
 ROOT = Path(__file__).resolve().parents[1]
 L, H, V, SEQ = 8, 1024, 32000, 1024
 TARGET_NAMES = [t.value for t in Target]
-# bytes per logit, read off the frameworks' sources (planner/targets.py names them); None: the profile's own
+# bytes per logit, read off the frameworks' sources (planner/targets/ names them); None: the profile's own
 LOSS = {"autopar": None, "megatron": 6.0, "deepspeed": 10.0, "torchtitan": 12.0}
 SENDS_ROW = "activation sends between pipeline stages"
 

@@ -1,4 +1,4 @@
-"""planner/targets.py: every row of every capability table fires on a job built to hit it (first in its
+"""planner/targets/: every row of every capability table fires on a job built to hit it (first in its
 table) and not on a neighbouring job; split rows fire only on split fields; exports to a target other
 than the plan's name the blocking feature; the executor refuses with the ``autopar`` table's own rows."""
 

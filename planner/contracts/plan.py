@@ -299,7 +299,7 @@ class Plan(Contract):
     target: str = Field(
         "autopar",
         description="what the plan was made to run on: autopar (the executor), "
-        "megatron, deepspeed or torchtitan (planner/targets.py)",
+        "megatron, deepspeed or torchtitan (planner/targets/)",
     )
     prediction: Prediction
     alternatives: list[Alternative] = Field(default_factory=list)

@@ -9,6 +9,10 @@
 - ``torchtitan``: ``torchtitan_train.sh``, ``torchrun -m torchtitan.train`` with a torchtitan 0.3.0 config
   registry entry (``--module``/``--config``) and ``--section.key`` overrides.
 
+Each target's writer is its ``TargetSpec.render``, in the target's own module beside its capability table
+(``planner/targets/megatron.py``, ``deepspeed.py``, ``torchtitan.py``; what they share is
+``planner/targets/launch.py``); this package checks the plan and dispatches.
+
 Every layout field a target can express is written out. What a target cannot express is a row of its
 capability table (:mod:`planner.targets`, read before anything is rendered): the export raises
 :class:`~planner.errors.AutoparError` naming the field, its value and what to change, so an export
@@ -29,8 +33,8 @@ from __future__ import annotations
 from planner.contracts import Plan
 from planner.cost.checks import check_plan
 from planner.errors import UnknownNameError
-from planner.export import deepspeed, megatron, torchtitan
 from planner.targets import GPUS_PER_NODE, Target, job_of, refusal
+from planner.targets import TARGETS as SPECS
 
 TARGETS = ("megatron", "deepspeed", "torchtitan")
 
@@ -57,7 +61,9 @@ def export_plan(plan: Plan, target: str) -> dict[str, str]:
     err = refusal(aliases[key], job_of(plan))
     if err is not None:
         raise err.for_plan_made_for(planned)
-    return _EXPORTERS[aliases[key]](plan)
+    render = SPECS[Target(aliases[key])].render
+    assert render is not None  # every export target's SPEC has its writer
+    return render(plan)
 
 
 def _planned_for(plan: Plan) -> Target:
@@ -66,5 +72,3 @@ def _planned_for(plan: Plan) -> Target:
     except ValueError:
         raise UnknownNameError("plan.target", plan.target, [t.value for t in Target]) from None
 
-
-_EXPORTERS = {"megatron": megatron.render, "deepspeed": deepspeed.render, "torchtitan": torchtitan.render}

@@ -25,7 +25,7 @@ def brute_force_stages(
     sm: StageModel, target: str | None = None
 ) -> tuple[float, list[int], list[tuple[Recompute, int]]] | None:
     """(step seconds, chunks, per-rank recompute) of the fastest split that fits, or None; with a ``target``,
-    of those its capability table accepts (planner/targets.py)."""
+    of those its capability table accepts (planner/targets/)."""
     best: tuple[float, list[int], list[tuple[Recompute, int]]] | None = None
     for chunks in compositions(sm.model.num_layers, sm.p * sm.v):
         per_rank: list[list[tuple[StageTerms, tuple[Recompute, int]]]] = []

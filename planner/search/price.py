@@ -68,7 +68,7 @@ class Found:
 
 def target_refusal(model: ModelSpec, training: TrainingConfig, target: str, layout: ParallelLayout,
                    micro_batches: int, scopes: tuple[str, ...] = targets.SCOPES) -> targets.TargetRefusal | None:
-    """The first row of ``target``'s capability table (planner/targets.py) that refuses this layout."""
+    """The first row of ``target``'s capability table (planner/targets/) that refuses this layout."""
     return targets.refusal(target, targets.Job(model, training, layout, micro_batches=micro_batches), scopes)
 
 

@@ -1,11 +1,14 @@
-"""Megatron-LM: ``megatron_args.sh``, a bash script that runs ``pretrain_gpt.py`` under ``torchrun`` with one
+"""The ``megatron`` target: Megatron-LM (Megatron-Core core_v0.19.0). Its pricing facts, its capability table
+and its launch file: ``megatron_args.sh``, a bash script that runs ``pretrain_gpt.py`` under ``torchrun`` with one
 argument per line. Flags checked against NVIDIA/Megatron-LM ``megatron/training/arguments.py`` and
-``megatron/core/transformer/pipeline_parallel_layer_layout.py`` (the release :mod:`planner.targets` names)."""
+``megatron/core/transformer/pipeline_parallel_layer_layout.py`` (the release :data:`SPEC` names). Never imports
+torch."""
 
 from __future__ import annotations
 
-from planner.contracts import Plan, Precision
-from planner.export.common import (
+from planner.contracts import Plan, Precision, Schedule
+from planner.targets.core import Limit, Target, TargetFacts, TargetSpec
+from planner.targets.launch import (
     Command,
     bash_script,
     block_flags,
@@ -17,8 +20,161 @@ from planner.export.common import (
     run_lines,
     torchrun,
 )
+from planner.targets.rows import (
+    _WHOLE_NODES,
+    _kv_heads,
+    _master_weights,
+    _no_compile,
+    _one_recompute_fails,
+    _pp,
+    _pp_sends,
+    _recompute_value,
+    _sends_as_sp,
+)
+
+_MEGATRON_FACTS = TargetFacts(
+    loss=lambda lay: 6.0,
+    loss_source="Megatron-Core core_v0.19.0 megatron/core/tensor_parallel/cross_entropy.py (the default; "
+    "--cross-entropy-loss-fusion's native path, megatron/core/fusions/fused_cross_entropy.py, holds the same, "
+    "and arguments.py refuses the Transformer Engine one): the 16-bit logits (2) are cast once to fp32 (4), "
+    "the max subtracted, exponentiated and normalised in place, that softmax saved and made the gradient in "
+    "place, then cast to 16 bits (2): 6 in the forward and in the backward",
+    pp_sends=_sends_as_sp,
+    pp_source="core_v0.19.0 megatron/core/pipeline_parallel/schedules.py get_tensor_shapes divides the sent "
+    "sequence by tp only with --sequence-parallel; the scatter-gather of whole activations was removed in "
+    "core_v0.18.0 (NVIDIA/Megatron-LM 10e7b74597)",
+    master_in_param=False,
+    states_source="16-bit parameters beside fp32 main parameters and Adam states sharded by the distributed "
+    "optimizer (megatron/core/optimizer/distrib_optimizer.py); Megatron-FSDP shards a 16-bit model-weight "
+    "buffer and an fp32 main-weight buffer (megatron_fsdp/param_and_grad_buffer.py): the Rajbhandari et al. "
+    "counts",
+    fp8_source="Transformer Engine (Megatron-Core's TE layers, --fp8-format): Linear and LayerNormLinear save the "
+    "FP8-cast input for the weight gradient (transformer_engine/pytorch/module/linear.py, layernorm_linear.py)"
+)
 
 
+# ============================================================================================
+# Megatron-LM: NVIDIA/Megatron-LM core_v0.19.0, megatron/training/arguments.py,
+# megatron/core/transformer/transformer_config.py, megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
+# ============================================================================================
+_MEGATRON = (
+    _no_compile("Megatron-LM", "has no torch.compile of the model (its fusions are Transformer Engine's kernels)"),
+    _kv_heads("Megatron-LM"),
+    _master_weights("Megatron-LM"),
+    Limit(
+        feature="ALiBi position embeddings",
+        scope="model",
+        refuses=lambda j: j.model.position_embedding == "alibi",
+        field="position_embedding",
+        value=lambda j: "alibi",
+        problem="is not offered by Megatron-LM (--position-embedding-type: learned_absolute, rope, mrope, "
+        "relative, none)",
+        fix="use --to torchtitan with a model that has ALiBi, or a rope/learned model",
+    ),
+    Limit(
+        feature="GPipe schedule",
+        scope="layout",
+        refuses=lambda j: _pp(j) and j.layout.schedule is Schedule.gpipe,
+        field="schedule",
+        value=lambda j: "gpipe",
+        problem="is not a Megatron-LM pipeline schedule (it runs 1F1B, or interleaved 1F1B with virtual "
+        "stages)",
+        fix="plan with schedule='1f1b' (same bubble, less memory), or use --to torchtitan",
+    ),
+    Limit(
+        feature="zero-bubble schedule",
+        scope="layout",
+        refuses=lambda j: _pp(j) and j.layout.schedule is Schedule.zero_bubble,
+        field="schedule",
+        value=lambda j: "zero_bubble",
+        problem="is not in Megatron-LM (zero-bubble schedules live in forks such as "
+        "sail-sg/zero-bubble-pipeline-parallelism)",
+        fix="plan with schedule='1f1b' or 'interleaved_1f1b', or use --to deepspeed (Megatron-DeepSpeed "
+        "--enable-zbh1-pipeline)",
+    ),
+    Limit(
+        feature="MoE expert and tensor parallelism without sequence parallelism",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.layout.ep > 1 and j.layout.tp > 1 and not j.layout.sp,
+        field="sp",
+        value=lambda j: False,
+        problem="cannot be expressed: Megatron-LM needs sequence parallelism when an MoE model uses both "
+        "expert and tensor parallelism",
+        fix="plan with sp=True",
+    ),
+    Limit(
+        # megatron/core/transformer/transformer_config.py: "Bias in Moe is only supported when ETP==1"
+        feature="MoE linear biases with expert tensor parallelism",
+        scope="layout",
+        refuses=lambda j: j.model.moe is not None and j.model.linear_bias and j.layout.expert_tp > 1,
+        field="etp",
+        value=lambda j: j.layout.expert_tp,
+        problem="cannot be expressed with linear biases: Megatron-Core supports biases in MoE layers only with "
+        "expert tensor parallelism 1 (--expert-tensor-parallel-size 1)",
+        fix="plan with etp=1 (the experts folded over the tensor-parallel ranks), or use a model without "
+        "linear biases",
+    ),
+    Limit(
+        feature="TP communication overlap without sequence parallelism",
+        scope="layout",
+        refuses=lambda j: j.layout.tp_comm_overlap and j.layout.tp > 1 and not j.layout.sp,
+        field="tp_comm_overlap",
+        value=lambda j: True,
+        problem="needs sequence parallelism in Megatron-LM (--tp-comm-overlap asserts --sequence-parallel)",
+        fix="plan with sp=True or tp_comm_overlap=False",
+    ),
+    Limit(
+        feature="ZeRO-2/3 with pipeline parallelism",
+        scope="layout",
+        refuses=lambda j: j.layout.zero_stage >= 2 and _pp(j),
+        field="zero_stage",
+        value=lambda j: j.layout.zero_stage,
+        problem="needs gradient/parameter sharding, which Megatron-LM offers only through FSDP "
+        "(Megatron-FSDP "
+        "or --use-torch-fsdp2), and neither runs with pipeline parallelism; its distributed optimizer "
+        "shards only optimizer states",
+        fix="use --to torchtitan (FSDP with PP), or plan with zero_stage <= 1 or pp=1",
+    ),
+    Limit(
+        feature="ZeRO-3 that keeps gathered parameters after forward",
+        scope="layout",
+        refuses=lambda j: j.layout.zero_stage == 3 and j.layout.dp > 1 and not j.layout.reshard_after_forward,
+        field="reshard_after_forward",
+        value=lambda j: False,
+        problem="has no Megatron-FSDP switch (it always frees gathered parameters)",
+        fix="plan with reshard_after_forward=True or use --to torchtitan "
+        "(fsdp_reshard_after_forward='never')",
+    ),
+    Limit(
+        feature="optimizer CPU offload outside the distributed optimizer (ZeRO-1)",
+        scope="layout",
+        refuses=lambda j: j.layout.offload_optimizer and j.layout.zero_stage != 1,
+        field="offload_optimizer",
+        value=lambda j: True,
+        problem=lambda j: (
+            f"with zero_stage={j.layout.zero_stage}: Megatron-LM's optimizer CPU offload "
+            "(--optimizer-cpu-offload) works with its distributed optimizer (zero_stage=1)"
+        ),
+        fix="plan with zero_stage=1 or offload_optimizer=False",
+    ),
+    Limit(
+        feature="recompute that differs between pipeline stages",
+        scope="split",
+        refuses=_one_recompute_fails,
+        field="recompute_per_stage",
+        value=_recompute_value,
+        problem="differs between pipeline stages, and Megatron-LM applies one setting "
+        "(--recompute-granularity/--recompute-method/--recompute-num-layers) to every stage",
+        fix="plan with one recompute kind and layer count for all stages, or use --to torchtitan",
+    ),
+    _pp_sends("Megatron-LM", _MEGATRON_FACTS),
+    _WHOLE_NODES,
+)
+
+
+# ============================================================================================
+# the launch file (autopar export --to megatron)
+# ============================================================================================
 def render(plan: Plan) -> dict[str, str]:
     """``megatron_args.sh``: torchrun running ``pretrain_gpt.py`` with the plan's flags. Each section adds
     its flags to the command and returns the version notes of the flags it added, in flag order."""
@@ -286,3 +442,14 @@ def _megatron_layout(counts: list[int]) -> str:
         )
         stages.append(text)
     return "|".join(stages)
+
+
+SPEC = TargetSpec(
+    Target.megatron,
+    "Megatron-LM (Megatron-Core core_v0.19.0)",
+    _MEGATRON,
+    uneven_split=True,  # --decoder-first/last-pipeline-num-layers, --pipeline-model-parallel-layout
+    per_stage_recompute=False,  # --recompute-num-layers is one int for every stage
+    facts=_MEGATRON_FACTS,
+    render=render,
+)
