@@ -9,7 +9,8 @@ import pytest
 
 from planner.contracts import Collective, LinkLevel, ParallelLayout, Recompute, TrainingConfig
 from planner.cost.comm import GroupPlacement, collective_time_s
-from planner.cost.predict import dp_traffic, predict, unit_exposed_s
+from planner.cost.predict import dp_traffic, predict
+from planner.cost.stage import unit_exposed_s
 from planner.presets import get_preset
 from planner.reference import reference_profile
 from planner.search.stages import StageModel

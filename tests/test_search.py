@@ -825,7 +825,7 @@ def test_interleaved_memory_floor_is_a_lower_bound_of_every_depth(name, layers, 
         if seen > 300:
             break
         price_structure(st, model, tr, prof, o, cache)
-        floor = interleaved_memory_floor(model, tr, prof, st, o, depths, cache)
+        floor = interleaved_memory_floor(model, tr, prof, st, o, Schedule.interleaved_1f1b, depths, cache)
         for v in depths:
             try:
                 sm = frugal_stage_model(model, tr, prof, st, o, Schedule.interleaved_1f1b, v, cache)

@@ -236,14 +236,24 @@ def root_gathered_bytes_per_param(zero_stage: int, reshard_after_forward: bool, 
     return state.weights if zero_stage == 3 and reshard_after_forward and pp == 1 else 0.0
 
 
+def prefetch_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:
+    """Bytes per parameter of the biggest block that resharded ZeRO-3 holds gathered: the current block and
+    the prefetched one (``2w``). Not under pipelining, which keeps the whole stage gathered
+    (:func:`kept_gathered_bytes_per_param`)."""
+    return 2 * state.weights if zero_stage == 3 and reshard_after_forward and pp == 1 else 0.0
+
+
+def bucket_bytes_per_param(zero_stage: int, pp: int, state: StateBytes) -> float:
+    """Bytes per parameter of the biggest block's unsharded gradients that ZeRO-2/3 reduce-scatter (``g``).
+    Not under pipelining, which holds the whole stage's (:func:`held_gradient_bytes_per_param`)."""
+    return state.grads if zero_stage >= 2 and pp == 1 else 0.0
+
+
 def block_buffer_bytes_per_param(zero_stage: int, reshard_after_forward: bool, pp: int, state: StateBytes) -> float:
-    """Bytes per parameter of the biggest block held in flight: ZeRO-3 with resharding gathers the
-    current and the prefetched block (``2w``); ZeRO-2/3 reduce-scatter a block's unsharded gradients
-    (``g``). Neither under pipelining, which holds the whole stage's (above)."""
-    if pp > 1:
-        return 0.0
-    gathered = 2 * state.weights if zero_stage == 3 and reshard_after_forward else 0.0
-    return gathered + (state.grads if zero_stage >= 2 else 0.0)
+    """Bytes per parameter of the biggest block held in flight: :func:`prefetch_bytes_per_param` plus
+    :func:`bucket_bytes_per_param`."""
+    return (prefetch_bytes_per_param(zero_stage, reshard_after_forward, pp, state)
+            + bucket_bytes_per_param(zero_stage, pp, state))
 
 
 def communicator_groups(layout: ParallelLayout) -> int:

@@ -28,18 +28,17 @@ from planner.cost.checks import check_layout, default_layer_split
 from planner.cost.comm import (
     call_latency_s,
     collective_time_s,
-    hidden_time_s,
-    host_copy_time_s,
     mesh_groups,
     placement,
 )
-from planner.cost.compute import device_pace, memory_time_s, peak_flops
+from planner.cost.compute import device_pace, peak_flops
 from planner.cost.flops import model_flops_per_step, recompute_flops
 from planner.cost.layer import BlockCost, MicroBatch, PassCost, block_cost, embedding_cost, lm_head_cost
 from planner.cost.memo import memo_for, memoised
 from planner.cost.memory import (
     ActivationShape,
     activation_factor,
+    bucket_bytes_per_param,
     compute_copy_bytes_per_param,
     fixed_terms,
     fragmentation_share,
@@ -48,13 +47,14 @@ from planner.cost.memory import (
     layer_activation_bytes,
     logits_bytes,
     model_state_bytes,
-    optimizer_step_bytes_per_param,
+    prefetch_bytes_per_param,
     root_gathered_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
 from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
+from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, rank_passes_s
 from planner.errors import AutoparError
 
 if TYPE_CHECKING:
@@ -205,23 +205,23 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param, layout.offload_optimizer)
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
-    gathered += biggest_block * 2 * state.weights if zero == 3 and reshard and pp == 1 else 0.0
+    gathered += biggest_block * prefetch_bytes_per_param(zero, reshard, pp, state)
+    bucket = biggest_block * bucket_bytes_per_param(zero, pp, state)
     root = root_params * root_gathered_bytes_per_param(zero, reshard, pp, state)
-    bucket = biggest_block * state.grads if zero >= 2 and pp == 1 else 0.0
     held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
     act_phase = activations + loss + copies + gathered + root + bucket + held + late_grads
-    local = dense / (shard_n if zero >= 1 else 1) + experts / (layout.expert_dp if zero >= 1 else 1)
-    opt_temp = 0.0 if layout.offload_optimizer else local * a.optimizer_temp_bytes_per_param
+    opt_temp = 0.0 if layout.offload_optimizer else local_params(
+        dense, experts, zero, shard_n, layout.expert_dp) * a.optimizer_temp_bytes_per_param
     terms = {"loss": loss, "compute_copies": copies, "gathered_weights": gathered, "root_weights": root,
              "gradient_bucket": bucket,
              "held_gradients": held,
              "gradients_after_peak": late_grads,
              "optimizer_step": max(0.0, opt_temp - act_phase)}
-    allocated = states + act_phase + terms["optimizer_step"]
-    terms["fragmentation"] = allocated * fragmentation_share(a, zero)
-    terms.update(fixed_terms(a, layout))
-    total = states + activations + sum(terms.values())
+    frag, fixed = fragmentation_share(a, zero), fixed_terms(a, layout)
+    total = peak_bytes(sum(fixed.values()), frag, states + act_phase, states + opt_temp)
+    terms["fragmentation"] = (states + act_phase + terms["optimizer_step"]) * frag
+    terms.update(fixed)
     cap = profile.device.memory_bytes
     usable = usable_bytes(cap, a)
     return MemoryBreakdown(
@@ -230,36 +230,6 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
         capacity_bytes=cap, fits=total <= usable, stage=stage, terms={k: int(v) for k, v in terms.items() if v},
         headroom_bytes=int(cap - usable),
     )
-
-
-def _exposed(comm_s: float, window_s: float, eff: float) -> float:
-    """Part of ``comm_s`` left on the critical path beside ``window_s`` of independent compute."""
-    return comm_s - hidden_time_s(comm_s, window_s, eff)
-
-
-def unit_exposed_s(comm_s: float, first_s: float, units: int, window_s: float, eff: float) -> float:
-    """Exposed part of ``comm_s`` of one micro-batch's pass over ``units`` FSDP units, ``window_s`` of
-    compute, prefetching one unit ahead (FSDP1's rate limiter allows two gathers in flight, FSDP2 one
-    prefetch: Zhao et al. 2023 §3.3-3.4): the ``first_s`` call has no compute before it (the forward's first
-    gather: "the 1st all-gather will not be able to overlap with anything", PyTorch FSDP notes; the
-    backward's last reduce-scatter) and shows whole; each other call hides behind one unit's compute,
-    ``eff·min(call, unit)``, which for equal units is ``_exposed(rest, window·(units - 1)/units)``."""
-    if comm_s <= 0:
-        return 0.0
-    rest = comm_s - first_s
-    return first_s + _exposed(rest, window_s * (units - 1) / units, eff)
-
-
-def microbatch_exposed_s(layout: ParallelLayout, gather_f: float, gather_b: float, grad_mb: float, units: int,
-                         fwd_s: float, bwd_s: float, eff: float) -> tuple[float, float]:
-    """Exposed (forward, backward) parts of one micro-batch's data-parallel traffic on a stage: the
-    forward's gathers, the backward's gathers and reduce-scatters. Without a pipeline each pass shows
-    its first gather / last reduce-scatter (:func:`unit_exposed_s`); in a pipeline other micro-batches'
-    compute runs beside them, so the whole pass is the window (:func:`_exposed`)."""
-    if layout.pp > 1:
-        return _exposed(gather_f, fwd_s, eff), _exposed(gather_b + grad_mb, bwd_s, eff)
-    return (unit_exposed_s(gather_f, gather_f / units, units, fwd_s, eff),
-            unit_exposed_s(gather_b + grad_mb, grad_mb / units, units, bwd_s, eff))
 
 
 def mfu_peak_flops(profile: ClusterProfile) -> float:
@@ -378,17 +348,18 @@ def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
     p2p_s = collective_time_s(c.profile, Collective.p2p, c.groups["pp"], p2p_bytes) if lay.pp > 1 else 0.0
     out = _Times([], [], [], [], (emb_f, emb_b, head_f, head_b), p2p_s, p2p_bytes)
     for st in stages:
-        f = sum(c.block(i).forward.total_s for i in st.layers)
-        b = sum(c.block(i).backward_s(r) for i, r in zip(st.layers, st.recompute))
+        f, b = rank_passes_s(sum(c.block(i).forward.total_s for i in st.layers),
+                             sum(c.block(i).backward_s(r) for i, r in zip(st.layers, st.recompute)), st.first, st.last,
+                             (emb_f.total_s, emb_b.total_s), (head_f.total_s, head_b.total_s), lay.virtual_stages,
+                             p2p_s)
         dense = sum(c.dense_of(i) for i in st.layers)
         if st.first:
-            f, b, dense = f + emb_f.total_s, b + emb_b.total_s, dense + embedding_params(model) / lay.tp
+            dense += embedding_params(model) / lay.tp
         if st.last:
-            f, b = f + head_f.total_s, b + head_b.total_s
             tied = model.vocab_size * model.hidden_size if model.tied_embeddings and lay.pp > 1 else 0
             dense += head_per_tp_rank(model, lay.tp, tied)
-        out.fwd_s.append(f + lay.virtual_stages * p2p_s)
-        out.bwd_s.append(b + lay.virtual_stages * p2p_s)
+        out.fwd_s.append(f)
+        out.bwd_s.append(b)
         out.dense.append(dense)
         out.experts.append(sum(c.params_of(i)[1] for i in st.layers) / expert_split(lay))
     return out
@@ -402,37 +373,29 @@ def _data_parallel(c: _Step, t: _Times, stages: list[_Stage]
     Cadence by :func:`dp_cadence`: without a pipeline ZeRO-2/3 reduce-scatter gradients every micro-batch,
     beside its backward, and ZeRO-3 gathers the weights before every forward (and again before backward
     when it reshards), each unit apart (:func:`dp_units`), prefetching one unit ahead
-    (:func:`microbatch_exposed_s`: the first gather and the last reduce-scatter of each micro-batch show).
+    (:func:`planner.cost.stage.dp_exposure`: the first gather and the last reduce-scatter of each micro-batch show).
     Otherwise gradients are reduced once, beside the last micro-batch's backward. Weights gathered once
     per step overlap the first forward (overlap-param-gather); HSDP's replica all-reduce happens once per step."""
     lay, m = c.layout, c.m
     eff = c.profile.assumptions.async_overlap_efficiency if lay.dp_comm_overlap else 0.0
-    gathers_per_mb, grads_per_mb = dp_cadence(lay)
+    cadence = dp_cadence(lay)
+    gathers_per_mb, grads_per_mb = cadence
     exposed, comm = [], []
     for i, st in enumerate(stages):
         moe_blocks = sum(c.kinds[li] for li in st.layers)
         tr = dp_traffic(c.profile, lay, c.training, t.dense[i], t.experts[i],
                         dp_units(lay, len(st.layers), st.first or st.last), moe_blocks)
-        gather_f = tr.gather_s if gathers_per_mb else 0.0
-        gather_b = tr.gather_s * (gathers_per_mb - 1) if gathers_per_mb else 0.0
-        grad_mb = tr.grad_s if grads_per_mb else 0.0
-        exp_f, exp_b = microbatch_exposed_s(lay, gather_f, gather_b, grad_mb, tr.units, t.fwd_s[i], t.bwd_s[i], eff)
-        share_gather_b = gather_b / (gather_b + grad_mb) if gather_b + grad_mb else 0.0
-        t.fwd_s[i] += exp_f
-        t.bwd_s[i] += exp_b
-        grad_step = tr.replica_s + (0.0 if grads_per_mb else tr.grad_s)
-        gather_step = 0.0 if gathers_per_mb else tr.gather_s
-        # the once-per-step collectives hide behind the last backward's / first forward's compute
-        # (the window excludes the per-micro-batch traffic above, which holds the same links)
-        exp_grad_step = _exposed(grad_step, t.bwd_s[i] - exp_b, eff)
-        exp_gather_step = _exposed(gather_step, t.fwd_s[i] - exp_f, eff)
-        exposed.append(exp_grad_step + exp_gather_step)
+        x = dp_exposure(lay, cadence, tr.grad_s, tr.replica_s, tr.gather_s, tr.units, t.fwd_s[i], t.bwd_s[i], eff)
+        share_gather_b = x.gather_b / (x.gather_b + x.grad_mb) if x.gather_b + x.grad_mb else 0.0
+        t.fwd_s[i] += x.exp_f
+        t.bwd_s[i] += x.exp_b
+        exposed.append(x.step_s)
         n_gathers = m * gathers_per_mb if gathers_per_mb else 1
         comm.append({
-            "dp_param": (n_gathers * tr.gather_bytes, m * (gather_f + gather_b) + gather_step,
-                         m * (exp_f + share_gather_b * exp_b) + exp_gather_step),
-            "dp_grad": ((m if grads_per_mb else 1) * tr.grad_bytes, m * grad_mb + grad_step,
-                        m * (1 - share_gather_b) * exp_b + exp_grad_step),
+            "dp_param": (n_gathers * tr.gather_bytes, m * (x.gather_f + x.gather_b) + x.gather_step,
+                         m * (x.exp_f + share_gather_b * x.exp_b) + x.exp_gather_step),
+            "dp_grad": ((m if grads_per_mb else 1) * tr.grad_bytes, m * x.grad_mb + x.grad_step,
+                        m * (1 - share_gather_b) * x.exp_b + x.exp_grad_step),
         })
     return exposed, comm
 
@@ -440,21 +403,13 @@ def _data_parallel(c: _Step, t: _Times, stages: list[_Stage]
 def _optimizer(c: _Step, t: _Times) -> tuple[list[float], float]:
     """Each rank's optimizer step (bandwidth bound), on the GPU or on the CPU with copies over the host
     link, and the longest of those copies (0 without offload)."""
-    lay, a = c.layout, c.profile.assumptions
-    state = state_bytes_per_param(c.training)
-    shard_n = lay.dp_shard * lay.cp
-    step_bytes = optimizer_step_bytes_per_param(c.training)
+    lay = c.layout
     opt_s, offload_s = [], 0.0
     for dense, experts in zip(t.dense, t.experts):
-        local = dense / (shard_n if lay.zero_stage >= 1 else 1) + experts / (
-            lay.expert_dp if lay.zero_stage >= 1 else 1)
-        if lay.offload_optimizer:
-            copies = host_copy_time_s(c.profile, local * state.grads, to_device=False) + host_copy_time_s(
-                c.profile, local * state.weights, to_device=True)
-            opt_s.append(copies + local * step_bytes / a.cpu_optimizer_bytes_per_s)
-            offload_s = max(offload_s, copies)
-        else:
-            opt_s.append(memory_time_s(c.profile, local * step_bytes))
+        local = local_params(dense, experts, lay.zero_stage, lay.dp_shard * lay.cp, lay.expert_dp)
+        seconds, copies = optimizer_step_s(c.profile, c.training, lay.offload_optimizer, local)
+        opt_s.append(seconds)
+        offload_s = max(offload_s, copies)
     return opt_s, offload_s
 
 

@@ -16,7 +16,7 @@ from planner.contracts import (
 )
 from planner.cost.checks import default_layer_split
 from planner.cost.comm import placement
-from planner.cost.pipeline import microbatches_in_flight
+from planner.cost.pipeline import SCHEDULES, PipeWork, microbatches_in_flight
 from planner.errors import AutoparError
 from planner.search.enumerate import Structure, out_of_time
 from planner.search.options import SearchOptions
@@ -188,32 +188,17 @@ def schedule_bound(st: Structure, sched: Schedule, v: int, minmax: float, recomp
     """
     m, p = st.m, st.pp
     fwd, bwd, total = _rank_work(st, v, recompute_s, comm_f, comm_b, eff)
-    compute = fwd + bwd
     if p == 1:
         return m * total
-    minmax = max(minmax, total / p)
-    if sched is Schedule.interleaved_1f1b:
-        return (m - 1 / v) * minmax + total / v
-    if sched is Schedule.zero_bubble:
-        # m·T* + Σ_{i≠i*} f_i: every other rank's forward is at least the smallest forward share
-        # ρ_min of its compute (recompute included), which sums to at least compute - T*; the
-        # expression increases with T* (m >= 1 > ρ_min), so the lower bound of T* may stand in
-        others = m * minmax + st.forward_ratio_min * max(0.0, compute - minmax)
-        # the slowest rank's forward compute is at most ρ of its compute (ρ: the largest forward
-        # share of any block, embedding or head; recompute only lowers it), which is at most
-        # T* - 2vt: f* = fc* + vt + g* with g* its exposed forward collective. Every rank's forward
-        # holds its own g_i, so Σ_{i≠i*} f_i = Σf - f* >= fwd + g* - f* = fwd - fc* - vt
-        # >= fwd - ρ(T* - 2vt) - vt, and m·T* + Σ_{i≠i*} f_i >= (m - ρ)·T* + fwd + (2ρ - 1)·vt,
-        # which grows with T* (m >= 1 > ρ): with or without collectives in the stages
-        rho = st.forward_ratio
-        return max((m - rho) * minmax + fwd + (2 * rho - 1) * v * st.p2p_s, others)
-    return (m - 1) * minmax + total
+    work = PipeWork(m, p, v, max(minmax, total / p), total, fwd, fwd + bwd, st.forward_ratio_min, st.forward_ratio,
+                    st.p2p_s)
+    return SCHEDULES[sched].work_floor(work)  # the schedule's own bound (planner.cost.pipeline)
 
 
 def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, st: Structure,
-                             opts: SearchOptions, depths: list[int], cache: dict) -> float:
+                             opts: SearchOptions, sched: Schedule, depths: list[int], cache: dict) -> float:
     """A lower bound of the frugal memory min-max stage (``memory_minmax_s`` of :func:`frugal_layout`,
-    without ZeRO-3 gather buffers) of every interleaving depth in ``depths`` at once.
+    without ZeRO-3 gather buffers) of every depth in ``depths`` of the virtual schedule ``sched`` at once.
 
     :func:`~planner.search.stages.memory_minmax_s` grows with each rank's micro-batches in flight
     (they multiply the activations a rank keeps, whatever it recomputes, so every holding's memory
@@ -225,10 +210,10 @@ def interleaved_memory_floor(model: ModelSpec, training: TrainingConfig, profile
     that layout is not valid.
     """
     try:
-        sm = frugal_stage_model(model, training, profile, st, opts, Schedule.interleaved_1f1b, min(depths), cache)
+        sm = frugal_stage_model(model, training, profile, st, opts, sched, min(depths), cache)
     except AutoparError:
         return 0.0
-    flights = [[microbatches_in_flight(Schedule.interleaved_1f1b, r, st.pp, st.m, d) for r in range(st.pp)]
+    flights = [[microbatches_in_flight(sched, r, st.pp, st.m, d) for r in range(st.pp)]
                for d in depths]
     sm.in_flight = [min(f[r] for f in flights) for r in range(st.pp)]  # its own list: the cached one is shared
     return memory_minmax_s(sm, 0.0, gather_buffers=False)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from planner.contracts import Recompute, Schedule
+from planner.contracts import Recompute
+from planner.cost.pipeline import SCHEDULES
 from planner.search.stages import KindCost, StageModel
 
 S = 10_000  # scale of the overlap efficiency
@@ -399,27 +400,11 @@ def _objective(cx: _Context, chunks: list[cp_model.IntVar],
     tail_max = mdl.NewIntVar(0, big_time, "Tail")
     for rk in ranks:
         mdl.Add(tail_max >= rk.tail)
-    schedule = cx.sm.layout.schedule
     if p == 1:
         objective, scale = m * t_max + tail_max, 1
-    elif schedule is Schedule.interleaved_1f1b:
-        objective, scale = (v * m - 1) * t_max + sum(stage_T) + v * tail_max, v
-    elif schedule is Schedule.zero_bubble:
-        stage_F = [rk.F for rk in ranks]
-        z = [mdl.NewBoolVar(f"z{r}") for r in range(p)]
-        mdl.AddExactlyOne(z)
-        f_star = mdl.NewIntVar(0, big_time, "Fstar")
-        for r in range(p):
-            mdl.Add(stage_T[r] >= t_max).OnlyEnforceIf(z[r])
-            mdl.Add(f_star <= stage_F[r]).OnlyEnforceIf(z[r])
-        # redundant (F* is the forward of a rank at t_max, and a rank's forward is part of its
-        # time), but without it the LP relaxation lets F* run to its domain's end and the
-        # objective bound goes negative: the solver then proves optimality by search alone
-        # (0.25-0.5 s for DeepSeek-V3's pp32 leaves; 0.06 s with it)
-        mdl.Add(f_star <= t_max)
-        objective, scale = m * t_max + sum(stage_F) - f_star + tail_max, 1
-    else:
-        objective, scale = (m - 1) * t_max + sum(stage_T) + tail_max, 1
+    else:  # the schedule's step formula (planner.cost.pipeline.SCHEDULES)
+        objective, scale = SCHEDULES[cx.sm.layout.schedule].cpsat(mdl, stage_T, [rk.F for rk in ranks], t_max,
+                                                                  tail_max, m, v, big_time)
     # among equally fast solutions prefer the one recomputing least (adds < 1e-9 of the objective)
     # and, for interleaving, chunks (one kind: ranks' counts) as even as the step time allows
     c_max = mdl.NewIntVar(1, cx.L, "cmax")

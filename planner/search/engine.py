@@ -56,6 +56,7 @@ from planner.cost.memory import (
 from planner.cost.params import embedding_params, layer_params, lm_head_params
 from planner.cost.pipeline import SCHEDULES
 from planner.cost.predict import predict
+from planner.cost.stage import state_per_param
 from planner.errors import AutoparError
 from planner.search.bound import (
     interleaved_memory_floor,
@@ -104,7 +105,6 @@ from planner.search.stages import (
     expert_fold,
     memory_minmax_s,
     recompute_bound_s,
-    state_bytes_per_param_split,
 )
 
 # structures priced first, on one plain leaf each, to start the bound
@@ -260,7 +260,8 @@ class _SearchState:
         self.leaves_of: dict[tuple, tuple[tuple, int]] = {}  # per (dp, cp, tp, ep, etp): leaf_choices
         # per structure and ranks' micro-batches: (rec_min, stage_min)
         self.frugal_of: dict[tuple, tuple[float, float]] = {}
-        self.interleaved_floor_of: dict[int, float] = {}  # per structure: memory min-max under any interleaving depth
+        self.interleaved_floor_of: dict[tuple[int, Schedule], float] = {}  # per structure and virtual schedule:
+        # memory min-max under any of its depths
         self.tails_of: dict[tuple, tuple[list[float | None], float]] = {}  # per (tp, cp, pp, dp, ep, etp): tail bounds
         # (structure, its bound: bound_s, or a floor if left unpriced; priced?)
         self.ordered: list[tuple[Structure, float, bool]] = []
@@ -333,8 +334,8 @@ class _SearchState:
         sig = self.per_param.get(key)
         if sig is None:
             expert_shard = expert_fold(shard, st.cp, st.tp, st.ep, st.expert_tp)[1]
-            sig = self.per_param[key] = (*state_bytes_per_param_split(self.state, zero, shard * st.cp, expert_shard,
-                                                                      offload, self.master_in_param), zero == 3)
+            sig = self.per_param[key] = (*state_per_param(self.state, zero, shard * st.cp, expert_shard, offload,
+                                                          self.master_in_param), zero == 3)
         return sig
 
     def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
@@ -540,7 +541,7 @@ class _SearchState:
                 break
             st = self.ordered[si][0]
             sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
-            if sched is Schedule.interleaved_1f1b:
+            if SCHEDULES[sched].virtual:
                 continue
             self.price_leaf(si, st, sched, 1, self.minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 
@@ -617,8 +618,8 @@ class _SearchState:
         tails: list[float | None] = []
         tail_min = 0.0
         for sched, v in scheds:
-            if sched is Schedule.gpipe and Schedule.one_f_one_b in self.opts.schedules:
-                report.dominated += per_sched  # GPipe: the step time of 1F1B with more micro-batches in flight
+            if SCHEDULES[sched].dominated_by in self.opts.schedules:
+                report.dominated += per_sched  # e.g. GPipe: the step time of 1F1B with more micro-batches in flight
                 continue
             stage_min = minmax if v == 1 else 0.0
             plain = schedule_bound(st, sched, v, stage_min)
@@ -630,8 +631,8 @@ class _SearchState:
             if plain + tail_min >= self.kth():
                 report.pruned += per_sched
                 continue
-            if sched is Schedule.interleaved_1f1b and st.pp > 1 and not self._interleaved_may_fit(si, st, scheds, v,
-                                                                                                  per_sched, tail_min):
+            if SCHEDULES[sched].virtual and st.pp > 1 and not self._interleaved_may_fit(si, st, sched, scheds, v,
+                                                                                        per_sched, tail_min):
                 continue
             self._price_schedule(si, st, sched, v, stage_min, leaves, tails, tail_min)
 
@@ -646,16 +647,15 @@ class _SearchState:
             self.tails_of[tails_key] = (found, min((t for t in found if t is not None), default=0.0))
         return self.tails_of[tails_key]
 
-    def _interleaved_may_fit(self, si: int, st: Structure, scheds: list, v: int, per_sched: int,
+    def _interleaved_may_fit(self, si: int, st: Structure, sched: Schedule, scheds: list, v: int, per_sched: int,
                              tail_min: float) -> bool:
-        """One memory bound for every interleaving depth of this structure before one per depth:
-        whether depth ``v``'s leaves survive it (those that do not are counted)."""
-        sched = Schedule.interleaved_1f1b
-        if si not in self.interleaved_floor_of:
-            self.interleaved_floor_of[si] = interleaved_memory_floor(
-                self.model, self.training, self.profile, st, self.opts, [d for s, d in scheds if s is sched],
+        """One memory bound for every interleaving depth of this structure and (virtual) schedule before one
+        per depth: whether depth ``v``'s leaves survive it (those that do not are counted)."""
+        if (si, sched) not in self.interleaved_floor_of:
+            self.interleaved_floor_of[si, sched] = interleaved_memory_floor(
+                self.model, self.training, self.profile, st, self.opts, sched, [d for s, d in scheds if s is sched],
                 self.cache)
-        floor_stage = self.interleaved_floor_of[si]
+        floor_stage = self.interleaved_floor_of[si, sched]
         if not math.isfinite(floor_stage):
             self.report.infeasible += per_sched  # no split of any of its leaves fits, at any depth
             return False

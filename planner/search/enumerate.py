@@ -17,6 +17,7 @@ from planner.contracts import (
     Schedule,
     TrainingConfig,
 )
+from planner.cost.pipeline import SCHEDULES
 from planner.errors import AutoparError
 from planner.search.options import SearchOptions
 from planner.search.rules import Rule, Rules
@@ -191,7 +192,7 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
         return [(Schedule.one_f_one_b, 1)]
     out = []
     for sched in opts.schedules:
-        if sched is Schedule.interleaved_1f1b:
+        if SCHEDULES[sched].virtual:
             if st.m % st.pp:
                 rules.remove(Rule.INTERLEAVED_MICRO_BATCHES, f"m={st.m}, pp={st.pp}")
                 continue

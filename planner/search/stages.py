@@ -5,19 +5,16 @@ of giving layers to pipeline stages and of choosing recompute per stage, so this
 once per candidate, everything that does not depend on that choice (the cost and activation bytes
 of one block of each kind, the embedding and LM head, the pipeline send, the data-parallel
 collectives as a function of the parameters a stage holds) and then prices one stage, and one
-split, with the same formulas ``predict`` uses:
+split, by counts of blocks. Every per-rank formula is :mod:`planner.cost.stage`'s, the one ``predict``
+composes too: the passes (:func:`~planner.cost.stage.rank_passes_s`), the exposed data-parallel traffic
+(:func:`~planner.cost.stage.dp_exposure`), the optimizer step (:func:`~planner.cost.stage.optimizer_step_s`)
+and the peak memory (:func:`~planner.cost.stage.held_per_param`, :func:`~planner.cost.stage.peak_bytes`);
+the block, embedding, head and send costs are :mod:`planner.cost.layer`'s and :mod:`planner.cost.comm`'s.
+What is this module's own is the bookkeeping: costs per block kind, memoised per shape, and the
+data-parallel collectives as affine functions of the parameters held (:func:`dp_affine`), so that a
+split costs sums of counts.
 
-- stage forward ``F = Σ f_layer + [first]·f_emb + [last]·f_head + v·t_p2p`` and backward
-  ``B = Σ b_layer(recompute) + [first]·b_emb + [last]·b_head + v·t_p2p``, plus the exposed part of
-  the per-micro-batch ZeRO-2/3 collectives ``c - eff·min(c, window)``;
-- the step: the schedule's pipeline formula over the stages + ``max`` over stages of (exposed
-  once-per-step data-parallel traffic + optimizer step);
-- memory per stage: model states by ZeRO stage, activations × micro-batches in flight, the
-  transient of a full-recompute block, logits, ZeRO-3 gather buffers and the FSDP2 root unit a target
-  keeps gathered (``TargetFacts.fsdp_root``).
-
-``tests/test_search.py`` checks :meth:`StageModel.evaluate` against ``predict`` on random splits,
-so the two cannot drift apart.
+``tests/test_search.py`` checks :meth:`StageModel.evaluate` against ``predict`` on random splits.
 """
 
 from __future__ import annotations
@@ -32,26 +29,21 @@ from planner import targets
 from planner.contracts import (
     ClusterProfile,
     Collective,
-    LinkLevel,
     ModelSpec,
     MoESpec,
     ParallelLayout,
     Precision,
     Recompute,
-    Schedule,
     StageRecompute,
     TrainingConfig,
 )
 from planner.cost.comm import (
     GroupPlacement,
     collective_time_s,
-    find_link,
-    hidden_time_s,
-    host_copy_time_s,
     mesh_groups,
     placement,
 )
-from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s, memory_time_s
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s
 from planner.cost.layer import (
     MicroBatch,
     _attention_gemms,
@@ -66,25 +58,17 @@ from planner.cost.layer import (
 )
 from planner.cost.memory import (
     ActivationShape,
-    StateBytes,
     activation_factor,
     allocator_budget_bytes,
-    block_buffer_bytes_per_param,
-    compute_copy_bytes_per_param,
     fixed_terms,
     fragmentation_share,
-    held_gradient_bytes_per_param,
-    kept_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
-    model_state_bytes,
-    optimizer_step_bytes_per_param,
-    root_gathered_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
+from planner.cost.pipeline import SCHEDULES, microbatches_in_flight, pipeline_time_s
 from planner.cost.predict import (
     check_layout,
     default_layer_split,
@@ -92,7 +76,14 @@ from planner.cost.predict import (
     dp_traffic,
     dp_units,
     expert_split,
-    microbatch_exposed_s,
+)
+from planner.cost.stage import (
+    dp_exposure,
+    held_per_param,
+    local_params,
+    optimizer_step_s,
+    peak_bytes,
+    rank_passes_s,
 )
 
 RECOMPUTE_KINDS = (Recompute.selective, Recompute.full)
@@ -264,16 +255,9 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
 
 def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int,
                      expert_shard: int, offload: bool, dense_params: float, expert_params: float) -> float:
-    """Optimizer step of a stage holding these parameters per GPU (as in ``predict``): HBM-bound on the
-    GPU, or copies over the host link plus the CPU step when offloaded."""
-    local = (dense_params / (shard_n if zero_stage >= 1 else 1)
-             + expert_params / (expert_shard if zero_stage >= 1 else 1))
-    if offload:
-        state = state_bytes_per_param(training)
-        copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
-            profile, local * state.weights, to_device=True)
-        return copies + local * optimizer_step_bytes_per_param(training) / profile.assumptions.cpu_optimizer_bytes_per_s
-    return memory_time_s(profile, local * optimizer_step_bytes_per_param(training))
+    """Optimizer step of a stage holding these parameters per GPU (:func:`planner.cost.stage.optimizer_step_s`)."""
+    local = local_params(dense_params, expert_params, zero_stage, shard_n, expert_shard)
+    return optimizer_step_s(profile, training, offload, local)[0]
 
 
 def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
@@ -356,36 +340,6 @@ class LeafComm:
         return out
 
 
-def state_bytes_per_param_split(state: StateBytes, zero_stage: int, shard_n: int, expert_shard: int,
-                                offload: bool, master_in_param: bool = False) -> tuple[float, float]:
-    """(dense, expert) model-state bytes per parameter on one GPU: dense weights sharded over the
-    ``dp_shard x cp`` ranks (``shard_n``), experts over their ``expert_shard`` data-parallel ranks
-    (``ParallelLayout.expert_dp``: ``shard_n / ep`` with etp = tp, at least one); ``master_in_param``: the
-    target's parameters are the fp32 master (:func:`~planner.cost.memory.model_state_bytes`)."""
-    return (sum(model_state_bytes(1.0, state, zero_stage, shard_n, offload, master_in_param)),
-            sum(model_state_bytes(1.0, state, zero_stage, expert_shard, offload, master_in_param)))
-
-
-def phase_states_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: bool,
-                           reshard: bool, pp: int, m: int, temp: float,
-                           master_in_param: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(dense, expert) bytes per parameter a rank holds beside its activations at the backward's peak, and
-    through the optimizer step (as ``predict.stage_memory`` counts them). Backward: the model states, ZeRO-3
-    weights kept gathered, pipelined ZeRO-2/3's unsharded gradients and the 16-bit copies of a target whose
-    parameters are the fp32 master (``master_in_param``) as state of every block held, less a single
-    micro-batch's gradients (made as its activations are freed). Optimizer step: the states and ``temp``
-    bytes of temporaries per local parameter (none when offloaded)."""
-    d, e = state_bytes_per_param_split(state, zero, shard_n, expert_shard, offload, master_in_param)
-    div_d, div_e = (shard_n, expert_shard) if zero >= 1 else (1, 1)
-    t = 0.0 if offload else temp
-    step = (d + t / div_d, e + t / div_e)
-    held = (kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
-            + compute_copy_bytes_per_param(zero, state, master_in_param, offload))
-    late = (0.0, 0.0) if m > 1 else (model_state_bytes(1.0, state, zero, shard_n, offload, master_in_param)[1],
-                                     model_state_bytes(1.0, state, zero, expert_shard, offload, master_in_param)[1])
-    return (d + held - late[0], e + held - late[1]), step
-
-
 class StageModel:
     """Per-stage decomposition of ``predict`` for ``layout`` (whose split and recompute are ignored)."""
 
@@ -410,11 +364,11 @@ class StageModel:
         tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
         self.head_params = head_per_tp_rank(model, base.tp, tied)
         self.state = state_bytes_per_param(training)
-        self.step_bytes = optimizer_step_bytes_per_param(training)
         self.shard_n = base.dp_shard * base.cp
         self.expert_shard = base.expert_dp
         self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
-        self.gathers_per_mb, self.grads_per_mb = dp_cadence(base)
+        self.cadence = dp_cadence(base)
+        self.gathers_per_mb, self.grads_per_mb = self.cadence
         flight_key = ("in-flight", base.schedule, base.pp, self.m, base.virtual_stages)
         if flight_key not in cache:  # shared by every layout of this schedule shape (read-only)
             cache[flight_key] = [microbatches_in_flight(base.schedule, r, base.pp, self.m, base.virtual_stages)
@@ -434,29 +388,17 @@ class StageModel:
         self.capacity = usable_bytes(profile.device.memory_bytes, a)
         self.alloc_capacity = allocator_budget_bytes(profile.device.memory_bytes, a, base)
         self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
-        # per-parameter constants of the optimizer step and model states (both linear in the
-        # parameter count, see optimizer_time_s and model_state_bytes), hoisted out of stage_terms
+        # per-parameter bytes held by phase (planner.cost.stage.held_per_param), hoisted out of stage_terms
         zero = base.zero_stage
-        self._opt_div = (self.shard_n if zero >= 1 else 1, self.expert_shard if zero >= 1 else 1)
-        if base.offload_optimizer:
-            d2h = find_link(profile, LinkLevel.host_device, Collective.device_to_host, 1)
-            h2d = find_link(profile, LinkLevel.host_device, Collective.host_to_device, 1)
-            self._opt_alpha = d2h.alpha_s + h2d.alpha_s
-            self._opt_rate = (self.state.grads / d2h.busbw_bytes_per_s + self.state.weights / h2d.busbw_bytes_per_s
-                              + self.step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s)
-        else:
-            self._opt_alpha = 0.0
-            self._opt_rate = memory_time_s(profile, self.step_bytes)
-        temp = a.optimizer_temp_bytes_per_param
-        (self._state_dense, self._state_expert), self._step_state = phase_states_per_param(
-            self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer, base.reshard_after_forward,
-            base.pp, self.m, temp, self.master_in_param)
-        self.block_buffer = block_buffer_bytes_per_param(zero, base.reshard_after_forward, base.pp, self.state)
+        held = held_per_param(self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer,
+                              base.reshard_after_forward, base.pp, self.m, a.optimizer_temp_bytes_per_param,
+                              self.master_in_param)
+        (self._state_dense, self._state_expert), self._step_state = held.backward, held.step
+        self.block_buffer = held.block_buffer
         self._timing: dict = {}  # stage_terms_counts' timing per (first, last, counts, kind)
         self._held: dict = {}  # stage_memory_counts' holdings, likewise (they depend on the rank no further)
         # the target's FSDP2 units beside the blocks, held gathered through the backward (TargetFacts.fsdp_root)
-        self.root = targets.target_facts(target).fsdp_root(model, base.tp) * root_gathered_bytes_per_param(
-            zero, base.reshard_after_forward, base.pp, self.state)
+        self.root = targets.target_facts(target).fsdp_root(model, base.tp) * held.root
 
     # -- data parallel -------------------------------------------------------------------------
     def traffic(self, dense_params: float, expert_params: float, units: int = 1,
@@ -469,14 +411,9 @@ class StageModel:
                 d["gather"](dense_params, units) + e["gather"](expert_params, moe_blocks))
 
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
-        """:func:`optimizer_time_s` of this layout, from constants computed once."""
-        local = dense_params / self._opt_div[0] + expert_params / self._opt_div[1]
-        if local <= 0:
-            return 0.0
-        return self._opt_alpha + local * self._opt_rate
-
-    def exposed(self, comm_s: float, window_s: float) -> float:
-        return comm_s - hidden_time_s(comm_s, window_s, self.eff)
+        """:func:`planner.cost.stage.optimizer_step_s` of this layout's rank holding these parameters."""
+        local = local_params(dense_params, expert_params, self.layout.zero_stage, self.shard_n, self.expert_shard)
+        return optimizer_step_s(self.profile, self.training, self.layout.offload_optimizer, local)[0]
 
     # -- one stage -----------------------------------------------------------------------------
     def rank_layers(self, chunks: list[int]) -> list[list[int]]:
@@ -543,23 +480,10 @@ class StageModel:
                 b += (n - rc) * kc.backward_s[Recompute.none] + rc * kc.backward_s[kind]
         dense, experts = self._held_for(key)[:2]
         layers = n_dense + n_moe
-        if first:
-            f, b = f + self.emb[0], b + self.emb[1]
-        if last:
-            f, b = f + self.head[0], b + self.head[1]
-        f += self.v * self.p2p_s
-        b += self.v * self.p2p_s
+        f, b = rank_passes_s(f, b, first, last, self.emb, self.head, self.v, self.p2p_s)
         units = dp_units(self.layout, layers, first or last)
-        grad_s, replica_s, gather_s = self.traffic(dense, experts, units, n_moe)
-        gpm = self.gathers_per_mb
-        gather_f = gather_s if gpm else 0.0
-        gather_b = gather_s * (gpm - 1) if gpm else 0.0
-        grad_mb = grad_s if self.grads_per_mb else 0.0
-        grad_step = replica_s + (0.0 if self.grads_per_mb else grad_s)
-        gather_step = 0.0 if gpm else gather_s
-        exp_f, exp_b = microbatch_exposed_s(self.layout, gather_f, gather_b, grad_mb, units, f, b, self.eff)
-        tail = self.exposed(grad_step, b) + self.exposed(gather_step, f) + self.optimizer_s(dense, experts)
-        return f + exp_f, b + exp_b, tail
+        x = dp_exposure(self.layout, self.cadence, *self.traffic(dense, experts, units, n_moe), units, f, b, self.eff)
+        return f + x.exp_f, b + x.exp_b, x.step_s + self.optimizer_s(dense, experts)
 
     def _memory(self, rank: int, dense: float, experts: float, acts: float, transient: float, gather_biggest: float,
                 layers: int) -> float:
@@ -571,9 +495,8 @@ class StageModel:
         act_phase = per_mb * self.in_flight[rank] + transient + (self.logits + self.root if rank == self.p - 1 else 0.0)
         if layers:
             act_phase += self.block_buffer * gather_biggest
-        allocated = max(dense * self._state_dense + experts * self._state_expert + act_phase,
-                        dense * self._step_state[0] + experts * self._step_state[1])
-        return self.fixed + allocated * (1.0 + self.frag)
+        return peak_bytes(self.fixed, self.frag, dense * self._state_dense + experts * self._state_expert + act_phase,
+                          dense * self._step_state[0] + experts * self._step_state[1])
 
     def stage_memory_counts(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                             r_moe: int) -> float:
@@ -767,8 +690,9 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     budget = sm.alloc_capacity
     for zero in zero_stages:
         for off in ({False, offload} if zero >= 1 else {False}):
-            (d, e), (sd, se) = phase_states_per_param(sm.state, zero, sm.shard_n, sm.expert_shard, off, True, lay.pp,
-                                                      sm.m, a.optimizer_temp_bytes_per_param, sm.master_in_param)
+            held = held_per_param(sm.state, zero, sm.shard_n, sm.expert_shard, off, True, lay.pp, sm.m,
+                                  a.optimizer_temp_bytes_per_param, sm.master_in_param)
+            (d, e), (sd, se) = held.backward, held.step
             best_d, best_e, step_d, step_e = min(best_d, d), min(best_e, e), min(step_d, sd), min(step_e, se)
         budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, a,
                                                     lay.model_copy(update={"zero_stage": zero})))
@@ -1095,8 +1019,7 @@ class SplitBound:
         sm, n, m, v = self.sm, self.n, self.sm.m, self.sm.v
         if sm.p != 2 or not self.sound:
             return -math.inf
-        sched = sm.layout.schedule
-        zb, inter = sched is Schedule.zero_bubble, sched is Schedule.interleaved_1f1b
+        facts = SCHEDULES[sm.layout.schedule]
         A, B = self.n_first, n - self.n_first
         # rows of holdings along which rank 0 gains one block at a time (so its cost grows and rank
         # 1's falls): v = 1, the split point; interleaved, the second-kind blocks at each first-kind count
@@ -1104,7 +1027,7 @@ class SplitBound:
             rows = [[self.range_counts(0, k) for k in range(1, n)]]
         else:
             rows = [[(a, b) for b in range(B + 1) if v <= a + b <= n - v] for a in range(A + 1)]
-        factor = m if zb or inter else m - 1  # the pipeline term is at least factor · max T
+        factor = facts.max_factor(m)  # the pipeline term is at least factor · max T
         best = math.inf
         for row in rows:
             if not row:
@@ -1134,13 +1057,7 @@ class SplitBound:
                 if factor * top >= min(best, cutoff):
                     continue  # its pipeline term alone reaches the cutoff (or the best so far)
                 (f0, tail0), (f1, tail1) = self._ends(0, a0, b0), self._ends(1, A - a0, B - b0)
-                if zb:
-                    pipe = m * top + min(f0, f1)
-                elif inter:
-                    pipe = m * top + (t0 + t1 - top) / v
-                else:
-                    pipe = (m - 1) * top + t0 + t1
-                best = min(best, pipe + max(tail0, tail1))
+                best = min(best, facts.two_rank_floor(t0, t1, f0, f1, m, v) + max(tail0, tail1))
                 if best < cutoff < math.inf:
                     return best
         return best
