@@ -47,6 +47,7 @@ from planner.cost.memory import (
     layer_activation_bytes,
     logits_bytes,
     model_state_bytes,
+    optimizer_step_bytes_per_param,
     prefetch_bytes_per_param,
     root_gathered_bytes_per_param,
     state_bytes_per_param,
@@ -404,10 +405,11 @@ def _optimizer(c: _Step, t: _Times) -> tuple[list[float], float]:
     """Each rank's optimizer step (bandwidth bound), on the GPU or on the CPU with copies over the host
     link, and the longest of those copies (0 without offload)."""
     lay = c.layout
+    state, step_bytes = state_bytes_per_param(c.training), optimizer_step_bytes_per_param(c.training)
     opt_s, offload_s = [], 0.0
     for dense, experts in zip(t.dense, t.experts):
         local = local_params(dense, experts, lay.zero_stage, lay.dp_shard * lay.cp, lay.expert_dp)
-        seconds, copies = optimizer_step_s(c.profile, c.training, lay.offload_optimizer, local)
+        seconds, copies = optimizer_step_s(c.profile, state, step_bytes, lay.offload_optimizer, local)
         opt_s.append(seconds)
         offload_s = max(offload_s, copies)
     return opt_s, offload_s

@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from planner.contracts import ClusterProfile, ParallelLayout, TrainingConfig
+from planner.contracts import ClusterProfile, ParallelLayout
 from planner.cost.comm import hidden_time_s, host_copy_time_s
 from planner.cost.compute import memory_time_s
 from planner.cost.memory import (
@@ -25,9 +26,7 @@ from planner.cost.memory import (
     held_gradient_bytes_per_param,
     kept_gathered_bytes_per_param,
     model_state_bytes,
-    optimizer_step_bytes_per_param,
     root_gathered_bytes_per_param,
-    state_bytes_per_param,
 )
 
 
@@ -73,9 +72,9 @@ def microbatch_exposed_s(layout: ParallelLayout, gather_f: float, gather_b: floa
             unit_exposed_s(gather_b + grad_mb, grad_mb / units, units, bwd_s, eff))
 
 
-@dataclass(frozen=True)
-class DPExposure:
-    """One rank's data-parallel traffic by cadence (seconds of one call set) and what of it is exposed."""
+class DPExposure(NamedTuple):
+    """One rank's data-parallel traffic by cadence (seconds of one call set) and what of it is exposed (a
+    named tuple: the search builds one per stage timing)."""
 
     gather_f: float  # weight gathers before each micro-batch's forward
     gather_b: float  # ... and again before its backward (resharded ZeRO-3)
@@ -119,17 +118,17 @@ def local_params(dense: float, experts: float, zero_stage: int, shard_n: int, ex
     return dense + experts
 
 
-def optimizer_step_s(profile: ClusterProfile, training: TrainingConfig, offload: bool,
+def optimizer_step_s(profile: ClusterProfile, state: StateBytes, step_bytes: float, offload: bool,
                      local: float) -> tuple[float, float]:
-    """(seconds, of which host copies) of the optimizer step over ``local`` parameters: bandwidth-bound on the
-    GPU, or gradients down and weights up over the host link and the CPU's step when offloaded."""
-    step = local * optimizer_step_bytes_per_param(training)
+    """(seconds, of which host copies) of the optimizer step over ``local`` parameters of ``state`` bytes
+    (:func:`~planner.cost.memory.state_bytes_per_param`) moving ``step_bytes`` each
+    (:func:`~planner.cost.memory.optimizer_step_bytes_per_param`): bandwidth-bound on the GPU, or gradients
+    down and weights up over the host link and the CPU's step when offloaded."""
     if not offload:
-        return memory_time_s(profile, step), 0.0
-    state = state_bytes_per_param(training)
+        return memory_time_s(profile, local * step_bytes), 0.0
     copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
         profile, local * state.weights, to_device=True)
-    return copies + step / profile.assumptions.cpu_optimizer_bytes_per_s, copies
+    return copies + local * step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s, copies
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from planner.cost.memory import (
     fragmentation_share,
     layer_activation_bytes,
     logits_bytes,
+    optimizer_step_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
 )
@@ -257,7 +258,8 @@ def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_sta
                      expert_shard: int, offload: bool, dense_params: float, expert_params: float) -> float:
     """Optimizer step of a stage holding these parameters per GPU (:func:`planner.cost.stage.optimizer_step_s`)."""
     local = local_params(dense_params, expert_params, zero_stage, shard_n, expert_shard)
-    return optimizer_step_s(profile, training, offload, local)[0]
+    return optimizer_step_s(profile, state_bytes_per_param(training), optimizer_step_bytes_per_param(training),
+                            offload, local)[0]
 
 
 def dp_affine(profile: ClusterProfile, training: TrainingConfig, layout: ParallelLayout | Callable[[], ParallelLayout],
@@ -364,6 +366,7 @@ class StageModel:
         tied = model.vocab_size * model.hidden_size if model.tied_embeddings and base.pp > 1 else 0
         self.head_params = head_per_tp_rank(model, base.tp, tied)
         self.state = state_bytes_per_param(training)
+        self.step_bytes = optimizer_step_bytes_per_param(training)
         self.shard_n = base.dp_shard * base.cp
         self.expert_shard = base.expert_dp
         self.eff = profile.assumptions.async_overlap_efficiency if base.dp_comm_overlap else 0.0
@@ -413,7 +416,7 @@ class StageModel:
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
         """:func:`planner.cost.stage.optimizer_step_s` of this layout's rank holding these parameters."""
         local = local_params(dense_params, expert_params, self.layout.zero_stage, self.shard_n, self.expert_shard)
-        return optimizer_step_s(self.profile, self.training, self.layout.offload_optimizer, local)[0]
+        return optimizer_step_s(self.profile, self.state, self.step_bytes, self.layout.offload_optimizer, local)[0]
 
     # -- one stage -----------------------------------------------------------------------------
     def rank_layers(self, chunks: list[int]) -> list[list[int]]:
