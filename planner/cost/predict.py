@@ -277,7 +277,7 @@ class _Step:
     loss_per_logit: float = 0.0  # bytes per logit of the target's loss (TargetFacts.loss)
     master_in_param: bool = False  # TargetFacts.master_in_param
     root_params: float = 0.0  # TargetFacts.fsdp_root
-    fp8_inputs: bool = True  # TargetFacts.fp8_saved_inputs
+    fp8_inputs: bool = False  # TargetFacts.fp8_inputs: saved inputs in FP8
     _blocks: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
     _acts: dict = field(default_factory=dict)
@@ -308,7 +308,7 @@ class _Step:
             shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp, self.mb.etp)
             self._acts[key] = layer_activation_bytes(self.model, i, shape, recompute, flash=t.flash_attention,
                                                      elt=t.precision.bytes,
-                                                     fp8=t.precision is Precision.fp8 and self.fp8_inputs,
+                                                     fp8=self.fp8_inputs,
                                                      moe_imbalance=t.moe_load_imbalance)
         return self._acts[key]
 
@@ -337,7 +337,7 @@ def _new_step(model: ModelSpec, training: TrainingConfig, profile: ClusterProfil
     return _Step(model, training, profile, layout, m, mesh_groups(layout, profile.gpus_per_node), mb,
                  [model.is_moe_layer(i) for i in range(model.num_layers)],
                  profile.assumptions.loss_bytes_per_logit if own is None else own, facts.master_in_param,
-                 facts.fsdp_root(model, layout.tp), facts.fp8_saved_inputs)
+                 facts.fsdp_root(model, layout.tp), facts.fp8_inputs(training))
 
 
 def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:

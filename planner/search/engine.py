@@ -201,8 +201,8 @@ class _SearchState:
         targets.check(opts.target, targets.Job(model, training, ParallelLayout()), ("model",))  # nothing could run
         if opts.compile:  # a target that compiles nothing refuses every leaf: say so once
             refused = targets.refusal(opts.target, targets.Job(model, training, ParallelLayout(compile=True)),
-                                      ("layout",))
-            if refused is not None and refused.limit.field == "layout.compile":
+                                      ("layout",), field="layout.compile")
+            if refused is not None:
                 raise refused
         self.spec = targets.TARGETS[targets.Target(opts.target)]
         self.master_in_param = self.spec.facts.master_in_param  # the target's model states (TargetFacts)

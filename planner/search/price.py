@@ -101,7 +101,8 @@ def default_split_refusal(sm: StageModel, target: str, micro_batches: int) -> ta
 
 
 def best_uniform(sm: StageModel, target: str, micro_batches: int) -> Uniform | None:
-    """:func:`target_fallback`'s search, on a split the target does not refuse as such."""
+    """:func:`target_fallback`'s search, on a split the target does not refuse as such (the caller asked
+    :func:`default_split_refusal`: it is not asked again)."""
     chunks = sm.default_chunks()
     most = max(len(r) for r in sm.rank_layers(chunks))
     best = None
@@ -117,7 +118,8 @@ def best_uniform(sm: StageModel, target: str, micro_batches: int) -> Uniform | N
             if not sm.fits(terms) or (best is not None and step >= best[0]):
                 break
             layout = sm.layout_for(chunks, [(kind, count)] * sm.p)
-            if target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
+            # no recompute there is the split the caller found the target runs (default_split_refusal)
+            if kind is Recompute.none or target_refusal(sm.model, sm.training, target, layout, micro_batches) is None:
                 best = Uniform(step, layout, terms, [(kind, count)] * sm.p)
                 break
         if best is not None and kind is Recompute.none:

@@ -161,7 +161,7 @@ def shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     ``target``'s FP8 saved inputs, on ``profile`` as given (the search's is already the target's,
     ``planner.targets.priced_profile``: its expert GEMMs' concurrency is part of every key), memoised in
     ``cache`` across the candidates of one search."""
-    fp8_in = training.precision is Precision.fp8 and targets.target_facts(target).fp8_saved_inputs
+    fp8_in = targets.target_facts(target).fp8_inputs(training)
     # fast path: the same layout fields give the same groups and micro-batch, so the same result
     fast_key = ("shared-fast", layout.micro_batch_size, layout.tp, layout.sp, layout.cp, layout.ep, layout.etp,
                 layout.pp, layout.dp_shard, layout.dp_replicate, layout.tp_comm_overlap, layout.ep_comm_overlap,
@@ -467,8 +467,7 @@ class StageModel:
         """:meth:`_holdings` of a rank with key (first, last, counts, kind): the rank matters no further."""
         held = self._held.get(key)
         if held is None:
-            first, last, *counts = key
-            held = self._held[key] = self._holdings(0 if first else (self.p - 1 if last else 1), *counts)
+            held = self._held[key] = self._holdings(*key)
         return held
 
     def _stage_timing(self, key: tuple) -> tuple[float, float, float]:
@@ -509,10 +508,11 @@ class StageModel:
         key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
         return self._memory(rank, *self._held_for(key), n_dense + n_moe)
 
-    def _holdings(self, rank: int, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
+    def _holdings(self, first: bool, last: bool, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
                   r_moe: int) -> tuple[float, float, float, float, float]:
         """What a rank holds: (dense params, expert params, activations per micro-batch, the
-        full-recompute transient, the biggest block's gathered params) — embedding and head included."""
+        full-recompute transient, the biggest block's gathered params) — the embedding on the ``first`` rank
+        and the head on the ``last`` included."""
         dense = experts = acts = transient = gather_biggest = 0.0
         for moe, n, rc in ((False, n_dense, r_dense), (True, n_moe, r_moe)):
             if n == 0:
@@ -524,9 +524,9 @@ class StageModel:
             if rc and kind is Recompute.full:
                 transient = max(transient, kc.activations[Recompute.none])
             gather_biggest = max(gather_biggest, kc.gather_params)
-        if rank == 0:
+        if first:
             dense += self.emb_params
-        if rank == self.p - 1:
+        if last:
             dense += self.head_params
         return dense, experts, acts, transient, gather_biggest
 

@@ -100,6 +100,11 @@ class TargetFacts:
     fp8_saved_inputs: bool = True
     fp8_source: str = "refuses FP8 training: never priced"
 
+    def fp8_inputs(self, training: TrainingConfig) -> bool:
+        """Whether a layer's saved inputs are FP8 (1 byte) under ``training``: FP8 training on a target that
+        keeps them (``fp8_saved_inputs``); what predict and the search's activation bytes read."""
+        return training.precision is Precision.fp8 and self.fp8_saved_inputs
+
 
 GROUPED_MM_GPUS = re.compile(r"(?<![a-z0-9])(gh200|h100|h200|h800|h20|g?b100|g?b200|g?b300)(?![a-z0-9])", re.IGNORECASE)
 """NVIDIA GPUs of compute capability 9.0 and 10.x (Hopper and datacenter Blackwell), where ``torch._grouped_mm``
@@ -180,15 +185,16 @@ def _target(target: Target | str) -> Target:
 _BY_NAME = {t.value: t for t in Target}
 
 
-def refusal(target: Target | str, job: Job, scopes: Iterable[str] = SCOPES) -> TargetRefusal | None:
-    """The error of the first row of ``target``'s table, among ``scopes``, that refuses ``job``; None
-    when the target runs it."""
+def refusal(target: Target | str, job: Job, scopes: Iterable[str] = SCOPES,
+            field: str | None = None) -> TargetRefusal | None:
+    """The error of the first row of ``target``'s table, among ``scopes`` (and, given ``field``, among the
+    rows about that field only), that refuses ``job``; None when the target runs it."""
     t, wanted = _target(target), tuple(scopes)
     for scope in wanted:
         if scope not in SCOPES:
             raise UnknownNameError("scope", scope, list(SCOPES))
     for limit in TARGETS[t].limits:
-        if limit.scope in wanted and limit.refuses(job):
+        if limit.scope in wanted and (field is None or limit.field == field) and limit.refuses(job):
             return limit.error(job, t)
     return None
 
