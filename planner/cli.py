@@ -6,11 +6,14 @@ the ``autopar.commands`` entry-point group, so this module never imports them.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple, get_type_hints
 
 import typer
 from pydantic import ValidationError
@@ -155,6 +158,48 @@ def load_training(seq: int, global_batch: int | None, global_batch_tokens: int |
     return TrainingConfig(seq_length=seq, global_batch_size=global_batch, global_batch_tokens=global_batch_tokens,
                           precision=precision, optimizer=optimizer, flash_attention=not unfused_attention,
                           moe_load_imbalance=moe_imbalance)
+
+
+class JobInputs(NamedTuple):
+    """The job a command plans or predicts: what :func:`with_job` loaded from its options."""
+
+    model: ModelSpec
+    profile: ClusterProfile
+    training: TrainingConfig
+
+
+# the options that describe a job, shared by `plan` and `predict` (one home: name, type and help, default)
+JOB_OPTIONS: tuple[tuple[str, object, object], ...] = (
+    ("model", OptModel, None), ("model_file", OptModelFile, None), ("hf_config", OptHfConfig, None),
+    ("cluster", OptCluster, None), ("nodes", OptNodes, None), ("gpus", OptGpus, None), ("profile", OptProfile, None),
+    ("global_batch", OptGlobalBatch, None), ("global_batch_tokens", OptGlobalBatchTokens, None),
+    ("seq", OptSeq, 4096), ("precision", OptPrecision, Precision.bf16), ("optimizer", OptOptimizer, Optimizer.adamw),
+    ("unfused_attention", OptUnfusedAttention, False), ("moe_imbalance", OptMoeImbalance, 1.0),
+)
+
+
+def with_job(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` the :data:`JOB_OPTIONS` before its own options and call it with ``job``, the
+    :class:`JobInputs` they load (model, then cluster, then training: the first bad one is the error)."""
+    own_hints = get_type_hints(command, include_extras=True)
+    own = [p.replace(annotation=own_hints[p.name]) for p in inspect.signature(command).parameters.values()
+           if p.name != "job"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=hint, default=default)
+             for name, hint, default in JOB_OPTIONS]
+
+    @functools.wraps(command)
+    def run(**options: object) -> None:
+        o = {name: options.pop(name) for name, _, _ in JOB_OPTIONS}
+        job = JobInputs(load_model(o["model"], o["model_file"], o["hf_config"]),
+                        load_profile(o["cluster"], o["nodes"], o["profile"], o["gpus"]),
+                        load_training(o["seq"], o["global_batch"], o["global_batch_tokens"], o["precision"],
+                                      o["optimizer"], o["unfused_attention"], o["moe_imbalance"]))
+        command(job=job, **options)
+
+    params = [*added, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own)]
+    run.__signature__ = inspect.Signature(params)  # what typer reads
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
 
 
 def _read(path: Path, flag: str) -> str:
@@ -313,21 +358,9 @@ def render_prediction(plan: Plan) -> None:
 
 # ---------------------------------------------------------------- commands
 @app.command()
+@with_job
 def predict(
-    model: OptModel = None,
-    model_file: OptModelFile = None,
-    hf_config: OptHfConfig = None,
-    cluster: OptCluster = None,
-    nodes: OptNodes = None,
-    gpus: OptGpus = None,
-    profile: OptProfile = None,
-    global_batch: OptGlobalBatch = None,
-    global_batch_tokens: OptGlobalBatchTokens = None,
-    seq: OptSeq = 4096,
-    precision: OptPrecision = Precision.bf16,
-    optimizer: OptOptimizer = Optimizer.adamw,
-    unfused_attention: OptUnfusedAttention = False,
-    moe_imbalance: OptMoeImbalance = 1.0,
+    job: JobInputs,
     tp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="tensor parallel degree")] = 1,
     pp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="pipeline parallel degree")] = 1,
     cp: Annotated[int, typer.Option(min=1, max=MAX_GPUS, help="context parallel degree")] = 1,
@@ -361,10 +394,7 @@ def predict(
     from planner.cost.predict import predict as run_prediction
     from planner.targets import planned_scatter_gather
 
-    spec = load_model(model, model_file, hf_config)
-    prof = load_profile(cluster, nodes, profile, gpus)
-    training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
-                             moe_imbalance)
+    spec, prof, training = job
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
     # the pipeline sends what the target's stages send (TargetFacts.pp_sends)
@@ -380,21 +410,9 @@ def predict(
 
 
 @app.command()
+@with_job
 def plan(
-    model: OptModel = None,
-    model_file: OptModelFile = None,
-    hf_config: OptHfConfig = None,
-    cluster: OptCluster = None,
-    nodes: OptNodes = None,
-    gpus: OptGpus = None,
-    profile: OptProfile = None,
-    global_batch: OptGlobalBatch = None,
-    global_batch_tokens: OptGlobalBatchTokens = None,
-    seq: OptSeq = 4096,
-    precision: OptPrecision = Precision.bf16,
-    optimizer: OptOptimizer = Optimizer.adamw,
-    unfused_attention: OptUnfusedAttention = False,
-    moe_imbalance: OptMoeImbalance = 1.0,
+    job: JobInputs,
     top: Annotated[int, typer.Option(
         "--top", min=1, max=MAX_TOP_K, help="alternatives to keep (top K plans)")] = SEARCH.top_k,
     max_micro_batch: Annotated[int, typer.Option(
@@ -444,10 +462,7 @@ def plan(
 
     from planner.search import search
 
-    spec = load_model(model, model_file, hf_config)
-    prof = load_profile(cluster, nodes, profile, gpus)
-    training = load_training(seq, global_batch, global_batch_tokens, precision, optimizer, unfused_attention,
-                             moe_imbalance)
+    spec, prof, training = job
     if memory_headroom is not None:
         prof = prof.model_copy(update={"assumptions": prof.assumptions.model_copy(
             update={"memory_headroom": memory_headroom})})
