@@ -25,6 +25,7 @@ from api.timeline import ScheduleError, makespan, simulate
 from planner.contracts import ClusterProfile, Plan, RunReport
 from planner.contracts.cluster import LINEAR_LAYOUTS, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
+from planner.contracts.report import term_comparison
 from planner.cost.comm import ring_factor
 
 log = logging.getLogger("autopar.pages")
@@ -436,19 +437,28 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
     if found is None:
         return _not_found(request, "run", run_id)
     row, plan_row = found
-    report, problem, chart = None, None, None
+    report, problem, charts_ = None, None, []
     try:
         report = RunReport.model_validate(row.report)
     except ValidationError as exc:
         problem = f"the stored report does not validate against today's contract: {exc.error_count()} errors"
     pred = (plan_row.plan or {}).get("prediction") or {}
     if report is not None:
-        series = [Series("measured step time", [(s.step, s.time_s) for s in report.steps], "both", charts.PALETTE[0])]
-        if row.predicted_step_s and report.steps:
-            steps = [s.step for s in report.steps]
-            series.append(Series("predicted", [(min(steps), row.predicted_step_s), (max(steps), row.predicted_step_s)],
-                                 "line", charts.PALETTE[1], dashed=True))
-        chart = charts.xy_chart(series, title="Step time per step", x_label="step", y_label="seconds",
-                                log_x=False, y_fmt=fmt_seconds, x_fmt=lambda v: f"{v:g}")
+        charts_ = _run_charts(report, row.predicted_step_s)
     return _page(request, "run.html", title=f"Run {row.id}", row=row, plan_row=plan_row, report=report,
-                 problem=problem, chart=chart, pred=pred)
+                 problem=problem, charts=charts_, pred=pred, terms=term_comparison(pred.get("terms") or {}, report))
+
+
+def _run_charts(report: RunReport, predicted_s: float | None) -> list:
+    """Step time per step (the prediction dashed) and the loss curve."""
+    series = [Series("measured step time", [(s.step, s.time_s) for s in report.steps], "both", charts.PALETTE[0])]
+    if predicted_s and report.steps:
+        steps = [s.step for s in report.steps]
+        series.append(Series("predicted", [(min(steps), predicted_s), (max(steps), predicted_s)],
+                             "line", charts.PALETTE[1], dashed=True))
+    times = charts.xy_chart(series, title="Step time per step", x_label="step", y_label="seconds",
+                            log_x=False, y_fmt=fmt_seconds, x_fmt=lambda v: f"{v:g}")
+    losses = charts.xy_chart([Series("loss", [(s.step, s.loss) for s in report.steps], "both", charts.PALETTE[2])],
+                             title="Loss per step", x_label="step", y_label="loss", log_x=False,
+                             y_fmt=lambda v: f"{v:.4g}", x_fmt=lambda v: f"{v:g}")
+    return [times, losses]

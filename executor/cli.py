@@ -30,6 +30,7 @@ from rich.table import Table
 
 from planner.console import make_console, styled
 from planner.contracts import ClusterProfile, ParallelLayout, Plan, RunReport
+from planner.contracts.report import term_comparison
 from planner.errors import AutoparError
 from planner.files import check_out, check_out_dir, kept_name, read_input
 
@@ -249,11 +250,27 @@ def render_report(report: RunReport, plan: Plan) -> None:
     table.add_row(f"peak memory/rank ({report.memory_kind})", f"{peak / GiB:.2f} GiB",
                   f"{pred.memory.total_bytes / GiB:.2f} GiB")
     console.print(table)
+    render_terms(report, plan)
     if report.steps:
         first, last = report.steps[0], report.steps[-1]
+        timed = [s for s in report.steps[report.warmup_steps:] if not s.profiled]
         console.print(f"loss {first.loss:.4f} (step {first.step}) -> {last.loss:.4f} (step {last.step}); "
-                      f"median over {len(report.steps) - report.warmup_steps} step(s) after "
-                      f"{report.warmup_steps} warm-up")
+                      f"median over {len(timed)} step(s) after {report.warmup_steps} warm-up"
+                      + (f" and before {len(report.steps) - report.warmup_steps - len(timed)} profiled"
+                         if report.breakdown else ""))
+
+
+def render_terms(report: RunReport, plan: Plan) -> None:
+    """The step by term (``RunReport.breakdown``, the mean over ranks) beside the prediction's, as shares."""
+    if not report.breakdown:
+        return
+    table = Table(title="where the step goes (shares of the step; measured: mean over ranks, profiled steps)")
+    for col in ("term", "predicted", "measured"):
+        table.add_column(col, justify="left" if col == "term" else "right")
+    for row in term_comparison(plan.prediction.terms, report):
+        table.add_row(row["term"], *(f"{row[k]:.1%}" if row[k] is not None else "—"
+                                     for k in ("predicted_share", "measured_share")))
+    console.print(table)
 
 
 def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep: Path) -> dict:
@@ -272,6 +289,8 @@ def run(
     warmup: Annotated[int | None, typer.Option(min=0, help="first steps left out of the median step time, below "
                                                      "--steps (default 3, or --steps - 1 if that is fewer)")] = None,
     seed: Annotated[int, typer.Option(help="weights and synthetic data seed")] = 0,
+    profile_steps: Annotated[int, typer.Option(min=0, max=100, help="the last steps to run under torch.profiler for "
+                                               "the step's breakdown by term (left out of the median; 0: none)")] = 2,
     lr: Annotated[float, typer.Option(help="AdamW learning rate (0 to 10)")] = 1e-3,
     checkpoint_dir: Annotated[Path | None, typer.Option(help="save DCP checkpoints here (step_<N>/)")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=0, help="save every K steps (0: never)")] = 0,
@@ -341,7 +360,7 @@ def run(
     report_path = out or Path(tempfile.mkdtemp(prefix="autopar-run-")) / "report.json"
     report_path.unlink(missing_ok=True)
     args = ["--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed), "--lr", str(lr),
-            "--out", str(report_path.resolve())]
+            "--profile-steps", str(profile_steps), "--out", str(report_path.resolve())]
     args += _optional_worker_args({"--checkpoint-dir": checkpoint_dir, "--data": data, "--hf-config": hf_config,
                                    "--profile": profile}, checkpoint_every, async_checkpoint, resume, plan_id)
     cmd = worker_command(plan_file.resolve(), nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,

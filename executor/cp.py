@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
+from executor.measure import label
 from planner.errors import AutoparError
 
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the old names warn); same contract.
@@ -76,7 +77,8 @@ class _AllGatherKV(torch.autograd.Function):
         cp = dist.get_world_size(group)
         local = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1)  # [S_l, 2, B, H, Dh]
         gathered = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-        _all_gather_single(gathered, local, group=group)
+        with label("autopar.cp"):
+            _all_gather_single(gathered, local, group=group)
         return gathered[:, 0].permute(1, 2, 0, 3), gathered[:, 1].permute(1, 2, 0, 3)
 
     @staticmethod
@@ -85,7 +87,8 @@ class _AllGatherKV(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         stacked = torch.stack([grad_k_all.permute(2, 0, 1, 3), grad_v_all.permute(2, 0, 1, 3)], dim=1)
         own = stacked.new_empty((stacked.shape[0] // cp, *stacked.shape[1:]))
-        _reduce_scatter_single(own, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
+        with label("autopar.cp"):
+            _reduce_scatter_single(own, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
         return own[:, 0].permute(1, 2, 0, 3), own[:, 1].permute(1, 2, 0, 3), None
 
 
@@ -93,7 +96,8 @@ def _all_gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch
     """[S_local] int64 -> [cp·S_local], ranks in group order (the order of :class:`_AllGatherKV`)."""
     local = positions.to(torch.int64).contiguous()
     gathered = local.new_empty(dist.get_world_size(group) * local.numel())
-    _all_gather_single(gathered, local, group=group)
+    with label("autopar.cp"):
+        _all_gather_single(gathered, local, group=group)
     return gathered
 
 

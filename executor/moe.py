@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from executor.cp import _all_gather_single, _reduce_scatter_single
+from executor.measure import label
 from planner.contracts import MoESpec
 from planner.errors import AutoparError
 
@@ -237,13 +238,15 @@ class _AllToAll(torch.autograd.Function):
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with label("autopar.ep"):
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        with label("autopar.ep"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -348,7 +351,8 @@ class MoE(nn.Module):
         if self.token_group is None:
             return coef * (counts / ids.numel() * probs.mean(0)).sum()
         stats = torch.cat([counts, psum.detach()])
-        dist.all_reduce(stats, group=self.token_group)
+        with label("autopar.ep"):
+            dist.all_reduce(stats, group=self.token_group)
         tokens = ids.shape[0] * dist.get_world_size(self.token_group)
         frac = stats[:self.num_experts] / (tokens * self.top_k)
         part = coef * (frac * psum).sum() / tokens
@@ -371,8 +375,9 @@ class MoE(nn.Module):
         pos = positions.to(ids.device, torch.long).contiguous()
         all_ids = [torch.empty_like(ids) for _ in range(size)]
         all_pos = [torch.empty_like(pos) for _ in range(size)]
-        dist.all_gather(all_ids, ids.contiguous(), group=group)
-        dist.all_gather(all_pos, pos, group=group)
+        with label("autopar.ep"):
+            dist.all_gather(all_ids, ids.contiguous(), group=group)
+            dist.all_gather(all_pos, pos, group=group)
         total = seq * size
         if not torch.equal(torch.cat(all_pos).sort().values, torch.arange(total, device=pos.device)):
             raise AutoparError("positions", "of the token group", "give each rank its own share of 0..S-1",
@@ -390,7 +395,8 @@ class MoE(nn.Module):
         local_e = self.num_experts // ep
         send = counts.view(ep, local_e)  # [destination rank, its local expert]
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, my local expert]
+        with label("autopar.ep"):
+            dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, my local expert]
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         got = all_to_all(rows, out_splits, in_splits, group)
         # received: by source rank, each block sorted by my local expert -> regroup by local expert
@@ -405,7 +411,8 @@ class MoE(nn.Module):
             return self.experts.forward_grouped(rows, counts.tolist())
         group, etp, n = self.etp_group, dist.get_world_size(self.etp_group), rows.shape[0]
         peers = [torch.empty_like(counts) for _ in range(etp)]
-        dist.all_gather(peers, counts.contiguous(), group=group)
+        with label("autopar.ep"):
+            dist.all_gather(peers, counts.contiguous(), group=group)
         peer_counts = torch.stack(peers)  # [peer, local expert]
         sizes = peer_counts.sum(1).tolist()
         gathered = all_to_all(rows.repeat(etp, 1), sizes, [n] * etp, group)  # by peer, sorted by expert

@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from executor.adapters import ModelAdapter, builtin_adapter, get_submodule
+from executor.measure import label
 from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
@@ -543,7 +544,8 @@ class GradAllReduce(nn.Module):
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             mesh = self._meshes[name]
             if mesh.size() > 1:
-                dist.all_reduce(g, group=mesh.get_group())
+                with label("autopar.dp_grad"):
+                    dist.all_reduce(g, group=mesh.get_group())
             if self.scale > 1:
                 g.div_(self.scale)
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.devices import cuda_ranks
+from executor.measure import StepProfiler, label
 from planner.contracts import (
     ClusterProfile,
     Environment,
@@ -76,6 +77,16 @@ class RunOptions:
     record_dir: str | None = None  # tests: per-rank losses, first-step gradients, final weights
     profile: str | None = None
     plan_id: str | None = None
+    profile_steps: int = 2  # the last steps run under torch.profiler for the breakdown (0: none)
+
+
+def profiled_from(opts: RunOptions, start: int) -> int:
+    """The first step run under the profiler: the last ``opts.profile_steps`` steps, where at least one step this
+    run times after its warm-up (it starts at ``start``: 0, or the step it resumed at) is left unprofiled for
+    the median; else none (``opts.steps``)."""
+    timed_from = start + min(opts.warmup, opts.steps - start - 1)  # the report's first step in the median
+    first = opts.steps - opts.profile_steps
+    return first if opts.profile_steps > 0 and first > timed_from else opts.steps
 
 
 def plan_for(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, profile: ClusterProfile) -> Plan:
@@ -255,7 +266,8 @@ class Runtime:
             s.sync()
         total = local.reshape(1) if isinstance(local, torch.Tensor) else \
             torch.tensor([local], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
+        with label("autopar.other"):  # the loss's all-reduce, for the report: not a planned collective
+            dist.all_reduce(total)
         # every TP rank of a data-parallel rank computed the same loss: count it once
         return total.item() / self.layout.tp
 
@@ -386,17 +398,22 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             console.print(f"resumed from {ckpt.root / f'step_{found}'}: continuing at step {start}")
     records: list[StepRecord] = []
     grads = None
+    prof = StepProfiler(opts.profile_steps, profiled_from(opts, start), rt.device.type, plan.layout.tp)
     for step in range(start, opts.steps):
         _maybe_die(step, rt.rank)
-        rt.prefetch(step)
+        prof.start(step)
+        with label("autopar.data"):
+            rt.prefetch(step)
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = rt.step(step)
-        if opts.record_dir and grads is None:
-            grads = rt.full_grads()
-        rt.optimizer.step()
+        with prof.step(step):
+            loss = rt.step(step)
+            if opts.record_dir and grads is None:
+                grads = rt.full_grads()
+            with label("autopar.optimizer"):
+                rt.optimizer.step()
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -404,7 +421,7 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
         if not math.isfinite(loss):  # the same global loss on every rank: all stop here, alike
             raise AutoparError("--lr", opts.lr, "lower --lr (or check --data's token ids); the steps before it ran",
                                problem=f"made the loss {loss} at step {step}: the run diverged")
-        records.append(StepRecord(step=step, loss=loss, time_s=dt))
+        records.append(StepRecord(step=step, loss=loss, time_s=dt, profiled=prof.profiled(step)))
         if console:
             console.print(f"step {step:>5}  loss {loss:.6f}  {dt * 1e3:9.1f} ms")
         if ckpt is not None and ckpt.due(step + 1):
@@ -422,11 +439,14 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
     mem, kind = peak_memory_bytes(rt.device)
     mems: list = [None] * rt.world
     dist.all_gather_object(mems, mem)
+    split = prof.result(rt.rank)
+    splits: list = [None] * rt.world
+    dist.all_gather_object(splits, split)
     env = _environment(rt.device, rt.world)
     report = None
     if rt.rank == 0 and records:
         warm = min(opts.warmup, len(records) - 1)  # steps restored from a checkpoint are not timed either
-        median = statistics.median(r.time_s for r in records[warm:])
+        median = statistics.median(r.time_s for r in records[warm:] if not r.profiled)
         profile = ClusterProfile.model_validate_json(Path(opts.profile).read_text()) if opts.profile else None
         peak = peak_tflops(profile, rt.device, plan.precision)
         mfu = plan.prediction.model_flops_per_step / (median * rt.world * peak * 1e12) if peak else None
@@ -435,7 +455,8 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             device=torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
             num_ranks=rt.world, warmup_steps=len(history) + warm, steps=history + records,
             median_step_time_s=median, tokens_per_s=plan.training.tokens_per_step / median, mfu=mfu,
-            peak_memory_bytes_per_rank=[int(m) for m in mems], memory_kind=kind, environment=env)
+            peak_memory_bytes_per_rank=[int(m) for m in mems], memory_kind=kind, environment=env,
+            breakdown=[t for t in splits if t is not None])
         if opts.out:
             try:  # a run is never lost to a path: where --out fails now, the report is kept and named
                 write_or_keep(Path(opts.out), report.model_dump_json(indent=2), "--out", "run report", "autopar-run")
@@ -450,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="autopar executor worker (run under torchrun; see `autopar run`)")
     ap.add_argument("--plan", required=True)
     for name, typ, default in (("steps", int, 10), ("warmup", int, 2), ("seed", int, 0), ("lr", float, 1e-3),
-                               ("checkpoint-every", int, 0)):
+                               ("checkpoint-every", int, 0), ("profile-steps", int, 2)):
         ap.add_argument(f"--{name}", type=typ, default=default)
     for name in ("data", "hf-config", "checkpoint-dir", "out", "record-dir", "profile", "plan-id"):
         ap.add_argument(f"--{name}", default=None)
@@ -460,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = RunOptions(steps=a.steps, warmup=a.warmup, seed=a.seed, lr=a.lr, data=a.data, hf_config=a.hf_config,
                       checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
                       async_checkpoint=a.async_checkpoint, resume=a.resume, out=a.out, record_dir=a.record_dir,
-                      profile=a.profile, plan_id=a.plan_id)
+                      profile=a.profile, plan_id=a.plan_id, profile_steps=a.profile_steps)
     try:
         plan = Plan.model_validate_json(Path(a.plan).read_text())
         train(plan, opts)

@@ -158,7 +158,10 @@ def test_autopar_run_dp4_writes_a_valid_report_matching_the_reference(tmp_path: 
     assert report.num_ranks == 4 and report.device == "cpu" and report.memory_kind == "rss"
     assert [s.step for s in report.steps] == [0, 1, 2, 3, 4] and report.warmup_steps == 2
     assert len(report.peak_memory_bytes_per_rank) == 4 and min(report.peak_memory_bytes_per_rank) > 50 * 2**20
-    assert report.median_step_time_s == pytest.approx(sorted(s.time_s for s in report.steps[2:])[1])
+    # the last 2 steps ran under the profiler (--profile-steps 2, the default): only step 2 is in the median
+    assert [s.profiled for s in report.steps] == [False, False, False, True, True]
+    assert report.median_step_time_s == pytest.approx(report.steps[2].time_s)
+    assert len(report.breakdown) == 4 and "where the step goes" in r.stdout
     assert report.tokens_per_s == pytest.approx(TRAINING.tokens_per_step / report.median_step_time_s)
     assert report.mfu == pytest.approx(plan.prediction.model_flops_per_step / (report.median_step_time_s * 4 * 0.05e12))
     env = report.environment

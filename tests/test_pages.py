@@ -71,8 +71,11 @@ def site(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         lay = small["plan"]["layout"]
         run = c.post("/v1/runs", json={"plan_id": small["id"], "report": {
             "layout": lay, "device": "cpu", "num_ranks": small["num_gpus"], "warmup_steps": 1,
-            "steps": [{"step": 0, "loss": 10.0, "time_s": 1.0}, {"step": 1, "loss": 9.5, "time_s": 1.1}],
+            "steps": [{"step": 0, "loss": 10.0, "time_s": 1.0}, {"step": 1, "loss": 9.5, "time_s": 1.1},
+                      {"step": 2, "loss": 9.25, "time_s": 1.3, "profiled": True}],
             "median_step_time_s": 1.0, "tokens_per_s": 1000, "peak_memory_bytes_per_rank": [1],
+            "breakdown": [{"rank": 0, "step_s": 1.25, "data_s": 0.01,
+                           "terms": {"gemm": 0.5, "attention": 0.25, "dp_grad": 0.25, "other": 0.25}}],
             "environment": {"hostnames": ["box-1"], "backend": "gloo", "torch_version": "2.13.0+cpu",
                             "gloo_version": "bundled with torch 2.13.0+cpu (build 0123456789ab)",
                             "devices_per_node": 2}}})
@@ -242,7 +245,12 @@ def test_plans_and_runs_lists(site: dict) -> None:
     assert "<circle" in runs and "y = x" in runs
     assert f'href="/plans/{site["small"]["id"]}"' in runs
     run = html(site, f"/runs/{site['run']['id']}")
-    assert "Step time per step" in run and "<circle" in run
+    assert "Step time per step" in run and "Loss per step" in run and "<circle" in run
+    # predicted and measured per term of the step: the measured shares are the breakdown's over its step
+    assert "Where the step goes" in run
+    gemm_row = re.search(r"<th[^>]*>gemm</th>(.*?)</tr>", run, re.S).group(1)
+    assert "40.0%" in gemm_row, gemm_row  # 0.5 of 1.25 s
+    assert re.search(r"<th[^>]*>dp_grad</th>.*?20.0%", run, re.S)
     # the machine it ran on, in the words of a profile's page
     assert ("backend gloo · torch 2.13.0+cpu · gloo bundled with torch 2.13.0+cpu (build 0123456789ab) · "
             "2 CPUs per node · 1 host (box-1)") in run

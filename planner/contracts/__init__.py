@@ -34,7 +34,7 @@ from planner.contracts.plan import (
     StagePrediction,
     StageRecompute,
 )
-from planner.contracts.report import RunReport, StepRecord
+from planner.contracts.report import STEP_TERMS, TERM_MEANING, RunReport, StepRecord, TermTimes
 from planner.contracts.training import TrainingConfig
 
 CONTRACTS = {
@@ -59,5 +59,6 @@ __all__ = [
     "AttentionPoint", "AttentionBlocking", "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
+    "TermTimes", "STEP_TERMS", "TERM_MEANING",
     "SearchReport", "FamilyOutcome",
 ]

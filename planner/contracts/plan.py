@@ -244,6 +244,10 @@ class Prediction(Contract):
     comm: list[CommTime]
     stages: list[StagePrediction]
     notes: list[str] = Field(default_factory=list)
+    terms: dict[str, float] = Field(
+        default_factory=dict, description="the critical rank's step by term (planner.contracts.report.STEP_TERMS): "
+        "compute by operator class, each collective kind's exposed time (pp: sends and the bubble), the optimizer "
+        "step, other: kernel launches; what a run's breakdown is compared with")
     interval: StepTimeInterval | None = Field(
         None, description="where the measured step time lies for 80% of held-out published runs of this regime "
                           "(planner.uncertainty); None where no regime has enough of them")

@@ -5,18 +5,54 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from planner.contracts.cluster import Environment
 from planner.contracts.common import SCHEMA_VERSION, Contract
 from planner.contracts.limits import MAX_GPUS
 from planner.contracts.plan import ParallelLayout
 
+# The terms a step's time is measured in (RunReport.breakdown) and predicted in (Prediction.compute_terms and its
+# comm kinds): one vocabulary for the executor, the planner and the pages.
+COMPUTE_TERMS = ("gemm", "attention", "elementwise", "loss")
+COMM_TERMS = ("tp", "cp", "ep", "pp", "dp_grad", "dp_param")
+STEP_TERMS = (*COMPUTE_TERMS, *COMM_TERMS, "optimizer", "other")
+TERM_MEANING = {
+    "gemm": "matrix multiplications (linear layers, grouped expert GEMMs)",
+    "attention": "the attention core (scaled dot-product, its backward)",
+    "elementwise": "memory-bound operators: norms, activations, rotary embedding, residuals, embedding lookup",
+    "loss": "the cross-entropy over the vocabulary",
+    "tp": "tensor/sequence-parallel collectives", "cp": "context-parallel collectives",
+    "ep": "expert-parallel dispatch and combine", "pp": "pipeline sends and receives, waiting for the neighbour "
+    "stage included (the bubble)", "dp_grad": "gradient reduction", "dp_param": "weight gathers (ZeRO-3/FSDP)",
+    "optimizer": "the optimizer step", "other": "the rest of the step: framework overhead, unattributed waits",
+}
+
 
 class StepRecord(Contract):
     step: int = Field(ge=0, strict=True)
     loss: float
     time_s: float = Field(gt=0)
+    profiled: bool = Field(False, description="run under torch.profiler for the breakdown: left out of the median")
+
+
+class TermTimes(Contract):
+    """One rank's step time split into :data:`STEP_TERMS` (seconds per step, averaged over the profiled steps)."""
+
+    rank: int = Field(ge=0, le=MAX_GPUS, strict=True)
+    step_s: float = Field(gt=0, description="the profiled steps' mean wall time (the profiler slows them)")
+    terms: dict[str, float] = Field(description="term -> seconds per step; they sum to step_s")
+    data_s: float = Field(0.0, ge=0, description="making the next batch, outside the timed step (prefetched)")
+
+    @field_validator("terms")
+    @classmethod
+    def _known(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(STEP_TERMS))
+        if unknown:
+            raise ValueError(f"unknown terms {unknown}: use {', '.join(STEP_TERMS)}")
+        if any(not x >= 0 for x in v.values()):
+            raise ValueError("every term is seconds >= 0")
+        return v
 
 
 class RunReport(Contract):
@@ -34,3 +70,25 @@ class RunReport(Contract):
     peak_memory_bytes_per_rank: list[int]
     memory_kind: Literal["cuda_max_allocated", "rss"] = "rss"
     environment: Environment = Field(default_factory=Environment)
+    breakdown: list[TermTimes] = Field(default_factory=list, description="per rank, the step time by term "
+                                       "(torch.profiler on the profiled steps); empty when not profiled")
+
+
+def term_comparison(predicted: dict[str, float], report: RunReport | None) -> list[dict]:
+    """Per term of the step (STEP_TERMS): predicted and measured seconds per step and their shares of the step;
+    measured is the mean over the profiled ranks. Empty when neither side has terms."""
+    measured = report.breakdown if report is not None else []
+    if not predicted and not measured:
+        return []
+    p_total = sum(predicted.values()) or None
+    m_total = sum(b.step_s for b in measured) / len(measured) if measured else None
+    rows = []
+    for term in STEP_TERMS:
+        m = sum(b.terms.get(term, 0.0) for b in measured) / len(measured) if measured else None
+        p = predicted.get(term) if predicted else None
+        if not (p or m):
+            continue
+        rows.append({"term": term, "meaning": TERM_MEANING[term], "predicted": p, "measured": m,
+                     "predicted_share": p / p_total if p is not None and p_total else None,
+                     "measured_share": m / m_total if m is not None and m_total else None})
+    return rows

@@ -65,6 +65,7 @@ class PassCost:
     gemm_s: float = 0.0
     attention_s: float = 0.0
     memory_s: float = 0.0
+    loss_s: float = 0.0  # of memory_s, the cross-entropy's (for the breakdown by term; not added again)
     overhead_s: float = 0.0  # kernel launches (count x kernel_overhead_s) and, MoE, the exposed host sync
     comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
     exposed_comm_s: dict[str, float] = field(default_factory=dict)
@@ -557,12 +558,10 @@ def lm_head_cost(
     norm = 2 * mb.elt * tokens * h / (t if mb.sp else 1)
     p = mb.precision
     # the loss's backward (softmax minus one-hot) reads and writes the fp32 logits once
-    fwd.memory_s = elementwise_time_s(profile, "rmsnorm", norm, p) + elementwise_time_s(
-        profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p
-    )
-    bwd.memory_s = elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + elementwise_time_s(
-        profile, "softmax_cross_entropy", 8 * logits, p
-    )
+    fwd.loss_s = elementwise_time_s(profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p)
+    bwd.loss_s = elementwise_time_s(profile, "softmax_cross_entropy", 8 * logits, p)
+    fwd.memory_s = elementwise_time_s(profile, "rmsnorm", norm, p) + fwd.loss_s
+    bwd.memory_s = elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + bwd.loss_s
     fwd.overhead_s = 5 * profile.assumptions.kernel_overhead_s  # norm, GEMM, max, exp-sum, loss
     bwd.overhead_s = 2 * fwd.overhead_s
     if t > 1:

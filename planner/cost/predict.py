@@ -24,6 +24,7 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.contracts.cluster import slow_device_limit
+from planner.contracts.report import STEP_TERMS
 from planner.cost.checks import check_layout, default_layer_split
 from planner.cost.comm import (
     call_latency_s,
@@ -480,6 +481,33 @@ def _comm(c: _Step, st: _Stage, t: _Times, dp_comm: dict, offload_s: float) -> l
     return comm
 
 
+def _terms(c: _Step, st: _Stage, t: _Times, comm: list[CommTime], bubble_s: float, opt_s: float) -> dict[str, float]:
+    """The critical rank's step by term (``Prediction.terms``): its passes' compute by operator class over the
+    step (recompute included), each collective kind's exposed time, the bubble with the pipeline's sends,
+    the optimizer step (with offload copies), kernel launches as ``other``."""
+    passes: list[PassCost] = []
+    attention_again = 0.0  # selective recompute re-runs the attention core
+    for li, r in zip(st.layers, st.recompute):
+        bc = c.block(li)
+        passes += [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
+        attention_again += bc.attention_core_forward_s if r is Recompute.selective else 0.0
+    emb_f, emb_b, head_f, head_b = t.ends
+    passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
+    m = c.m
+    out = dict.fromkeys(STEP_TERMS, 0.0)
+    out["gemm"] = m * sum(p.gemm_s for p in passes)
+    out["attention"] = m * (sum(p.attention_s for p in passes) + attention_again)
+    out["loss"] = m * sum(p.loss_s for p in passes)
+    out["elementwise"] = m * sum(p.memory_s - p.loss_s for p in passes)
+    out["other"] = m * sum(p.overhead_s for p in passes)
+    for x in comm:
+        if x.kind != "offload":  # the offload copies are part of the optimizer step (opt_s)
+            out[x.kind] += x.exposed_s
+    out["pp"] += bubble_s
+    out["optimizer"] += opt_s
+    return out
+
+
 def _hardware_flops(c: _Step, stages: list[_Stage], model_flops: float) -> float:
     """Model FLOPs plus what recompute runs again."""
     gbs, seq = c.training.global_batch_seqs, c.training.seq_length
@@ -542,5 +570,5 @@ def _predict(
         compute_time_s=c.m * (t.fwd_s[crit] + t.bwd_s[crit]), bubble_time_s=bubble_s,
         bubble_fraction=bubble_s / step_s, optimizer_time_s=opt_s[crit],
         exposed_comm_time_s=sum(x.exposed_s for x in comm), memory=peak, comm=comm, stages=stage_preds,
-        notes=_notes(c, peak),
+        notes=_notes(c, peak), terms=_terms(c, stages[crit], t, comm, bubble_s, opt_s[crit]),
     )

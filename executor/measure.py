@@ -1,0 +1,178 @@
+"""A rank's step time split into the planner's terms (:data:`planner.contracts.report.STEP_TERMS`), from
+``torch.profiler``.
+
+The executor runs its last few steps under the profiler (:class:`StepProfiler`) with ``record_function``
+labels around what only it knows: the step (``autopar.step``), the optimizer step (``autopar.optimizer``),
+making the next batch (``autopar.data``) and its own collectives (``autopar.cp``, ``autopar.ep``,
+``autopar.dp_grad``, ``autopar.other`` for the loss's all-reduce). FSDP2 labels its own (``FSDP::all_gather``,
+``FSDP::post_backward_reduce``, ...). :func:`split_step` walks the main thread's operator tree under each
+``autopar.step`` and gives each operator's own time (its time less its children's) to one term:
+
+- inside a communication label, everything is that collective's (FSDP's gathers and copies out, our
+  all-to-alls; a blocking wait shows as the label's own time);
+- otherwise a collective by its name: point-to-point sends and receives are the pipeline's, all-to-all the
+  experts', any other the tensor-parallel group's where there is one (DTensor) and data parallel's where
+  there is not (DDP's bucketed all-reduce);
+- a compute operator by its name: GEMMs, the attention core and the cross-entropy (with what they call),
+  the rest elementwise;
+- what is left (Python, autograd and framework overhead, waits outside any operator) is ``other``, so the
+  terms sum to the step's wall time.
+
+On CUDA an operator's time is its kernels' (``self_device_time_total``); on the CPU its host time. Pipeline
+ranks that wait for their neighbour wait inside the receive: the bubble is part of ``pp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from planner.contracts.report import STEP_TERMS, TermTimes
+
+LABELS = {"autopar.optimizer": "optimizer", "autopar.cp": "cp", "autopar.ep": "ep", "autopar.dp_grad": "dp_grad",
+          "autopar.other": "other", "autopar.pp": "pp"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_grouped_mm",
+            "aten::mv", "aten::addmv"}
+COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms")
+
+
+@dataclass
+class Node:
+    """One profiled operator or label on the main thread: its name, its own time in microseconds (its time
+    less its children's) and its children."""
+
+    name: str
+    self_us: float
+    children: list[Node] = field(default_factory=list)
+
+
+def label_term(name: str) -> str | None:
+    """The term a label's whole subtree belongs to (None: not a label that decides)."""
+    if name in LABELS:
+        return LABELS[name]
+    if name.startswith("FSDP::"):
+        return "dp_grad" if "post_backward" in name or "reduce" in name else "dp_param"
+    return None
+
+
+def comm_term(name: str, tp: int) -> str:
+    """An unlabelled collective's term, by its name (module doc)."""
+    low = name.lower()
+    if "send" in low or "recv" in low:
+        return "pp"
+    if "all_to_all" in low or "alltoall" in low:
+        return "ep"
+    return "tp" if tp > 1 else "dp_grad"
+
+
+def compute_term(name: str) -> str:
+    """An operator's compute term, by its name; ``other`` for what is not an ATen operator."""
+    if name in GEMM_OPS:
+        return "gemm"
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        return "attention"
+    if "cross_entropy" in name or "log_softmax" in name or "nll_loss" in name:
+        return "loss"
+    return "elementwise" if name.startswith("aten::") else "other"
+
+
+def add_times(node: Node, tp: int, out: dict[str, float], inherited: str | None = None) -> None:
+    """Add ``node``'s subtree's own times (microseconds) to ``out`` by term."""
+    term = label_term(node.name) or inherited
+    if term is None and node.name.startswith(COMM_PREFIXES):
+        term = comm_term(node.name, tp)  # the whole collective, its copies and waits included
+    own = term or compute_term(node.name)
+    out[own] = out.get(own, 0.0) + node.self_us
+    # what the attention core and the loss call (allocations, copies, their own kernels) is theirs too
+    below = term or (own if own in ("attention", "loss") else None)
+    for child in node.children:
+        add_times(child, tp, out, below)
+
+
+def split_step(steps: list[Node], tp: int, data: list[Node] = ()) -> tuple[float, dict[str, float], float]:
+    """(mean wall seconds of the ``autopar.step`` nodes given, seconds per step by term, seconds per step
+    making batches) — every term of :data:`STEP_TERMS` present, summing to the wall time."""
+    totals: dict[str, float] = {}
+    wall_us = 0.0
+    for step in steps:
+        wall_us += subtree_us(step)
+        add_times(step, tp, totals)
+    n = max(len(steps), 1)
+    terms = {t: totals.get(t, 0.0) / n / 1e6 for t in STEP_TERMS}
+    return wall_us / n / 1e6, terms, sum(subtree_us(d) for d in data) / n / 1e6
+
+
+def subtree_us(node: Node) -> float:
+    return node.self_us + sum(subtree_us(c) for c in node.children)
+
+
+def labelled_trees(events: list, cuda: bool) -> tuple[list[Node], list[Node]]:
+    """(``autopar.step`` nodes, ``autopar.data`` nodes) of ``torch.profiler``'s FunctionEvents, each with the
+    operators it called on its thread (``cpu_children``): the labels are only ever entered on the main
+    thread, so the collectives' worker threads (gloo's, NCCL's) are not in these trees."""
+
+    def node(e) -> Node:  # noqa: ANN001 - a torch FunctionEvent
+        own = e.self_device_time_total if cuda else e.self_cpu_time_total
+        return Node(e.name, float(own), [node(c) for c in e.cpu_children])
+
+    steps = [node(e) for e in events if e.name == "autopar.step"]
+    data = [node(e) for e in events if e.name == "autopar.data"]
+    return steps, data
+
+
+class StepProfiler:
+    """Profile the steps :meth:`step` is asked to (the run's last ``count``) and split them by term."""
+
+    def __init__(self, count: int, first: int, device_type: str, tp: int) -> None:
+        self.count, self.first, self.cuda, self.tp = count, first, device_type == "cuda", tp
+        self._prof = None
+
+    def profiled(self, step: int) -> bool:
+        return self.count > 0 and step >= self.first
+
+    def start(self, step: int) -> None:
+        """Start the profiler before step ``step``'s batch is made, if it is the first profiled step; it stays
+        on to the end of the run."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.profiled(step) and self._prof is None:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run step ``step`` labelled ``autopar.step`` when it is profiled."""
+        if self._prof is None or not self.profiled(step):
+            yield
+            return
+        import torch
+        from torch.profiler import record_function
+
+        with record_function("autopar.step"):
+            yield
+            if self.cuda:
+                torch.cuda.synchronize()
+
+    def result(self, rank: int) -> TermTimes | None:
+        """This rank's :class:`TermTimes` (None when nothing was profiled)."""
+        if self._prof is None:
+            return None
+        self._prof.__exit__(None, None, None)
+        steps, data = labelled_trees(list(self._prof.events()), self.cuda)
+        self._prof = None
+        if not steps:
+            return None
+        wall, terms, data_s = split_step(steps, self.tp, data)
+        terms["other"] = max(0.0, terms["other"])
+        return TermTimes(rank=rank, step_s=max(wall, 1e-9), terms=terms, data_s=data_s)
+
+
+@contextlib.contextmanager
+def label(name: str) -> Iterator[None]:
+    """``torch.profiler.record_function(name)`` (a no-op cost when nothing profiles)."""
+    from torch.profiler import record_function
+
+    with record_function(name):
+        yield
