@@ -29,6 +29,7 @@ from planner.contracts import (
     Precision,
     Prediction,
     Recompute,
+    RunReport,
     Schedule,
     TrainingConfig,
     json_schemas,
@@ -625,6 +626,40 @@ def validate(
         return
     console.print(f"rows={summary.rows} median_abs_err={summary.median_abs_err:.1%} "
                   f"p90_abs_err={summary.p90_abs_err:.1%} max_abs_err={summary.max_abs_err:.1%}", highlight=False)
+
+
+@app.command()
+def calibrate(
+    profile: Annotated[Path, typer.Argument(help="the cluster's ClusterProfile JSON (its calibration is refitted)")],
+    runs: Annotated[list[Path], typer.Argument(help="run folders, each with the plan.json that ran and the "
+                                                    "report.json `autopar run --out` wrote for it")],
+    out: Annotated[Path, typer.Option(help="where to write the calibrated profile")] = Path("calibrated.json"),
+) -> None:
+    """Fit the cost model's terms to this cluster's own runs (their breakdown by term) into a new profile.
+
+      autopar calibrate cpu.json runs/dp4 runs/tp2dp2 runs/pp2dp2 --out cpu-calibrated.json
+    """
+    from planner.run_calibration import CalibrationRun
+    from planner.run_calibration import calibrate as fit
+
+    base = ClusterProfile.model_validate_json(_read(profile, "PROFILE"))
+    check_out(out, "calibrated.json")
+    loaded = [CalibrationRun(str(d), _load_plan(d / "plan.json"),
+                             RunReport.model_validate_json(_read(d / "report.json", "RUNS"))) for d in runs]
+    done = fit(base, loaded)
+    cal = done.calibration
+    table = Table(title=f"calibrated on {len(loaded)} run(s): measured / predicted per term")
+    for col in ("term", "factor", "runs' range", "runs"):
+        table.add_column(col, justify="left" if col == "term" else "right")
+    for term, f in cal.factors.items():
+        table.add_row(term, f"x{f.factor:.3g}", f"{f.low:.3g} .. {f.high:.3g}", str(f.runs))
+    console.print(table)
+    held = "n/a (one run)" if cal.held_out_median_error is None else f"{cal.held_out_median_error:.1%}"
+    console.print(f"step time median |error| over these runs: {cal.uncalibrated_median_error:.1%} before, "
+                  f"{cal.fitted_median_error:.1%} after (fitted on them); leave-one-run-out {held}: what to "
+                  "expect of a plan not yet run", highlight=False)
+    write_or_keep(out, done.model_dump_json(indent=2), "--out", "calibrated profile", "autopar-profile")
+    console.print(f"calibrated profile written to {out} (plan with --profile {out})")
 
 
 @app.command()

@@ -419,6 +419,37 @@ class DeviceCheck(Contract):
     memory_bandwidth_bytes_per_s: float = Field(gt=0, description="of an add over buffers several times the caches")
 
 
+FACTOR_BOUNDS = (0.05, 50.0)  # a calibration factor outside these is clipped: a term off by more is not tuned away
+
+
+class TermFactor(Contract):
+    """How much longer a term of the step measured than predicted on this cluster's runs
+    (``planner.run_calibration``)."""
+
+    factor: float = Field(ge=FACTOR_BOUNDS[0], le=FACTOR_BOUNDS[1], description="measured / predicted, the median "
+                          "over the runs, clipped to FACTOR_BOUNDS")
+    low: float = Field(gt=0, description="the least run's ratio (clipped): with high, the factor's spread")
+    high: float = Field(gt=0)
+    runs: int = Field(ge=1, strict=True, description="runs that measured and predicted this term")
+
+
+class RunCalibration(Contract):
+    """Corrections of the cost model's terms fitted on this cluster's own runs: each term of the step
+    (``STEP_TERMS``) predicted by the profile it was fitted on is multiplied by its factor."""
+
+    factors: dict[str, TermFactor]
+    runs: list[str] = Field(description="the runs fitted on (the service's ids, or report files)")
+    fitted_median_error: float = Field(ge=0, description="median |predicted / measured - 1| of the step over the "
+                                       "runs fitted on, calibrated (in sample)")
+    held_out_median_error: float | None = Field(None, ge=0, description="the same, each run predicted by factors "
+                                                "fitted without it (leave-one-run-out); None with one run")
+    uncalibrated_median_error: float = Field(ge=0, description="the runs' median error before calibration")
+
+    def factor(self, term: str) -> float:
+        got = self.factors.get(term)
+        return 1.0 if got is None else got.factor
+
+
 class ClusterProfile(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["measured", "reference"]
@@ -436,6 +467,12 @@ class ClusterProfile(Contract):
         default_factory=list, description="every rank's device at one GEMM and one memory-bound add (measured "
         "profiles): the compute tables are rank 0's, and synchronous training runs at its slowest device's pace, "
         "so the planner scales them by rank 0's check over the slowest rank's")
+    calibration: RunCalibration | None = Field(None, description="corrections fitted on this cluster's runs "
+                                               "(`autopar calibrate`); every prediction on the profile applies them")
+
+    def term_factor(self, term: str) -> float:
+        """The calibration's factor of ``term`` (``planner.contracts.report.STEP_TERMS``); 1 uncalibrated."""
+        return 1.0 if self.calibration is None else self.calibration.factor(term)
 
     @property
     def is_cpu(self) -> bool:

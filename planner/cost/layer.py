@@ -79,6 +79,23 @@ class PassCost:
     def total_s(self) -> float:
         return self.compute_s + sum(self.exposed_comm_s.values())
 
+    def calibrated(self, profile: ClusterProfile) -> PassCost:
+        """This pass with ``profile``'s run calibration (``ClusterProfile.term_factor``, fitted by
+        ``planner.run_calibration``) applied in place: each operator class and collective kind times its factor,
+        kernel launches (and the MoE host sync) by ``other``'s. Unchanged on an uncalibrated profile."""
+        if profile.calibration is None:
+            return self
+        f = profile.term_factor
+        self.gemm_s *= f("gemm")
+        self.attention_s *= f("attention")
+        self.memory_s = (self.memory_s - self.loss_s) * f("elementwise") + self.loss_s * f("loss")
+        self.loss_s *= f("loss")
+        self.overhead_s *= f("other")
+        for kind in self.comm_s:
+            self.comm_s[kind] *= f(kind)
+            self.exposed_comm_s[kind] *= f(kind)
+        return self
+
     def add_comm(self, kind: str, time_s: float, exposed_s: float, nbytes: float) -> None:
         """Record collectives of ``kind``: total time, the part on the critical path, buffer bytes."""
         self.comm_s[kind] = self.comm_s.get(kind, 0.0) + time_s
@@ -337,7 +354,8 @@ def block_cost(
     bwd.overhead_s = 2 * fwd.overhead_s
     if moe is not None:
         _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
-    return BlockCost(fwd, bwd, attention_core_forward_s=core_f)
+    return BlockCost(fwd.calibrated(profile), bwd.calibrated(profile),
+                     attention_core_forward_s=core_f * profile.term_factor("attention"))
 
 
 def _block_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch,
@@ -541,7 +559,7 @@ def embedding_cost(
         if mb.sp:
             back = collective_time_s(profile, Collective.all_gather, groups["tp"], size)
             bwd.add_comm("tp", back, back, size)
-    return fwd, bwd
+    return fwd.calibrated(profile), bwd.calibrated(profile)
 
 
 def lm_head_cost(
@@ -574,4 +592,4 @@ def lm_head_cost(
         else:
             reduce = collective_time_s(profile, Collective.all_reduce, groups["tp"], size)
             bwd.add_comm("tp", reduce, reduce, size)
-    return fwd, bwd
+    return fwd.calibrated(profile), bwd.calibrated(profile)

@@ -23,7 +23,7 @@ from planner.contracts import (
     StagePrediction,
     TrainingConfig,
 )
-from planner.contracts.cluster import slow_device_limit
+from planner.contracts.cluster import RunCalibration, slow_device_limit
 from planner.contracts.report import STEP_TERMS
 from planner.cost.checks import check_layout, default_layer_split
 from planner.cost.comm import (
@@ -56,7 +56,7 @@ from planner.cost.memory import (
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
 from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
-from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, rank_passes_s
+from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, pipeline_send_s, rank_passes_s
 from planner.errors import AutoparError
 
 if TYPE_CHECKING:
@@ -182,6 +182,10 @@ def dp_traffic(
         out.gather_s += _in_calls(profile, Collective.all_gather, group, weight_bytes,
                                   calls if layout.zero_stage == 3 else 1)
         out.gather_bytes += weight_bytes
+    if profile.calibration is not None:  # the cluster's own runs (ClusterProfile.term_factor)
+        out.grad_s *= profile.term_factor("dp_grad")
+        out.replica_s *= profile.term_factor("dp_grad")
+        out.gather_s *= profile.term_factor("dp_param")
     return out
 
 
@@ -347,7 +351,7 @@ def _stage_times(c: _Step, stages: list[_Stage]) -> _Times:
     emb_f, emb_b = embedding_cost(c.profile, model, c.mb, c.groups)
     head_f, head_b = lm_head_cost(c.profile, model, c.mb, c.groups)
     p2p_bytes = c.mb.tokens * model.hidden_size * c.training.precision.bytes / (lay.tp if lay.pp_scatter_gather else 1)
-    p2p_s = collective_time_s(c.profile, Collective.p2p, c.groups["pp"], p2p_bytes) if lay.pp > 1 else 0.0
+    p2p_s = pipeline_send_s(model, c.training, c.profile, c.groups["pp"], c.mb.tokens, lay.tp, lay.pp_scatter_gather)
     out = _Times([], [], [], [], (emb_f, emb_b, head_f, head_b), p2p_s, p2p_bytes)
     for st in stages:
         f, b = rank_passes_s(sum(c.block(i).forward.total_s for i in st.layers),
@@ -543,7 +547,17 @@ def _notes(c: _Step, peak: MemoryBreakdown) -> list[str]:
         notes.append("priced at the slowest checked device's pace (the compute tables are rank 0's; a device "
                      f"check ran more than {slow_device_limit(profile.is_cpu):.0%} below the checks' median, and "
                      "synchronous training waits for the slowest device): " + "; ".join(slower))
+    if profile.calibration is not None:
+        notes.append(calibration_note(profile.calibration))
     return notes
+
+
+def calibration_note(cal: RunCalibration) -> str:
+    """How far a prediction on a profile calibrated from its cluster's runs may be trusted (planner.run_calibration)."""
+    held = ("" if cal.held_out_median_error is None else
+            f"; expected error ±{cal.held_out_median_error:.0%} for a plan not yet run (median, each run left out)")
+    return (f"profile calibrated from {len(cal.runs)} run(s) on this cluster: their median step-time error "
+            f"{cal.uncalibrated_median_error:.0%} before, {cal.fitted_median_error:.0%} after{held}")
 
 
 def _predict(

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from planner.contracts import ClusterProfile, ParallelLayout
-from planner.cost.comm import hidden_time_s, host_copy_time_s
+from planner.contracts import ClusterProfile, Collective, ModelSpec, ParallelLayout, TrainingConfig
+from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s, host_copy_time_s
 from planner.cost.compute import memory_time_s
 from planner.cost.memory import (
     StateBytes,
@@ -40,6 +40,17 @@ def rank_passes_s(blocks_f: float, blocks_b: float, first: bool, last: bool, emb
     if last:
         f, b = f + head[0], b + head[1]
     return f + virtual * p2p_s, b + virtual * p2p_s
+
+
+def pipeline_send_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, pp_group: GroupPlacement,
+                    tokens: int, tp: int, scatter_gather: bool) -> float:
+    """One micro-batch's activations sent to the next pipeline rank (``tokens`` rows of the hidden
+    size, split over the TP group with scatter-gather); 0 without a pipeline. Times the run calibration's ``pp``
+    factor (``ClusterProfile.term_factor``)."""
+    if pp_group.size <= 1:
+        return 0.0
+    p2p_bytes = tokens * model.hidden_size * training.precision.bytes / (tp if scatter_gather else 1)
+    return collective_time_s(profile, Collective.p2p, pp_group, p2p_bytes) * profile.term_factor("pp")
 
 
 def exposed_s(comm_s: float, window_s: float, eff: float) -> float:
@@ -124,11 +135,12 @@ def optimizer_step_s(profile: ClusterProfile, state: StateBytes, step_bytes: flo
     (:func:`~planner.cost.memory.state_bytes_per_param`) moving ``step_bytes`` each
     (:func:`~planner.cost.memory.optimizer_step_bytes_per_param`): bandwidth-bound on the GPU, or gradients
     down and weights up over the host link and the CPU's step when offloaded."""
+    f = profile.term_factor("optimizer")  # the cluster's runs' correction (1 uncalibrated)
     if not offload:
-        return memory_time_s(profile, local * step_bytes), 0.0
+        return memory_time_s(profile, local * step_bytes) * f, 0.0
     copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
         profile, local * state.weights, to_device=True)
-    return copies + local * step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s, copies
+    return (copies + local * step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s) * f, copies * f
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.cost.comm import (
-    GroupPlacement,
     collective_time_s,
     mesh_groups,
     placement,
@@ -84,6 +83,7 @@ from planner.cost.stage import (
     local_params,
     optimizer_step_s,
     peak_bytes,
+    pipeline_send_s,
     rank_passes_s,
 )
 
@@ -207,16 +207,6 @@ def _shared_costs(model: ModelSpec, training: TrainingConfig, profile: ClusterPr
         p2p_s = pipeline_send_s(model, training, profile, groups["pp"], mb.tokens, layout.tp, layout.pp_scatter_gather)
         cache[key] = SharedCosts(kinds, mb, kind_cost, emb, head, p2p_s)
     return cache[key]
-
-
-def pipeline_send_s(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, pp_group: GroupPlacement,
-                    tokens: int, tp: int, scatter_gather: bool) -> float:
-    """One micro-batch's activations sent to the next pipeline rank (``tokens`` rows of the hidden
-    size, split over the TP group with scatter-gather); 0 without a pipeline."""
-    if pp_group.size <= 1:
-        return 0.0
-    p2p_bytes = tokens * model.hidden_size * training.precision.bytes / (tp if scatter_gather else 1)
-    return collective_time_s(profile, Collective.p2p, pp_group, p2p_bytes)
 
 
 def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, layout: ParallelLayout,

@@ -1,0 +1,105 @@
+"""Calibrate a cluster's profile from its own runs: the more a cluster trains, the closer its predictions.
+
+Each run (a plan and the :class:`~planner.contracts.RunReport` the executor wrote for it) measured its step by
+term (``RunReport.breakdown``, :data:`~planner.contracts.report.STEP_TERMS`); the plan's layout predicted on
+the uncalibrated profile gives the same terms (``Prediction.terms``). Per term, the factor is the median over
+the runs of ``measured / predicted``, clipped to :data:`~planner.contracts.cluster.FACTOR_BOUNDS` (a term off
+by more is a model error to fix, not to tune away); its spread is the runs' least and largest ratio. The
+measured terms are the profiled steps' shares of the step times the run's median (unprofiled) step time.
+
+The calibrated profile is a new profile carrying the factors (``ClusterProfile.calibration``); the cost model
+multiplies each operator class, collective kind, pipeline send, optimizer step and kernel launch by its
+term's factor (``ClusterProfile.term_factor``), so the search and ``predict`` both use them. The fit says how
+far to trust it: the median step-time error over the runs before and after, and leave-one-run-out (each run
+predicted by the factors of the others), the figure that holds for a plan not yet run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.contracts import ClusterProfile, Plan, RunReport
+from planner.contracts.cluster import FACTOR_BOUNDS, RunCalibration, TermFactor
+from planner.contracts.report import STEP_TERMS
+from planner.errors import AutoparError
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One run to fit on: its name (the service's id or a file), the plan it ran and what it measured."""
+
+    name: str
+    plan: Plan
+    report: RunReport
+
+
+def measured_terms(report: RunReport) -> dict[str, float]:
+    """Seconds per step by term: the ranks' mean profiled shares times the median (unprofiled) step time."""
+    if not report.breakdown:
+        raise AutoparError("report.breakdown", [], "run the plan again with --profile-steps 1 or more",
+                           problem="is empty: the run measured no step by term to calibrate on")
+    step = statistics.fmean(b.step_s for b in report.breakdown)
+    return {t: statistics.fmean(b.terms.get(t, 0.0) for b in report.breakdown) / step * report.median_step_time_s
+            for t in STEP_TERMS}
+
+
+def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict[str, float]]:
+    """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile``."""
+    from planner.cost.predict import predict
+
+    p = predict(run.plan.model, run.plan.training, profile, run.plan.layout, target=run.plan.target)
+    return p.step_time_s, p.terms
+
+
+def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, TermFactor]:
+    """Per term, the clipped median of measured / predicted over the (predicted, measured) pairs where both
+    are positive; terms no run shows are left out (factor 1)."""
+    lo, hi = FACTOR_BOUNDS
+    out = {}
+    for term in STEP_TERMS:
+        ratios = [min(max(m[term] / p[term], lo), hi) for p, m in pairs if p.get(term, 0) > 0 and m.get(term, 0) > 0]
+        if ratios:
+            out[term] = TermFactor(factor=statistics.median(ratios), low=min(ratios), high=max(ratios),
+                                   runs=len(ratios))
+    return out
+
+
+def _error(step_s: float, run: CalibrationRun) -> float:
+    return abs(step_s / run.report.median_step_time_s - 1)
+
+
+def _with(base: ClusterProfile, calibration: RunCalibration | None) -> ClusterProfile:
+    return base.model_copy(update={"calibration": calibration})
+
+
+def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> ClusterProfile:
+    """``profile`` (its own calibration set aside) calibrated on ``runs``: a new profile whose
+    ``calibration`` holds the factors, the runs and the errors before, after and held out."""
+    if not runs:
+        raise AutoparError("runs", [], "give runs of plans on this cluster (with their reports)",
+                           problem="are none: nothing to calibrate on")
+    base = _with(profile, None)
+    preds = [predicted(r, base) for r in runs]
+    measured = [measured_terms(r.report) for r in runs]
+    factors = fit_factors([(p[1], m) for p, m in zip(preds, measured)])
+    before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
+    draft = RunCalibration(factors=factors, runs=[r.name for r in runs], fitted_median_error=0.0,
+                           uncalibrated_median_error=before)
+    fitted = statistics.median(_error(predicted(r, _with(base, draft))[0], r) for r in runs)
+    held_out = None
+    if len(runs) > 1:
+        errors = []
+        for i, r in enumerate(runs):
+            others = fit_factors([(p[1], m) for j, (p, m) in enumerate(zip(preds, measured)) if j != i])
+            cal = draft.model_copy(update={"factors": others})
+            errors.append(_error(predicted(r, _with(base, cal))[0], r))
+        held_out = statistics.median(errors)
+    done = draft.model_copy(update={"fitted_median_error": fitted, "held_out_median_error": held_out})
+    return _with(base, done)
+
+
+def step_errors(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> list[float]:
+    """Each run's |predicted / measured - 1| step time on ``profile`` (as it is: calibrated or not)."""
+    return [_error(predicted(r, profile)[0], r) for r in runs]
