@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, RunReport, TrainingConfig  # noqa: E402
+from planner.run_calibration import spearman  # noqa: E402
 
 SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                  ffn_hidden_size=192, vocab_size=256)
@@ -139,28 +139,6 @@ def overhead(profile: ClusterProfile, steps: int, tmp: Path) -> float:
     print(f"    hand DDP   median step {min(hand) * 1e3:8.2f} ms   (runs: {', '.join(f'{t * 1e3:.2f}' for t in hand)})")
     print(f"    ratio {ratio:.3f}  target <= 1.05: {'PASS' if ratio <= 1.05 else 'MISS'}")
     return ratio
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rho: Pearson correlation of the ranks (ties get their mean rank)."""
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else 0.0
 
 
 def cpu_profile(path: str | None, tmp: Path) -> ClusterProfile:

@@ -12,6 +12,8 @@ fit's own leave-one-run-out error; last, one line:
     calibrate: plans=N calibrated_on=K held_out=M median_abs_err_before=X% median_abs_err_after=Y% spearman=S regret=R%
 
 Targets (issue: learn from every run): held-out median error <= 15% after, Spearman >= 0.9, regret <= 5%.
+Which runs land in the calibration half matters on 11 runs: ``--splits N`` (default 50) repeats the judgement
+on N random halves and prints each figure's p10 / median / p90.
 
     .venv/bin/python benchmarks/run_calibration.py [--profile P.json] [--record DIR] [--from DIR]
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, Plan, RunReport, TrainingConfig  # noqa: E402
-from planner.run_calibration import CalibrationRun, calibrate, step_errors  # noqa: E402
+from planner.run_calibration import CalibrationRun, calibrate, predicted, spearman, step_errors  # noqa: E402
 
 SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                  ffn_hidden_size=192, vocab_size=256)
@@ -104,49 +107,58 @@ def load_run(folder: Path) -> CalibrationRun:
 
 
 def load_recorded(where: Path) -> tuple[ClusterProfile, list[CalibrationRun]]:
+    """The recorded profile and runs, in LAYOUTS order (the order they ran in: the split depends on it)."""
     profile = ClusterProfile.model_validate_json((where / "profile.json").read_text())
-    return profile, [load_run(f) for f in sorted(where.iterdir()) if (f / "report.json").is_file()]
+    found = {f.name: f for f in where.iterdir() if (f / "report.json").is_file()}
+    order = [n for n in LAYOUTS if n in found] + sorted(set(found) - set(LAYOUTS))
+    return profile, [load_run(found[n]) for n in order]
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else 0.0
+def judge(profile: ClusterProfile, fit: list[CalibrationRun], held: list[CalibrationRun]) -> dict:
+    """Calibrate on ``fit``; the held-out plans' median |error| before and after, Spearman and top-1 regret."""
+    calibrated = calibrate(profile, fit)
+    preds = [predicted(r, calibrated)[0] for r in held]
+    measured = [r.report.median_step_time_s for r in held]
+    best = min(range(len(held)), key=lambda i: preds[i])
+    return {"calibrated": calibrated, "preds": preds, "before": statistics.median(step_errors(profile, held)),
+            "after": statistics.median(abs(p / m - 1) for p, m in zip(preds, measured)),
+            "spearman": spearman(preds, measured), "regret": measured[best] / min(measured) - 1}
 
 
 def evaluate(profile: ClusterProfile, runs: list[CalibrationRun]) -> dict:
-    """Calibrate on every other run, judge on the rest (module doc)."""
-    from planner.run_calibration import predicted
-
+    """Calibrate on every other run (in the order they ran), judge on the rest (module doc)."""
     fit, held = runs[::2], runs[1::2]
-    calibrated = calibrate(profile, fit)
-    before, after = step_errors(profile, held), step_errors(calibrated, held)
-    cal = calibrated.calibration
-    print(f"\ncalibrated on {len(fit)} runs ({', '.join(r.name for r in fit)}):")
+    r = judge(profile, fit, held)
+    cal = r["calibrated"].calibration
+    print(f"\ncalibrated on {len(fit)} runs ({', '.join(x.name for x in fit)}):")
     for term, f in cal.factors.items():
         print(f"    {term:<12} x{f.factor:8.3f}  (runs {f.low:.3f} .. {f.high:.3f}, {f.runs} runs)")
     print(f"    fit: median |error| {cal.uncalibrated_median_error:.1%} before, {cal.fitted_median_error:.1%} after "
           f"(in sample), {cal.held_out_median_error:.1%} leave-one-run-out")
     print(f"\nheld out ({len(held)} plans):   {'predicted':>10} {'calibrated':>11} {'measured':>10}")
-    preds = [predicted(r, calibrated)[0] for r in held]
-    for r, b, p in zip(held, step_errors(profile, held), preds):
-        m = r.report.median_step_time_s
-        print(f"    {r.name:<20} {predicted(r, profile)[0] * 1e3:8.1f}ms {p * 1e3:9.1f}ms {m * 1e3:8.1f}ms   "
+    for x, b, p in zip(held, step_errors(profile, held), r["preds"]):
+        m = x.report.median_step_time_s
+        print(f"    {x.name:<20} {predicted(x, profile)[0] * 1e3:8.1f}ms {p * 1e3:9.1f}ms {m * 1e3:8.1f}ms   "
               f"(error {b:.0%} -> {abs(p / m - 1):.0%})")
-    measured = [r.report.median_step_time_s for r in held]
-    best = min(range(len(held)), key=lambda i: preds[i])
     return {"plans": len(runs), "calibrated_on": len(fit), "held_out": len(held),
-            "before": statistics.median(before), "after": statistics.median(after),
-            "spearman": spearman(preds, measured), "regret": measured[best] / min(measured) - 1}
+            **{k: r[k] for k in ("before", "after", "spearman", "regret")}}
+
+
+def spread(profile: ClusterProfile, runs: list[CalibrationRun], splits: int) -> None:
+    """The same on ``splits`` random halves (seed 0): how much the figures depend on which runs were fitted."""
+    rng = random.Random(0)
+    got = []
+    for _ in range(splits):
+        order = rng.sample(runs, len(runs))
+        half = (len(runs) + 1) // 2
+        got.append(judge(profile, order[:half], order[half:]))
+
+    def q(key: str) -> str:
+        v = sorted(g[key] for g in got)
+        return f"{v[len(v) // 10]:.2f} / {statistics.median(v):.2f} / {v[(9 * len(v)) // 10]:.2f}"
+
+    print(f"\nover {splits} random splits (p10 / median / p90): held-out error before {q('before')}, after "
+          f"{q('after')}; Spearman {q('spearman')}; regret {q('regret')}")
 
 
 def main() -> int:
@@ -154,6 +166,7 @@ def main() -> int:
     ap.add_argument("--profile")
     ap.add_argument("--record", type=Path)
     ap.add_argument("--from", dest="source", type=Path)
+    ap.add_argument("--splits", type=int, default=50, help="random halves to report the spread over (0: none)")
     a = ap.parse_args()
     if a.source:
         profile, runs = load_recorded(a.source)
@@ -163,6 +176,8 @@ def main() -> int:
             print(f"running {len(LAYOUTS)} plans of {SPEC.name} on 4 CPU ranks ...", flush=True)
             runs = record_runs(profile, a.record or Path(tmp) / "runs")
     r = evaluate(profile, runs)
+    if a.splits:
+        spread(profile, runs, a.splits)
     print(f"targets: held-out median error <= 15% ({'PASS' if r['after'] <= 0.15 else 'MISS'}), Spearman >= 0.9 "
           f"({'PASS' if r['spearman'] >= 0.9 else 'MISS'}), regret <= 5% ({'PASS' if r['regret'] <= 0.05 else 'MISS'})")
     print(f"calibrate: plans={r['plans']} calibrated_on={r['calibrated_on']} held_out={r['held_out']} "

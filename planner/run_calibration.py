@@ -3,8 +3,10 @@
 Each run (a plan and the :class:`~planner.contracts.RunReport` the executor wrote for it) measured its step by
 term (``RunReport.breakdown``, :data:`~planner.contracts.report.STEP_TERMS`); the plan's layout predicted on
 the uncalibrated profile gives the same terms (``Prediction.terms``). Per term, the factor is the median over
-the runs of ``measured / predicted``, clipped to :data:`~planner.contracts.cluster.FACTOR_BOUNDS` (a term off
-by more is a model error to fix, not to tune away); its spread is the runs' least and largest ratio. The
+the runs of ``measured / predicted``, shrunk toward the runs' whole-step ratio by :data:`PRIOR_RUNS` runs' worth
+(a term seen in one run does not decide alone: over-fitting guard) and clipped to
+:data:`~planner.contracts.cluster.FACTOR_BOUNDS` (a term off by more is a model error to fix, not to tune away);
+its spread is the runs' least and largest ratio. The
 measured terms are the profiled steps' shares of the step times the run's median (unprofiled) step time.
 
 The calibrated profile is a new profile carrying the factors (``ClusterProfile.calibration``); the cost model
@@ -16,6 +18,7 @@ predicted by the factors of the others), the figure that holds for a plan not ye
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,15 +56,24 @@ def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict
     return p.step_time_s, p.terms
 
 
+PRIOR_RUNS = 3  # shrinkage: a term's own runs count against this many runs' worth of the step's overall ratio
+
+
 def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, TermFactor]:
-    """Per term, the clipped median of measured / predicted over the (predicted, measured) pairs where both
-    are positive; terms no run shows are left out (factor 1)."""
+    """Per term, the median of measured / predicted over the (predicted, measured) pairs where both are
+    positive, shrunk in log space toward the pairs' median whole-step ratio by :data:`PRIOR_RUNS` runs' worth
+    (a term seen in one run moves a quarter of the way from the step's ratio to its own), clipped to
+    :data:`FACTOR_BOUNDS`; terms no run shows are left out (factor 1)."""
     lo, hi = FACTOR_BOUNDS
+    steps = [sum(m.values()) / sum(p.values()) for p, m in pairs if sum(p.values()) > 0 and sum(m.values()) > 0]
+    prior = math.log(statistics.median(steps)) if steps else 0.0
     out = {}
     for term in STEP_TERMS:
         ratios = [min(max(m[term] / p[term], lo), hi) for p, m in pairs if p.get(term, 0) > 0 and m.get(term, 0) > 0]
         if ratios:
-            out[term] = TermFactor(factor=statistics.median(ratios), low=min(ratios), high=max(ratios),
+            own = math.log(statistics.median(ratios))
+            factor = math.exp((len(ratios) * own + PRIOR_RUNS * prior) / (len(ratios) + PRIOR_RUNS))
+            out[term] = TermFactor(factor=min(max(factor, lo), hi), low=min(ratios), high=max(ratios),
                                    runs=len(ratios))
     return out
 
@@ -103,3 +115,26 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> Cluste
 def step_errors(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> list[float]:
     """Each run's |predicted / measured - 1| step time on ``profile`` (as it is: calibrated or not)."""
     return [_error(predicted(r, profile)[0], r) for r in runs]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho of two equally long lists: Pearson correlation of their ranks (ties get their mean rank);
+    how well predictions order measured runs."""
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0

@@ -29,13 +29,17 @@ def recorded() -> tuple[ClusterProfile, list[CalibrationRun]]:
     return profile, runs
 
 
-def test_each_factor_is_the_clipped_median_of_measured_over_predicted() -> None:
+def test_each_factor_is_the_clipped_median_of_measured_over_predicted_shrunk_by_its_runs() -> None:
     pairs = [({"gemm": 1.0, "tp": 2.0, "loss": 0.0}, {"gemm": 2.0, "tp": 1.0, "loss": 5.0}),
              ({"gemm": 1.0, "tp": 1.0}, {"gemm": 4.0, "tp": 100.0}),
              ({"gemm": 2.0}, {"gemm": 2.0})]
     f = fit_factors(pairs)
-    assert f["gemm"].factor == 2.0 and (f["gemm"].low, f["gemm"].high, f["gemm"].runs) == (1.0, 4.0, 3)
-    assert f["tp"].factor == pytest.approx((0.5 + 50.0) / 2) and f["tp"].high == 50.0  # 100x clipped to 50
+    prior = sorted([8.0 / 3.0, 104.0 / 2.0, 1.0])[1]  # the steps' measured / predicted: the median, 8/3
+    # gemm: its median 2.0 over 3 runs against 3 runs' worth of the prior, in log space
+    assert f["gemm"].factor == pytest.approx((2.0 * prior) ** 0.5)
+    assert (f["gemm"].low, f["gemm"].high, f["gemm"].runs) == (1.0, 4.0, 3)
+    assert f["tp"].high == 50.0  # 100x is clipped to 50 before the median
+    assert f["tp"].factor == pytest.approx(((0.5 + 50.0) / 2) ** 0.4 * prior ** 0.6)
     assert "loss" not in f  # never predicted: no factor (1)
 
 
@@ -87,20 +91,39 @@ def test_the_search_s_stage_model_prices_a_calibrated_profile_as_predict_does() 
 
 
 def test_calibrating_on_half_of_this_machine_s_runs_lowers_the_error_on_the_other_half() -> None:
-    """The recorded runs (11 layouts of one model on 4 gloo ranks): fitted on every other run, the plans it
-    never saw are predicted closer than before (median |error| 88% -> 44% when recorded)."""
+    """The recorded runs (11 layouts of one model on 4 gloo ranks): fitted on a random half, the plans it never
+    saw are predicted closer than before in the median over 20 such splits (84% -> 53% over 50 splits when
+    recorded), and no split's fit goes unreported."""
     profile, runs = recorded()
     assert len(runs) >= 10
-    fit, held = runs[::2], runs[1::2]
-    calibrated = calibrate(profile, fit)
-    cal = calibrated.calibration
-    assert cal.runs == [r.name for r in fit] and calibrated.calibration is not profile.calibration
-    before, after = sorted(step_errors(profile, held)), sorted(step_errors(calibrated, held))
-    assert after[len(after) // 2] < 0.75 * before[len(before) // 2], (before, after)
+    rng = random.Random(0)
+    before, after = [], []
+    for _ in range(20):
+        order = rng.sample(runs, len(runs))
+        fit, held = order[:6], order[6:]
+        calibrated = calibrate(profile, fit)
+        assert calibrated.calibration.runs == [r.name for r in fit]
+        before.append(sorted(step_errors(profile, held))[2])
+        after.append(sorted(step_errors(calibrated, held))[2])
+    assert sorted(after)[10] < 0.8 * sorted(before)[10], (before, after)
     # in sample it fits better than it predicts a run left out: both are reported
+    cal = calibrate(profile, runs).calibration
     assert cal.fitted_median_error < cal.uncalibrated_median_error
     assert cal.held_out_median_error is not None and cal.held_out_median_error > cal.fitted_median_error
-    assert profile.calibration is None  # the profile it came from is unchanged: a new version
+    assert profile.calibration is None  # the profile it came from is unchanged: a calibration is a new version
+
+
+def test_a_term_seen_in_few_runs_is_shrunk_toward_the_step_s_overall_ratio() -> None:
+    """One run shows TP 8x slower than predicted while the steps are 4x (the median of 4.5, 1 and 4): the TP
+    factor moves a quarter of the way (in log space) from 4 to 8; the GEMM factor of three runs half of the way
+    from 4 to its own median, 1."""
+    pairs = [({"gemm": 1.0, "tp": 1.0}, {"gemm": 1.0, "tp": 8.0}), ({"gemm": 1.0}, {"gemm": 1.0}),
+             ({"gemm": 1.0}, {"gemm": 4.0})]
+    f = fit_factors(pairs)
+    prior = 4.0
+    assert f["tp"].factor == pytest.approx(prior ** 0.75 * 8.0 ** 0.25)
+    assert f["gemm"].factor == pytest.approx(prior ** 0.5 * 1.0 ** 0.5)
+    assert (f["tp"].low, f["tp"].high, f["tp"].runs) == (8.0, 8.0, 1)
 
 
 def test_a_calibrated_profile_uploads_and_its_page_says_how_far_to_trust_it(tmp_path: Path) -> None:
