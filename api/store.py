@@ -259,6 +259,18 @@ def store_run(db: Database, *, plan_id: int, report: RunReport) -> RunRow:
     return row
 
 
+def cluster_runs(db: Database, *, cluster: str) -> list[RunEntry]:
+    """Every stored run of a plan made on any version of ``cluster``'s profile, oldest first."""
+    with db.read() as session:
+        c = session.scalar(select(Cluster).where(Cluster.name == cluster))
+        if c is None:
+            raise NotFound("cluster", cluster)
+        rows = session.execute(select(RunRow, PlanRow).join(PlanRow, RunRow.plan_id == PlanRow.id)
+                               .join(Profile, PlanRow.profile_id == Profile.id)
+                               .where(Profile.cluster_id == c.id).order_by(RunRow.id)).all()
+        return [RunEntry(run, plan) for run, plan in rows]
+
+
 def get_run(db: Database, *, run_id: int) -> RunEntry:
     with db.read() as session:
         row = session.get(RunRow, run_id)

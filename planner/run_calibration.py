@@ -38,21 +38,38 @@ class CalibrationRun:
     report: RunReport
 
 
-def measured_terms(report: RunReport) -> dict[str, float]:
+def measured_terms(report: RunReport, name: str = "") -> dict[str, float]:
     """Seconds per step by term: the ranks' mean profiled shares times the median (unprofiled) step time."""
     if not report.breakdown:
-        raise AutoparError("report.breakdown", [], "run the plan again with --profile-steps 1 or more",
+        where = f"runs[{name}].report.breakdown" if name else "report.breakdown"
+        raise AutoparError(where, [], "run the plan again with --profile-steps 1 or more, or leave this run out",
                            problem="is empty: the run measured no step by term to calibrate on")
     step = statistics.fmean(b.step_s for b in report.breakdown)
     return {t: statistics.fmean(b.terms.get(t, 0.0) for b in report.breakdown) / step * report.median_step_time_s
             for t in STEP_TERMS}
 
 
+def sized_for(run: CalibrationRun, profile: ClusterProfile) -> ClusterProfile:
+    """``profile`` with as many nodes as ``run``'s plan used (a reference cluster describes any count); an error
+    naming the run where its plan was made for another cluster, or a GPU count the profile cannot have."""
+    plan = run.plan
+    if plan.cluster != profile.name:
+        raise AutoparError(f"runs[{run.name}].plan.cluster", plan.cluster, f"calibrate '{plan.cluster}' with its "
+                           f"own runs, or leave this run out", problem=f"is not the profile's cluster '{profile.name}'")
+    if plan.num_gpus == profile.num_gpus:
+        return profile
+    if profile.kind == "measured" or plan.num_gpus % profile.gpus_per_node:
+        raise AutoparError(f"runs[{run.name}].plan.num_gpus", plan.num_gpus, "leave this run out, or calibrate the "
+                           "profile it ran on", problem=f"cannot be priced on a profile of {profile.num_gpus} GPUs "
+                           f"({profile.gpus_per_node} per node, {profile.kind})")
+    return profile.with_nodes(plan.num_gpus // profile.gpus_per_node)
+
+
 def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict[str, float]]:
-    """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile``."""
+    """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile`` (:func:`sized_for` it)."""
     from planner.cost.predict import predict
 
-    p = predict(run.plan.model, run.plan.training, profile, run.plan.layout, target=run.plan.target)
+    p = predict(run.plan.model, run.plan.training, sized_for(run, profile), run.plan.layout, target=run.plan.target)
     return p.step_time_s, p.terms
 
 
@@ -94,7 +111,7 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> Cluste
                            problem="are none: nothing to calibrate on")
     base = _with(profile, None)
     preds = [predicted(r, base) for r in runs]
-    measured = [measured_terms(r.report) for r in runs]
+    measured = [measured_terms(r.report, r.name) for r in runs]
     factors = fit_factors([(p[1], m) for p, m in zip(preds, measured)])
     before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
     draft = RunCalibration(factors=factors, runs=[r.name for r in runs], fitted_median_error=0.0,

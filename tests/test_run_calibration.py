@@ -154,3 +154,75 @@ def test_a_plan_on_a_calibrated_profile_says_how_far_to_trust_it() -> None:
     assert f"from {len(runs[::2])} run(s)" in note and f"±{cal.held_out_median_error:.0%}" in note
     assert not any(n.startswith("profile calibrated") for n in predict(plan.model, plan.training, profile,
                                                                           plan.layout).notes)
+
+
+def test_the_service_calibrates_a_cluster_from_its_stored_runs(tmp_path: Path) -> None:
+    """POST /v1/clusters/{name}/calibrate: the cluster's newest profile fitted to the stored runs of its plans
+    becomes its next version; with fewer than two runs measured by term it answers 422 naming the fix."""
+    from fastapi.testclient import TestClient
+
+    from api import store
+    from api.app import create_app
+    from api.settings import Settings
+
+    profile, runs = recorded()
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 't.db'}"))) as c:
+        first = c.post("/v1/profiles", json=profile.model_dump(mode="json")).json()
+        db = c.app.state.db
+        for run in runs[:1]:
+            plan = store.store_plan(db, profile_id=first["id"], request={}, request_hash=run.name, status="ok",
+                                    model_name=run.plan.model.name, num_gpus=run.plan.num_gpus,
+                                    step_time_s=run.plan.prediction.step_time_s,
+                                    plan=run.plan.model_dump(mode="json"), explanation=None)
+            r = c.post("/v1/runs", json={"plan_id": plan.id, "report": run.report.model_dump(mode="json")})
+            assert r.status_code == 201, r.text
+        few = c.post(f"/v1/clusters/{profile.name}/calibrate")
+        assert few.status_code == 422 and "--profile-steps 2" in few.text, few.text
+        for run in runs[1:6]:
+            plan = store.store_plan(db, profile_id=first["id"], request={}, request_hash=run.name, status="ok",
+                                    model_name=run.plan.model.name, num_gpus=run.plan.num_gpus,
+                                    step_time_s=run.plan.prediction.step_time_s,
+                                    plan=run.plan.model_dump(mode="json"), explanation=None)
+            assert c.post("/v1/runs", json={"plan_id": plan.id,
+                                            "report": run.report.model_dump(mode="json")}).status_code == 201
+        r = c.post(f"/v1/clusters/{profile.name}/calibrate")
+        assert r.status_code == 201, r.text
+        body = r.json()
+        assert body["version"] == 2 and body["created"] is True
+        cal = ClusterProfile.model_validate(body["profile"]).calibration
+        assert cal is not None and len(cal.runs) == 6 and all(name.startswith("run ") for name in cal.runs)
+        assert cal == calibrate(profile, runs[:6]).calibration.model_copy(update={"runs": cal.runs})
+        assert c.post("/v1/clusters/nope/calibrate").status_code == 404
+
+
+def test_autopar_calibrate_writes_the_profile_and_refuses_what_it_cannot_fit(tmp_path: Path) -> None:
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    cli = CliRunner()
+    out = tmp_path / "cal.json"
+    r = cli.invoke(app, ["calibrate", str(RUNS / "profile.json"), str(RUNS / "dp4"), str(RUNS / "tp2dp2"),
+                         str(RUNS / "pp2dp2"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "leave-one-run-out" in r.output and ClusterProfile.model_validate_json(out.read_text()).calibration
+    bare = tmp_path / "bare"
+    shutil.copytree(RUNS / "dp4", bare)
+    report = json.loads((bare / "report.json").read_text())
+    (bare / "report.json").write_text(json.dumps({**report, "breakdown": []}))
+    # error paths through the console entry point: a one-line error and exit 2
+    entry = [sys.executable, "-c", "from planner.cli import main; main()", "calibrate"]
+    r = subprocess.run([*entry, str(RUNS / "profile.json"), str(bare), "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, check=False, env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 2 and f"runs[{bare}].report.breakdown=[]" in r.stderr and "--profile-steps" in r.stderr
+    assert "Traceback" not in r.stderr
+    other = Path(__file__).parents[1] / "planner" / "data" / "measured" / "nvidia-h200-1x1.json"
+    r = subprocess.run([*entry, str(other), str(RUNS / "dp4"), "--out", str(tmp_path / "y.json")],
+                       capture_output=True, text=True, check=False, env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 2 and "is not the profile's cluster 'nvidia-h200-1x1'" in r.stderr, r.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
@@ -11,7 +11,7 @@ from api import store
 from api.bodies import FiniteJSONRoute
 from api.deps import AUTH_RESPONSES, DB, NO_NUL, Id, Limit, Offset, Writer, aware, link, stored_utc
 from api.schemas import ClusterSummary, Page, ProfileOut, ProfileSummary, ProfileUploaded
-from planner.contracts import ClusterProfile
+from planner.contracts import ClusterProfile, RunReport
 from planner.errors import AutoparError
 
 router = APIRouter(route_class=FiniteJSONRoute, tags=["profiles"])
@@ -77,6 +77,33 @@ def list_clusters(db: DB, limit: Limit = 50, offset: Offset = 0,
                             gpu_name=e.latest.gpu_name, gpus_per_node=e.latest.gpus_per_node,
                             num_nodes=e.latest.num_nodes) for e in page.items]
     return Page[ClusterSummary](items=items, total=page.total, limit=limit, offset=offset)
+
+
+@router.post("/v1/clusters/{name}/calibrate", status_code=201, dependencies=[Writer],
+             responses={404: {"description": "no such cluster"}, 200: {"description": "the same calibration was "
+                        "stored before: that profile", "model": ProfileUploaded}, **AUTH_RESPONSES})
+def calibrate_cluster(name: Annotated[str, Path(max_length=200, pattern=NO_NUL)], db: DB,
+                      response: Response) -> ProfileUploaded:
+    """Fit the cluster's newest profile to the stored runs of its plans (those whose report has a breakdown by
+    term: ``autopar run --profile-steps`` >= 1) and store the calibrated profile as its next version; its
+    ``calibration`` says by how much each term moved and how far to trust it (planner/run_calibration.py)."""
+    from planner.contracts import Plan
+    from planner.run_calibration import CalibrationRun, calibrate
+
+    latest = ClusterProfile.model_validate(store.latest_profile(db, cluster=name).profile.body)
+    runs = [CalibrationRun(f"run {e.run.id}", Plan.model_validate(e.plan.plan), RunReport.model_validate(e.run.report))
+            for e in store.cluster_runs(db, cluster=name) if e.run.report.get("breakdown")]
+    if len(runs) < 2:
+        raise AutoparError("runs", len(runs), "post at least two runs of this cluster's plans measured with "
+                           "`autopar run --profile-steps 2` (the default) and --server",
+                           problem=f"of cluster '{name}' with a breakdown by term are too few to calibrate on")
+    done = calibrate(latest, runs)
+    done.created_at = aware(datetime.now(UTC))
+    uploaded = store.upload_profile(db, profile=done)
+    if not uploaded.created:
+        response.status_code = 200
+    return ProfileUploaded(**profile_summary(uploaded.entry).model_dump(),
+                           profile=ClusterProfile.model_validate(uploaded.entry.profile.body), created=uploaded.created)
 
 
 @router.get("/v1/clusters/{name}/profiles", responses={404: {"description": "no such cluster"}})
