@@ -10,21 +10,26 @@ making the next batch (``autopar.data``) and its own collectives (``autopar.cp``
 
 - inside a communication label, everything is that collective's (FSDP's gathers and copies out, our
   all-to-alls; a blocking wait shows as the label's own time);
-- otherwise a collective by its name: point-to-point sends and receives are the pipeline's, all-to-all the
-  experts', any other the tensor-parallel group's where there is one (DTensor) and data parallel's where
-  there is not (DDP's bucketed all-reduce);
+- otherwise a collective by its name, wherever it is called from (a loss-parallel cross-entropy's all-reduce
+  is communication, not loss): point-to-point sends and receives are the pipeline's, all-to-all the
+  experts', under the optimizer step the weights' (ZeRO-1's broadcast), any other the tensor-parallel
+  group's where there is one (DTensor) and data parallel's where there is not (DDP's bucketed all-reduce);
+- torch's pipeline schedules label each step (``Forward 3``, ``Backward 3``, ``PP:0F3``) and wait for their neighbour's
+  tensors inside that label, outside any operator: the label's own time is ``pp`` (the bubble);
 - a compute operator by its name: GEMMs, the attention core and the cross-entropy (with what they call),
   the rest elementwise;
-- what is left (Python, autograd and framework overhead, waits outside any operator) is ``other``, so the
-  terms sum to the step's wall time.
+- what is left (Python, autograd and framework overhead, waits outside any operator such as DDP's wait for
+  its last bucket) is ``other``, so the terms sum to the step's wall time.
 
-On CUDA an operator's time is its kernels' (``self_device_time_total``); on the CPU its host time. Pipeline
-ranks that wait for their neighbour wait inside the receive: the bubble is part of ``pp``.
+Only CPU runs are split: the tree is the main thread's operators, and on CUDA the autograd engine runs the
+backward on a device thread of its own and kernels overlap, so a host-thread tree would leave the backward out
+(:class:`StepProfiler` does not profile CUDA runs; their reports carry no breakdown).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -77,12 +82,22 @@ def compute_term(name: str) -> str:
     return "elementwise" if name.startswith("aten::") else "other"
 
 
+COMM_CONTEXTS = ("tp", "cp", "ep", "pp", "dp_grad", "dp_param", "other")  # labels whose subtree is communication
+# torch.distributed.pipelining's labels of a schedule's steps: "Forward 3" (GPipe, 1F1B), "PP:0F3" (looped schedules)
+PIPELINE_OPS = re.compile(r"^(Forward \d+|Backward \d+|PP:.*)$")
+
+
 def add_times(node: Node, tp: int, out: dict[str, float], inherited: str | None = None) -> None:
     """Add ``node``'s subtree's own times (microseconds) to ``out`` by term."""
-    term = label_term(node.name) or inherited
-    if term is None and node.name.startswith(COMM_PREFIXES):
-        term = comm_term(node.name, tp)  # the whole collective, its copies and waits included
+    term = label_term(node.name)
+    if term is None and node.name.startswith(COMM_PREFIXES) and inherited not in COMM_CONTEXTS:
+        # a collective under a compute op (loss-parallel's all-reduce under the log-softmax) is communication;
+        # under the optimizer step it moves weights (ZeRO-1's broadcast)
+        term = "dp_param" if inherited == "optimizer" else comm_term(node.name, tp)
+    term = term or inherited
     own = term or compute_term(node.name)
+    if term is None and PIPELINE_OPS.match(node.name):
+        own = "pp"  # a schedule step's own time, outside its operators, is the wait for the neighbour's tensors
     out[own] = out.get(own, 0.0) + node.self_us
     # what the attention core and the loss call (allocations, copies, their own kernels) is theirs too
     below = term or (own if own in ("attention", "loss") else None)
@@ -107,14 +122,13 @@ def subtree_us(node: Node) -> float:
     return node.self_us + sum(subtree_us(c) for c in node.children)
 
 
-def labelled_trees(events: list, cuda: bool) -> tuple[list[Node], list[Node]]:
+def labelled_trees(events: list) -> tuple[list[Node], list[Node]]:
     """(``autopar.step`` nodes, ``autopar.data`` nodes) of ``torch.profiler``'s FunctionEvents, each with the
     operators it called on its thread (``cpu_children``): the labels are only ever entered on the main
     thread, so the collectives' worker threads (gloo's, NCCL's) are not in these trees."""
 
     def node(e) -> Node:  # noqa: ANN001 - a torch FunctionEvent
-        own = e.self_device_time_total if cuda else e.self_cpu_time_total
-        return Node(e.name, float(own), [node(c) for c in e.cpu_children])
+        return Node(e.name, float(e.self_cpu_time_total), [node(c) for c in e.cpu_children])
 
     steps = [node(e) for e in events if e.name == "autopar.step"]
     data = [node(e) for e in events if e.name == "autopar.data"]
@@ -125,7 +139,8 @@ class StepProfiler:
     """Profile the steps :meth:`step` is asked to (the run's last ``count``) and split them by term."""
 
     def __init__(self, count: int, first: int, device_type: str, tp: int) -> None:
-        self.count, self.first, self.cuda, self.tp = count, first, device_type == "cuda", tp
+        # CPU runs only (module doc): a CUDA run's report carries no breakdown
+        self.count, self.first, self.tp = (count if device_type == "cpu" else 0), first, tp
         self._prof = None
 
     def profiled(self, step: int) -> bool:
@@ -137,8 +152,7 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         if self.profiled(step) and self._prof is None:
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._prof = profile(activities=acts)
+            self._prof = profile(activities=[ProfilerActivity.CPU])
             self._prof.__enter__()
 
     @contextlib.contextmanager
@@ -147,20 +161,17 @@ class StepProfiler:
         if self._prof is None or not self.profiled(step):
             yield
             return
-        import torch
         from torch.profiler import record_function
 
         with record_function("autopar.step"):
             yield
-            if self.cuda:
-                torch.cuda.synchronize()
 
     def result(self, rank: int) -> TermTimes | None:
         """This rank's :class:`TermTimes` (None when nothing was profiled)."""
         if self._prof is None:
             return None
         self._prof.__exit__(None, None, None)
-        steps, data = labelled_trees(list(self._prof.events()), self.cuda)
+        steps, data = labelled_trees(list(self._prof.events()))
         self._prof = None
         if not steps:
             return None

@@ -65,6 +65,21 @@ def sized_for(run: CalibrationRun, profile: ClusterProfile) -> ClusterProfile:
     return profile.with_nodes(plan.num_gpus // profile.gpus_per_node)
 
 
+def usable(runs: Sequence[CalibrationRun], profile: ClusterProfile) -> tuple[list[CalibrationRun], list[str]]:
+    """(the runs that can be fitted on ``profile``, the others each with why): a run needs a breakdown by term
+    and a plan that :func:`sized_for` can price."""
+    keep, out = [], []
+    for run in runs:
+        try:
+            measured_terms(run.report, run.name)
+            sized_for(run, profile)
+        except AutoparError as exc:
+            out.append(f"{run.name}: {exc.problem}")
+            continue
+        keep.append(run)
+    return keep, out
+
+
 def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict[str, float]]:
     """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile`` (:func:`sized_for` it)."""
     from planner.cost.predict import predict
@@ -103,9 +118,10 @@ def _with(base: ClusterProfile, calibration: RunCalibration | None) -> ClusterPr
     return base.model_copy(update={"calibration": calibration})
 
 
-def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> ClusterProfile:
+def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out: Sequence[str] = ()) -> ClusterProfile:
     """``profile`` (its own calibration set aside) calibrated on ``runs``: a new profile whose
-    ``calibration`` holds the factors, the runs and the errors before, after and held out."""
+    ``calibration`` holds the factors, the runs and the errors before, after and held out, and ``left_out``
+    (the runs a caller did not fit on, each with why)."""
     if not runs:
         raise AutoparError("runs", [], "give runs of plans on this cluster (with their reports)",
                            problem="are none: nothing to calibrate on")
@@ -115,7 +131,7 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> Cluste
     factors = fit_factors([(p[1], m) for p, m in zip(preds, measured)])
     before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
     draft = RunCalibration(factors=factors, runs=[r.name for r in runs], fitted_median_error=0.0,
-                           uncalibrated_median_error=before)
+                           uncalibrated_median_error=before, left_out=list(left_out))
     fitted = statistics.median(_error(predicted(r, _with(base, draft))[0], r) for r in runs)
     held_out = None
     if len(runs) > 1:

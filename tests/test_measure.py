@@ -139,3 +139,21 @@ def test_a_run_reports_each_rank_s_step_by_term(tmp_path: Path, name: str, moe: 
     for kind in present:  # every rank of the dimension takes part; at least one shows it
         assert max(t.terms[kind] for t in report.breakdown) > 0, (name, kind)
     assert any(t.terms["loss"] > 0 for t in report.breakdown), name  # the last pipeline stage's
+
+
+def test_collectives_under_compute_are_communication_and_pipeline_waits_are_the_pipeline_s() -> None:
+    """Found by review: loss-parallel's all-reduce runs under the log-softmax, ZeRO-1's broadcast under the
+    optimizer step, and torch's schedules wait for their neighbour in their own step labels."""
+    step = n("autopar.step", 0.0,
+             n("aten::_log_softmax", 5.0, n("_c10d_functional::all_reduce", 7.0),
+               n("_c10d_functional::wait_tensor", 3.0)),
+             n("autopar.optimizer", 1.0, n("aten::_foreach_mul_", 4.0), n("c10d::broadcast_", 6.0)),
+             n("Forward 2", 30.0, n("aten::mm", 2.0)), n("PP:1RECV_F3", 20.0),
+             n("FSDP::all_gather", 0.0, n("c10d::_allgather_base_", 9.0)),
+             n("autopar.other", 0.0, n("c10d::allreduce_", 1.0)))
+    _, terms, _ = split_step([step], tp=2)
+    us = 1e-6
+    assert terms["loss"] == pytest.approx(5 * us) and terms["tp"] == pytest.approx(10 * us)
+    assert terms["optimizer"] == pytest.approx(5 * us) and terms["dp_param"] == pytest.approx((6 + 9) * us)
+    assert terms["pp"] == pytest.approx(50 * us) and terms["gemm"] == pytest.approx(2 * us)
+    assert terms["other"] == pytest.approx(1 * us)

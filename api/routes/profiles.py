@@ -88,16 +88,18 @@ def calibrate_cluster(name: Annotated[str, Path(max_length=200, pattern=NO_NUL)]
     term: ``autopar run --profile-steps`` >= 1) and store the calibrated profile as its next version; its
     ``calibration`` says by how much each term moved and how far to trust it (planner/run_calibration.py)."""
     from planner.contracts import Plan
-    from planner.run_calibration import CalibrationRun, calibrate
+    from planner.run_calibration import CalibrationRun, calibrate, usable
 
     latest = ClusterProfile.model_validate(store.latest_profile(db, cluster=name).profile.body)
-    runs = [CalibrationRun(f"run {e.run.id}", Plan.model_validate(e.plan.plan), RunReport.model_validate(e.run.report))
-            for e in store.cluster_runs(db, cluster=name) if e.run.report.get("breakdown")]
+    stored = [CalibrationRun(f"run {e.run.id}", Plan.model_validate(e.plan.plan),
+                             RunReport.model_validate(e.run.report)) for e in store.cluster_runs(db, cluster=name)]
+    runs, left_out = usable(stored, latest)  # a run without a breakdown, or of another GPU count, is left out
     if len(runs) < 2:
         raise AutoparError("runs", len(runs), "post at least two runs of this cluster's plans measured with "
                            "`autopar run --profile-steps 2` (the default) and --server",
-                           problem=f"of cluster '{name}' with a breakdown by term are too few to calibrate on")
-    done = calibrate(latest, runs)
+                           problem=f"of cluster '{name}' that can be fitted are too few to calibrate on"
+                           + (f" (left out: {'; '.join(left_out)})" if left_out else ""))
+    done = calibrate(latest, runs, left_out)
     done.created_at = aware(datetime.now(UTC))
     uploaded = store.upload_profile(db, profile=done)
     if not uploaded.created:

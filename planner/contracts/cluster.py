@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Name, Precision
 from planner.contracts.limits import MAX_DEVICE_MEMORY_BYTES, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_SM_COUNT
@@ -428,7 +428,8 @@ class TermFactor(Contract):
 
     factor: float = Field(ge=FACTOR_BOUNDS[0], le=FACTOR_BOUNDS[1], description="measured / predicted, the median "
                           "over the runs, clipped to FACTOR_BOUNDS")
-    low: float = Field(gt=0, description="the least run's ratio (clipped): with high, the factor's spread")
+    low: float = Field(gt=0, description="the least run's ratio (clipped): with high, the runs' spread (the factor, "
+                       "shrunk toward the whole step's ratio, may lie outside it)")
     high: float = Field(gt=0)
     runs: int = Field(ge=1, strict=True, description="runs that measured and predicted this term")
 
@@ -444,6 +445,17 @@ class RunCalibration(Contract):
     held_out_median_error: float | None = Field(None, ge=0, description="the same, each run predicted by factors "
                                                 "fitted without it (leave-one-run-out); None with one run")
     uncalibrated_median_error: float = Field(ge=0, description="the runs' median error before calibration")
+    left_out: list[str] = Field(default_factory=list, description="runs not fitted on, each with why")
+
+    @field_validator("factors")
+    @classmethod
+    def _known_terms(cls, v: dict[str, TermFactor]) -> dict[str, TermFactor]:
+        from planner.contracts.report import STEP_TERMS  # report imports this module
+
+        unknown = sorted(set(v) - set(STEP_TERMS))
+        if unknown:
+            raise ValueError(f"unknown terms {unknown}: use {', '.join(STEP_TERMS)}")
+        return v
 
     def factor(self, term: str) -> float:
         got = self.factors.get(term)

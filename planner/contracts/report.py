@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from planner.contracts.cluster import Environment
 from planner.contracts.common import SCHEMA_VERSION, Contract
@@ -53,6 +53,13 @@ class TermTimes(Contract):
         if any(not x >= 0 for x in v.values()):
             raise ValueError("every term is seconds >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _within_the_step(self) -> TermTimes:
+        total = sum(self.terms.values())
+        if total > self.step_s * 1.01 + 1e-9:
+            raise ValueError(f"the terms sum to {total:.6g} s, more than the step's {self.step_s:.6g} s: they split it")
+        return self
 
 
 class RunReport(Contract):

@@ -1128,7 +1128,11 @@ def work_floor_s(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
             per += gemms
             per += a2a_s
         total += count * per
-    cache[key] = total * (1 - 1e-9)
+    # on a calibrated profile each piece above is its term's factor times itself (PassCost.calibrated): the
+    # smallest factor of those terms keeps the floor below (a run calibration's factors are never all 1 there)
+    scale = min(profile.term_factor(t) for t in ("gemm", "attention", "tp", "cp", "ep")) \
+        if profile.calibration is not None else 1.0
+    cache[key] = total * scale * (1 - 1e-9)
     return cache[key]
 
 
