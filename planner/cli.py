@@ -519,6 +519,15 @@ def _schedules(text: str) -> tuple[Schedule, ...]:
     return tuple(known[n] for n in names)
 
 
+def _load_report(path: Path) -> RunReport:
+    """A run report written by ``autopar run --out``; an error naming the file where it is not one."""
+    try:
+        return RunReport.model_validate_json(_read(path, "RUNS"))
+    except ValidationError as exc:
+        fail(f"{path} is not a valid RunReport:\n  " + describe_validation_error(exc, "report"))
+        raise  # unreachable
+
+
 def _load_plan(path: Path) -> Plan:
     """A saved plan, checked as the planner's own (:func:`planner.cost.checks.check_plan`)."""
     from planner.cost.checks import check_plan
@@ -644,8 +653,7 @@ def calibrate(
 
     base = ClusterProfile.model_validate_json(_read(profile, "PROFILE"))
     check_out(out, "calibrated.json")
-    loaded = [CalibrationRun(str(d), _load_plan(d / "plan.json"),
-                             RunReport.model_validate_json(_read(d / "report.json", "RUNS"))) for d in runs]
+    loaded = [CalibrationRun(str(d), _load_plan(d / "plan.json"), _load_report(d / "report.json")) for d in runs]
     done = fit(base, loaded)
     cal = done.calibration
     table = Table(title=f"calibrated on {len(loaded)} run(s): measured / predicted per term")

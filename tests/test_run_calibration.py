@@ -226,3 +226,24 @@ def test_autopar_calibrate_writes_the_profile_and_refuses_what_it_cannot_fit(tmp
     r = subprocess.run([*entry, str(other), str(RUNS / "dp4"), "--out", str(tmp_path / "y.json")],
                        capture_output=True, text=True, check=False, env={**os.environ, "COLUMNS": "300"})
     assert r.returncode == 2 and "is not the profile's cluster 'nvidia-h200-1x1'" in r.stderr, r.stderr
+
+
+def test_a_run_without_a_breakdown_says_so_on_its_page(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api import store
+    from api.app import create_app
+    from api.settings import Settings
+
+    profile, runs = recorded()
+    run = runs[0]
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 't.db'}"))) as c:
+        pid = c.post("/v1/profiles", json=profile.model_dump(mode="json")).json()["id"]
+        plan = store.store_plan(c.app.state.db, profile_id=pid, request={}, request_hash="x", status="ok",
+                                model_name=run.plan.model.name, num_gpus=run.plan.num_gpus, step_time_s=1.0,
+                                plan=run.plan.model_dump(mode="json"), explanation=None)
+        bare = run.report.model_copy(update={"breakdown": []}).model_dump(mode="json")
+        posted = c.post("/v1/runs", json={"plan_id": plan.id, "report": bare}).json()
+        page = c.get(f"/runs/{posted['id']}").text
+    assert "Where the step goes" in page and "this run was not measured by term" in page
+    assert "mean over 0 rank(s)" not in page
