@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cpu_bench import LAYOUTS, SPEC, TRAINING, cpu_profile, torchrun  # noqa: E402  (benchmarks/cpu_bench.py)
+
 from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, RunReport, TrainingConfig  # noqa: E402
 from planner.run_calibration import spearman  # noqa: E402
-
-SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=192, vocab_size=256)
-TRAINING = TrainingConfig(seq_length=64, global_batch_size=16, precision="fp32")
 
 HAND_DDP = r'''
 """Hand-written DDP: what a person would write without autopar (same model, data and timing)."""
@@ -77,35 +72,6 @@ if rank == 0:
 dist.destroy_process_group()
 '''
 
-LAYOUTS = [
-    {"dp_shard": 4},
-    {"dp_shard": 4, "zero_stage": 1},
-    {"dp_shard": 4, "zero_stage": 2},
-    {"dp_shard": 4, "zero_stage": 3},
-    {"dp_shard": 4, "micro_batch_size": 2},
-    {"dp_shard": 2, "tp": 2},
-    {"dp_shard": 2, "tp": 2, "sp": True},
-    {"tp": 4},
-    {"pp": 2, "dp_shard": 2},
-    {"pp": 4, "micro_batch_size": 2},
-    {"pp": 2, "tp": 2},
-    {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3},
-]
-
-
-def env() -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # and packages found there
-    return {**clean, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
-
-
-def torchrun(nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    r = subprocess.run(cmd, check=False, env=env(), capture_output=True, text=True, cwd=ROOT)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:3])} failed:\n{r.stderr[-3000:]}")
-
-
 def make_plan(layout: dict, profile: ClusterProfile, path: Path):
     from executor.train import plan_for
 
@@ -141,17 +107,6 @@ def overhead(profile: ClusterProfile, steps: int, tmp: Path) -> float:
     return ratio
 
 
-def cpu_profile(path: str | None, tmp: Path) -> ClusterProfile:
-    if path:
-        return ClusterProfile.model_validate_json(Path(path).read_text())
-    out = tmp / "profile.json"
-    print("profiling this machine: autopar profile --quick under torchrun (4 ranks) ...")
-    t0 = time.perf_counter()
-    torchrun(4, str(Path(sys.executable).parent / "autopar"), "profile", "--quick", "--out", str(out))
-    print(f"    done in {time.perf_counter() - t0:.0f} s")
-    return ClusterProfile.model_validate_json(out.read_text())
-
-
 def prediction_vs_reality(profile: ClusterProfile, steps: int, tmp: Path) -> tuple[float, float]:
     """(b): predicted vs measured step time of every layout; Spearman rho and top-1 regret."""
     from executor.train import check_plan
@@ -160,7 +115,7 @@ def prediction_vs_reality(profile: ClusterProfile, steps: int, tmp: Path) -> tup
     rows = []
     print(f"\n(b) prediction vs reality on 4 CPU ranks, profile '{profile.name}' ({profile.kind})")
     print(f"    {'layout':<44} {'predicted':>11} {'measured':>11}")
-    for layout in LAYOUTS:
+    for layout in LAYOUTS.values():
         path = tmp / "plan.json"
         try:
             plan = make_plan(layout, profile, path)

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,42 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, Plan, RunReport, TrainingConfig  # noqa: E402
-from planner.run_calibration import CalibrationRun, calibrate, predicted, spearman, step_errors  # noqa: E402
+from cpu_bench import LAYOUTS, SPEC, TRAINING, cpu_profile, torchrun  # noqa: E402  (benchmarks/cpu_bench.py)
 
-SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=192, vocab_size=256)
-TRAINING = TrainingConfig(seq_length=64, global_batch_size=16, precision="fp32")
-LAYOUTS = {
-    "dp4": {"dp_shard": 4}, "zero1": {"dp_shard": 4, "zero_stage": 1}, "zero2": {"dp_shard": 4, "zero_stage": 2},
-    "zero3": {"dp_shard": 4, "zero_stage": 3}, "dp4-mb2": {"dp_shard": 4, "micro_batch_size": 2},
-    "tp2dp2": {"dp_shard": 2, "tp": 2}, "tp2dp2-sp": {"dp_shard": 2, "tp": 2, "sp": True}, "tp4": {"tp": 4},
-    "pp2dp2": {"pp": 2, "dp_shard": 2}, "pp4-mb2": {"pp": 4, "micro_batch_size": 2}, "pp2tp2": {"pp": 2, "tp": 2},
-    "hsdp": {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3},
-}
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def torchrun(*args: str) -> str | None:
-    """Run under torchrun on 4 ranks; None when it succeeded, else the end of its error output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *args]
-    r = subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, check=False)
-    errors = [line for line in r.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
-    return None if r.returncode == 0 else (errors[-1] if errors else r.stderr[-500:])
-
-
-def cpu_profile(path: str | None, tmp: Path) -> ClusterProfile:
-    if path:
-        return ClusterProfile.model_validate_json(Path(path).read_text())
-    out = tmp / "profile.json"
-    print("profiling this machine: autopar profile --quick under torchrun (4 ranks) ...", flush=True)
-    failed = torchrun(str(Path(sys.executable).parent / "autopar"), "profile", "--quick", "--out", str(out))
-    if failed:
-        raise SystemExit(f"autopar profile failed: {failed}")
-    return ClusterProfile.model_validate_json(out.read_text())
+from planner.contracts import ClusterProfile, ParallelLayout, Plan, RunReport  # noqa: E402
+from planner.run_calibration import CalibrationRun, calibrate, predicted, spearman  # noqa: E402
 
 
 def record_runs(profile: ClusterProfile, where: Path) -> list[CalibrationRun]:
@@ -91,10 +57,11 @@ def record_runs(profile: ClusterProfile, where: Path) -> list[CalibrationRun]:
             continue
         (where / name).mkdir(exist_ok=True)
         (where / name / "plan.json").write_text(plan.model_dump_json(indent=1))
-        failed = torchrun("-m", "executor.train", "--plan", str(where / name / "plan.json"), "--steps", "8",
-                          "--warmup", "3", "--profile-steps", "2", "--out", str(where / name / "report.json"))
-        if failed:
-            print(f"    failed {name}: {failed}")
+        try:
+            torchrun(4, "-m", "executor.train", "--plan", str(where / name / "plan.json"), "--steps", "8",
+                     "--warmup", "3", "--profile-steps", "2", "--out", str(where / name / "report.json"))
+        except SystemExit as exc:
+            print(f"    failed {name}: {exc}")
             continue
         runs.append(load_run(where / name))
         print(f"    ran {name:<10} measured {runs[-1].report.median_step_time_s * 1e3:8.1f} ms", flush=True)
@@ -118,9 +85,11 @@ def judge(profile: ClusterProfile, fit: list[CalibrationRun], held: list[Calibra
     """Calibrate on ``fit``; the held-out plans' median |error| before and after, Spearman and top-1 regret."""
     calibrated = calibrate(profile, fit)
     preds = [predicted(r, calibrated)[0] for r in held]
+    base = [predicted(r, profile)[0] for r in held]
     measured = [r.report.median_step_time_s for r in held]
     best = min(range(len(held)), key=lambda i: preds[i])
-    return {"calibrated": calibrated, "preds": preds, "before": statistics.median(step_errors(profile, held)),
+    return {"calibrated": calibrated, "preds": preds, "base": base,
+            "before": statistics.median(abs(b / m - 1) for b, m in zip(base, measured)),
             "after": statistics.median(abs(p / m - 1) for p, m in zip(preds, measured)),
             "spearman": spearman(preds, measured), "regret": measured[best] / min(measured) - 1}
 
@@ -136,10 +105,10 @@ def evaluate(profile: ClusterProfile, runs: list[CalibrationRun]) -> dict:
     print(f"    fit: median |error| {cal.uncalibrated_median_error:.1%} before, {cal.fitted_median_error:.1%} after "
           f"(in sample), {cal.held_out_median_error:.1%} leave-one-run-out")
     print(f"\nheld out ({len(held)} plans):   {'predicted':>10} {'calibrated':>11} {'measured':>10}")
-    for x, b, p in zip(held, step_errors(profile, held), r["preds"]):
+    for x, b, p in zip(held, r["base"], r["preds"]):
         m = x.report.median_step_time_s
-        print(f"    {x.name:<20} {predicted(x, profile)[0] * 1e3:8.1f}ms {p * 1e3:9.1f}ms {m * 1e3:8.1f}ms   "
-              f"(error {b:.0%} -> {abs(p / m - 1):.0%})")
+        print(f"    {x.name:<20} {b * 1e3:8.1f}ms {p * 1e3:9.1f}ms {m * 1e3:8.1f}ms   "
+              f"(error {abs(b / m - 1):.0%} -> {abs(p / m - 1):.0%})")
     return {"plans": len(runs), "calibrated_on": len(fit), "held_out": len(held),
             **{k: r[k] for k in ("before", "after", "spearman", "regret")}}
 

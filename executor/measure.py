@@ -33,7 +33,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from planner.contracts.report import STEP_TERMS, TermTimes
+from torch.profiler import record_function
+
+from planner.contracts.report import COMM_TERMS, STEP_TERMS, TermTimes
 
 LABELS = {"autopar.optimizer": "optimizer", "autopar.cp": "cp", "autopar.ep": "ep", "autopar.dp_grad": "dp_grad",
           "autopar.other": "other", "autopar.pp": "pp"}
@@ -82,7 +84,7 @@ def compute_term(name: str) -> str:
     return "elementwise" if name.startswith("aten::") else "other"
 
 
-COMM_CONTEXTS = ("tp", "cp", "ep", "pp", "dp_grad", "dp_param", "other")  # labels whose subtree is communication
+COMM_CONTEXTS = (*COMM_TERMS, "other")  # terms of labels whose subtree is communication (autopar.other: the loss's)
 # torch.distributed.pipelining's labels of a schedule's steps: "Forward 3" (GPipe, 1F1B), "PP:0F3" (looped schedules)
 PIPELINE_OPS = re.compile(r"^(Forward \d+|Backward \d+|PP:.*)$")
 
@@ -161,8 +163,6 @@ class StepProfiler:
         if self._prof is None or not self.profiled(step):
             yield
             return
-        from torch.profiler import record_function
-
         with record_function("autopar.step"):
             yield
 
@@ -180,10 +180,4 @@ class StepProfiler:
         return TermTimes(rank=rank, step_s=max(wall, 1e-9), terms=terms, data_s=data_s)
 
 
-@contextlib.contextmanager
-def label(name: str) -> Iterator[None]:
-    """``torch.profiler.record_function(name)`` (a no-op cost when nothing profiles)."""
-    from torch.profiler import record_function
-
-    with record_function(name):
-        yield
+label = record_function  # the executor's labels (module doc); a no-op cost when nothing profiles

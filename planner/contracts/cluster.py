@@ -18,6 +18,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_v
 
 from planner.contracts.common import SCHEMA_VERSION, Contract, Name, Precision
 from planner.contracts.limits import MAX_DEVICE_MEMORY_BYTES, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_SM_COUNT
+from planner.contracts.terms import unknown_terms
 
 
 class LinkLevel(str, Enum):
@@ -450,11 +451,7 @@ class RunCalibration(Contract):
     @field_validator("factors")
     @classmethod
     def _known_terms(cls, v: dict[str, TermFactor]) -> dict[str, TermFactor]:
-        from planner.contracts.report import STEP_TERMS  # report imports this module
-
-        unknown = sorted(set(v) - set(STEP_TERMS))
-        if unknown:
-            raise ValueError(f"unknown terms {unknown}: use {', '.join(STEP_TERMS)}")
+        unknown_terms(v)
         return v
 
     def factor(self, term: str) -> float:

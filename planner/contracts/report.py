@@ -11,23 +11,10 @@ from planner.contracts.cluster import Environment
 from planner.contracts.common import SCHEMA_VERSION, Contract
 from planner.contracts.limits import MAX_GPUS
 from planner.contracts.plan import ParallelLayout
+from planner.contracts.terms import COMM_TERMS, COMPUTE_TERMS, STEP_TERMS, TERM_MEANING, unknown_terms
 
-# The terms a step's time is measured in (RunReport.breakdown) and predicted in (Prediction.compute_terms and its
-# comm kinds): one vocabulary for the executor, the planner and the pages.
-COMPUTE_TERMS = ("gemm", "attention", "elementwise", "loss")
-COMM_TERMS = ("tp", "cp", "ep", "pp", "dp_grad", "dp_param")
-STEP_TERMS = (*COMPUTE_TERMS, *COMM_TERMS, "optimizer", "other")
-TERM_MEANING = {
-    "gemm": "matrix multiplications (linear layers, grouped expert GEMMs)",
-    "attention": "the attention core (scaled dot-product, its backward)",
-    "elementwise": "memory-bound operators: norms, activations, rotary embedding, residuals, embedding lookup",
-    "loss": "the cross-entropy over the vocabulary",
-    "tp": "tensor/sequence-parallel collectives", "cp": "context-parallel collectives",
-    "ep": "expert-parallel dispatch and combine", "pp": "pipeline sends and receives, waiting for the neighbour "
-    "stage included (the bubble)", "dp_grad": "gradient reduction", "dp_param": "weight gathers (ZeRO-3/FSDP)",
-    "optimizer": "the optimizer step", "other": "the rest of the step: framework overhead, unattributed waits",
-}
-
+__all__ = ["COMM_TERMS", "COMPUTE_TERMS", "STEP_TERMS", "TERM_MEANING", "RunReport", "StepRecord", "TermTimes",
+           "term_comparison"]
 
 class StepRecord(Contract):
     step: int = Field(ge=0, strict=True)
@@ -47,9 +34,7 @@ class TermTimes(Contract):
     @field_validator("terms")
     @classmethod
     def _known(cls, v: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(v) - set(STEP_TERMS))
-        if unknown:
-            raise ValueError(f"unknown terms {unknown}: use {', '.join(STEP_TERMS)}")
+        unknown_terms(v)
         if any(not x >= 0 for x in v.values()):
             raise ValueError("every term is seconds >= 0")
         return v
