@@ -21,9 +21,20 @@ making the next batch (``autopar.data``) and its own collectives (``autopar.cp``
 - what is left (Python, autograd and framework overhead, waits outside any operator such as DDP's wait for
   its last bucket) is ``other``, so the terms sum to the step's wall time.
 
-Only CPU runs are split: the tree is the main thread's operators, and on CUDA the autograd engine runs the
-backward on a device thread of its own and kernels overlap, so a host-thread tree would leave the backward out
-(:class:`StepProfiler` does not profile CUDA runs; their reports carry no breakdown).
+CUDA runs are split by device time (:func:`device_trees`, :func:`split_device`): the autograd engine runs the
+backward on a thread of its own and kernels run asynchronously, so the host's CPU tree does not tell where the
+device's time goes. The step's wall time is still the mean span of the ``autopar.step`` host events (the span
+ends with a ``torch.cuda.synchronize()``: :meth:`StepProfiler.step`). Every host event of any thread (the main
+one and the autograd engine's) that starts inside a profiled step and has no parent is a tree's root; an
+operator's own time is the device time of the kernels it launched itself (``self_device_time_total``), and the
+operators and labels go to terms as on CPU. The autograd engine's ``autograd::engine::evaluate_function:
+MmBackward0`` is no label: what it calls goes by its own names. ``other`` is the wall time less the device
+terms, the time the device sat idle (host-bound gaps, launch latency), plus the device time that goes to
+``other`` as on CPU (``autopar.other``'s, non-ATen operators'). Kernels on several streams overlap (NCCL's
+beside the compute): where the device terms sum past the wall time, the communication terms are scaled down
+until they fit (overlapped communication is not exposed), and where the rest alone is past it, every term is
+scaled down alike, so that the terms always sum to the wall time. Communication that overlaps compute but
+fits inside the wall time is counted whole (the idle time in ``other`` is then that much short).
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+from torch.autograd import DeviceType
 from torch.profiler import record_function
 
 from planner.contracts.report import COMM_TERMS, STEP_TERMS, TermTimes
@@ -46,8 +59,8 @@ COMM_PREFIXES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param
 
 @dataclass
 class Node:
-    """One profiled operator or label on the main thread: its name, its own time in microseconds (its time
-    less its children's) and its children."""
+    """One profiled operator or label: its name, its own time in microseconds (on CPU its time less its
+    children's; on CUDA its own kernels' device time) and its children."""
 
     name: str
     self_us: float
@@ -128,21 +141,73 @@ def labelled_trees(events: list) -> tuple[list[Node], list[Node]]:
     """(``autopar.step`` nodes, ``autopar.data`` nodes) of ``torch.profiler``'s FunctionEvents, each with the
     operators it called on its thread (``cpu_children``): the labels are only ever entered on the main
     thread, so the collectives' worker threads (gloo's, NCCL's) are not in these trees."""
-
-    def node(e) -> Node:  # noqa: ANN001 - a torch FunctionEvent
-        return Node(e.name, float(e.self_cpu_time_total), [node(c) for c in e.cpu_children])
-
-    steps = [node(e) for e in events if e.name == "autopar.step"]
-    data = [node(e) for e in events if e.name == "autopar.data"]
+    steps = [cpu_node(e) for e in events if e.name == "autopar.step"]
+    data = [cpu_node(e) for e in events if e.name == "autopar.data"]
     return steps, data
+
+
+def cpu_node(e) -> Node:  # noqa: ANN001 - a torch FunctionEvent
+    """``e``'s subtree on its thread, each node's own time its own CPU time."""
+    return Node(e.name, float(e.self_cpu_time_total), [cpu_node(c) for c in e.cpu_children])
+
+
+def device_node(e) -> Node:  # noqa: ANN001 - a torch FunctionEvent
+    """``e``'s subtree on its thread, each node's own time the device time of the kernels it launched itself
+    (``self_cuda_time_total`` where a torch lacks ``self_device_time_total``)."""
+    own = getattr(e, "self_device_time_total", None)
+    own = e.self_cuda_time_total if own is None else own
+    return Node(e.name, float(own), [device_node(c) for c in e.cpu_children])
+
+
+def device_trees(events: list) -> tuple[list[float], list[Node], list[Node]]:
+    """(each ``autopar.step``'s wall microseconds, the roots of every thread's trees inside the steps by device
+    time, the ``autopar.data`` nodes by CPU time) of a CUDA run's FunctionEvents (module doc). Only host events
+    count: the kernels' own events, the labels' copies on the device timeline and async ranges do not."""
+    host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    windows = [(e.time_range.start, e.time_range.end) for e in host if e.name == "autopar.step"]
+    roots = [device_node(e) for e in host
+             if e.cpu_parent is None and any(a <= e.time_range.start < b for a, b in windows)]
+    data = [cpu_node(e) for e in host if e.name == "autopar.data"]
+    return [b - a for a, b in windows], roots, data
+
+
+def split_device(walls_us: list[float], roots: list[Node], tp: int,
+                 data: list[Node] = ()) -> tuple[float, dict[str, float], float]:
+    """:func:`split_step` for a CUDA run (module doc): (mean wall seconds of the steps, seconds per step by term,
+    seconds per step making batches), the device terms with the device's idle time in ``other``, fitted to the
+    wall time (:func:`fit_to_wall`)."""
+    totals: dict[str, float] = {}
+    for root in roots:
+        add_times(root, tp, totals)
+    n = max(len(walls_us), 1)
+    wall = sum(walls_us) / n / 1e6
+    terms = {t: totals.get(t, 0.0) / n / 1e6 for t in STEP_TERMS}
+    terms["other"] += max(0.0, wall - sum(terms.values()))
+    return wall, fit_to_wall(terms, wall), sum(subtree_us(d) for d in data) / n / 1e6
+
+
+def fit_to_wall(terms: dict[str, float], wall: float) -> dict[str, float]:
+    """``terms`` scaled down to sum to ``wall`` where they sum past it (overlapping streams): the communication
+    terms first, down to nothing, then every term alike."""
+    total = sum(terms.values())
+    if total <= wall:
+        return terms
+    comm = sum(terms[t] for t in COMM_TERMS)
+    keep = max(0.0, 1.0 - (total - wall) / comm) if comm > 0 else 1.0
+    terms = {t: v * keep if t in COMM_TERMS else v for t, v in terms.items()}
+    rest = sum(terms.values())
+    if rest > wall:
+        terms = {t: v * wall / rest for t, v in terms.items()}
+    return terms
 
 
 class StepProfiler:
     """Profile the steps :meth:`step` is asked to (the run's last ``count``) and split them by term."""
 
     def __init__(self, count: int, first: int, device_type: str, tp: int) -> None:
-        # CPU runs only (module doc): a CUDA run's report carries no breakdown
-        self.count, self.first, self.tp = (count if device_type == "cpu" else 0), first, tp
+        # CPU and CUDA runs (module doc): other devices' reports carry no breakdown
+        self.count, self.first, self.tp = (count if device_type in ("cpu", "cuda") else 0), first, tp
+        self.cuda = device_type == "cuda"
         self._prof = None
 
     def profiled(self, step: int) -> bool:
@@ -154,7 +219,8 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         if self.profiled(step) and self._prof is None:
-            self._prof = profile(activities=[ProfilerActivity.CPU])
+            cuda = [ProfilerActivity.CUDA] if self.cuda else []
+            self._prof = profile(activities=[ProfilerActivity.CPU, *cuda])
             self._prof.__enter__()
 
     @contextlib.contextmanager
@@ -165,18 +231,27 @@ class StepProfiler:
             return
         with record_function("autopar.step"):
             yield
+            if self.cuda:  # the step's span ends when its kernels have (the optimizer's launches return at once)
+                torch.cuda.synchronize()
 
     def result(self, rank: int) -> TermTimes | None:
         """This rank's :class:`TermTimes` (None when nothing was profiled)."""
         if self._prof is None:
             return None
         self._prof.__exit__(None, None, None)
-        steps, data = labelled_trees(list(self._prof.events()))
+        events = list(self._prof.events())
         self._prof = None
-        if not steps:
-            return None
-        wall, terms, data_s = split_step(steps, self.tp, data)
-        terms["other"] = max(0.0, terms["other"])
+        if self.cuda:
+            walls, roots, data = device_trees(events)
+            if not walls:
+                return None
+            wall, terms, data_s = split_device(walls, roots, self.tp, data)
+        else:
+            steps, data = labelled_trees(events)
+            if not steps:
+                return None
+            wall, terms, data_s = split_step(steps, self.tp, data)
+            terms["other"] = max(0.0, terms["other"])
         return TermTimes(rank=rank, step_s=max(wall, 1e-9), terms=terms, data_s=data_s)
 
 

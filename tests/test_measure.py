@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
-from executor.measure import Node, split_step
-from planner.contracts import ParallelLayout, RunReport, TrainingConfig
+from executor.measure import Node, StepProfiler, device_trees, split_device, split_step
+from planner.contracts import ParallelLayout, RunReport, TermTimes, TrainingConfig
 from planner.contracts.report import STEP_TERMS, term_comparison
 from planner.cost.predict import predict
 from planner.presets import get_preset
@@ -157,3 +159,107 @@ def test_collectives_under_compute_are_communication_and_pipeline_waits_are_the_
     assert terms["optimizer"] == pytest.approx(5 * us) and terms["dp_param"] == pytest.approx((6 + 9) * us)
     assert terms["pp"] == pytest.approx(50 * us) and terms["gemm"] == pytest.approx(2 * us)
     assert terms["other"] == pytest.approx(1 * us)
+
+
+def ev(name: str, start: float, end: float, *children: SimpleNamespace, dev: float = 0.0, cpu: float = 0.0,
+       thread: int = 1, on: DeviceType = DeviceType.CPU) -> SimpleNamespace:
+    """A FunctionEvent as torch.profiler gives it (times in microseconds), its children's parent set."""
+    e = SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=None,
+                        cpu_children=list(children), self_device_time_total=dev, self_cpu_time_total=cpu,
+                        thread=thread, device_type=on, is_async=False)
+    for c in children:
+        c.cpu_parent = e
+    return e
+
+
+def flat(*roots: SimpleNamespace) -> list[SimpleNamespace]:
+    return [e for r in roots for e in (r, *flat(*r.cpu_children))]
+
+
+def cuda_step(t: float, wall: float) -> list[SimpleNamespace]:
+    """One CUDA step at ``t`` with its batch made before it: the forward on the main thread, the backward on the
+    autograd engine's, the kernels' own events and the step label's copy on the device timeline."""
+    main = ev("autopar.step", t, t + wall,
+              ev("FSDP::all_gather", t + 1, t + 9, ev("nccl:_all_gather_base", t + 2, t + 8, dev=50)),
+              ev("aten::linear", t + 10, t + 100, ev("aten::mm", t + 20, t + 90, dev=150), dev=2),
+              ev("aten::scaled_dot_product_attention", t + 100, t + 200,
+                 ev("aten::_scaled_dot_product_flash_attention", t + 110, t + 190, dev=80)),
+              ev("aten::cross_entropy_loss", t + 200, t + 250, ev("aten::_log_softmax", t + 205, t + 220, dev=20),
+                 ev("aten::nll_loss_forward", t + 225, t + 245, dev=5)),
+              ev("autopar.optimizer", t + 600, t + 700, ev("aten::_foreach_mul_", t + 610, t + 640, dev=30),
+                 ev("aten::_foreach_add_", t + 650, t + 690, dev=40)))
+    backward = ev("autograd::engine::evaluate_function: MmBackward0", t + 300, t + 400,
+                  ev("MmBackward0", t + 305, t + 395, ev("aten::mm", t + 310, t + 350, dev=140),
+                     ev("aten::mm", t + 355, t + 390, dev=160)), thread=2)
+    grad = ev("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", t + 400, t + 450,
+              ev("aten::add_", t + 405, t + 445, dev=10), thread=2)
+    data = ev("autopar.data", t - 80, t - 10, ev("aten::to", t - 70, t - 20, cpu=10, dev=25), cpu=40)
+    device = [ev("sm90_xmma_gemm_f32f32", t + 30, t + 180, dev=150, on=DeviceType.CUDA),  # kernels: not roots
+              ev("autopar.step", t, t + wall + 50, dev=wall + 50, on=DeviceType.CUDA)]  # the label's device copy
+    return [*flat(data, main, backward, grad), *device]
+
+
+def test_a_cuda_step_is_split_by_device_time_with_the_idle_device_in_other() -> None:
+    """Two steps (1000 and 1200 us): each operator's own kernels' time goes to its term, the backward on the
+    autograd thread included (its engine root is no label), and what is left of the wall is the device idle."""
+    late = ev("autograd::engine::evaluate_function: MmBackward0", 1500, 1600, ev("aten::mm", 1510, 1590, dev=999),
+              thread=2)  # between the steps: not profiled
+    events = [*cuda_step(100, 1000), *flat(late), *cuda_step(2000, 1200)]
+    walls, roots, data = device_trees(events)
+    assert walls == [1000, 1200] and len(data) == 2
+    assert sorted(r.name for r in roots).count("autopar.step") == 2 and len(roots) == 6
+    wall, terms, data_s = split_device(walls, roots, tp=1, data=data)
+    us = 1e-6
+    assert wall == pytest.approx(1100 * us) and data_s == pytest.approx(50 * us)  # the batches' CPU time per step
+    assert terms["gemm"] == pytest.approx((150 + 140 + 160) * us)  # the backward's GEMMs are not "other"
+    assert terms["attention"] == pytest.approx(80 * us) and terms["loss"] == pytest.approx(25 * us)
+    assert terms["elementwise"] == pytest.approx((2 + 10) * us)
+    assert terms["dp_param"] == pytest.approx(50 * us) and terms["optimizer"] == pytest.approx(70 * us)
+    assert terms["other"] == pytest.approx((1100 - 687) * us)  # the wall less the device terms
+    assert sum(terms.values()) == pytest.approx(wall) and set(terms) == set(STEP_TERMS)
+    assert TermTimes(rank=0, step_s=wall, terms=terms, data_s=data_s).terms == terms
+
+
+@pytest.mark.parametrize(("mm", "comm", "gemm", "dp_grad", "tp"), [
+    (60, (50, 30), 60, 25, 15),  # the collectives overlap the GEMM: they keep what the wall leaves them
+    (150, (20, 10), 100, 0, 0),  # the compute alone is past the wall: no communication, the rest scaled down
+])
+def test_overlapped_kernels_are_fitted_to_the_wall(mm: float, comm: tuple[float, float], gemm: float,
+                                                   dp_grad: float, tp: float) -> None:
+    """NCCL's kernels on their own stream beside the compute: the device terms sum past the 100 us step."""
+    step = ev("autopar.step", 0, 100, ev("aten::mm", 1, 20, dev=mm),
+              ev("autopar.dp_grad", 20, 40, ev("nccl:all_reduce", 21, 39, dev=comm[0])),
+              ev("c10d::allreduce_", 40, 60, dev=comm[1]))
+    wall, terms, _ = split_device(*device_trees(flat(step))[:2], tp=2)
+    us = 1e-6
+    assert terms["gemm"] == pytest.approx(gemm * us) and terms["other"] == 0
+    assert terms["dp_grad"] == pytest.approx(dp_grad * us) and terms["tp"] == pytest.approx(tp * us)
+    assert wall == pytest.approx(100 * us) and sum(terms.values()) == pytest.approx(wall)
+    TermTimes(rank=0, step_s=wall, terms=terms)
+
+
+def test_device_trees_read_the_real_profiler_s_events() -> None:
+    """torch.profiler's own FunctionEvents (a CPU run: no device time) carry what :func:`device_trees` reads:
+    the step windows are the labels' spans and the whole of the step is the device's idle time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    w = torch.randn(16, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function("autopar.data"):
+                x = torch.randn(8, 16)
+            with record_function("autopar.step"):
+                (x @ w).relu().sum().backward()
+    events = list(prof.events())
+    spans = [e.time_range.end - e.time_range.start for e in events if e.name == "autopar.step"]
+    walls, roots, data = device_trees(events)
+    assert walls == pytest.approx(spans) and len(spans) == 2 and len(data) == 2
+    assert [r.name for r in roots].count("autopar.step") == 2
+    wall, terms, data_s = split_device(walls, roots, tp=1, data=data)
+    assert wall > 0 and terms["other"] == pytest.approx(wall) and data_s > 0
+
+
+def test_cpu_and_cuda_runs_are_profiled_and_other_devices_are_not() -> None:
+    assert StepProfiler(2, 3, "cuda", 1).profiled(3) and StepProfiler(2, 3, "cpu", 1).profiled(3)
+    assert not StepProfiler(2, 3, "mps", 1).profiled(3)

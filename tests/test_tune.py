@@ -1,0 +1,115 @@
+"""``autopar tune`` (planner/tune.py): which layouts it runs, how it splits and judges them, and the loop end to
+end on this machine (4 CPU ranks, marked slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, Recompute, TrainingConfig
+from planner.contracts.tune import TuneReport
+from planner.errors import AutoparError
+from planner.run_calibration import CalibrationRun
+from planner.tune import RunFailed, TuneSettings, candidates, choose, features, summarise
+from tests.test_run_calibration import RUNS, recorded
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=192, vocab_size=256)
+TRAINING = TrainingConfig(seq_length=64, global_batch_size=16, precision="fp32")
+
+
+def _profile() -> ClusterProfile:
+    return ClusterProfile.model_validate_json((RUNS / "profile.json").read_text())
+
+
+def test_choose_keeps_the_first_and_adds_the_layout_that_varies_most() -> None:
+    from planner.cost.predict import predict
+
+    prof = _profile()
+    lays = [ParallelLayout(dp_shard=4, zero_stage=1, micro_batch_size=4),
+            ParallelLayout(dp_shard=4, zero_stage=1, micro_batch_size=2),  # one feature new (mb)
+            ParallelLayout(dp_shard=2, tp=2, zero_stage=2, micro_batch_size=2, recompute=Recompute.full),  # four
+            ParallelLayout(dp_shard=4, zero_stage=1, micro_batch_size=4, recompute=Recompute.full)]  # one
+    pool = [(lay, predict(SPEC, TRAINING, prof, lay)) for lay in lays]
+    got = [lay for lay, _ in choose(pool, 3)]
+    assert got[0] == lays[0] and got[1] == lays[2]
+    # then mb=2 and recompute=full are both seen: the faster of the two one-feature layouts is taken
+    rest = min(pool[1], pool[3], key=lambda c: c[1].step_time_s)[0]
+    assert got[2] == rest
+    assert len(choose(pool, 10)) == 4
+
+
+def test_candidates_fit_run_on_the_target_and_differ_in_every_feature() -> None:
+    pool = candidates(SPEC, TRAINING, _profile(), TuneSettings())
+    assert len(pool) > 50
+    assert all(p.memory.fits for _, p in pool)
+    chosen = [lay for lay, _ in choose(pool, 10)]
+    for i in range(5):  # structure, schedule, ZeRO, recompute and micro-batch each take several values
+        assert len({features(lay)[i] for lay in chosen}) >= 2, i
+    assert any(lay.tp > 1 for lay in chosen) and any(lay.pp > 1 for lay in chosen)
+
+
+def test_settings_refuse_what_cannot_be_split_or_timed() -> None:
+    with pytest.raises(AutoparError, match="plans"):
+        TuneSettings(plans=1)
+    with pytest.raises(AutoparError, match="leaves no step to time"):
+        TuneSettings(steps=5, warmup=3, profile_steps=2)
+
+
+def test_summary_judges_the_held_out_half_on_the_calibration_half_only() -> None:
+    """Recorded runs (tests/data/cpu_runs): every other run calibrates; a held-out run's calibrated prediction
+    moves toward its measurement, and changing a held-out run's measurement changes no factor."""
+    profile, runs = recorded()
+    failed = ("zz", runs[0].plan, "exit status 1: out of memory")
+    report, final = summarise(profile, [*runs, failed])
+    assert report.count("calibration") == 6 and report.count("held_out") == 5 and report.count("failed") == 1
+    assert report.runs[-1].error == "exit status 1: out of memory"
+    assert report.median_abs_err_after < report.median_abs_err_before
+    assert final.calibration is not None and len(final.calibration.runs) == 11
+    held = [r for r in runs[1::2]]
+    slower = held[0].report.model_copy(update={"median_step_time_s": held[0].report.median_step_time_s * 3})
+    moved = [CalibrationRun(r.name, r.plan, slower) if r is held[0] else r for r in runs]
+    again, _ = summarise(profile, moved)
+    assert [r.calibrated_step_s for r in again.runs if r.role == "held_out"] == \
+        [r.calibrated_step_s for r in report.runs if r.role == "held_out"]
+    changed = next(r for r in again.runs if r.name == held[0].name)
+    assert changed.measured_step_s == pytest.approx(3 * held[0].report.median_step_time_s)
+    line = report.line()
+    assert line.startswith("tune: plans=11 calibrated_on=6 held_out=5 median_abs_err_before=")
+    assert "spearman=" in line and "regret=" in line
+
+
+def test_a_runner_that_fails_is_kept_with_why(tmp_path: Path) -> None:
+    from planner.tune import plan_for, run_layouts
+
+    def runner(plan: Path, report: Path, log: Path) -> None:
+        raise RunFailed("exit status 2: error: this host has 2 cores")
+
+    plan = plan_for(SPEC, TRAINING, ParallelLayout(dp_shard=4), _profile())
+    got = run_layouts([plan], tmp_path, runner, lambda *a: None)
+    assert got == [("00", plan, "exit status 2: error: this host has 2 cores")]
+    assert (tmp_path / "00" / "plan.json").is_file()
+
+
+@pytest.mark.slow
+def test_tune_runs_calibrates_and_replans_end_to_end(tmp_path: Path) -> None:
+    spec = tmp_path / "model.json"
+    spec.write_text(SPEC.model_dump_json())
+    cmd = [sys.executable, "-m", "executor", "tune", "--model-file", str(spec), "--profile",
+           str(RUNS / "profile.json"), "--global-batch", "16", "--seq", "64", "--precision", "fp32", "--plans", "4",
+           "--steps", "6", "--warmup", "2", "--out-dir", str(tmp_path / "out")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("tune: plans=4 calibrated_on=2 held_out=2")
+    report = TuneReport.model_validate_json((tmp_path / "out" / "tune.json").read_text())
+    assert all(x.measured_step_s and x.role != "failed" for x in report.runs)
+    calibrated = ClusterProfile.model_validate_json((tmp_path / "out" / "profile.calibrated.json").read_text())
+    assert calibrated.calibration is not None and len(calibrated.calibration.runs) == 4
+    assert report.replanned is not None and json.loads((tmp_path / "out" / "plan.json").read_text())["layout"]
+    for i in range(4):
+        assert (tmp_path / "out" / f"{i:02d}" / "report.json").is_file()
