@@ -88,17 +88,20 @@ def plan_for(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout,
 def features(layout: ParallelLayout) -> tuple:
     """What :func:`choose` wants to vary: structure, schedule, ZeRO (with its sharding), recompute, micro-batch."""
     structure = (layout.tp, layout.sp, layout.cp, layout.pp, layout.ep, layout.dp_replicate, layout.dp_shard)
-    zero = (layout.zero_stage, layout.reshard_after_forward, layout.offload_optimizer)
+    sharded = layout.dp_shard > 1  # ZeRO over one rank shards nothing: the same layout as ZeRO-0
+    zero = (layout.zero_stage if sharded else 0, layout.reshard_after_forward or not sharded, layout.offload_optimizer)
     schedule = (layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
     return structure, schedule, zero, layout.recompute, layout.micro_batch_size
 
 
 def choose(pool: Sequence[tuple[ParallelLayout, Prediction]], k: int) -> list[tuple[ParallelLayout, Prediction]]:
     """``k`` layouts of ``pool`` (its first is kept first): each next one adds the most feature values
-    (:func:`features`) not yet chosen, the fastest predicted among equals."""
+    (:func:`features`) not yet chosen, the fastest predicted among equals; none the same in every feature."""
     chosen = [pool[0]] if pool else []
     seen = [{f} for f in features(pool[0][0])] if pool else []
-    rest = sorted(pool[1:], key=lambda c: c[1].step_time_s)
+    taken = {features(pool[0][0])} if pool else set()
+    rest = sorted((c for c in pool[1:] if features(c[0]) not in taken), key=lambda c: c[1].step_time_s)
+    rest = [c for i, c in enumerate(rest) if features(c[0]) not in {features(x[0]) for x in rest[:i]}]
     while rest and len(chosen) < k:
         best = max(range(len(rest)), key=lambda i: (sum(f not in s for f, s in zip(features(rest[i][0]), seen)),
                                                     -rest[i][1].step_time_s))
