@@ -46,6 +46,9 @@ def create_app(settings: Settings | None = None, db: Database | None = None) -> 
     async def lifespan(app: FastAPI):  # noqa: ANN202
         database = db or Database(settings.database_url)
         migrate(database.engine)
+        stale = store.fail_stale_tune_jobs(database)  # their thread died with the process that ran them
+        if stale:
+            log.warning("tune jobs %s were left unfinished by a previous process: marked failed", stale)
         if settings.load_reference:
             store.load_reference_profiles(database)
         app.state.db = database

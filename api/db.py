@@ -2,7 +2,8 @@
 
 The documents themselves (ClusterProfile, Plan, RunReport) are stored whole as JSON, validated by
 the planner's contracts on the way in and out; the columns beside them are what lists filter and
-sort on. Profiles are immutable: a new measurement of a cluster is a new version row.
+sort on. Profiles are immutable: a new measurement of a cluster is a new version row. Tune jobs are
+the one table whose rows change: their progress while they run.
 The schema is created and changed only by the Alembic migrations in ``api/migrations``.
 """
 
@@ -17,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     String,
+    Text,
     UniqueConstraint,
     create_engine,
     event,
@@ -81,6 +83,37 @@ class RunRow(Base):
     predicted_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     measured_step_s: Mapped[float] = mapped_column(Float)
     report: Mapped[dict] = mapped_column(JSON)
+
+
+class TuneJob(Base):
+    """An ``autopar tune`` job of the service (``POST /v1/tune``): its progress while it runs, its TuneReport
+    and what it stored when done, or why it failed.
+
+    ``slot`` is 1 while the job is queued or running and NULL after: its unique constraint lets one job be
+    active at a time (NULLs are distinct), so two concurrent requests cannot both start one."""
+
+    __tablename__ = "tune_jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # "queued" | "running" | "done" | "failed"
+    slot: Mapped[int | None] = mapped_column(Integer, unique=True, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    profile_id: Mapped[int] = mapped_column(ForeignKey("profiles.id"), index=True)  # the profile tune started from
+    cluster: Mapped[str] = mapped_column(String(200), index=True)
+    model_name: Mapped[str] = mapped_column(String(200))
+    request: Mapped[dict] = mapped_column(JSON)
+    owner: Mapped[str | None] = mapped_column(String(300), nullable=True)  # "host:pid" of the process running it
+    workdir: Mapped[str | None] = mapped_column(Text, nullable=True)
+    phase: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    done: Mapped[int] = mapped_column(Integer, default=0)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    log: Mapped[list] = mapped_column(JSON, default=list)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the TuneReport
+    runs: Mapped[list | None] = mapped_column(JSON, nullable=True)  # [{name, role, plan_id, run_id}] stored
+    calibrated_profile_id: Mapped[int | None] = mapped_column(ForeignKey("profiles.id"), nullable=True)
+    replanned_plan_id: Mapped[int | None] = mapped_column(ForeignKey("plans.id"), nullable=True)
 
 
 def make_engine(url: str) -> Engine:

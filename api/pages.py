@@ -1,4 +1,4 @@
-"""Human pages at ``/``: clusters and profiles, plans with their timeline, runs against predictions.
+"""Human pages at ``/``: clusters and profiles, plans with their timeline, runs against predictions, tune jobs.
 
 Server-rendered HTML (Jinja2, autoescaped) with charts drawn as inline SVG by :mod:`api.charts`;
 no JavaScript is needed and nothing is fetched from the network. Every page renders whatever is
@@ -26,7 +26,9 @@ from planner.contracts import ClusterProfile, Plan, RunReport
 from planner.contracts.cluster import LINEAR_LAYOUTS, LinkLevel, link_key, link_points
 from planner.contracts.common import Precision
 from planner.contracts.report import term_comparison
+from planner.contracts.tune import TuneReport
 from planner.cost.comm import ring_factor
+from planner.tune import describe
 
 log = logging.getLogger("autopar.pages")
 HERE = Path(__file__).parent
@@ -295,9 +297,10 @@ def profile_page(request: Request, profile_id: str) -> HTMLResponse:
             log.exception("charts of profile %s", row.id)
             problem = "some charts could not be drawn from this profile (the server log has the details)"
     plans, plan_total = store.list_plans(db, profile_id=row.id, limit=20)
+    tune_jobs, _ = store.list_tune_jobs(db, cluster=cluster.name, limit=10)
     return _page(request, "profile.html", title=f"{cluster.name} v{row.version}", row=row, cluster=cluster,
                  profile=profile, history=history, links=links, compute=compute, problem=problem, plans=plans,
-                 plan_total=plan_total)
+                 plan_total=plan_total, tune_jobs=tune_jobs)
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -462,3 +465,49 @@ def _run_charts(report: RunReport, predicted_s: float | None) -> list:
                              title="Loss per step", x_label="step", y_label="loss", log_x=False,
                              y_fmt=lambda v: f"{v:.4g}", x_fmt=lambda v: f"{v:g}")
     return [times, losses]
+
+
+# -- tune jobs -------------------------------------------------------------------------------------
+
+TUNE_REFRESH_S = 2
+TUNE_LOG_SHOWN = 15
+
+
+def tune_rows(report: TuneReport, stored: list[dict]) -> list[dict]:
+    """The table of a finished job's runs (as ``autopar tune`` prints it), each with its stored run and plan."""
+    where = {r["name"]: r for r in stored}
+    rows = []
+    for r in report.runs:
+        after = (f"{r.calibrated_step_s / r.measured_step_s - 1:+.0%}" if r.calibrated_step_s and r.measured_step_s
+                 else None)
+        rows.append(dict(name=r.name, layout=describe(r.layout), role=r.role, predicted=r.predicted_step_s,
+                         calibrated=r.calibrated_step_s, measured=r.measured_step_s, after=after, error=r.error,
+                         run_id=where.get(r.name, {}).get("run_id"), plan_id=where.get(r.name, {}).get("plan_id")))
+    return rows
+
+
+@router.get("/tune/{job_id}", response_class=HTMLResponse)
+def tune_page(request: Request, job_id: str) -> HTMLResponse:
+    """A tune job: while it runs, its phase, progress and log (the page reloads itself every 2 s); when done,
+    its runs predicted before and after calibration against measured, and what it stored; when failed, why."""
+    job = _stored(request, job_id, lambda db, key: store.get_tune_job(db, job_id=key))
+    if job is None:
+        return _not_found(request, "tune job", job_id)
+    report, problem = None, None
+    if job.result:
+        try:
+            report = TuneReport.model_validate(job.result)
+        except ValidationError as exc:
+            problem = f"the stored report does not validate against today's contract: {exc.error_count()} errors"
+    active = job.state in store.ACTIVE
+    replanned = None
+    if report is not None and report.replanned is not None:
+        replanned = dict(layout=describe(report.replanned.layout), step=report.replanned.prediction.step_time_s,
+                         same=report.replanned.layout == report.first_plan)
+    response = _page(request, "tune.html", title=f"Tune job {job.id}", job=job, report=report, problem=problem,
+                     active=active, refresh_s=TUNE_REFRESH_S, log_lines=(job.log or [])[-TUNE_LOG_SHOWN:],
+                     rows=tune_rows(report, job.runs or []) if report else [], replanned=replanned,
+                     line=report.line() if report else None)
+    if active:
+        response.headers["Refresh"] = str(TUNE_REFRESH_S)
+    return response

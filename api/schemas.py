@@ -15,10 +15,13 @@ from planner.contracts.limits import (
     MAX_TOP_K,
     MAX_VIRTUAL_STAGES,
 )
+from planner.contracts.tune import TuneReport
 from planner.search import SearchOptions
 from planner.targets import Target
+from planner.tune import TuneSettings
 
 SEARCH = SearchOptions()  # the search's defaults: one home (planner.search.options.SearchOptions)
+TUNE = TuneSettings()  # tune's defaults: one home (planner.tune.TuneSettings)
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
@@ -215,3 +218,91 @@ class RunErrorSummary(BaseModel):
 class PresetOut(BaseModel):
     name: str
     spec: ModelSpec
+
+
+# -- tune jobs ---------------------------------------------------------------------------------------
+
+class TuneSettingsIn(Strict):
+    """What a tune job runs (:class:`planner.tune.TuneSettings`): how many layouts, how long each. Integers are
+    JSON integers, numbers JSON numbers; warmup + profile_steps must leave a step to time."""
+
+    plans: int = Field(TUNE.plans, ge=2, le=64, strict=True, description="layouts to run (half calibrate, half "
+                       "are held out)")
+    steps: int = Field(TUNE.steps, ge=3, le=1000, strict=True, description="optimizer steps per run")
+    warmup: int = Field(TUNE.warmup, ge=0, le=1000, strict=True, description="first steps of each run left out of "
+                        "its median")
+    profile_steps: int = Field(TUNE.profile_steps, ge=1, le=100, strict=True, description="last steps of each run "
+                               "profiled for the breakdown by term (calibration fits on it)")
+    target: Target = Field(Target(TUNE.target), description="what runs the plans afterwards (the runs here are "
+                           "the executor's)")
+    max_micro_batch_size: int = Field(TUNE.max_micro_batch_size, ge=1, le=MAX_MICRO_BATCH, strict=True)
+    time_budget_s: float = Field(TUNE.time_budget_s, gt=0, le=MAX_TIME_BUDGET_S, strict=True,
+                                 description="seconds for the search and for listing the layouts, each (at most "
+                                 "the server's AUTOPAR_PLAN_BUDGET_S)")
+
+
+class TuneRequest(Strict):
+    """A tune job: the job to tune for (as a plan request) and how to run its layouts. The layouts run on the
+    server's own host, so the profile should describe it (a measured profile of it, usually)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": {"spec": {"name": "tiny", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                            "num_kv_heads": 2, "ffn_hidden_size": 192, "vocab_size": 256}},
+         "training": {"seq_length": 64, "global_batch_size": 16, "precision": "fp32"},
+         "cluster": "cpu-lab", "settings": {"plans": 4, "steps": 6, "warmup": 2, "profile_steps": 2}},
+    ]})
+
+    model: ModelRef
+    training: TrainingConfig
+    profile_id: int | None = Field(None, ge=1, le=MAX_ID, strict=True,
+                                   description="a stored profile (GET /v1/profiles)")
+    cluster: str | None = Field(None, max_length=200, description="a cluster name: its newest profile")
+    num_nodes: int | None = Field(None, ge=1, le=MAX_GPUS, strict=True,
+                                  description="reference profiles only: nodes to tune for")
+    gpus: int | None = Field(None, ge=1, le=MAX_GPUS, strict=True,
+                             description="reference profiles only: GPUs to tune for (part of a node, or whole nodes)")
+    settings: TuneSettingsIn = Field(default_factory=TuneSettingsIn)
+
+    @model_validator(mode="after")
+    def _where(self) -> TuneRequest:
+        if (self.profile_id is None) == (self.cluster is None):
+            raise ValueError("give exactly one of profile_id or cluster")
+        if self.num_nodes is not None and self.gpus is not None:
+            raise ValueError("give at most one of num_nodes or gpus")
+        return self
+
+
+class TuneJobRun(BaseModel):
+    """A layout the job ran that wrote a report, as stored: its plan row and its run row."""
+
+    name: str
+    role: str
+    plan_id: int
+    run_id: int
+
+
+class TuneJobSummary(BaseModel):
+    id: int
+    state: Literal["queued", "running", "done", "failed"]
+    created_at: datetime
+    updated_at: datetime
+    cluster: str
+    profile_id: int = Field(description="the profile tune started from")
+    model_name: str
+    phase: str | None = Field(description="plan, run, replan, done")
+    done: int
+    total: int
+    message: str | None = Field(description="the latest progress message")
+    error: str | None = Field(description="why the job failed")
+    calibrated_profile_id: int | None = Field(description="the cluster's profile calibrated on every run")
+    replanned_plan_id: int | None = Field(description="the plan searched on the calibrated profile")
+    links: dict[str, str] = Field(description="self, page, and the calibrated profile and re-planned plan once "
+                                  "stored")
+
+
+class TuneJobOut(TuneJobSummary):
+    request: dict[str, Any]
+    workdir: str | None = Field(description="where the runs' plans, reports and logs are (NN/run.log)")
+    log: list[str] = Field(description="the latest progress messages, oldest first")
+    runs: list[TuneJobRun] = Field(description="the runs stored (GET /v1/runs/{id}), with their plans")
+    result: TuneReport | None = Field(description="the TuneReport, once the runs are done")

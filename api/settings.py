@@ -10,6 +10,10 @@
 ``AUTOPAR_CORS_ORIGINS``   comma-separated origins allowed by CORS; unset = CORS off.
 ``AUTOPAR_LOAD_REFERENCE`` ``0`` to skip loading the reference cluster profiles at start-up.
 ``AUTOPAR_PLAN_BUDGET_S``  largest search time budget a plan request may ask for (default 60).
+``AUTOPAR_TUNE``           ``0`` to refuse tune jobs (``POST /v1/tune`` answers 503): a service whose host
+                           should not run training (default on: the runs use this host).
+``AUTOPAR_TUNE_DIR``       where tune jobs keep their runs' plans, reports and logs (default: a folder
+                           under the system's temporary directory).
 =========================  ==========================================================================
 """
 
@@ -46,6 +50,8 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     load_reference: bool = True
     max_plan_budget_s: float = 60.0
+    tune_jobs: bool = True
+    tune_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,4 +80,6 @@ class Settings:
             cors_origins=_split(env.get("AUTOPAR_CORS_ORIGINS")),
             load_reference=env.get("AUTOPAR_LOAD_REFERENCE", "1") not in ("0", "false", "no"),
             max_plan_budget_s=float(number("AUTOPAR_PLAN_BUDGET_S", 60.0, float)),
+            tune_jobs=env.get("AUTOPAR_TUNE", "1") not in ("0", "false", "no"),
+            tune_dir=env.get("AUTOPAR_TUNE_DIR") or None,
         )

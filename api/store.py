@@ -1,4 +1,4 @@
-"""What the service does with its database: every read and write of profiles, plans and runs.
+"""What the service does with its database: every read and write of profiles, plans, runs and tune jobs.
 
 Routes and pages call these functions with a :class:`~api.db.Database`; each write is one transaction.
 Races between concurrent clients are settled by the database's unique constraints (content hash,
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import statistics
 from datetime import datetime
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -17,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.db import Cluster, Database, PlanRow, Profile, RunRow
+from api.db import Cluster, Database, PlanRow, Profile, RunRow, TuneJob, utcnow
 from planner.contracts import ClusterProfile, RunReport
 from planner.errors import AutoparError
 
@@ -304,6 +306,107 @@ def run_error_summary(db: Database) -> dict:
                 median_abs_error=statistics.median(abs_err) if abs_err else None, p90_abs_error=pct(0.9),
                 max_abs_error=abs_err[-1] if abs_err else None,
                 mean_signed_error=statistics.fmean(errors) if errors else None)
+
+
+# -- tune jobs -------------------------------------------------------------------------------------
+
+TUNE_LOG_LINES = 200  # a job keeps the last lines of its progress log
+ACTIVE = ("queued", "running")
+
+
+class Busy(RuntimeError):
+    """A tune job is queued or running: one runs at a time (its runs take the machine)."""
+
+    def __init__(self, job_id: int, state: str):
+        super().__init__(f"tune job {job_id} is {state}")
+        self.job_id, self.state = job_id, state
+
+
+def this_process() -> str:
+    """What ``TuneJob.owner`` names: this host and process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def create_tune_job(db: Database, *, profile_id: int, cluster: str, model_name: str, request: dict) -> TuneJob:
+    """A queued job holding the one active slot; :class:`Busy` naming the active job when another holds it
+    (the slot's unique constraint decides between concurrent requests)."""
+    for _ in range(WRITE_RETRIES):
+        with db.write() as session:
+            try:
+                row = TuneJob(state="queued", slot=1, profile_id=profile_id, cluster=cluster, model_name=model_name,
+                              request=request, owner=this_process(), done=0, total=0, log=[])
+                session.add(row)
+                session.commit()
+                return row
+            except IntegrityError:
+                session.rollback()
+        with db.read() as session:
+            active = session.scalar(select(TuneJob).where(TuneJob.slot == 1))
+        if active is not None:
+            raise Busy(active.id, active.state)
+    raise RuntimeError(f"could not store a tune job after {WRITE_RETRIES} attempts under contention")
+
+
+def update_tune_job(db: Database, *, job_id: int, log_line: str | None = None, **values: Any) -> TuneJob:
+    """Set ``values`` on the job (and ``updated_at``); ``log_line`` is appended to its log, of which the last
+    :data:`TUNE_LOG_LINES` are kept. A job that ends (state done or failed) gives up the active slot."""
+    with db.write() as session, session.begin():
+        row = session.get(TuneJob, job_id)
+        if row is None:
+            raise NotFound("tune job", job_id)
+        for key, value in values.items():
+            setattr(row, key, value)
+        if values.get("state") in ("done", "failed"):
+            row.slot = None
+        if log_line is not None:
+            row.log = [*(row.log or []), log_line][-TUNE_LOG_LINES:]
+        row.updated_at = utcnow()
+    return row
+
+
+def get_tune_job(db: Database, *, job_id: int) -> TuneJob:
+    with db.read() as session:
+        row = session.get(TuneJob, job_id)
+        if row is None:
+            raise NotFound("tune job", job_id)
+        return row
+
+
+def list_tune_jobs(db: Database, *, state: str | None = None, cluster: str | None = None, limit: int = 50,
+                   offset: int = 0) -> Paged[TuneJob]:
+    """Tune jobs, newest first."""
+    q = select(TuneJob)
+    if state:
+        q = q.where(TuneJob.state == state)
+    if cluster:
+        q = q.where(TuneJob.cluster == cluster)
+    rows, total = _paged(db, q, (TuneJob.id.desc(),), limit, offset)
+    return Paged([r for (r,) in rows], total)
+
+
+def _alive(owner: str | None) -> bool:
+    """Whether ``owner`` ("host:pid") is a process running on this host (not this one: it is only starting)."""
+    host, _, pid = (owner or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def fail_stale_tune_jobs(db: Database) -> list[int]:
+    """At start-up: jobs left queued or running by a process that is gone (any but a live process of this
+    host, e.g. another worker of the same server) become failed. Returns their ids."""
+    with db.read() as session:
+        stale = [j for j in session.scalars(select(TuneJob).where(TuneJob.state.in_(ACTIVE))) if not _alive(j.owner)]
+    for job in stale:
+        update_tune_job(db, job_id=job.id, state="failed", error="the service stopped during the job (it was "
+                        f"{job.state}, phase {job.phase or 'none'}); post it again")
+    return [j.id for j in stale]
 
 
 def counts(db: Database) -> dict[str, int]:

@@ -14,7 +14,7 @@ the ``tune:`` line of model A. On this machine (default): CPU, 4 gloo ranks, the
 Targets: held-out median |step error| <= 15% after calibration (<= 10% on a GPU), Spearman >= 0.9, top-1 regret
 <= 5%; model B's median <= 25%; held-out peak memory within 15%.
 
-    .venv/bin/python benchmarks/tune.py [--plans 10] [--out DIR] [--gpu [--cluster hgx-h200]]
+    .venv/bin/python benchmarks/tune.py [--plans 10] [--out DIR] [--gpu [--cluster hgx-h200]] [--from DIR/a]
 """
 
 from __future__ import annotations
@@ -63,6 +63,23 @@ def run_tune(job: dict, where: Path, plans: int, profile_args: list[str]) -> Tun
     return TuneReport.model_validate_json((where / "a" / "tune.json").read_text())
 
 
+def rejudge(folder: Path) -> tuple[TuneReport, ClusterProfile, ClusterProfile]:
+    """A finished tune's runs (``folder``: profile.json, NN/plan.json + report.json) judged again with this
+    checkout's code: (report, the profile it started from, the profile calibrated on every run)."""
+    from planner.contracts import Plan, RunReport
+    from planner.tune import summarise
+
+    base = ClusterProfile.model_validate_json((folder / "profile.json").read_text())
+    runs = [CalibrationRun(f.name, Plan.model_validate_json((f / "plan.json").read_text()),
+                           RunReport.model_validate_json((f / "report.json").read_text()))
+            for f in sorted(folder.iterdir()) if (f / "report.json").is_file()]
+    report, calibrated = summarise(base, runs)
+    for r in report.runs:
+        after = "" if r.calibrated_step_s is None else f"{r.calibrated_step_s * 1e3:8.1f}ms"
+        print(f"    {r.name} {r.role:<12} {r.predicted_step_s * 1e3:8.1f}ms {after} {r.measured_step_s * 1e3:8.1f}ms")
+    return report, base, calibrated
+
+
 def second_model(job: dict, base: ClusterProfile, calibrated: ClusterProfile, where: Path, plans: int) -> dict:
     """Model B's layouts run and predicted before and after model A's calibration."""
     settings = TuneSettings(plans=plans)
@@ -100,15 +117,20 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="one GPU: larger models, a reference profile of --cluster")
     ap.add_argument("--cluster", default="hgx-h200")
     ap.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--from", dest="source", type=Path, help="judge a finished tune folder's runs again (its "
+                    "profile.json and NN/ runs) instead of running model A")
     a = ap.parse_args()
     job = GPU if a.gpu else CPU
     profile_args = ["--cluster", a.cluster, "--gpus", "1"] if a.gpu else ["--profile", a.profile]
     with tempfile.TemporaryDirectory() as tmp:
         where = a.out or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        report = run_tune(job, where, a.plans, profile_args)
-        base = ClusterProfile.model_validate_json((where / "a" / "profile.json").read_text())
-        calibrated = ClusterProfile.model_validate_json((where / "a" / "profile.calibrated.json").read_text())
+        if a.source:
+            report, base, calibrated = rejudge(a.source)
+        else:
+            report = run_tune(job, where, a.plans, profile_args)
+            base = ClusterProfile.model_validate_json((where / "a" / "profile.json").read_text())
+            calibrated = ClusterProfile.model_validate_json((where / "a" / "profile.calibrated.json").read_text())
         b = second_model(job, base, calibrated, where, a.second) if a.second and report.calibration else {}
     limit = 0.10 if a.gpu else 0.15
     after, rho, regret, mem = (report.median_abs_err_after, report.spearman, report.regret,

@@ -248,7 +248,7 @@ def render_report(report: RunReport, plan: Plan) -> None:
     table.add_row("MFU", "n/a (no peak: pass --profile)" if report.mfu is None else f"{report.mfu:.1%}",
                   f"{pred.mfu:.1%}")
     table.add_row(f"peak memory/rank ({report.memory_kind})", f"{peak / GiB:.2f} GiB",
-                  f"{pred.memory.total_bytes / GiB:.2f} GiB")
+                  f"{pred.memory.as_measured(report.memory_kind) / GiB:.2f} GiB")
     console.print(table)
     render_terms(report, plan)
     if report.steps:

@@ -628,7 +628,8 @@ def parallelize(model: nn.Module, layout: ParallelLayout, meshes: Meshes, *, tra
 
 
 # ---------------------------------------------------------------- weights
-def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor], device: torch.device) -> None:
+def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor], device: torch.device,
+                    offload: bool = False) -> None:
     """Allocate ``model``'s (sharded) parameters on ``device`` (``to_empty``) and load the plan-independent
     full weights: every rank passes the same full tensors and keeps its shard
     (``set_model_state_dict(full_state_dict=True)``). Names missing from ``model`` (another pipeline
@@ -636,11 +637,18 @@ def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor], device: 
 
     ``to_empty`` leaves buffers uninitialised too: a non-persistent buffer (a Hugging Face model's rotary
     ``inv_freq``) is copied from ``full_sd`` when given there under its name (``named_buffers()`` of
-    the full model)."""
+    the full model). With ``offload`` (FSDP2's ``CPUOffloadPolicy``) the sharded parameters live on the host:
+    they are allocated there and the buffers on ``device`` (allocated on the GPU, the first ``state_dict()``
+    refused them: "Attempted to set the storage of a tensor on device cpu to a storage on cuda:0", H200, torch
+    2.11, 2026-11-27)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     target = model.module if isinstance(model, GradAllReduce) else model
-    target.to_empty(device=device)
+    target.to_empty(device="cpu" if offload else device)
+    if offload and device.type != "cpu":
+        for module in target.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module._buffers[name] = buf.to(device)  # noqa: SLF001 - a buffer moves alone, its parameters stay
     names = {clean_fqn(k) for k in target.state_dict()}
     mine = {k: v for k, v in full_sd.items() if k in names}
     set_model_state_dict(target, mine, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -651,10 +659,11 @@ def load_full_state(model: nn.Module, full_sd: dict[str, torch.Tensor], device: 
                 buf.copy_(full)
 
 
-def materialise(parts: list[nn.Module], full_sd: dict[str, torch.Tensor], device: torch.device) -> None:
+def materialise(parts: list[nn.Module], full_sd: dict[str, torch.Tensor], device: torch.device,
+                offload: bool = False) -> None:
     """:func:`load_full_state` for each model chunk of this rank."""
     for part in parts:
-        load_full_state(part, full_sd, device)
+        load_full_state(part, full_sd, device, offload)
 
 
 def clean_fqn(name: str) -> str:

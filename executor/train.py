@@ -206,7 +206,7 @@ class Runtime:
             if not self.hf:
                 part.positions = self.positions
             wrapped.append(parallelize(part, lay, self.meshes, training=plan.training, stage_recompute=choice))
-        materialise(parts, full_sd, self.device)
+        materialise(parts, full_sd, self.device, offload=lay.offload_optimizer)
         self.parts = parts
         self.sync = [w for w in wrapped if isinstance(w, GradAllReduce)]
         self.model = wrapped[0]

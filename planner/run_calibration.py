@@ -91,16 +91,17 @@ def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict
 PRIOR_RUNS = 3  # shrinkage: a term's own runs count against this many runs' worth of the step's overall ratio
 
 
-def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, TermFactor]:
-    """Per term, the median of measured / predicted over the (predicted, measured) pairs where both are
-    positive, shrunk in log space toward the pairs' median whole-step ratio by :data:`PRIOR_RUNS` runs' worth
-    (a term seen in one run moves a quarter of the way from the step's ratio to its own), clipped to
+def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]],
+                skip: Sequence[str] = ()) -> dict[str, TermFactor]:
+    """Per term (but ``skip``), the median of measured / predicted over the (predicted, measured) pairs where
+    both are positive, shrunk in log space toward the pairs' median whole-step ratio by :data:`PRIOR_RUNS` runs'
+    worth (a term seen in one run moves a quarter of the way from the step's ratio to its own), clipped to
     :data:`FACTOR_BOUNDS`; terms no run shows are left out (factor 1)."""
     lo, hi = FACTOR_BOUNDS
     steps = [sum(m.values()) / sum(p.values()) for p, m in pairs if sum(p.values()) > 0 and sum(m.values()) > 0]
     prior = math.log(statistics.median(steps)) if steps else 0.0
     out = {}
-    for term in STEP_TERMS:
+    for term in (t for t in STEP_TERMS if t not in skip):
         ratios = [min(max(m[term] / p[term], lo), hi) for p, m in pairs if p.get(term, 0) > 0 and m.get(term, 0) > 0]
         if ratios:
             own = math.log(statistics.median(ratios))
@@ -108,6 +109,30 @@ def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]]) -> d
             out[term] = TermFactor(factor=min(max(factor, lo), hi), low=min(ratios), high=max(ratios),
                                    runs=len(ratios))
     return out
+
+
+HOST_BOUND_SHARE = 0.2  # a GPU run whose device sat idle this share of its step or more was waiting for its host
+
+
+def fit_host(pairs: Sequence[tuple[dict[str, float], dict[str, float]]], kernel_overhead_s: float) -> float | None:
+    """GPU runs: the host's seconds per kernel it launches, the median over the host-bound runs (the device idle,
+    ``other``, :data:`HOST_BOUND_SHARE` of the step or more) of their measured step over their kernels (the
+    uncalibrated prediction's ``other`` over ``kernel_overhead_s``): a host-bound step lasts as long as its host
+    takes to launch it. None without a host-bound run (nothing says how slow the host is)."""
+    if kernel_overhead_s <= 0:
+        return None
+    per_kernel = [sum(m.values()) / (p["other"] / kernel_overhead_s) for p, m in pairs
+                  if p.get("other", 0) > 0 and sum(m.values()) > 0 and m["other"] >= HOST_BOUND_SHARE * sum(m.values())]
+    return min(statistics.median(per_kernel), 1e-2) if per_kernel else None
+
+
+def fit(pairs: Sequence[tuple[dict[str, float], dict[str, float]]], profile: ClusterProfile
+        ) -> tuple[dict[str, TermFactor], float | None]:
+    """(term factors, host seconds per kernel) for ``profile``: on a CPU host and device are one, so its idle
+    time is a factor like any term's; on a GPU the device's idle time is the host's lag (:func:`fit_host`)."""
+    if profile.is_cpu:
+        return fit_factors(pairs), None
+    return fit_factors(pairs, skip=("other",)), fit_host(pairs, profile.assumptions.kernel_overhead_s)
 
 
 def _error(step_s: float, run: CalibrationRun) -> float:
@@ -127,18 +152,18 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
                            problem="are none: nothing to calibrate on")
     base = _with(profile, None)
     preds = [predicted(r, base) for r in runs]
-    measured = [measured_terms(r.report, r.name) for r in runs]
-    factors = fit_factors([(p[1], m) for p, m in zip(preds, measured)])
+    pairs = [(p[1], measured_terms(r.report, r.name)) for p, r in zip(preds, runs)]
+    factors, host = fit(pairs, base)
     before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
-    draft = RunCalibration(factors=factors, runs=[r.name for r in runs], fitted_median_error=0.0,
-                           uncalibrated_median_error=before, left_out=list(left_out))
+    draft = RunCalibration(factors=factors, host_s_per_kernel=host, runs=[r.name for r in runs],
+                           fitted_median_error=0.0, uncalibrated_median_error=before, left_out=list(left_out))
     fitted = statistics.median(_error(predicted(r, _with(base, draft))[0], r) for r in runs)
     held_out = None
     if len(runs) > 1:
         errors = []
         for i, r in enumerate(runs):
-            others = fit_factors([(p[1], m) for j, (p, m) in enumerate(zip(preds, measured)) if j != i])
-            cal = draft.model_copy(update={"factors": others})
+            others, others_host = fit([x for j, x in enumerate(pairs) if j != i], base)
+            cal = draft.model_copy(update={"factors": others, "host_s_per_kernel": others_host})
             errors.append(_error(predicted(r, _with(base, cal))[0], r))
         held_out = statistics.median(errors)
     done = draft.model_copy(update={"fitted_median_error": fitted, "held_out_median_error": held_out})

@@ -216,7 +216,7 @@ def judge(profile: ClusterProfile, fit: Sequence[CalibrationRun], held: Sequence
     before = [predicted(r, profile)[0] for r in held]
     measured = [r.report.median_step_time_s for r in held]
     best = min(range(len(held)), key=lambda i: after[i])
-    memory = [abs(r.plan.prediction.memory.total_bytes / _peak(r) - 1) for r in held if _peak(r)]
+    memory = [abs(r.plan.prediction.memory.as_measured(r.report.memory_kind) / _peak(r) - 1) for r in held if _peak(r)]
     return {"calibrated": calibrated, "before_s": before, "after_s": after,
             "before": statistics.median(abs(b / m - 1) for b, m in zip(before, measured)),
             "after": statistics.median(abs(p / m - 1) for p, m in zip(after, measured)),
@@ -270,7 +270,7 @@ def summarise(profile: ClusterProfile, results: Sequence[CalibrationRun | tuple[
         after = (j["after_s"][held.index(r)] if role == "held_out" else predicted(r, j["calibrated"])[0]) if j else None
         rows.append(TunedRun(name=r.name, layout=r.plan.layout, role=role, predicted_step_s=predicted(r, profile)[0],
                              calibrated_step_s=after, measured_step_s=r.report.median_step_time_s,
-                             predicted_peak_bytes=r.plan.prediction.memory.total_bytes,
+                             predicted_peak_bytes=r.plan.prediction.memory.as_measured(r.report.memory_kind),
                              measured_peak_bytes=_peak(r), memory_kind=r.report.memory_kind))
     final = calibrate(profile, ran) if len(ran) >= 2 else profile
     model = (r.plan if isinstance(r, CalibrationRun) else r[1] for r in results)

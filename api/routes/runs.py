@@ -29,8 +29,16 @@ def run_out(entry: store.RunEntry) -> RunOut:
                   error=_error(row.predicted_step_s, row.measured_step_s),
                   report=report, predicted_tokens_per_s=pred.get("tokens_per_s"),
                   measured_tokens_per_s=report.tokens_per_s,
-                  predicted_peak_memory_bytes=(pred.get("memory") or {}).get("total_bytes"),
+                  predicted_peak_memory_bytes=_predicted_peak(pred, report),
                   measured_peak_memory_bytes=max(report.peak_memory_bytes_per_rank or [0]))
+
+
+def _predicted_peak(pred: dict, report: RunReport) -> int | None:
+    """The plan's predicted peak as the run measured it (``MemoryBreakdown.as_measured``)."""
+    from planner.contracts import MemoryBreakdown
+
+    memory = pred.get("memory")
+    return MemoryBreakdown.model_validate(memory).as_measured(report.memory_kind) if memory else None
 
 
 @router.post("/v1/runs", status_code=201, dependencies=[Writer],

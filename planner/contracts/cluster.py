@@ -447,6 +447,11 @@ class RunCalibration(Contract):
                                                 "fitted without it (leave-one-run-out); None with one run")
     uncalibrated_median_error: float = Field(ge=0, description="the runs' median error before calibration")
     left_out: list[str] = Field(default_factory=list, description="runs not fitted on, each with why")
+    host_s_per_kernel: float | None = Field(
+        None, ge=0, le=1e-2, description="GPU runs: the host's time per kernel it launches (Python, dispatcher, "
+        "launch), fitted on the runs whose device sat idle; a pass whose kernels take the host longer than the "
+        "device runs them waits for the host (planner.cost.layer.PassCost.calibrated). None: not fitted (CPU "
+        "runs, where host and device are one, or no run was host-bound)")
 
     @field_validator("factors")
     @classmethod

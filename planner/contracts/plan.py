@@ -191,6 +191,11 @@ class MemoryBreakdown(Contract):
         outside = ("fragmentation", "runtime", "communicators", "reserved")
         return self.total_bytes - sum(self.terms.get(k, 0) for k in outside)
 
+    def as_measured(self, kind: str) -> int:
+        """The predicted figure a run's measured peak of ``kind`` (``RunReport.memory_kind``) is compared with:
+        the allocator's peak allocation for ``cuda_max_allocated``, the whole total for a CPU rank's RSS."""
+        return self.allocated_bytes if kind == "cuda_max_allocated" else self.total_bytes
+
 
 class CommTime(Contract):
     kind: Literal[

@@ -70,6 +70,7 @@ class PassCost:
     comm_s: dict[str, float] = field(default_factory=dict)  # total collective time by kind
     exposed_comm_s: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)  # buffer bytes by kind
+    kernels: float = 0.0  # kernels launched (what the host issues: :meth:`calibrated`'s host-bound time)
 
     @property
     def compute_s(self) -> float:
@@ -94,7 +95,15 @@ class PassCost:
         for kind in self.comm_s:
             self.comm_s[kind] *= f(kind)
             self.exposed_comm_s[kind] *= f(kind)
+        host_s = (profile.calibration.host_s_per_kernel or 0.0) * self.kernels
+        self.overhead_s += max(0.0, host_s - self.compute_s)  # the device waits for a slower host (GPU only)
         return self
+
+    def launch(self, kernels: float, profile: ClusterProfile) -> None:
+        """This pass launches ``kernels`` kernels: each costs the device ``kernel_overhead_s`` (and the host
+        the calibration's ``host_s_per_kernel``, in :meth:`calibrated`)."""
+        self.kernels = kernels
+        self.overhead_s = kernels * profile.assumptions.kernel_overhead_s
 
     def add_comm(self, kind: str, time_s: float, exposed_s: float, nbytes: float) -> None:
         """Record collectives of ``kind``: total time, the part on the critical path, buffer bytes."""
@@ -350,8 +359,8 @@ def block_cost(
     if moe is not None:
         _ep_comm(profile, model, moe, mb, layout, groups, fwd, bwd)
     kernels = forward_kernel_count(model, moe is not None, mb, layout, profile.assumptions.grouped_gemm_streams)
-    fwd.overhead_s = kernels * profile.assumptions.kernel_overhead_s
-    bwd.overhead_s = 2 * fwd.overhead_s
+    fwd.launch(kernels, profile)
+    bwd.launch(2 * kernels, profile)
     if moe is not None:
         _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
     return BlockCost(fwd.calibrated(profile), bwd.calibrated(profile),
@@ -550,8 +559,8 @@ def embedding_cost(
     size = mb.tokens * model.hidden_size * mb.elt
     fwd.memory_s = memory_time_s(profile, 2 * size)
     bwd.memory_s = memory_time_s(profile, 3 * size)
-    fwd.overhead_s = profile.assumptions.kernel_overhead_s * (1 + (mb.tp > 1))
-    bwd.overhead_s = profile.assumptions.kernel_overhead_s * (2 + (mb.tp > 1 and mb.sp))
+    fwd.launch(1 + (mb.tp > 1), profile)
+    bwd.launch(2 + (mb.tp > 1 and mb.sp), profile)
     if mb.tp > 1:
         kind = Collective.reduce_scatter if mb.sp else Collective.all_reduce
         time = collective_time_s(profile, kind, groups["tp"], size)
@@ -580,8 +589,8 @@ def lm_head_cost(
     bwd.loss_s = elementwise_time_s(profile, "softmax_cross_entropy", 8 * logits, p)
     fwd.memory_s = elementwise_time_s(profile, "rmsnorm", norm, p) + fwd.loss_s
     bwd.memory_s = elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + bwd.loss_s
-    fwd.overhead_s = 5 * profile.assumptions.kernel_overhead_s  # norm, GEMM, max, exp-sum, loss
-    bwd.overhead_s = 2 * fwd.overhead_s
+    fwd.launch(5, profile)  # norm, GEMM, max, exp-sum, loss
+    bwd.launch(10, profile)
     if t > 1:
         size = tokens * h * mb.elt
         if mb.sp:
