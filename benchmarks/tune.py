@@ -105,6 +105,22 @@ def second_model(job: dict, base: ClusterProfile, calibrated: ClusterProfile, wh
             "spearman": spearman(after, measured)}
 
 
+def noise(job: dict, profile: ClusterProfile, where: Path, times: int) -> float:
+    """The same plan (the search's best for model A) run ``times`` times: the step time's spread between
+    identical runs, the floor under any prediction error on this machine (median |run / median - 1|)."""
+    from planner.search import search
+
+    plan = search(job["a"], job["training"], profile)
+    plan.alternatives = []
+    runs = run_layouts([plan] * times, where / "noise", autopar_runner(TuneSettings()), lambda *x: None)
+    steps = sorted(r.report.median_step_time_s for r in runs if isinstance(r, CalibrationRun))
+    mid = statistics.median(steps)
+    spread = statistics.median(abs(s / mid - 1) for s in steps)
+    print(f"\nnoise: one plan run {len(steps)} times: {', '.join(f'{s * 1e3:.1f}' for s in steps)} ms; median |run / "
+          f"median - 1| {spread:.1%}, range {steps[0] / mid - 1:+.0%} .. {steps[-1] / mid - 1:+.0%}")
+    return spread
+
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -117,6 +133,8 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="one GPU: larger models, a reference profile of --cluster")
     ap.add_argument("--cluster", default="hgx-h200")
     ap.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--repeat", type=int, default=0, help="also run model A's best plan this many times: the "
+                    "spread between identical runs (the noise floor of any error figure here)")
     ap.add_argument("--from", dest="source", type=Path, help="judge a finished tune folder's runs again (its "
                     "profile.json and NN/ runs) instead of running model A")
     a = ap.parse_args()
@@ -132,6 +150,8 @@ def main() -> int:
             base = ClusterProfile.model_validate_json((where / "a" / "profile.json").read_text())
             calibrated = ClusterProfile.model_validate_json((where / "a" / "profile.calibrated.json").read_text())
         b = second_model(job, base, calibrated, where, a.second) if a.second and report.calibration else {}
+        if a.repeat > 1:
+            noise(job, base, where, a.repeat)
     limit = 0.10 if a.gpu else 0.15
     after, rho, regret, mem = (report.median_abs_err_after, report.spearman, report.regret,
                                report.memory_median_abs_err)

@@ -2,12 +2,14 @@
 
 Each run (a plan and the :class:`~planner.contracts.RunReport` the executor wrote for it) measured its step by
 term (``RunReport.breakdown``, :data:`~planner.contracts.report.STEP_TERMS`); the plan's layout predicted on
-the uncalibrated profile gives the same terms (``Prediction.terms``). Per term, the factor is the median over
-the runs of ``measured / predicted``, shrunk toward the runs' whole-step ratio by :data:`PRIOR_RUNS` runs' worth
-(a term seen in one run does not decide alone: over-fitting guard) and clipped to
-:data:`~planner.contracts.cluster.FACTOR_BOUNDS` (a term off by more is a model error to fix, not to tune away);
-its spread is the runs' least and largest ratio. The
-measured terms are the profiled steps' shares of the step times the run's median (unprofiled) step time.
+the uncalibrated profile gives the same terms (``Prediction.terms``). Per term, the factor is the least-squares
+fit of measured on predicted seconds over the runs (:func:`fit_factors`), shrunk toward the runs' whole-step
+ratio by :data:`PRIOR_RUNS` runs' worth (a term seen in one run does not decide alone: over-fitting guard) and
+clipped to :data:`~planner.contracts.cluster.FACTOR_BOUNDS` (a term off by more is a model error to fix, not to
+tune away); its spread is the runs' least and largest ratio. The measured terms are the profiled steps' shares
+of the step times the run's median (unprofiled) step time. On a GPU the device's idle time is fitted as the
+host's time per kernel instead (:func:`fit_host`); every run's peak memory beyond the prediction as one offset
+(:func:`fit_memory`).
 
 The calibrated profile is a new profile carrying the factors (``ClusterProfile.calibration``); the cost model
 multiplies each operator class, collective kind, pipeline send, optimizer step and kernel launch by its
@@ -93,21 +95,24 @@ PRIOR_RUNS = 3  # shrinkage: a term's own runs count against this many runs' wor
 
 def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]],
                 skip: Sequence[str] = ()) -> dict[str, TermFactor]:
-    """Per term (but ``skip``), the median of measured / predicted over the (predicted, measured) pairs where
-    both are positive, shrunk in log space toward the pairs' median whole-step ratio by :data:`PRIOR_RUNS` runs'
-    worth (a term seen in one run moves a quarter of the way from the step's ratio to its own), clipped to
-    :data:`FACTOR_BOUNDS`; terms no run shows are left out (factor 1)."""
+    """Per term (but ``skip``), the least-squares factor of the runs that predict it, ``sum(m p) / sum(p^2)`` over
+    their (predicted, measured) seconds: the runs where the term weighs most in the step decide most, as they do
+    in the step's error. Shrunk in log space toward the pairs' median whole-step ratio by :data:`PRIOR_RUNS`
+    runs' worth (a term seen in one run moves a quarter of the way from the step's ratio to its own), clipped
+    to :data:`FACTOR_BOUNDS`; its spread (``low``, ``high``) is the runs' own measured / predicted, clipped.
+    Terms no run predicts are left out (factor 1)."""
     lo, hi = FACTOR_BOUNDS
     steps = [sum(m.values()) / sum(p.values()) for p, m in pairs if sum(p.values()) > 0 and sum(m.values()) > 0]
     prior = math.log(statistics.median(steps)) if steps else 0.0
     out = {}
     for term in (t for t in STEP_TERMS if t not in skip):
-        ratios = [min(max(m[term] / p[term], lo), hi) for p, m in pairs if p.get(term, 0) > 0 and m.get(term, 0) > 0]
-        if ratios:
-            own = math.log(statistics.median(ratios))
-            factor = math.exp((len(ratios) * own + PRIOR_RUNS * prior) / (len(ratios) + PRIOR_RUNS))
-            out[term] = TermFactor(factor=min(max(factor, lo), hi), low=min(ratios), high=max(ratios),
-                                   runs=len(ratios))
+        seen = [(p[term], m.get(term, 0.0)) for p, m in pairs if p.get(term, 0) > 0]
+        if not seen:
+            continue
+        ratios = [min(max(b / a, lo), hi) for a, b in seen]
+        own = math.log(min(max(sum(a * b for a, b in seen) / sum(a * a for a, _ in seen), lo), hi))
+        factor = math.exp((len(seen) * own + PRIOR_RUNS * prior) / (len(seen) + PRIOR_RUNS))
+        out[term] = TermFactor(factor=min(max(factor, lo), hi), low=min(ratios), high=max(ratios), runs=len(seen))
     return out
 
 
@@ -135,6 +140,26 @@ def fit(pairs: Sequence[tuple[dict[str, float], dict[str, float]]], profile: Clu
     return fit_factors(pairs, skip=("other",)), fit_host(pairs, profile.assumptions.kernel_overhead_s)
 
 
+def measured_peak(run: CalibrationRun) -> int:
+    """The run's largest rank's peak memory (``RunReport.memory_kind`` says what it is)."""
+    return max(run.report.peak_memory_bytes_per_rank or [0])
+
+
+def predicted_peak(run: CalibrationRun, profile: ClusterProfile) -> int:
+    """``run``'s layout's predicted peak on ``profile`` as the run measured it (``MemoryBreakdown.as_measured``)."""
+    from planner.cost.predict import predict
+
+    p = predict(run.plan.model, run.plan.training, sized_for(run, profile), run.plan.layout, target=run.plan.target)
+    return p.memory.as_measured(run.report.memory_kind)
+
+
+def fit_memory(runs: Sequence[CalibrationRun], predicted_bytes: Sequence[int]) -> int | None:
+    """The median over the runs of measured less predicted peak memory (what every rank holds that the model
+    does not count: on a CPU rank the host runtime of torch and the executor); None without a measured peak."""
+    gaps = [measured_peak(r) - p for r, p in zip(runs, predicted_bytes) if measured_peak(r) > 0]
+    return int(statistics.median(gaps)) if gaps else None
+
+
 def _error(step_s: float, run: CalibrationRun) -> float:
     return abs(step_s / run.report.median_step_time_s - 1)
 
@@ -154,9 +179,11 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
     preds = [predicted(r, base) for r in runs]
     pairs = [(p[1], measured_terms(r.report, r.name)) for p, r in zip(preds, runs)]
     factors, host = fit(pairs, base)
+    memory = fit_memory(runs, [predicted_peak(r, base) for r in runs])
     before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
-    draft = RunCalibration(factors=factors, host_s_per_kernel=host, runs=[r.name for r in runs],
-                           fitted_median_error=0.0, uncalibrated_median_error=before, left_out=list(left_out))
+    draft = RunCalibration(factors=factors, host_s_per_kernel=host, memory_offset_bytes=memory,
+                           runs=[r.name for r in runs], fitted_median_error=0.0, uncalibrated_median_error=before,
+                           left_out=list(left_out))
     fitted = statistics.median(_error(predicted(r, _with(base, draft))[0], r) for r in runs)
     held_out = None
     if len(runs) > 1:

@@ -41,7 +41,7 @@ from planner.contracts import (
 )
 from planner.contracts.tune import TunedRun, TuneReport
 from planner.errors import AutoparError
-from planner.run_calibration import CalibrationRun, calibrate, predicted, spearman
+from planner.run_calibration import CalibrationRun, calibrate, predicted, predicted_peak, spearman
 
 Runner = Callable[[Path, Path, Path], None]  # (plan.json, report.json to write, log file); raises RunFailed
 Progress = Callable[[str, int, int, str], None]  # (phase, done, total, what)
@@ -138,7 +138,8 @@ def candidates(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         if time.perf_counter() > deadline:
             break
         try:
-            check(settings.target, Job(model, training, layout))
+            m = training.global_batch_seqs // (layout.dp_replicate * layout.dp_shard * layout.micro_batch_size)
+            check(settings.target, Job(model, training, layout, micro_batches=m))
             pred = predict(model, training, profile, layout, target=settings.target)
         except AutoparError:
             continue
@@ -216,7 +217,7 @@ def judge(profile: ClusterProfile, fit: Sequence[CalibrationRun], held: Sequence
     before = [predicted(r, profile)[0] for r in held]
     measured = [r.report.median_step_time_s for r in held]
     best = min(range(len(held)), key=lambda i: after[i])
-    memory = [abs(r.plan.prediction.memory.as_measured(r.report.memory_kind) / _peak(r) - 1) for r in held if _peak(r)]
+    memory = [abs(predicted_peak(r, calibrated) / _peak(r) - 1) for r in held if _peak(r)]
     return {"calibrated": calibrated, "before_s": before, "after_s": after,
             "before": statistics.median(abs(b / m - 1) for b, m in zip(before, measured)),
             "after": statistics.median(abs(p / m - 1) for p, m in zip(after, measured)),

@@ -29,18 +29,20 @@ def recorded() -> tuple[ClusterProfile, list[CalibrationRun]]:
     return profile, runs
 
 
-def test_each_factor_is_the_clipped_median_of_measured_over_predicted_shrunk_by_its_runs() -> None:
+def test_each_factor_is_the_least_squares_fit_of_its_runs_shrunk_toward_the_step() -> None:
     pairs = [({"gemm": 1.0, "tp": 2.0, "loss": 0.0}, {"gemm": 2.0, "tp": 1.0, "loss": 5.0}),
              ({"gemm": 1.0, "tp": 1.0}, {"gemm": 4.0, "tp": 100.0}),
              ({"gemm": 2.0}, {"gemm": 2.0})]
     f = fit_factors(pairs)
     prior = sorted([8.0 / 3.0, 104.0 / 2.0, 1.0])[1]  # the steps' measured / predicted: the median, 8/3
-    # gemm: its median 2.0 over 3 runs against 3 runs' worth of the prior, in log space
-    assert f["gemm"].factor == pytest.approx((2.0 * prior) ** 0.5)
+    # gemm: sum(m p) / sum(p^2) = (2 + 4 + 4) / (1 + 1 + 4) over 3 runs, against 3 runs' worth of the prior
+    assert f["gemm"].factor == pytest.approx((10 / 6 * prior) ** 0.5)
     assert (f["gemm"].low, f["gemm"].high, f["gemm"].runs) == (1.0, 4.0, 3)
-    assert f["tp"].high == 50.0  # 100x is clipped to 50 before the median
-    assert f["tp"].factor == pytest.approx(((0.5 + 50.0) / 2) ** 0.4 * prior ** 0.6)
+    assert f["tp"].high == 50.0  # 100x is clipped to 50 in the spread
+    own = min((2 * 1 + 1 * 100) / (4 + 1), 50.0)  # least squares: 20.4, within the bounds
+    assert f["tp"].factor == pytest.approx(own ** 0.4 * prior ** 0.6)
     assert "loss" not in f  # never predicted: no factor (1)
+    assert "gemm" not in fit_factors(pairs, skip=("gemm",))
 
 
 def test_measured_terms_scale_the_profiled_shares_to_the_median_step() -> None:
@@ -116,13 +118,13 @@ def test_calibrating_on_half_of_this_machine_s_runs_lowers_the_error_on_the_othe
 def test_a_term_seen_in_few_runs_is_shrunk_toward_the_step_s_overall_ratio() -> None:
     """One run shows TP 8x slower than predicted while the steps are 4x (the median of 4.5, 1 and 4): the TP
     factor moves a quarter of the way (in log space) from 4 to 8; the GEMM factor of three runs half of the way
-    from 4 to its own median, 1."""
+    from 4 to its own least-squares fit, (1 + 1 + 4) / 3 = 2."""
     pairs = [({"gemm": 1.0, "tp": 1.0}, {"gemm": 1.0, "tp": 8.0}), ({"gemm": 1.0}, {"gemm": 1.0}),
              ({"gemm": 1.0}, {"gemm": 4.0})]
     f = fit_factors(pairs)
     prior = 4.0
     assert f["tp"].factor == pytest.approx(prior ** 0.75 * 8.0 ** 0.25)
-    assert f["gemm"].factor == pytest.approx(prior ** 0.5 * 1.0 ** 0.5)
+    assert f["gemm"].factor == pytest.approx(prior ** 0.5 * 2.0 ** 0.5)
     assert (f["tp"].low, f["tp"].high, f["tp"].runs) == (8.0, 8.0, 1)
 
 

@@ -452,6 +452,10 @@ class RunCalibration(Contract):
         "launch), fitted on the runs whose device sat idle; a pass whose kernels take the host longer than the "
         "device runs them waits for the host (planner.cost.layer.PassCost.calibrated). None: not fitted (CPU "
         "runs, where host and device are one, or no run was host-bound)")
+    memory_offset_bytes: int | None = Field(
+        None, ge=-(2**40), le=2**40, strict=True, description="the runs' median measured peak memory per rank "
+        "less the predicted one (as measured: allocated on a GPU, RSS on a CPU), added to every prediction's peak "
+        "(memory term 'calibration'); None: not fitted")
 
     @field_validator("factors")
     @classmethod

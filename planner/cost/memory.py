@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.contracts import Assumptions, ModelSpec, ParallelLayout, Recompute, TrainingConfig
+from planner.contracts import Assumptions, ClusterProfile, ModelSpec, ParallelLayout, Recompute, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,9 @@ MEMORY_TERMS: dict[str, str] = {
     "communicators": "NCCL buffers: one communicator per process group of more than one rank, all-to-all connections "
                      "for expert parallelism (assumptions.communicator_bytes, all_to_all_communicator_bytes)",
     "reserved": "assumptions.reserved_memory_bytes",
+    "calibration": "what this cluster's runs measured beyond the prediction, the median over them (the executor's "
+                   "process, the host runtime of a CPU rank): RunCalibration.memory_offset_bytes, fitted by "
+                   "planner.run_calibration",
 }
 """The named terms of ``MemoryBreakdown.terms``: what a rank holds beside weights, gradients, optimizer
 state and activations."""
@@ -272,13 +275,20 @@ def communicator_groups(layout: ParallelLayout) -> int:
     return 1 + sum(d > 1 for d in dims) + (1 if 1 < layout.expert_tp != layout.tp else 0)
 
 
-def fixed_terms(a: Assumptions, layout: ParallelLayout) -> dict[str, float]:
-    """Bytes a rank holds outside the caching allocator, by term."""
+def fixed_terms(a: Assumptions, layout: ParallelLayout, offset: float = 0.0) -> dict[str, float]:
+    """Bytes a rank holds beside its tensors' peak allocation, by term: outside the caching allocator, and the
+    run calibration's ``offset`` (:func:`memory_offset`) where there is one."""
     comms = communicator_groups(layout) * a.communicator_bytes
     if layout.ep > 1:
         comms += a.all_to_all_communicator_bytes
-    return {"runtime": float(a.runtime_bytes), "communicators": float(comms),
-            "reserved": float(a.reserved_memory_bytes)}
+    out = {"runtime": float(a.runtime_bytes), "communicators": float(comms), "reserved": float(a.reserved_memory_bytes)}
+    return {**out, "calibration": float(offset)} if offset else out
+
+
+def memory_offset(profile: ClusterProfile) -> float:
+    """The bytes a profile's run calibration adds to every peak (``RunCalibration.memory_offset_bytes``; 0 without)."""
+    cal = profile.calibration
+    return float(cal.memory_offset_bytes or 0) if cal is not None else 0.0
 
 
 def fragmentation_share(a: Assumptions, zero_stage: int) -> float:
@@ -291,8 +301,8 @@ def usable_bytes(capacity_bytes: float, a: Assumptions) -> float:
     return capacity_bytes * (1.0 - a.memory_headroom)
 
 
-def allocator_budget_bytes(capacity_bytes: float, a: Assumptions, layout: ParallelLayout) -> float:
+def allocator_budget_bytes(capacity_bytes: float, a: Assumptions, layout: ParallelLayout, offset: float = 0.0) -> float:
     """Most bytes the allocator may hold at its peak: ``(usable - fixed) / (1 + fragmentation)``. A stage fits
     iff its allocated peak is at most this (the search compares allocations against it)."""
-    fixed = sum(fixed_terms(a, layout).values())
+    fixed = sum(fixed_terms(a, layout, offset).values())
     return (usable_bytes(capacity_bytes, a) - fixed) / (1.0 + fragmentation_share(a, layout.zero_stage))

@@ -47,6 +47,7 @@ from planner.cost.memory import (
     kept_gathered_bytes_per_param,
     layer_activation_bytes,
     logits_bytes,
+    memory_offset,
     model_state_bytes,
     optimizer_step_bytes_per_param,
     prefetch_bytes_per_param,
@@ -224,7 +225,7 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
              "held_gradients": held,
              "gradients_after_peak": late_grads,
              "optimizer_step": max(0.0, opt_temp - act_phase)}
-    frag, fixed = fragmentation_share(a, zero), fixed_terms(a, layout)
+    frag, fixed = fragmentation_share(a, zero), fixed_terms(a, layout, memory_offset(profile))
     total = peak_bytes(sum(fixed.values()), frag, states + act_phase, states + opt_temp)
     terms["fragmentation"] = (states + act_phase + terms["optimizer_step"]) * frag
     terms.update(fixed)

@@ -63,6 +63,7 @@ from planner.cost.memory import (
     fragmentation_share,
     layer_activation_bytes,
     logits_bytes,
+    memory_offset,
     optimizer_step_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
@@ -376,10 +377,10 @@ class StageModel:
                                    targets.loss_bytes_per_logit(target, base, a.loss_bytes_per_logit))
         # memory: stage totals (fixed terms + allocated x (1 + fragmentation)) fit ``capacity``; the
         # allocation alone fits ``alloc_capacity`` (the same test, for the linear bounds and CP-SAT)
-        self.fixed = sum(fixed_terms(a, base).values())
+        self.fixed = sum(fixed_terms(a, base, memory_offset(profile)).values())
         self.frag = fragmentation_share(a, base.zero_stage)
         self.capacity = usable_bytes(profile.device.memory_bytes, a)
-        self.alloc_capacity = allocator_budget_bytes(profile.device.memory_bytes, a, base)
+        self.alloc_capacity = allocator_budget_bytes(profile.device.memory_bytes, a, base, memory_offset(profile))
         self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
         # per-parameter bytes held by phase (planner.cost.stage.held_per_param), hoisted out of stage_terms
         zero = base.zero_stage
@@ -688,7 +689,8 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
             (d, e), (sd, se) = held.backward, held.step
             best_d, best_e, step_d, step_e = min(best_d, d), min(best_e, e), min(step_d, sd), min(step_e, se)
         budget = max(budget, allocator_budget_bytes(sm.profile.device.memory_bytes, a,
-                                                    lay.model_copy(update={"zero_stage": zero})))
+                                                    lay.model_copy(update={"zero_stage": zero}),
+                                                    memory_offset(sm.profile)))
     sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
     sm._step_state = (step_d, step_e)
     sm.root = 0.0
