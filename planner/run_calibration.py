@@ -185,15 +185,15 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
                            runs=[r.name for r in runs], fitted_median_error=0.0, uncalibrated_median_error=before,
                            left_out=list(left_out))
     fitted = statistics.median(_error(predicted(r, _with(base, draft))[0], r) for r in runs)
-    held_out = None
+    held_out, residuals = None, []
     if len(runs) > 1:
-        errors = []
         for i, r in enumerate(runs):
             others, others_host = fit([x for j, x in enumerate(pairs) if j != i], base)
             cal = draft.model_copy(update={"factors": others, "host_s_per_kernel": others_host})
-            errors.append(_error(predicted(r, _with(base, cal))[0], r))
-        held_out = statistics.median(errors)
-    done = draft.model_copy(update={"fitted_median_error": fitted, "held_out_median_error": held_out})
+            residuals.append(math.log(predicted(r, _with(base, cal))[0] / r.report.median_step_time_s))
+        held_out = statistics.median(abs(math.exp(x) - 1) for x in residuals)
+    done = draft.model_copy(update={"fitted_median_error": fitted, "held_out_median_error": held_out,
+                                    "held_out_residuals": [round(x, 5) for x in residuals]})
     return _with(base, done)
 
 

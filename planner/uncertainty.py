@@ -121,6 +121,18 @@ def step_time_interval(step_s: float, regime: Regime, doc: dict | None = None) -
     return None
 
 
+def cluster_interval(step_s: float, profile) -> Interval | None:  # noqa: ANN001 - a ClusterProfile
+    """The :data:`LEVEL` interval of a step predicted on a profile calibrated from its cluster's runs, from those
+    runs' leave-one-run-out residuals (``RunCalibration.held_out_residuals``; at least three), rather than from
+    published runs of its regime: the cluster's own error is the better guide once it has run."""
+    cal = profile.calibration
+    if cal is None or len(cal.held_out_residuals) < 3:
+        return None
+    cuts = statistics.quantiles(cal.held_out_residuals, n=20, method="inclusive")  # cuts[1]: 10th, cuts[17]: 90th
+    return Interval(step_s * math.exp(-cuts[17]), step_s * math.exp(-cuts[1]),
+                    f"this cluster's {len(cal.runs)} runs (leave-one-run-out)", len(cal.held_out_residuals))
+
+
 def size_class(active_params: float) -> str:
     """Model size class by active parameters: small models reach a higher MFU than large ones at scale."""
     return "<13B" if active_params < 13e9 else "13-100B" if active_params <= 100e9 else ">100B"
@@ -188,7 +200,7 @@ def assess(pred, model, training, profile, layout, target: str = "autopar", doc:
     for the executor's MoE plans the measured host-bound dispatch (:data:`EXECUTOR_MOE_HOST_NOTE`)."""
     regime = Regime(FRAMEWORK_OF_TARGET.get(target, "other"), model.moe is not None, training.precision.value,
                     scale_bucket(profile.num_gpus), layout_style(layout))
-    found = step_time_interval(pred.step_time_s, regime, doc)
+    found = cluster_interval(pred.step_time_s, profile) or step_time_interval(pred.step_time_s, regime, doc)
     update: dict = {}
     if found is not None:
         update["interval"] = {"low_s": found.low_s, "high_s": found.high_s, "level": LEVEL, "regime": found.regime,

@@ -143,6 +143,9 @@ def test_a_calibrated_profile_uploads_and_its_page_says_how_far_to_trust_it(tmp_
         assert stored.calibration == calibrated.calibration
         page = c.get(f"/profiles/{r.json()['id']}").text
     assert "Calibrated from 4 run(s) on this cluster" in page and "with each run\nleft out of the fit" in page
+    offset = calibrated.calibration.memory_offset_bytes
+    assert offset and offset > 100 * 2**20 and "beyond the prediction" in page  # a CPU rank's runtime, ~160 MiB
+    assert "per kernel it\nlaunches" not in page  # a CPU profile: no host model
     assert all(run.name in page for run in runs[:4])
 
 

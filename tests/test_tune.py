@@ -159,3 +159,44 @@ def test_a_host_bound_run_sets_the_host_time_per_kernel_and_a_device_bound_one_d
     from planner.run_calibration import fit
 
     assert fit([host_bound, device_bound], cpu)[1] is None  # host and device are one on a CPU
+
+
+def test_a_gpu_calibrated_profile_page_states_the_host_time_per_kernel(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    base = ClusterProfile.model_validate_json((GPU_RUNS / "h200-a" / "profile.json").read_text())
+    _, calibrated = summarise(base, _gpu_runs("h200-a"))
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{tmp_path / 't.db'}", load_reference=False))) as c:
+        r = c.post("/v1/profiles", json=calibrated.model_dump(mode="json"))
+        assert r.status_code == 201, r.text
+        page = c.get(f"/profiles/{r.json()['id']}").text
+        c.app.state.db.dispose()
+    us = calibrated.calibration.host_s_per_kernel * 1e6
+    assert f"The host takes {us:.0f} µs per kernel it" in page
+
+
+def test_a_plan_on_a_calibrated_profile_takes_its_interval_from_the_cluster_s_own_runs() -> None:
+    """Issue 25 part 4: the interval of a prediction on a profile calibrated from nine H200 runs comes from those
+    runs' leave-one-run-out residuals, not from published runs, and the note says how far to trust it."""
+    import math
+    import statistics
+
+    from planner.cost.predict import predict
+
+    base = ClusterProfile.model_validate_json((GPU_RUNS / "h200-a" / "profile.json").read_text())
+    runs = _gpu_runs("h200-a")
+    _, calibrated = summarise(base, runs)
+    res = calibrated.calibration.held_out_residuals
+    assert len(res) == len(runs) and all(abs(x) < 1 for x in res)
+    run = runs[0]
+    p = predict(run.plan.model, run.plan.training, calibrated, run.plan.layout)
+    cuts = statistics.quantiles(res, n=20, method="inclusive")
+    assert p.interval.regime.startswith("this cluster's 9 runs") and p.interval.rows == 9
+    assert p.interval.low_s == pytest.approx(p.step_time_s * math.exp(-cuts[17]))
+    assert p.interval.high_s == pytest.approx(p.step_time_s * math.exp(-cuts[1]))
+    assert any("calibrated from 9 run(s) on this cluster" in n and "expected error ±" in n for n in p.notes)
+    uncalibrated = predict(run.plan.model, run.plan.training, base, run.plan.layout)
+    assert uncalibrated.interval is None or not uncalibrated.interval.regime.startswith("this cluster")

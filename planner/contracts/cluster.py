@@ -452,6 +452,9 @@ class RunCalibration(Contract):
         "launch), fitted on the runs whose device sat idle; a pass whose kernels take the host longer than the "
         "device runs them waits for the host (planner.cost.layer.PassCost.calibrated). None: not fitted (CPU "
         "runs, where host and device are one, or no run was host-bound)")
+    held_out_residuals: list[float] = Field(
+        default_factory=list, description="each run's ln(predicted / measured step) by factors fitted without it "
+        "(leave-one-run-out): the interval of predictions on this profile (planner.uncertainty.assess)")
     memory_offset_bytes: int | None = Field(
         None, ge=-(2**40), le=2**40, strict=True, description="the runs' median measured peak memory per rank "
         "less the predicted one (as measured: allocated on a GPU, RSS on a CPU), added to every prediction's peak "
