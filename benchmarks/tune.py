@@ -63,30 +63,40 @@ def run_tune(job: dict, where: Path, plans: int, profile_args: list[str]) -> Tun
     return TuneReport.model_validate_json((where / "a" / "tune.json").read_text())
 
 
+def load_runs(folder: Path) -> list[CalibrationRun]:
+    """The runs recorded in ``folder`` (NN/plan.json + report.json; a folder without a report is left out)."""
+    from planner.contracts import Plan, RunReport
+
+    return [CalibrationRun(f.name, Plan.model_validate_json((f / "plan.json").read_text()),
+                           RunReport.model_validate_json((f / "report.json").read_text()))
+            for f in sorted(folder.iterdir()) if (f / "report.json").is_file()]
+
+
 def rejudge(folder: Path) -> tuple[TuneReport, ClusterProfile, ClusterProfile]:
     """A finished tune's runs (``folder``: profile.json, NN/plan.json + report.json) judged again with this
     checkout's code: (report, the profile it started from, the profile calibrated on every run)."""
-    from planner.contracts import Plan, RunReport
     from planner.tune import summarise
 
     base = ClusterProfile.model_validate_json((folder / "profile.json").read_text())
-    runs = [CalibrationRun(f.name, Plan.model_validate_json((f / "plan.json").read_text()),
-                           RunReport.model_validate_json((f / "report.json").read_text()))
-            for f in sorted(folder.iterdir()) if (f / "report.json").is_file()]
-    report, calibrated = summarise(base, runs)
+    report, calibrated = summarise(base, load_runs(folder))
     for r in report.runs:
         after = "" if r.calibrated_step_s is None else f"{r.calibrated_step_s * 1e3:8.1f}ms"
         print(f"    {r.name} {r.role:<12} {r.predicted_step_s * 1e3:8.1f}ms {after} {r.measured_step_s * 1e3:8.1f}ms")
     return report, base, calibrated
 
 
-def second_model(job: dict, base: ClusterProfile, calibrated: ClusterProfile, where: Path, plans: int) -> dict:
-    """Model B's layouts run and predicted before and after model A's calibration."""
-    settings = TuneSettings(plans=plans)
-    chosen = choose(candidates(job["b"], job["training"], base, settings), plans)
-    runs = run_layouts([plan_for(job["b"], job["training"], lay, base) for lay, _ in chosen], where / "b",
-                       autopar_runner(settings), lambda phase, i, n, what: print(f"    {phase} {i}/{n} {what}",
-                                                                                 flush=True))
+def second_model(job: dict, base: ClusterProfile, calibrated: ClusterProfile, where: Path, plans: int,
+                 recorded: Path | None = None) -> dict:
+    """Model B's layouts run (or ``recorded``: an earlier run's ``b/`` folder) and predicted before and after
+    model A's calibration."""
+    if recorded is not None:
+        runs = load_runs(recorded)
+    else:
+        settings = TuneSettings(plans=plans)
+        chosen = choose(candidates(job["b"], job["training"], base, settings), plans)
+        runs = run_layouts([plan_for(job["b"], job["training"], lay, base) for lay, _ in chosen], where / "b",
+                           autopar_runner(settings), lambda phase, i, n, what: print(f"    {phase} {i}/{n} {what}",
+                                                                                     flush=True))
     ran = [r for r in runs if isinstance(r, CalibrationRun)]
     for r in runs:
         if not isinstance(r, CalibrationRun):
@@ -114,6 +124,9 @@ def noise(job: dict, profile: ClusterProfile, where: Path, times: int) -> float:
     plan.alternatives = []
     runs = run_layouts([plan] * times, where / "noise", autopar_runner(TuneSettings()), lambda *x: None)
     steps = sorted(r.report.median_step_time_s for r in runs if isinstance(r, CalibrationRun))
+    if not steps:
+        print(f"\nnoise: none of {times} runs of one plan finished (their logs: {where / 'noise'})")
+        return float("nan")
     mid = statistics.median(steps)
     spread = statistics.median(abs(s / mid - 1) for s in steps)
     print(f"\nnoise: one plan run {len(steps)} times: {', '.join(f'{s * 1e3:.1f}' for s in steps)} ms; median |run / "
@@ -128,7 +141,7 @@ def verdict(ok: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plans", type=int, default=10)
-    ap.add_argument("--second", type=int, default=6, help="layouts of model B to run (0: none)")
+    ap.add_argument("--second", type=int, default=6, help="layouts of model B to run (2 or more; 0: none)")
     ap.add_argument("--profile", default=str(ROOT / "tests/data/cpu_runs/profile.json"))
     ap.add_argument("--gpu", action="store_true", help="one GPU: larger models, a reference profile of --cluster")
     ap.add_argument("--cluster", default="hgx-h200")
@@ -136,7 +149,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=0, help="also run model A's best plan this many times: the "
                     "spread between identical runs (the noise floor of any error figure here)")
     ap.add_argument("--from", dest="source", type=Path, help="judge a finished tune folder's runs again (its "
-                    "profile.json and NN/ runs) instead of running model A")
+                    "profile.json and NN/ runs) instead of running model A (model B only with --second-from)")
+    ap.add_argument("--second-from", type=Path, help="model B's recorded runs (an earlier run's b/ folder)")
     a = ap.parse_args()
     job = GPU if a.gpu else CPU
     profile_args = ["--cluster", a.cluster, "--gpus", "1"] if a.gpu else ["--profile", a.profile]
@@ -149,7 +163,8 @@ def main() -> int:
             report = run_tune(job, where, a.plans, profile_args)
             base = ClusterProfile.model_validate_json((where / "a" / "profile.json").read_text())
             calibrated = ClusterProfile.model_validate_json((where / "a" / "profile.calibrated.json").read_text())
-        b = second_model(job, base, calibrated, where, a.second) if a.second and report.calibration else {}
+        wanted = a.second >= 2 and report.calibration is not None and (a.source is None or a.second_from)
+        b = second_model(job, base, calibrated, where, a.second, a.second_from) if wanted else {}
         if a.repeat > 1:
             noise(job, base, where, a.repeat)
     limit = 0.10 if a.gpu else 0.15

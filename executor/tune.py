@@ -21,24 +21,38 @@ from planner.console import make_console
 from planner.contracts.tune import TuneReport
 from planner.errors import AutoparError
 from planner.files import check_out_dir
+from planner.tune import LIMITS, TUNE, TuneSettings, autopar_runner
 
 console = make_console()
+FLAGS = {"plans": "--plans", "steps": "--steps", "warmup": "--warmup", "profile_steps": "--profile-steps",
+         "max_micro_batch_size": "--max-micro-batch", "time_budget_s": "--time-budget",
+         "run_timeout_s": "--run-timeout"}
 err = make_console(stderr=True)
 
 
 @with_job
 def tune(
     job: JobInputs,
-    plans: Annotated[int, typer.Option(min=2, max=64, help="layouts to run (half calibrate, half are held out)")] = 10,
-    steps: Annotated[int, typer.Option(min=3, max=1000, help="optimizer steps per run")] = 8,
-    warmup: Annotated[int, typer.Option(min=0, help="first steps of each run left out of its median")] = 3,
-    profile_steps: Annotated[int, typer.Option(min=1, max=100, help="last steps of each run profiled for the "
-                                               "breakdown by term")] = 2,
+    plans: Annotated[int, typer.Option(min=LIMITS["plans"][0], max=LIMITS["plans"][1],
+                                       help="layouts to run (half calibrate, half are held out)")] = TUNE.plans,
+    steps: Annotated[int, typer.Option(min=LIMITS["steps"][0], max=LIMITS["steps"][1],
+                                       help="optimizer steps per run")] = TUNE.steps,
+    warmup: Annotated[int, typer.Option(min=LIMITS["warmup"][0], max=LIMITS["warmup"][1],
+                                        help="first steps of each run left out of its median")] = TUNE.warmup,
+    profile_steps: Annotated[int, typer.Option(
+        min=LIMITS["profile_steps"][0], max=LIMITS["profile_steps"][1],
+        help="last steps of each run profiled for the breakdown by term")] = TUNE.profile_steps,
     target: Annotated[str, typer.Option(help="what runs the plans afterwards (planner/targets/); the runs here "
-                                             "are the executor's")] = "autopar",
-    max_micro_batch: Annotated[int, typer.Option(min=1, max=1024, help="largest micro-batch to try")] = 16,
-    time_budget: Annotated[float, typer.Option(min=0.1, max=600, help="seconds for the search and for listing "
-                                               "the layouts, each")] = 20.0,
+                                             "are the executor's")] = TUNE.target,
+    max_micro_batch: Annotated[int, typer.Option(
+        min=LIMITS["max_micro_batch_size"][0], max=LIMITS["max_micro_batch_size"][1],
+        help="largest micro-batch to try")] = TUNE.max_micro_batch_size,
+    time_budget: Annotated[float, typer.Option(
+        min=LIMITS["time_budget_s"][0], max=LIMITS["time_budget_s"][1],
+        help="seconds for the search and for listing the layouts, each")] = TUNE.time_budget_s,
+    run_timeout: Annotated[float, typer.Option(
+        min=LIMITS["run_timeout_s"][0], max=LIMITS["run_timeout_s"][1],
+        help="seconds one run may take before it is stopped as hung")] = TUNE.run_timeout_s,
     out_dir: Annotated[Path | None, typer.Option(help="where runs, profiles and the report go (default "
                                                       "./tune-<time>)")] = None,
 ) -> None:
@@ -46,12 +60,15 @@ def tune(
 
       autopar tune --model tiny --profile cpu.json --global-batch 16 --seq 64 --plans 10
     """
-    from planner.tune import TuneSettings, autopar_runner
     from planner.tune import tune as tune_loop
 
     model, profile, training = job
-    settings = TuneSettings(plans=plans, steps=steps, warmup=warmup, profile_steps=profile_steps, target=target,
-                            max_micro_batch_size=max_micro_batch, time_budget_s=time_budget)
+    try:
+        settings = TuneSettings(plans=plans, steps=steps, warmup=warmup, profile_steps=profile_steps, target=target,
+                                max_micro_batch_size=max_micro_batch, time_budget_s=time_budget,
+                                run_timeout_s=run_timeout)
+    except AutoparError as exc:  # named as the user wrote it
+        raise AutoparError(FLAGS.get(exc.field, exc.field), exc.value, exc.fix, problem=exc.problem) from None
     where = out_dir or Path(f"tune-{datetime.now(UTC):%Y%m%d-%H%M%S}")
     check_out_dir(where, "--out-dir")
     where.mkdir(parents=True, exist_ok=True)
@@ -87,6 +104,8 @@ def render(report: TuneReport, where: Path) -> None:
         table.add_row(r.name, describe(r.layout), r.role, ms(r.predicted_step_s), ms(r.calibrated_step_s),
                       ms(r.measured_step_s), err_after)
     console.print(table)
+    if report.replan_error:
+        console.print(f"no plan on the calibrated profile: {report.replan_error}", highlight=False)
     if report.replanned is not None:
         same = "the same layout" if report.replanned.layout == report.first_plan else "a different layout"
         console.print(f"re-planned on the calibrated profile: {describe(report.replanned.layout)} "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from planner.contracts import ClusterProfile, Plan, RunReport
 from planner.contracts.cluster import FACTOR_BOUNDS, RunCalibration, TermFactor
-from planner.contracts.report import STEP_TERMS
+from planner.contracts.report import COMM_TERMS, STEP_TERMS
 from planner.errors import AutoparError
 
 
@@ -41,14 +41,20 @@ class CalibrationRun:
 
 
 def measured_terms(report: RunReport, name: str = "") -> dict[str, float]:
-    """Seconds per step by term: the ranks' mean profiled shares times the median (unprofiled) step time."""
+    """Seconds per step by term. On a CPU the profiler slows every term alike: the ranks' mean profiled shares
+    times the median (unprofiled) step time. On a GPU it slows the host only (the kernels take as long, the
+    device idles longer): the device terms are the ranks' mean seconds as measured, and ``other`` (the device's
+    idle time) is what the median step leaves beside them."""
     if not report.breakdown:
         where = f"runs[{name}].report.breakdown" if name else "report.breakdown"
         raise AutoparError(where, [], "run the plan again with --profile-steps 1 or more, or leave this run out",
                            problem="is empty: the run measured no step by term to calibrate on")
+    mean = {t: statistics.fmean(b.terms.get(t, 0.0) for b in report.breakdown) for t in STEP_TERMS}
+    if report.device != "cpu":
+        busy = sum(v for t, v in mean.items() if t != "other")
+        return {**mean, "other": max(0.0, report.median_step_time_s - busy)}
     step = statistics.fmean(b.step_s for b in report.breakdown)
-    return {t: statistics.fmean(b.terms.get(t, 0.0) for b in report.breakdown) / step * report.median_step_time_s
-            for t in STEP_TERMS}
+    return {t: v / step * report.median_step_time_s for t, v in mean.items()}
 
 
 def sized_for(run: CalibrationRun, profile: ClusterProfile) -> ClusterProfile:
@@ -102,10 +108,12 @@ def fit_factors(pairs: Sequence[tuple[dict[str, float], dict[str, float]]],
     to :data:`FACTOR_BOUNDS`; its spread (``low``, ``high``) is the runs' own measured / predicted, clipped.
     Terms no run predicts are left out (factor 1)."""
     lo, hi = FACTOR_BOUNDS
-    steps = [sum(m.values()) / sum(p.values()) for p, m in pairs if sum(p.values()) > 0 and sum(m.values()) > 0]
+    kept = [t for t in STEP_TERMS if t not in skip]
+    sums = [(sum(p.get(t, 0.0) for t in kept), sum(m.get(t, 0.0) for t in kept)) for p, m in pairs]
+    steps = [b / a for a, b in sums if a > 0 and b > 0]
     prior = math.log(statistics.median(steps)) if steps else 0.0
     out = {}
-    for term in (t for t in STEP_TERMS if t not in skip):
+    for term in kept:
         seen = [(p[term], m.get(term, 0.0)) for p, m in pairs if p.get(term, 0) > 0]
         if not seen:
             continue
@@ -126,9 +134,15 @@ def fit_host(pairs: Sequence[tuple[dict[str, float], dict[str, float]]], kernel_
     takes to launch it. None without a host-bound run (nothing says how slow the host is)."""
     if kernel_overhead_s <= 0:
         return None
-    per_kernel = [sum(m.values()) / (p["other"] / kernel_overhead_s) for p, m in pairs
-                  if p.get("other", 0) > 0 and sum(m.values()) > 0 and m["other"] >= HOST_BOUND_SHARE * sum(m.values())]
+    per_kernel = [_passes_s(m) / (p["other"] / kernel_overhead_s) for p, m in pairs
+                  if p.get("other", 0) > 0 and _passes_s(m) > 0 and m["other"] >= HOST_BOUND_SHARE * sum(m.values())]
     return min(statistics.median(per_kernel), 1e-2) if per_kernel else None
+
+
+def _passes_s(measured: dict[str, float]) -> float:
+    """The measured step less what no pass launches (the optimizer step, communication, the pipeline's sends
+    and bubble): the time a host-bound step's passes took to launch."""
+    return sum(v for t, v in measured.items() if t not in (*COMM_TERMS, "optimizer"))
 
 
 def fit(pairs: Sequence[tuple[dict[str, float], dict[str, float]]], profile: ClusterProfile

@@ -21,6 +21,7 @@ Nothing here imports torch: the runs happen in other processes.
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,9 +40,11 @@ from planner.contracts import (
     RunReport,
     TrainingConfig,
 )
+from planner.contracts.limits import MAX_MICRO_BATCH, MAX_TIME_BUDGET_S
 from planner.contracts.tune import TunedRun, TuneReport
 from planner.errors import AutoparError
-from planner.run_calibration import CalibrationRun, calibrate, predicted, predicted_peak, spearman
+from planner.run_calibration import CalibrationRun, calibrate, measured_peak, predicted, predicted_peak, spearman
+from planner.search.options import SearchOptions
 
 Runner = Callable[[Path, Path, Path], None]  # (plan.json, report.json to write, log file); raises RunFailed
 Progress = Callable[[str, int, int, str], None]  # (phase, done, total, what)
@@ -51,28 +54,39 @@ class RunFailed(RuntimeError):
     """A tuned layout's run did not produce a report; the message says why (the end of its log)."""
 
 
+SEARCH = SearchOptions()  # the search's defaults, which tune's search and listing keep
+
+LIMITS: dict[str, tuple[float, float]] = {  # each TuneSettings field's bounds: the CLI's and the API's too
+    "plans": (2, 64), "steps": (3, 1000), "warmup": (0, 999), "profile_steps": (1, 100),
+    "max_micro_batch_size": (1, MAX_MICRO_BATCH), "time_budget_s": (0.1, MAX_TIME_BUDGET_S),
+    "run_timeout_s": (10, 86400),
+}
+
+
 @dataclass(frozen=True)
 class TuneSettings:
-    """What ``autopar tune`` runs: how many layouts, how long each, for which target."""
+    """What ``autopar tune`` runs: how many layouts, how long each, for which target. Bounds: :data:`LIMITS`."""
 
     plans: int = 10
     steps: int = 8
     warmup: int = 3
     profile_steps: int = 2
-    target: str = "autopar"
-    max_micro_batch_size: int = 16
-    time_budget_s: float = 20.0  # for the search and for listing the candidates, each
+    target: str = SEARCH.target
+    max_micro_batch_size: int = SEARCH.max_micro_batch_size
+    time_budget_s: float = SEARCH.time_budget_s  # for the search and for listing the candidates, each
+    run_timeout_s: float = 900.0  # one run, start to report: a run still going then is stopped (hung)
 
     def __post_init__(self) -> None:
-        if not 2 <= self.plans <= 64:
-            raise AutoparError("plans", self.plans, "give 2 to 64 (half calibrate, half are held out)",
-                               problem="is not a number of layouts tune can split in two")
+        for name, (lo, hi) in LIMITS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise AutoparError(name, value, f"give {lo:g} to {hi:g}", problem="is out of bounds")
         if self.warmup + self.profile_steps >= self.steps:
             raise AutoparError("steps", self.steps, f"give more than warmup + profile steps "
                                f"({self.warmup} + {self.profile_steps})", problem="leaves no step to time")
-        if self.profile_steps < 1:
-            raise AutoparError("profile_steps", self.profile_steps, "give 1 or more",
-                               problem="measures no breakdown by term, and calibration fits on it")
+
+
+TUNE = TuneSettings()  # the defaults, as the CLI and the API show them
 
 
 def plan_for(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, profile: ClusterProfile,
@@ -100,8 +114,11 @@ def choose(pool: Sequence[tuple[ParallelLayout, Prediction]], k: int) -> list[tu
     chosen = [pool[0]] if pool else []
     seen = [{f} for f in features(pool[0][0])] if pool else []
     taken = {features(pool[0][0])} if pool else set()
-    rest = sorted((c for c in pool[1:] if features(c[0]) not in taken), key=lambda c: c[1].step_time_s)
-    rest = [c for i, c in enumerate(rest) if features(c[0]) not in {features(x[0]) for x in rest[:i]}]
+    rest = []
+    for c in sorted(pool[1:], key=lambda c: c[1].step_time_s):
+        if features(c[0]) not in taken:
+            taken.add(features(c[0]))
+            rest.append(c)
     while rest and len(chosen) < k:
         best = max(range(len(rest)), key=lambda i: (sum(f not in s for f, s in zip(features(rest[i][0]), seen)),
                                                     -rest[i][1].step_time_s))
@@ -116,10 +133,9 @@ def candidates(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
                ) -> list[tuple[ParallelLayout, Prediction]]:
     """Uniform layouts (every stage the same recompute, even layer split) of every admitted structure, ZeRO
     choice and schedule, that fit with the profile's headroom and that the target runs; listed until the time
-    budget is spent, one ZeRO choice and recompute kind of every structure before the next."""
+    budget is spent, one combination of every structure before the next of any (:func:`_round_robin`)."""
     from planner.cost.predict import predict
-    from planner.search.enumerate import leaf_choices, schedule_choices, structures
-    from planner.search.options import SearchOptions
+    from planner.search.enumerate import structures
     from planner.search.rules import Rules
     from planner.targets import check
     from planner.targets.core import Job
@@ -127,17 +143,13 @@ def candidates(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
     opts = SearchOptions(target=settings.target, max_micro_batch_size=settings.max_micro_batch_size)
     rules = Rules()
     deadline = time.perf_counter() + settings.time_budget_s
-    combos = []
-    for st in structures(model, training, profile, opts, rules):
-        for sched, v in schedule_choices(st, model, opts, rules):
-            for zero, rep, shard, offload, reshard in leaf_choices(st, opts):
-                for rc in Recompute:
-                    combos.append(_layout(st, opts, sched, v, zero, rep, shard, offload, reshard, rc))
+    per_structure = [_choices(st, model, opts, rules) for st in structures(model, training, profile, opts, rules)]
     out = []
-    for layout in sorted(combos, key=features)[:: max(1, len(combos) // 4000)]:
+    for args in _round_robin(per_structure):
         if time.perf_counter() > deadline:
             break
         try:
+            layout = _layout(*args)
             m = training.global_batch_seqs // (layout.dp_replicate * layout.dp_shard * layout.micro_batch_size)
             check(settings.target, Job(model, training, layout, micro_batches=m))
             pred = predict(model, training, profile, layout, target=settings.target)
@@ -146,6 +158,22 @@ def candidates(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         if pred.memory.fits:
             out.append((layout, pred))
     return out
+
+
+def _choices(st, model: ModelSpec, opts, rules) -> list[tuple]:  # noqa: ANN001 - a Structure, options, rules
+    """A structure's (schedule, ZeRO choice, recompute) combinations, as :func:`_layout`'s arguments."""
+    from planner.search.enumerate import leaf_choices, schedule_choices
+
+    return [(st, opts, sched, v, *leaf, rc) for sched, v in schedule_choices(st, model, opts, rules)
+            for leaf in leaf_choices(st, opts) for rc in Recompute]
+
+
+def _round_robin(groups: list[list]):  # noqa: ANN202 - a generator
+    """One item of every group in turn, then the next of each: what a time budget cuts short is spread evenly."""
+    for i in range(max((len(g) for g in groups), default=0)):
+        for g in groups:
+            if i < len(g):
+                yield g[i]
 
 
 def _layout(st, opts, sched, v, zero, rep, shard, offload, reshard, rc) -> ParallelLayout:  # noqa: ANN001
@@ -165,8 +193,15 @@ def autopar_runner(settings: TuneSettings, env: dict[str, str] | None = None) ->
                str(settings.warmup), "--profile-steps", str(settings.profile_steps), "--out", str(report_file)]
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         with log_file.open("w") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                                   env={**os.environ, **(env or {}), "PYTHONPATH": path})
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
+                                    env={**os.environ, **(env or {}), "PYTHONPATH": path})
+            try:
+                code = proc.wait(timeout=settings.run_timeout_s)
+            except subprocess.TimeoutExpired:  # a hung run (a collective that never completes) ends, workers too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RunFailed(f"stopped after run_timeout_s={settings.run_timeout_s:g} s (a hung run?); its "
+                                f"log: {log_file}") from None
         if code != 0 or not report_file.is_file():
             tail = log_file.read_text(errors="replace").strip().splitlines()[-6:]
             raise RunFailed(f"exit status {code}: " + " / ".join(line.strip() for line in tail))
@@ -205,10 +240,6 @@ def describe(layout: ParallelLayout) -> str:
             f"{' offload' if layout.offload_optimizer else ''} mb{layout.micro_batch_size} rc:{rc}")
 
 
-def _peak(run: CalibrationRun) -> int:
-    return max(run.report.peak_memory_bytes_per_rank or [0])
-
-
 def judge(profile: ClusterProfile, fit: Sequence[CalibrationRun], held: Sequence[CalibrationRun]) -> dict:
     """Calibrate ``profile`` on ``fit``; over ``held``: the median |step error| before and after, Spearman and
     top-1 regret of the calibrated predictions, and the peak memory error; with the predictions per run."""
@@ -217,11 +248,12 @@ def judge(profile: ClusterProfile, fit: Sequence[CalibrationRun], held: Sequence
     before = [predicted(r, profile)[0] for r in held]
     measured = [r.report.median_step_time_s for r in held]
     best = min(range(len(held)), key=lambda i: after[i])
-    memory = [abs(predicted_peak(r, calibrated) / _peak(r) - 1) for r in held if _peak(r)]
+    memory = [abs(predicted_peak(r, calibrated) / measured_peak(r) - 1) for r in held if measured_peak(r)]
     return {"calibrated": calibrated, "before_s": before, "after_s": after,
             "before": statistics.median(abs(b / m - 1) for b, m in zip(before, measured)),
             "after": statistics.median(abs(p / m - 1) for p, m in zip(after, measured)),
-            "spearman": spearman(after, measured), "regret": measured[best] / min(measured) - 1,
+            "spearman": spearman(after, measured) if len(held) >= 3 else None,
+            "regret": measured[best] / min(measured) - 1,
             "memory": statistics.median(memory) if memory else None}
 
 
@@ -229,7 +261,6 @@ def tune(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, se
          runner: Runner, progress: Progress = lambda *a: None) -> tuple[TuneReport, ClusterProfile]:
     """The loop of the module doc: (the report, the profile calibrated on every run that measured)."""
     from planner.search import search
-    from planner.search.options import SearchOptions
 
     opts = SearchOptions(target=settings.target, max_micro_batch_size=settings.max_micro_batch_size,
                          time_budget_s=settings.time_budget_s)
@@ -247,7 +278,11 @@ def tune(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile, se
     report, final = summarise(profile, results)
     progress("replan", 0, 1, "searching again on the calibrated profile")
     report.first_plan = first.layout
-    report.replanned = search(model, training, final, opts) if report.calibration else None
+    if report.calibration is not None:
+        try:
+            report.replanned = search(model, training, final, opts)
+        except AutoparError as exc:  # the runs and the calibration stand: say why there is no new plan
+            report.replan_error = str(exc)
     progress("done", 1, 1, report.line())
     return report, final
 
@@ -272,7 +307,7 @@ def summarise(profile: ClusterProfile, results: Sequence[CalibrationRun | tuple[
         rows.append(TunedRun(name=r.name, layout=r.plan.layout, role=role, predicted_step_s=predicted(r, profile)[0],
                              calibrated_step_s=after, measured_step_s=r.report.median_step_time_s,
                              predicted_peak_bytes=r.plan.prediction.memory.as_measured(r.report.memory_kind),
-                             measured_peak_bytes=_peak(r), memory_kind=r.report.memory_kind))
+                             measured_peak_bytes=measured_peak(r), memory_kind=r.report.memory_kind))
     final = calibrate(profile, ran) if len(ran) >= 2 else profile
     model = (r.plan if isinstance(r, CalibrationRun) else r[1] for r in results)
     report = TuneReport(cluster=profile.name, model=next(model).model.name if results else "?",

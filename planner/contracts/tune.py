@@ -19,7 +19,8 @@ class TunedRun(Contract):
     name: str
     layout: ParallelLayout
     role: Literal["calibration", "held_out", "failed"]
-    predicted_step_s: float = Field(gt=0, description="on the profile tune started from (uncalibrated)")
+    predicted_step_s: float = Field(gt=0, description="on the profile tune started from (as it was: "
+                                    "uncalibrated, or calibrated by earlier runs)")
     calibrated_step_s: float | None = Field(None, gt=0, description="held out: on the profile calibrated on the "
                                             "calibration half only; calibration half: in sample")
     measured_step_s: float | None = Field(None, gt=0, description="the run's median step time")
@@ -48,6 +49,7 @@ class TuneReport(Contract):
     calibration: RunCalibration | None = Field(None, description="the fit on every run (the profile plans use next)")
     first_plan: ParallelLayout | None = Field(None, description="the search's choice before tuning")
     replanned: Plan | None = Field(None, description="the search's choice on the calibrated profile")
+    replan_error: str | None = Field(None, description="why the search found no plan on the calibrated profile")
 
     @property
     def plans(self) -> int:
