@@ -445,11 +445,16 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         report = RunReport.model_validate(row.report)
     except ValidationError as exc:
         problem = f"the stored report does not validate against today's contract: {exc.error_count()} errors"
+    from api.routes.runs import predicted_peak
+
     pred = (plan_row.plan or {}).get("prediction") or {}
+    peak = None
     if report is not None:
         charts_ = _run_charts(report, row.predicted_step_s)
+        peak = predicted_peak(pred, report)  # as the run measured it: the API's predicted_peak_memory_bytes
     return _page(request, "run.html", title=f"Run {row.id}", row=row, plan_row=plan_row, report=report,
-                 problem=problem, charts=charts_, pred=pred, terms=term_comparison(pred.get("terms") or {}, report))
+                 problem=problem, charts=charts_, pred=pred, predicted_peak=peak,
+                 terms=term_comparison(pred.get("terms") or {}, report))
 
 
 def _run_charts(report: RunReport, predicted_s: float | None) -> list:
@@ -504,10 +509,15 @@ def tune_page(request: Request, job_id: str) -> HTMLResponse:
     if report is not None and report.replanned is not None:
         replanned = dict(layout=describe(report.replanned.layout), step=report.replanned.prediction.step_time_s,
                          same=report.replanned.layout == report.first_plan)
+    calibrated_cluster = None  # the job's own cluster, or '<name>-calibrated' when it started from a reference
+    if job.calibrated_profile_id:
+        found = _stored(request, str(job.calibrated_profile_id),
+                        lambda db, key: store.get_profile(db, profile_id=key))
+        calibrated_cluster = found.cluster.name if found else None
     response = _page(request, "tune.html", title=f"Tune job {job.id}", job=job, report=report, problem=problem,
                      active=active, refresh_s=TUNE_REFRESH_S, log_lines=(job.log or [])[-TUNE_LOG_SHOWN:],
                      rows=tune_rows(report, job.runs or []) if report else [], replanned=replanned,
-                     line=report.line() if report else None)
+                     line=report.line() if report else None, calibrated_cluster=calibrated_cluster)
     if active:
         response.headers["Refresh"] = str(TUNE_REFRESH_S)
     return response

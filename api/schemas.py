@@ -18,10 +18,9 @@ from planner.contracts.limits import (
 from planner.contracts.tune import TuneReport
 from planner.search import SearchOptions
 from planner.targets import Target
-from planner.tune import TuneSettings
+from planner.tune import LIMITS, TUNE
 
 SEARCH = SearchOptions()  # the search's defaults: one home (planner.search.options.SearchOptions)
-TUNE = TuneSettings()  # tune's defaults: one home (planner.tune.TuneSettings)
 
 T = TypeVar("T")
 MAX_ID = 2**31 - 1  # ids are 32-bit integers (PostgreSQL INTEGER)
@@ -222,23 +221,29 @@ class PresetOut(BaseModel):
 
 # -- tune jobs ---------------------------------------------------------------------------------------
 
+def _tune_field(name: str, description: str | None = None) -> Any:  # noqa: ANN401 - a pydantic FieldInfo
+    """A TuneSettingsIn field with tune's own default (:data:`planner.tune.TUNE`) and bounds
+    (:data:`planner.tune.LIMITS`): one home for both, the CLI's and the API's."""
+    low, high = LIMITS[name]
+    return Field(getattr(TUNE, name), ge=low, le=high, strict=True, description=description)
+
+
 class TuneSettingsIn(Strict):
     """What a tune job runs (:class:`planner.tune.TuneSettings`): how many layouts, how long each. Integers are
     JSON integers, numbers JSON numbers; warmup + profile_steps must leave a step to time."""
 
-    plans: int = Field(TUNE.plans, ge=2, le=64, strict=True, description="layouts to run (half calibrate, half "
-                       "are held out)")
-    steps: int = Field(TUNE.steps, ge=3, le=1000, strict=True, description="optimizer steps per run")
-    warmup: int = Field(TUNE.warmup, ge=0, le=1000, strict=True, description="first steps of each run left out of "
-                        "its median")
-    profile_steps: int = Field(TUNE.profile_steps, ge=1, le=100, strict=True, description="last steps of each run "
-                               "profiled for the breakdown by term (calibration fits on it)")
+    plans: int = _tune_field("plans", "layouts to run (half calibrate, half are held out)")
+    steps: int = _tune_field("steps", "optimizer steps per run")
+    warmup: int = _tune_field("warmup", "first steps of each run left out of its median")
+    profile_steps: int = _tune_field("profile_steps", "last steps of each run profiled for the breakdown by term "
+                                     "(calibration fits on it)")
     target: Target = Field(Target(TUNE.target), description="what runs the plans afterwards (the runs here are "
                            "the executor's)")
-    max_micro_batch_size: int = Field(TUNE.max_micro_batch_size, ge=1, le=MAX_MICRO_BATCH, strict=True)
-    time_budget_s: float = Field(TUNE.time_budget_s, gt=0, le=MAX_TIME_BUDGET_S, strict=True,
-                                 description="seconds for the search and for listing the layouts, each (at most "
-                                 "the server's AUTOPAR_PLAN_BUDGET_S)")
+    max_micro_batch_size: int = _tune_field("max_micro_batch_size")
+    time_budget_s: float = _tune_field("time_budget_s", "seconds for the search and for listing the layouts, each "
+                                       "(at most the server's AUTOPAR_PLAN_BUDGET_S)")
+    run_timeout_s: float = _tune_field("run_timeout_s", "seconds one run may take, start to report: a run still "
+                                       "going then is stopped and counted failed")
 
 
 class TuneRequest(Strict):

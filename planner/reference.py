@@ -166,6 +166,24 @@ def gpus_to_nodes(system: str, gpus: int, gpus_per_node: int) -> tuple[int, int]
     return gpus // gpus_per_node, gpus_per_node
 
 
+def on_gpus(profile: ClusterProfile, gpus: int) -> ClusterProfile:
+    """``profile`` on ``gpus`` GPUs: part of one node (``gpus_per_node`` cut, renamed ``<name>-<n>gpu``: a
+    4-GPU job on an 8-GPU node is another machine than the node) or whole nodes (:meth:`ClusterProfile.with_nodes`);
+    as it is when it has ``gpus`` already. Only a reference profile can be resized: a measured one describes
+    the machines it was measured on (AutoparError naming ``gpus``)."""
+    if gpus == profile.num_gpus:
+        return profile
+    if profile.kind == "measured":
+        raise AutoparError("gpus", gpus, f"omit gpus (this measured profile describes {profile.num_gpus} GPUs) or "
+                           "use a profile measured on the machines you plan for",
+                           problem="cannot change a measured profile")
+    nodes, per_node = gpus_to_nodes(profile.name, gpus, profile.gpus_per_node)
+    if per_node < profile.gpus_per_node:
+        return ClusterProfile.model_validate({**profile.model_dump(), "gpus_per_node": per_node, "num_nodes": 1,
+                                              "name": f"{profile.name}-{per_node}gpu"})
+    return profile.with_nodes(nodes)
+
+
 def reference_profile(
     system: str, num_nodes: int = 1, *, nic_gbit_per_gpu: float | None = None, fitted: dict | None = None,
     gpus: int | None = None,
@@ -183,10 +201,7 @@ def reference_profile(
     if num_nodes < 1:
         raise AutoparError("nodes", num_nodes, "give at least 1 node", problem="is not a positive node count")
     if gpus is not None:
-        num_nodes, per_node = gpus_to_nodes(key, gpus, SYSTEMS[key].gpus_per_node)
-        if per_node < SYSTEMS[key].gpus_per_node:
-            whole = reference_profile(key, 1, nic_gbit_per_gpu=nic_gbit_per_gpu, fitted=fitted)
-            return whole.model_copy(update={"gpus_per_node": per_node, "name": f"{whole.name}-{per_node}gpu"})
+        return on_gpus(reference_profile(key, 1, nic_gbit_per_gpu=nic_gbit_per_gpu, fitted=fitted), gpus)
     d = SYSTEMS[key]
     nic = nic_gbit_per_gpu or d.nic_gbit_per_gpu
     net = nic / 8 * NETWORK_EFFICIENCY * GB

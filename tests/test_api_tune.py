@@ -173,7 +173,101 @@ def test_a_job_whose_runs_all_fail_ends_failed_with_each_runs_reason(client: Tes
     assert "Failed: runs=0 of 2" in page and "torchrun could not start for 01" in page and "Refresh" not in page
 
 
-def test_jobs_left_running_by_a_stopped_service_end_failed(database_url: str, tmp_path: Path) -> None:
+DP4_REPORT = json.loads((ROOT / "tests/data/cpu_runs/dp4/report.json").read_text())  # a real run, CPU profile
+
+
+def copying_runner(_settings):  # noqa: ANN001, ANN201
+    """A runner factory whose runs 'measure' the recorded dp4 run of the CPU profile, relabelled with the plan's
+    layout: enough for a job to calibrate and store what it found (the slow test below runs for real)."""
+    def run(plan_file: Path, report_file: Path, log_file: Path) -> None:
+        layout = json.loads(plan_file.read_text())["layout"]
+        report_file.write_text(json.dumps({**DP4_REPORT, "layout": layout}))
+        log_file.write_text("copied tests/data/cpu_runs/dp4/report.json\n")
+    return run
+
+
+@pytest.mark.parametrize("kind, stored_as", [("reference", "cpu-ref-calibrated"), ("measured", "cpu-ref")])
+def test_a_reference_clusters_calibration_is_a_cluster_of_its_own_a_measured_ones_its_next_version(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch, kind: str, stored_as: str) -> None:
+    monkeypatch.setattr(tune_route, "make_runner", copying_runner)
+    base = client.post("/v1/profiles", json={**CPU_PROFILE, "kind": kind, "name": "cpu-ref"})
+    assert base.status_code == 201, base.text
+    base = base.json()
+    job = wait_for(client, client.post("/v1/tune", json=tune_body(cluster="cpu-ref")).json()["id"])
+    assert job["state"] == "done", job
+    calibrated = client.get(f"/v1/profiles/{job['calibrated_profile_id']}").json()
+    assert (calibrated["cluster"], calibrated["kind"]) == (stored_as, kind)
+    assert calibrated["profile"]["calibration"] == job["result"]["calibration"] is not None
+    history = [p["id"] for p in client.get("/v1/clusters/cpu-ref/profiles").json()]
+    page = client.get(f"/tune/{job['id']}").text
+    if kind == "reference":  # the shared reference cluster keeps its versions; the calibration is a new cluster
+        assert history == [base["id"]]
+        own = client.get(f"/v1/clusters/{stored_as}/profiles").json()
+        assert [p["id"] for p in own] == [job["calibrated_profile_id"]]
+        assert ("(version 1 of cluster 'cpu-ref-calibrated': 'cpu-ref' is a reference cluster, left as it is)"
+                in job["log"][-1])
+        assert "of its own cluster <code>cpu-ref-calibrated</code>" in page
+    else:
+        assert history == [base["id"], job["calibrated_profile_id"]]
+        assert "(version 2 of cluster 'cpu-ref')," in job["log"][-1]
+        assert "the cluster's newest version: plans use it next" in page
+    replanned = client.get(f"/v1/plans/{job['replanned_plan_id']}").json()
+    assert replanned["profile_id"] == job["calibrated_profile_id"] and replanned["plan"]["cluster"] == stored_as
+    assert [client.get(f"/v1/plans/{r['plan_id']}").json()["profile_id"] for r in job["runs"]] == [base["id"]] * 2
+    assert job["result"]["spearman"] is None  # one held-out plan: no rank correlation
+    assert 'n/a <span class="muted">(needs 3 held-out plans)</span>' in page and "spearman=n/a" in page
+
+
+def test_the_page_says_why_the_search_found_no_plan_on_the_calibrated_profile(client: TestClient) -> None:
+    from planner.contracts.tune import TuneReport
+
+    db = client.app.state.db
+    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()[0]["id"]
+    job = store.create_tune_job(db, profile_id=profile_id, cluster=CPU_PROFILE["name"], model_name="bench",
+                                request={})
+    why = "global_batch_size=16 has no layout that fits on 4 GPUs"
+    report = TuneReport(cluster=CPU_PROFILE["name"], model="bench", num_gpus=4, runs=[], replan_error=why)
+    store.update_tune_job(db, job_id=job.id, state="done", result=report.model_dump(mode="json"))
+    page = client.get(f"/tune/{job.id}").text
+    assert ("The search found no plan on the calibrated profile (the runs and the calibration stand): " + why
+            in page)
+    assert "— (no plan on the calibrated profile: see above)" in page
+
+
+def test_a_run_of_an_older_plan_is_served_and_pages_compare_the_peak_as_measured(client: TestClient) -> None:
+    """GET /v1/runs/{id} and /runs/{id} give the predicted peak as the run measured it (allocated, for a CUDA
+    run); a plan stored under an older memory contract gives its total, not a 500."""
+    from api.charts import fmt_bytes
+    from planner.contracts import ModelSpec, ParallelLayout, RunReport, TrainingConfig
+    from planner.reference import reference_profile
+    from planner.tune import plan_for
+
+    db = client.app.state.db
+    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()[0]["id"]
+    plan = plan_for(ModelSpec(**SPEC), TrainingConfig(**TRAINING), ParallelLayout(**DP4_REPORT["layout"]),
+                    reference_profile("dgx-h100", gpus=4))
+    memory = plan.prediction.memory
+    assert memory.allocated_bytes < memory.total_bytes  # the two figures differ here
+    older = plan.model_dump(mode="json")
+    older["prediction"]["memory"] = {"total_bytes": 123_456_789, "weights_bytes": 1}  # an older contract's
+    report = RunReport.model_validate({**DP4_REPORT, "memory_kind": "cuda_max_allocated"})
+    expected = {"today": memory.allocated_bytes, "older": 123_456_789}
+    for name, body in (("today", plan.model_dump(mode="json")), ("older", older)):
+        row = store.store_plan(db, profile_id=profile_id, request={"n": name}, request_hash=name, status="ok",
+                               model_name="bench", num_gpus=4, step_time_s=plan.prediction.step_time_s, plan=body,
+                               explanation=None)
+        run_id = store.store_run(db, plan_id=row.id, report=report).id
+        got = client.get(f"/v1/runs/{run_id}")
+        assert got.status_code == 200, got.text
+        assert got.json()["predicted_peak_memory_bytes"] == expected[name]
+        page = client.get(f"/runs/{run_id}").text
+        assert f'<td class="num">{fmt_bytes(expected[name])}</td>' in page
+    assert fmt_bytes(memory.total_bytes) != fmt_bytes(memory.allocated_bytes)
+
+
+def test_jobs_left_running_by_a_stopped_service_end_failed(database_url: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune_route, "make_runner", failing_runner())
     settings = Settings(database_url=database_url, load_reference=False)
     with TestClient(create_app(settings)) as c:
         db = c.app.state.db
@@ -186,8 +280,9 @@ def test_jobs_left_running_by_a_stopped_service_end_failed(database_url: str, tm
         got = c.get(f"/v1/tune/{job.id}").json()
         assert got["state"] == "failed" and got["phase"] == "run"
         assert got["error"].startswith("the service stopped during the job (it was running, phase run)")
-        r = c.post("/v1/tune", json=tune_body(settings={**SETTINGS, "plans": 1}))
-        assert r.status_code == 422  # and the slot is free: no 409
+        r = c.post("/v1/tune", json=tune_body())
+        assert r.status_code == 202, r.text  # the slot is free: no 409
+        assert wait_for(c, r.json()["id"])["state"] == "failed"  # (its runs cannot start here)
         c.app.state.db.dispose()
 
 
@@ -203,7 +298,7 @@ def test_the_api_does_not_import_torch() -> None:
 def test_a_real_tune_job_stores_runs_the_calibrated_profile_and_the_new_plan(tmp_path: Path) -> None:
     """Two layouts of the small CPU model on 4 gloo ranks, each run by ``python -m executor run``."""
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'a.db'}", load_reference=False,
-                        extra={"tune_dir": str(tmp_path / "tune")})
+                        tune_dir=str(tmp_path / "tune"))
     with TestClient(create_app(settings)) as c:
         base = c.post("/v1/profiles", json=CPU_PROFILE).json()
         r = c.post("/v1/tune", json=tune_body())
@@ -239,6 +334,7 @@ def test_a_real_tune_job_stores_runs_the_calibrated_profile_and_the_new_plan(tmp
         assert f'href="/profiles/{job["calibrated_profile_id"]}"' in page.text
         assert f'href="/plans/{job["replanned_plan_id"]}"' in page.text
         assert f'href="/tune/{job["id"]}"' in c.get(f"/profiles/{base['id']}").text
+        assert Path(job["workdir"]).parent == tmp_path / "tune"  # AUTOPAR_TUNE_DIR (Settings.tune_dir)
         assert (Path(job["workdir"]) / "00" / "run.log").is_file() and (Path(job["workdir"]) / "tune.json").is_file()
         c.app.state.db.dispose()
 

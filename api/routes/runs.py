@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import ValidationError
 
 from api import store
 from api.bodies import FiniteJSONRoute
 from api.deps import AUTH_RESPONSES, DB, Id, Limit, Offset, Writer, aware, link
 from api.schemas import MAX_ID, Page, RunErrorSummary, RunOut, RunSubmit, RunSummary
-from planner.contracts import RunReport
+from planner.contracts import MemoryBreakdown, RunReport
 from planner.errors import AutoparError
 
 router = APIRouter(route_class=FiniteJSONRoute, tags=["runs"])
@@ -29,16 +30,22 @@ def run_out(entry: store.RunEntry) -> RunOut:
                   error=_error(row.predicted_step_s, row.measured_step_s),
                   report=report, predicted_tokens_per_s=pred.get("tokens_per_s"),
                   measured_tokens_per_s=report.tokens_per_s,
-                  predicted_peak_memory_bytes=_predicted_peak(pred, report),
+                  predicted_peak_memory_bytes=predicted_peak(pred, report),
                   measured_peak_memory_bytes=max(report.peak_memory_bytes_per_rank or [0]))
 
 
-def _predicted_peak(pred: dict, report: RunReport) -> int | None:
-    """The plan's predicted peak as the run measured it (``MemoryBreakdown.as_measured``)."""
-    from planner.contracts import MemoryBreakdown
-
+def predicted_peak(pred: dict, report: RunReport) -> int | None:
+    """The plan's predicted peak as the run measured it (``MemoryBreakdown.as_measured``): what the API and the
+    run's page compare with the measured peak. An older plan whose memory no longer validates as today's
+    MemoryBreakdown gives its ``total_bytes`` (as it was predicted), not an error."""
     memory = pred.get("memory")
-    return MemoryBreakdown.model_validate(memory).as_measured(report.memory_kind) if memory else None
+    if not memory:
+        return None
+    try:
+        return MemoryBreakdown.model_validate(memory).as_measured(report.memory_kind)
+    except ValidationError:
+        total = memory.get("total_bytes") if isinstance(memory, dict) else None
+        return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
 
 
 @router.post("/v1/runs", status_code=201, dependencies=[Writer],

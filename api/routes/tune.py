@@ -4,8 +4,9 @@
 A job plans, runs a handful of differing layouts for a few steps with the executor (each in its own
 ``python -m executor run`` process, so the service never imports torch), calibrates the profile on half and
 judges it on the other half, and re-plans. One job runs at a time: its runs take the machine. When it ends it
-has stored each run that wrote a report (a plan row and a run row), the calibrated profile as the cluster's next
-version and the re-planned plan, and keeps the TuneReport; or it says why it failed.
+has stored each run that wrote a report (a plan row and a run row), the calibrated profile (a measured cluster's
+next version; a reference cluster's as cluster ``<name>-calibrated``, the shared reference left as it is) and the
+re-planned plan, and keeps the TuneReport; or it says why it failed.
 
 The runs' plans, reports and logs stay in the job's work folder (``workdir``): a new folder under
 ``AUTOPAR_TUNE_DIR`` when the server was given one, else under the system's temporary directory.
@@ -25,13 +26,14 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from api import store
 from api.bodies import FiniteJSONRoute
-from api.db import Database, TuneJob
+from api.db import Cluster, Database, TuneJob
 from api.deps import AUTH_RESPONSES, DB, Id, Limit, Offset, Writer, aware
 from api.planning import resolve_model, resolve_profile
 from api.schemas import Page, PlanRequest, TuneJobOut, TuneJobRun, TuneJobSummary, TuneRequest
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, TrainingConfig
 from planner.contracts.tune import TuneReport
 from planner.errors import AutoparError
+from planner.reference import on_gpus
 from planner.tune import TuneSettings, autopar_runner, tune
 
 log = logging.getLogger("autopar.tune")
@@ -46,7 +48,7 @@ class TuneInputs:
     model: ModelSpec
     training: TrainingConfig
     profile_id: int  # the stored profile it started from
-    cluster: str  # its cluster (the calibrated profile is that cluster's next version unless sized by ``gpus``)
+    cluster: str  # its cluster (a measured one's calibration is its next version; see :func:`own_cluster`)
     profile: ClusterProfile  # that profile, sized as asked
     settings: TuneSettings
 
@@ -62,27 +64,9 @@ def tune_settings(req: TuneRequest, max_budget_s: float) -> TuneSettings:
     try:
         return TuneSettings(plans=s.plans, steps=s.steps, warmup=s.warmup, profile_steps=s.profile_steps,
                             target=s.target.value, max_micro_batch_size=s.max_micro_batch_size,
-                            time_budget_s=s.time_budget_s)
+                            time_budget_s=s.time_budget_s, run_timeout_s=s.run_timeout_s)
     except AutoparError as exc:
         raise AutoparError(f"settings.{exc.field}", exc.value, exc.fix, problem=exc.problem) from None
-
-
-def sized(profile: ClusterProfile, gpus: int | None) -> ClusterProfile:
-    """``profile`` on ``gpus`` GPUs (a reference profile: part of one node, renamed ``<name>-<n>gpu`` as
-    :func:`planner.reference.reference_profile` does, or whole nodes); as it is when ``gpus`` is None."""
-    from planner.reference import gpus_to_nodes
-
-    if gpus is None or gpus == profile.num_gpus:
-        return profile
-    if profile.kind == "measured":
-        raise AutoparError("gpus", gpus, f"omit gpus (this measured profile describes {profile.num_gpus} GPUs) or "
-                           "upload a profile measured on the machines you tune on",
-                           problem="cannot change a measured profile")
-    nodes, per_node = gpus_to_nodes(profile.name, gpus, profile.gpus_per_node)
-    if per_node < profile.gpus_per_node:
-        return ClusterProfile.model_validate({**profile.model_dump(), "gpus_per_node": per_node, "num_nodes": 1,
-                                              "name": f"{profile.name}-{per_node}gpu"})
-    return profile.with_nodes(nodes)
 
 
 def resolve(db: Database, req: TuneRequest, max_budget_s: float) -> TuneInputs:
@@ -94,8 +78,8 @@ def resolve(db: Database, req: TuneRequest, max_budget_s: float) -> TuneInputs:
     as_plan = PlanRequest(model=req.model, training=req.training, profile_id=req.profile_id, cluster=req.cluster,
                           num_nodes=req.num_nodes)
     profile_id, profile = resolve_profile(db, as_plan)
-    return TuneInputs(model, req.training, profile_id, profile.name, sized(profile, req.gpus),
-                      tune_settings(req, max_budget_s))
+    return TuneInputs(model, req.training, profile_id, profile.name,
+                      profile if req.gpus is None else on_gpus(profile, req.gpus), tune_settings(req, max_budget_s))
 
 
 def job_links(row: TuneJob) -> dict[str, str]:
@@ -236,23 +220,43 @@ def store_runs(db: Database, job_id: int, inputs: TuneInputs, report: TuneReport
     return stored
 
 
+CALIBRATED = "-calibrated"  # a reference profile's calibration is stored as cluster ``<name>-calibrated``
+
+
+def own_cluster(calibrated: ClusterProfile) -> ClusterProfile:
+    """The profile to store: a measured cluster's calibration as it is (that cluster's next version); a
+    reference profile's renamed ``<name>-calibrated`` (cut to fit the cluster name column), so that tuning on
+    this host does not recalibrate a reference cluster every user of the service plans on. A profile already
+    so named (a job that started from a calibrated copy) stays that cluster's next version."""
+    if calibrated.kind != "reference" or calibrated.name.endswith(CALIBRATED):
+        return calibrated
+    longest = Cluster.__table__.c.name.type.length
+    return calibrated.model_copy(update={"name": calibrated.name[:longest - len(CALIBRATED)] + CALIBRATED})
+
+
 def store_outcome(db: Database, job_id: int, inputs: TuneInputs, report: TuneReport, calibrated: ClusterProfile,
                   where: Path) -> None:
-    """Store the runs, the calibrated profile (the cluster's next version), the re-planned plan and the report;
+    """Store the runs, the calibrated profile (:func:`own_cluster`), the re-planned plan (on it) and the report;
     the job ends done, or failed when fewer than two runs measured a breakdown (nothing to calibrate on)."""
     runs = store_runs(db, job_id, inputs, report, where)
-    profile_id = None
+    profile_id, stored_as = None, ""
     if report.calibration is not None:
+        calibrated = own_cluster(calibrated)
         calibrated.created_at = aware(datetime.now(UTC))
-        profile_id = store.upload_profile(db, profile=calibrated).entry.profile.id
+        entry = store.upload_profile(db, profile=calibrated).entry
+        profile_id = entry.profile.id
+        stored_as = (f" (version {entry.profile.version} of cluster '{entry.cluster.name}'"
+                     + (f": '{inputs.profile.name}' is a reference cluster, left as it is)"
+                        if calibrated.name != inputs.profile.name else ")"))
     plan_id = None
     if report.replanned is not None:
         request = {"tune_job": job_id, "replanned": True}
+        replanned = report.replanned.model_copy(update={"cluster": calibrated.name})  # the profile it is stored on
         plan_id = store.store_plan(db, profile_id=profile_id or inputs.profile_id, request=request,
                                    request_hash=store.canonical_hash(request), status="ok",
-                                   model_name=report.replanned.model.name, num_gpus=report.replanned.num_gpus,
-                                   step_time_s=report.replanned.prediction.step_time_s,
-                                   plan=report.replanned.model_dump(mode="json"), explanation=None).id
+                                   model_name=replanned.model.name, num_gpus=replanned.num_gpus,
+                                   step_time_s=replanned.prediction.step_time_s,
+                                   plan=replanned.model_dump(mode="json"), explanation=None).id
     error = None
     if report.plans < 2:
         error = str(AutoparError("runs", report.plans, f"read each run's error in the result and its log in "
@@ -261,5 +265,5 @@ def store_outcome(db: Database, job_id: int, inputs: TuneInputs, report: TuneRep
     store.update_tune_job(db, job_id=job_id, state="failed" if error else "done", error=error,
                           result=report.model_dump(mode="json"), runs=runs, calibrated_profile_id=profile_id,
                           replanned_plan_id=plan_id, log_line=f"{_now()} " + (error or (
-                              f"stored {len(runs)} runs (plans and runs), calibrated profile {profile_id}, "
+                              f"stored {len(runs)} runs (plans and runs), calibrated profile {profile_id}{stored_as}, "
                               f"re-planned plan {plan_id}")))
