@@ -26,7 +26,7 @@ from planner.tune import LIMITS, TUNE, TuneSettings, autopar_runner
 console = make_console()
 FLAGS = {"plans": "--plans", "steps": "--steps", "warmup": "--warmup", "profile_steps": "--profile-steps",
          "max_micro_batch_size": "--max-micro-batch", "time_budget_s": "--time-budget",
-         "run_timeout_s": "--run-timeout"}
+         "run_timeout_s": "--run-timeout", "target": "--target"}
 err = make_console(stderr=True)
 
 

@@ -81,6 +81,11 @@ class TuneSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise AutoparError(name, value, f"give {lo:g} to {hi:g}", problem="is out of bounds")
+        from planner.targets import Target
+
+        if self.target not in {t.value for t in Target}:
+            raise AutoparError("target", self.target, "use one of " + ", ".join(t.value for t in Target),
+                               problem="is not a target autopar plans for")
         if self.warmup + self.profile_steps >= self.steps:
             raise AutoparError("steps", self.steps, f"give more than warmup + profile steps "
                                f"({self.warmup} + {self.profile_steps})", problem="leaves no step to time")
@@ -198,15 +203,26 @@ def autopar_runner(settings: TuneSettings, env: dict[str, str] | None = None) ->
             try:
                 code = proc.wait(timeout=settings.run_timeout_s)
             except subprocess.TimeoutExpired:  # a hung run (a collective that never completes) ends, workers too
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _end(proc)
                 raise RunFailed(f"stopped after run_timeout_s={settings.run_timeout_s:g} s (a hung run?); its "
                                 f"log: {log_file}") from None
+            except BaseException:  # Ctrl-C: the run is in a session of its own, so it would outlive us
+                _end(proc)
+                raise
         if code != 0 or not report_file.is_file():
             tail = log_file.read_text(errors="replace").strip().splitlines()[-6:]
             raise RunFailed(f"exit status {code}: " + " / ".join(line.strip() for line in tail))
 
     return run
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill a run's whole process group (torchrun and its workers) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_layouts(plans: Sequence[Plan], workdir: Path, runner: Runner, progress: Progress

@@ -43,7 +43,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(database_url
             [cli, "run", f"{server.url}/openapi.json", "--checks", CHECKS,
              "-n", os.environ.get("AUTOPAR_FUZZ_EXAMPLES", "25"), "--seed", os.environ.get("AUTOPAR_FUZZ_SEED", "7"),
              "--request-timeout", "60", "--suppress-health-check", "all", "--generation-database", "none",
-             "--include-path-regex", "^/(v1|healthz|readyz)", "--no-color"],
+             "--include-path-regex", "^/(v1|healthz|readyz)", "--no-color",
+             # a valid tune body would start training on this host: the service runs none here (AUTOPAR_TUNE=0,
+             # 503, a server error to the fuzzer); tests/test_api_tune.py checks its validation body by body
+             "--exclude-operation-id", "start_tune"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path)
     summary = out.stdout[-4000:]
     assert out.returncode == 0, f"schemathesis failed:\n{summary}\n--- server log ---\n{server.log[-4000:]}"

@@ -59,6 +59,20 @@ def test_settings_refuse_what_cannot_be_split_or_timed() -> None:
         TuneSettings(plans=1)
     with pytest.raises(AutoparError, match="leaves no step to time"):
         TuneSettings(steps=5, warmup=3, profile_steps=2)
+    with pytest.raises(AutoparError, match="target='jax'"):
+        TuneSettings(target="jax")
+    with pytest.raises(AutoparError, match="run_timeout_s=1 is out of bounds; give 10 to 86400"):
+        TuneSettings(run_timeout_s=1)
+
+
+def test_autopar_tune_names_its_flags_in_errors(tmp_path: Path) -> None:
+    spec = tmp_path / "model.json"
+    spec.write_text(SPEC.model_dump_json())
+    r = subprocess.run([sys.executable, "-m", "executor", "tune", "--model-file", str(spec), "--profile",
+                        str(RUNS / "profile.json"), "--global-batch", "16", "--seq", "64", "--steps", "5",
+                        "--out-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--steps=5 leaves no step to time" in r.stderr, r.stderr[-500:]
+    assert not (tmp_path / "out").exists()  # refused before anything ran or was written
 
 
 def test_summary_judges_the_held_out_half_on_the_calibration_half_only() -> None:
