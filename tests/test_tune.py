@@ -214,3 +214,51 @@ def test_a_plan_on_a_calibrated_profile_takes_its_interval_from_the_cluster_s_ow
     assert any("calibrated from 9 run(s) on this cluster" in n and "expected error ±" in n for n in p.notes)
     uncalibrated = predict(run.plan.model, run.plan.training, base, run.plan.layout)
     assert uncalibrated.interval is None or not uncalibrated.interval.regime.startswith("this cluster")
+
+
+def test_a_calibrated_memory_offset_moves_predict_and_the_search_s_capacity_alike() -> None:
+    """The offset a calibration fitted (RunCalibration.memory_offset_bytes) is in every peak predict reports (term
+    'calibration') and in what the search lets a plan fill: the uncalibrated best plan (69 GiB) no longer fits
+    with 20 GiB more, and the search picks another that does."""
+    from planner.contracts.cluster import RunCalibration
+    from planner.cost.predict import predict
+    from planner.presets import get_preset
+    from planner.reference import reference_profile
+    from planner.search import search
+    from planner.search.options import SearchOptions
+
+    model, tr = get_preset("llama3-8b"), TrainingConfig(seq_length=4096, global_batch_size=64)
+    base = reference_profile("dgx-h100", 1)
+    first = search(model, tr, base, SearchOptions(top_k=1))
+    offset = 20 * 2**30  # 20 GiB the runs held beyond the prediction
+    cal = RunCalibration(factors={}, runs=["a", "b"], fitted_median_error=0.0, uncalibrated_median_error=0.0,
+                         memory_offset_bytes=offset)
+    calibrated = base.model_copy(update={"calibration": cal})
+    before, after = predict(model, tr, base, first.layout), predict(model, tr, calibrated, first.layout)
+    assert after.memory.total_bytes - before.memory.total_bytes == pytest.approx(offset, abs=2)
+    assert after.memory.terms["calibration"] == offset
+    assert after.memory.allocated_bytes - before.memory.allocated_bytes == pytest.approx(offset, abs=2)
+    plan = search(model, tr, calibrated, SearchOptions(top_k=1))
+    assert plan.prediction.memory.fits and plan.prediction.memory.terms["calibration"] == offset
+    assert not after.memory.fits and plan.layout != first.layout  # 69 GiB + 20 > 76: another plan, that fits
+
+
+def test_a_pass_waits_for_a_slower_host_by_hand() -> None:
+    """PassCost.calibrated with host_s_per_kernel h: a pass of k kernels whose device time d is below k h
+    lasts k h (its launches' overhead grows by k h - d); a pass whose device is slower is unchanged."""
+    from planner.contracts.cluster import RunCalibration
+    from planner.cost.layer import PassCost
+    from planner.reference import reference_profile
+
+    prof = reference_profile("dgx-h100", 1)
+    prof = prof.model_copy(update={"calibration": RunCalibration(
+        factors={}, runs=["a", "b"], fitted_median_error=0.0, uncalibrated_median_error=0.0, host_s_per_kernel=1e-4)})
+    fast = PassCost(gemm_s=2e-3)
+    fast.launch(50, prof)  # host 5 ms for 50 kernels, device 2 ms + 50 launches
+    device = fast.compute_s
+    assert fast.calibrated(prof).compute_s == pytest.approx(5e-3)
+    assert fast.overhead_s == pytest.approx(50 * prof.assumptions.kernel_overhead_s + 5e-3 - device)
+    slow = PassCost(gemm_s=9e-3)
+    slow.launch(50, prof)
+    device = slow.compute_s
+    assert slow.calibrated(prof).compute_s == pytest.approx(device)

@@ -49,6 +49,7 @@ from planner.contracts import (
 from planner.cost.checks import check_sequence
 from planner.cost.memo import memoised
 from planner.cost.memory import (
+    memory_offset,
     model_state_bytes,
     state_bytes_per_param,
     usable_bytes,
@@ -231,7 +232,8 @@ class _SearchState:
         a = self.profile.assumptions
         self.capacity = usable_bytes(self.profile.device.memory_bytes, a)  # every need below is a whole device's total
         # what every layout holds beside its model states, at least: the runtime, the reserve, the least fragmentation
-        self.reserved = float(a.runtime_bytes + a.reserved_memory_bytes)
+        # with a run calibration's memory offset, which every layout's peak carries (planner.cost.memory.fixed_terms)
+        self.reserved = float(a.runtime_bytes + a.reserved_memory_bytes) + memory_offset(self.profile)
         self.least_frag = 1.0 + min(a.allocator_fragmentation, a.sharded_fragmentation)
 
     def _init_tallies(self) -> None:
