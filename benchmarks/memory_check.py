@@ -13,7 +13,9 @@ one H100 80GB) and predicts every case with ``planner.cost.predict`` on a one-GP
 Per row: the allocated peak (``max_memory_allocated`` over forward/backward and the optimizer step) and the
 device total (the allocator's peak reserve plus what lies outside it) against the prediction.
 
-    .venv/bin/python benchmarks/memory_check.py [--measured benchmarks/data/memory_h100.json]
+- Last, the executor's own tune runs on one H200 (``tests/data/gpu_runs``), out of sample.
+
+    .venv/bin/python benchmarks/memory_check.py [--measured benchmarks/data/memory_h100.json] [--tune-runs DIR]
 """
 
 from __future__ import annotations
@@ -118,9 +120,33 @@ def show(title: str, found: list[tuple]) -> None:
               f"worst under {min(min(e), 0.0):+.1%}, worst over {max(max(e), 0.0):+.1%} ({len(e)} rows)")
 
 
+def tune_runs(folder: Path) -> None:
+    """The executor's own runs recorded by ``benchmarks/tune.py --gpu`` (``tests/data/gpu_runs``: one H200, each
+    plan as searched and run): its predicted allocated peak against the run's ``max_memory_allocated``. No
+    constant was fitted on them (those above come from the H100 cases): an out-of-sample check."""
+    from planner.contracts import Plan, RunReport
+
+    errs = []
+    print(f"-- the executor's tune runs ({folder.relative_to(ROOT)}): allocated peak, out of sample")
+    for f in sorted(p for p in folder.glob("*/*") if (p / "report.json").is_file()):
+        plan = Plan.model_validate_json((f / "plan.json").read_text())
+        report = RunReport.model_validate_json((f / "report.json").read_text())
+        pred, meas = plan.prediction.memory.as_measured(report.memory_kind), max(report.peak_memory_bytes_per_rank)
+        errs.append(pred / meas - 1)
+        lay = plan.layout
+        what = f"mb{lay.micro_batch_size} {lay.recompute.value} zero{lay.zero_stage}" + (
+            " offload" if lay.offload_optimizer else "")
+        print(f"{f.parent.name + '/' + f.name:16} {plan.model.name:12} {what:28} {pred / GIB:7.2f} {meas / GIB:7.2f} "
+              f"{errs[-1]:+7.1%}")
+    if errs:
+        print(f"summary tune runs allocated: median |error| {statistics.median(abs(x) for x in errs):.1%}, "
+              f"worst under {min(min(errs), 0.0):+.1%}, worst over {max(max(errs), 0.0):+.1%} ({len(errs)} rows)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--measured", default=str(ROOT / "benchmarks/data/memory_h100.json"))
+    ap.add_argument("--tune-runs", default=str(ROOT / "tests/data/gpu_runs"))
     args = ap.parse_args()
     doc = json.loads(Path(args.measured).read_text())
     cases = {c["name"]: c for c in doc["cases"]}
@@ -139,6 +165,7 @@ def main() -> int:
         errors(rows, cases, held),
     )
     show("in-sample: the defaults of planner.contracts.Assumptions", errors(rows, cases, dict.fromkeys(GROUPS, {})))
+    tune_runs(Path(args.tune_runs))
     return 0
 
 
