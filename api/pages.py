@@ -28,7 +28,6 @@ from planner.contracts.common import Precision
 from planner.contracts.report import term_comparison
 from planner.contracts.tune import TuneReport
 from planner.cost.comm import ring_factor
-from planner.tune import describe
 
 log = logging.getLogger("autopar.pages")
 HERE = Path(__file__).parent
@@ -485,7 +484,7 @@ def tune_rows(report: TuneReport, stored: list[dict]) -> list[dict]:
     for r in report.runs:
         after = (f"{r.calibrated_step_s / r.measured_step_s - 1:+.0%}" if r.calibrated_step_s and r.measured_step_s
                  else None)
-        rows.append(dict(name=r.name, layout=describe(r.layout), role=r.role, predicted=r.predicted_step_s,
+        rows.append(dict(name=r.name, layout=r.layout.summary(), role=r.role, predicted=r.predicted_step_s,
                          calibrated=r.calibrated_step_s, measured=r.measured_step_s, after=after, error=r.error,
                          run_id=where.get(r.name, {}).get("run_id"), plan_id=where.get(r.name, {}).get("plan_id")))
     return rows
@@ -507,7 +506,7 @@ def tune_page(request: Request, job_id: str) -> HTMLResponse:
     active = job.state in store.ACTIVE
     replanned = None
     if report is not None and report.replanned is not None:
-        replanned = dict(layout=describe(report.replanned.layout), step=report.replanned.prediction.step_time_s,
+        replanned = dict(layout=report.replanned.layout.summary(), step=report.replanned.prediction.step_time_s,
                          same=report.replanned.layout == report.first_plan)
     calibrated_cluster = None  # the job's own cluster, or '<name>-calibrated' when it started from a reference
     if job.calibrated_profile_id:

@@ -73,7 +73,7 @@ dist.destroy_process_group()
 '''
 
 def make_plan(layout: dict, profile: ClusterProfile, path: Path):
-    from executor.train import plan_for
+    from planner.tune import plan_for
 
     plan = plan_for(SPEC, TRAINING, ParallelLayout(**layout), profile)
     path.write_text(plan.model_dump_json())
@@ -152,7 +152,7 @@ def single_gpu(profile_path: str | None, steps: int, tmp: Path) -> None:
     spec = ModelSpec(name="gpu-bench", num_layers=8, hidden_size=2048, num_attention_heads=16, num_kv_heads=8,
                      ffn_hidden_size=5632, vocab_size=32000)
     training = TrainingConfig(seq_length=2048, global_batch_size=8, precision="bf16")
-    from executor.train import plan_for
+    from planner.tune import plan_for
 
     plan = plan_for(spec, training, ParallelLayout(micro_batch_size=2, zero_stage=2), profile)
     path = tmp / "gpu.json"

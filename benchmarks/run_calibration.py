@@ -42,8 +42,9 @@ from planner.run_calibration import CalibrationRun, calibrate, predicted, spearm
 
 
 def record_runs(profile: ClusterProfile, where: Path) -> list[CalibrationRun]:
-    from executor.train import check_plan, plan_for
+    from executor.train import check_plan
     from planner.errors import AutoparError
+    from planner.tune import plan_for
 
     where.mkdir(parents=True, exist_ok=True)
     (where / "profile.json").write_text(profile.model_dump_json(indent=1))

@@ -25,8 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from executor.train import RunOptions, Runtime, plan_for  # noqa: E402
+from executor.train import RunOptions, Runtime  # noqa: E402
 from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, TrainingConfig  # noqa: E402
+from planner.tune import plan_for  # noqa: E402
 
 KINDS = (  # (kind, words of a kernel's name), first match wins
     ("attention", ("flash", "fmha", "attention", "sdpa")),

@@ -29,17 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cpu_bench import SPEC, TRAINING  # noqa: E402
 from planner.contracts import ClusterProfile, ModelSpec, TrainingConfig  # noqa: E402
 from planner.contracts.tune import TuneReport  # noqa: E402
 from planner.run_calibration import CalibrationRun, predicted, spearman  # noqa: E402
 from planner.tune import TuneSettings, autopar_runner, candidates, choose, plan_for, run_layouts  # noqa: E402
 
-CPU = {
-    "a": ModelSpec(name="bench", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                   ffn_hidden_size=192, vocab_size=256),
+CPU = {  # model A is the CPU benchmarks' own (benchmarks/cpu_bench.py)
+    "a": SPEC,
     "b": ModelSpec(name="bench-b", num_layers=6, hidden_size=96, num_attention_heads=6, num_kv_heads=2,
                    ffn_hidden_size=256, vocab_size=512),
-    "training": TrainingConfig(seq_length=64, global_batch_size=16, precision="fp32"),
+    "training": TRAINING,
 }
 GPU = {
     "a": ModelSpec(name="gpu-a-0.5b", num_layers=12, hidden_size=1536, num_attention_heads=12, num_kv_heads=4,

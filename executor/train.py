@@ -45,13 +45,10 @@ from executor.measure import StepProfiler, label
 from planner.contracts import (
     ClusterProfile,
     Environment,
-    ModelSpec,
-    ParallelLayout,
     Plan,
     Precision,
     RunReport,
     StepRecord,
-    TrainingConfig,
 )
 from planner.errors import AutoparError
 from planner.files import write_or_keep
@@ -87,14 +84,6 @@ def profiled_from(opts: RunOptions, start: int) -> int:
     timed_from = start + min(opts.warmup, opts.steps - start - 1)  # the report's first step in the median
     first = opts.steps - opts.profile_steps
     return first if opts.profile_steps > 0 and first > timed_from else opts.steps
-
-
-def plan_for(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, profile: ClusterProfile) -> Plan:
-    """A Plan for a given layout (no search), with its prediction on ``profile``."""
-    from planner.cost.predict import predict
-
-    return Plan(model=model, training=training, cluster=profile.name, num_gpus=layout.num_gpus, layout=layout,
-                precision=training.precision, prediction=predict(model, training, profile, layout))
 
 
 def check_plan(plan: Plan, *, hf_config: dict | None = None) -> None:

@@ -91,8 +91,6 @@ def tune(
 
 def render(report: TuneReport, where: Path) -> None:
     """Each layout's step predicted before and after calibration against measured; what failed and why."""
-    from planner.tune import describe
-
     table = Table(title=f"tune of {report.model} on {report.cluster} ({report.num_gpus} ranks)")
     for col in ("run", "layout", "half", "predicted", "calibrated", "measured", "error after"):
         table.add_column(col, justify="left" if col in ("run", "layout", "half") else "right")
@@ -101,14 +99,14 @@ def render(report: TuneReport, where: Path) -> None:
             return "—" if x is None else f"{x * 1e3:.1f} ms"
         err_after = (f"{r.calibrated_step_s / r.measured_step_s - 1:+.0%}"
                      if r.calibrated_step_s and r.measured_step_s else (r.error or "—")[:60])
-        table.add_row(r.name, describe(r.layout), r.role, ms(r.predicted_step_s), ms(r.calibrated_step_s),
+        table.add_row(r.name, r.layout.summary(), r.role, ms(r.predicted_step_s), ms(r.calibrated_step_s),
                       ms(r.measured_step_s), err_after)
     console.print(table)
     if report.replan_error:
         console.print(f"no plan on the calibrated profile: {report.replan_error}", highlight=False)
     if report.replanned is not None:
         same = "the same layout" if report.replanned.layout == report.first_plan else "a different layout"
-        console.print(f"re-planned on the calibrated profile: {describe(report.replanned.layout)} "
+        console.print(f"re-planned on the calibrated profile: {report.replanned.layout.summary()} "
                       f"({report.replanned.prediction.step_time_s * 1e3:.1f} ms predicted; {same} as before)")
     console.print(f"written to {where}/ (tune.json, profile.calibrated.json, plan.json, NN/run.log)")
     if report.plans < 2:

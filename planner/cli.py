@@ -246,26 +246,6 @@ def _layout(
 
 
 # ---------------------------------------------------------------- rendering
-def describe_recompute(lay: ParallelLayout) -> str:
-    if lay.recompute_per_stage is None:
-        return lay.recompute.value
-    parts: list[str] = []
-    for i, r in enumerate(lay.recompute_per_stage):
-        parts.append(f"s{i}:{r.kind.value}"
-                     + (f"x{r.num_layers}" if r.num_layers is not None and r.kind is not Recompute.none else ""))
-    return "per stage [" + " ".join(parts) + "]"
-
-
-def layout_summary(lay: ParallelLayout) -> str:
-    return (f"tp{lay.tp}{'+sp' if lay.sp else ''} cp{lay.cp} pp{lay.pp}"
-            f"{f'x{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} dp{lay.dp_replicate}x{lay.dp_shard}"
-            f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp is not None else ''}"
-            f" zero{lay.zero_stage}{' offload' if lay.offload_optimizer else ''}"
-            f"{' keep-gathered' if lay.zero_stage == 3 and not lay.reshard_after_forward else ''}"
-            f" mb{lay.micro_batch_size} {lay.schedule.value if lay.pp > 1 else ''} rc:{describe_recompute(lay)}"
-            f"{f' split{lay.layers_per_stage}' if lay.layers_per_stage else ''}")
-
-
 def render_search(plan: Plan, top_families: int = 12) -> None:
     """Alternatives, why the other families lost, and what the search did."""
     best = plan.prediction
@@ -273,11 +253,11 @@ def render_search(plan: Plan, top_families: int = 12) -> None:
         at = Table(title=f"Top {len(plan.alternatives) + 1} plans")
         for col in ("#", "layout", "step", "MFU", "memory", "vs best", "why slower"):
             at.add_column(col, justify="right" if col in ("#", "step", "MFU", "memory", "vs best") else "left")
-        at.add_row("1", layout_summary(plan.layout), f"{best.step_time_s:.3f} s", f"{best.mfu:.1%}",
+        at.add_row("1", plan.layout.summary(), f"{best.step_time_s:.3f} s", f"{best.mfu:.1%}",
                    f"{best.memory.total_bytes / GiB:.1f} GiB", "", "chosen")
         for i, alt in enumerate(plan.alternatives, 2):
             p = alt.prediction
-            at.add_row(str(i), layout_summary(alt.layout), f"{p.step_time_s:.3f} s" if p else "-",
+            at.add_row(str(i), alt.layout.summary(), f"{p.step_time_s:.3f} s" if p else "-",
                        f"{p.mfu:.1%}" if p else "-", f"{p.memory.total_bytes / GiB:.1f} GiB" if p else "-",
                        f"{alt.slower_by:+.2%}" if alt.slower_by is not None else "", alt.reason)
         console.print(at)
@@ -314,7 +294,7 @@ def render_prediction(plan: Plan) -> None:
                   f"{f' etp={lay.etp}' if lay.etp is not None else ''} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}"
                   f"{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
-                  f", recompute {describe_recompute(lay)}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f", recompute {lay.recompute_summary()}{', optimizer offload' if lay.offload_optimizer else ''}"
                   f"{', torch.compile' if lay.compile else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)

@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.contracts import ClusterProfile, Plan, RunReport
+from planner.contracts import ClusterProfile, Plan, Prediction, RunReport
 from planner.contracts.cluster import FACTOR_BOUNDS, RunCalibration, TermFactor
 from planner.contracts.report import COMM_TERMS, STEP_TERMS
 from planner.errors import AutoparError
@@ -88,11 +88,16 @@ def usable(runs: Sequence[CalibrationRun], profile: ClusterProfile) -> tuple[lis
     return keep, out
 
 
-def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict[str, float]]:
-    """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile`` (:func:`sized_for` it)."""
+def prediction(run: CalibrationRun, profile: ClusterProfile) -> Prediction:
+    """``run``'s layout predicted on ``profile`` (:func:`sized_for` it)."""
     from planner.cost.predict import predict
 
-    p = predict(run.plan.model, run.plan.training, sized_for(run, profile), run.plan.layout, target=run.plan.target)
+    return predict(run.plan.model, run.plan.training, sized_for(run, profile), run.plan.layout, target=run.plan.target)
+
+
+def predicted(run: CalibrationRun, profile: ClusterProfile) -> tuple[float, dict[str, float]]:
+    """(step seconds, seconds by term) of ``run``'s layout predicted on ``profile``."""
+    p = prediction(run, profile)
     return p.step_time_s, p.terms
 
 
@@ -159,11 +164,8 @@ def measured_peak(run: CalibrationRun) -> int:
     return max(run.report.peak_memory_bytes_per_rank or [0])
 
 
-def predicted_peak(run: CalibrationRun, profile: ClusterProfile) -> int:
-    """``run``'s layout's predicted peak on ``profile`` as the run measured it (``MemoryBreakdown.as_measured``)."""
-    from planner.cost.predict import predict
-
-    p = predict(run.plan.model, run.plan.training, sized_for(run, profile), run.plan.layout, target=run.plan.target)
+def peak_as_measured(run: CalibrationRun, p: Prediction) -> int:
+    """The predicted peak ``p`` of ``run``'s layout as the run measured it (``MemoryBreakdown.as_measured``)."""
     return p.memory.as_measured(run.report.memory_kind)
 
 
@@ -190,11 +192,11 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
         raise AutoparError("runs", [], "give runs of plans on this cluster (with their reports)",
                            problem="are none: nothing to calibrate on")
     base = _with(profile, None)
-    preds = [predicted(r, base) for r in runs]
-    pairs = [(p[1], measured_terms(r.report, r.name)) for p, r in zip(preds, runs)]
+    preds = [prediction(r, base) for r in runs]
+    pairs = [(p.terms, measured_terms(r.report, r.name)) for p, r in zip(preds, runs)]
     factors, host = fit(pairs, base)
-    memory = fit_memory(runs, [predicted_peak(r, base) for r in runs])
-    before = statistics.median(_error(p[0], r) for p, r in zip(preds, runs))
+    memory = fit_memory(runs, [peak_as_measured(r, p) for r, p in zip(runs, preds)])
+    before = statistics.median(_error(p.step_time_s, r) for p, r in zip(preds, runs))
     draft = RunCalibration(factors=factors, host_s_per_kernel=host, memory_offset_bytes=memory,
                            runs=[r.name for r in runs], fitted_median_error=0.0, uncalibrated_median_error=before,
                            left_out=list(left_out))

@@ -43,7 +43,15 @@ from planner.contracts import (
 from planner.contracts.limits import MAX_MICRO_BATCH, MAX_TIME_BUDGET_S
 from planner.contracts.tune import TunedRun, TuneReport
 from planner.errors import AutoparError
-from planner.run_calibration import CalibrationRun, calibrate, measured_peak, predicted, predicted_peak, spearman
+from planner.run_calibration import (
+    CalibrationRun,
+    calibrate,
+    measured_peak,
+    peak_as_measured,
+    predicted,
+    prediction,
+    spearman,
+)
 from planner.search.options import SearchOptions
 
 Runner = Callable[[Path, Path, Path], None]  # (plan.json, report.json to write, log file); raises RunFailed
@@ -235,7 +243,7 @@ def run_layouts(plans: Sequence[Plan], workdir: Path, runner: Runner, progress: 
         where = workdir / name
         where.mkdir(parents=True, exist_ok=True)
         (where / "plan.json").write_text(plan.model_dump_json(indent=1))
-        progress("run", i, len(plans), f"layout {name}: {describe(plan.layout)}")
+        progress("run", i, len(plans), f"layout {name}: {plan.layout.summary()}")
         try:
             runner(where / "plan.json", where / "report.json", where / "run.log")
             out.append(CalibrationRun(name, plan, RunReport.model_validate_json((where / "report.json").read_text())))
@@ -245,26 +253,16 @@ def run_layouts(plans: Sequence[Plan], workdir: Path, runner: Runner, progress: 
     return out
 
 
-def describe(layout: ParallelLayout) -> str:
-    """A layout in one short line (the CLI's and the pages' tables)."""
-    rc = layout.recompute.value if not layout.recompute_per_stage else "per-stage"
-    sched = f" {layout.schedule.value}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "") \
-        if layout.pp > 1 else ""
-    dp = f"dp{layout.dp_replicate}x{layout.dp_shard}" if layout.dp_replicate > 1 else f"dp{layout.dp_shard}"
-    return (f"tp{layout.tp}{'+sp' if layout.sp else ''} cp{layout.cp} pp{layout.pp}{sched} {dp} ep{layout.ep} "
-            f"zero{layout.zero_stage}{'' if layout.reshard_after_forward else ' keep'}"
-            f"{' offload' if layout.offload_optimizer else ''} mb{layout.micro_batch_size} rc:{rc}")
-
-
 def judge(profile: ClusterProfile, fit: Sequence[CalibrationRun], held: Sequence[CalibrationRun]) -> dict:
     """Calibrate ``profile`` on ``fit``; over ``held``: the median |step error| before and after, Spearman and
     top-1 regret of the calibrated predictions, and the peak memory error; with the predictions per run."""
     calibrated = calibrate(profile, fit)
-    after = [predicted(r, calibrated)[0] for r in held]
+    preds = [prediction(r, calibrated) for r in held]
+    after = [p.step_time_s for p in preds]
     before = [predicted(r, profile)[0] for r in held]
     measured = [r.report.median_step_time_s for r in held]
     best = min(range(len(held)), key=lambda i: after[i])
-    memory = [abs(predicted_peak(r, calibrated) / measured_peak(r) - 1) for r in held if measured_peak(r)]
+    memory = [abs(peak_as_measured(r, p) / measured_peak(r) - 1) for r, p in zip(held, preds) if measured_peak(r)]
     return {"calibrated": calibrated, "before_s": before, "after_s": after,
             "before": statistics.median(abs(b / m - 1) for b, m in zip(before, measured)),
             "after": statistics.median(abs(p / m - 1) for p, m in zip(after, measured)),
@@ -335,5 +333,5 @@ def summarise(profile: ClusterProfile, results: Sequence[CalibrationRun | tuple[
     return report, final
 
 
-__all__ = ["RunFailed", "TuneSettings", "autopar_runner", "candidates", "choose", "describe", "features", "judge",
+__all__ = ["RunFailed", "TuneSettings", "autopar_runner", "candidates", "choose", "features", "judge",
            "plan_for", "run_layouts", "summarise", "tune"]

@@ -79,6 +79,12 @@ def step_time_residual(metric: str, signed_error: float) -> float:
     return math.log(ratio) if metric == "iteration_time_s" else -math.log(ratio)
 
 
+def q10_q90(values: list[float]) -> tuple[float, float]:
+    """The ``(1 - LEVEL)/2`` and ``(1 + LEVEL)/2`` percentiles of residuals (inclusive interpolation)."""
+    cuts = statistics.quantiles(values, n=20, method="inclusive")  # 5% steps: cuts[1] = 10th, cuts[17] = 90th
+    return cuts[1], cuts[17]
+
+
 def quantile_table(residuals: list[tuple[Regime, float]]) -> dict[str, dict]:
     """Every regime key (each fallback level) with at least :data:`MIN_ROWS` residuals: its row count and
     the ``(1 - LEVEL)/2`` and ``(1 + LEVEL)/2`` percentiles."""
@@ -90,8 +96,8 @@ def quantile_table(residuals: list[tuple[Regime, float]]) -> dict[str, dict]:
     for key, values in sorted(groups.items()):
         if len(values) < MIN_ROWS:
             continue
-        cuts = statistics.quantiles(values, n=20, method="inclusive")  # 5% steps: cuts[1] = 10th, cuts[17] = 90th
-        out[key] = {"rows": len(values), "q10": round(cuts[1], 5), "q90": round(cuts[17], 5),
+        q10, q90 = q10_q90(values)
+        out[key] = {"rows": len(values), "q10": round(q10, 5), "q90": round(q90, 5),
                     "median": round(statistics.median(values), 5)}
     return out
 
@@ -128,8 +134,8 @@ def cluster_interval(step_s: float, profile) -> Interval | None:  # noqa: ANN001
     cal = profile.calibration
     if cal is None or len(cal.held_out_residuals) < 3:
         return None
-    cuts = statistics.quantiles(cal.held_out_residuals, n=20, method="inclusive")  # cuts[1]: 10th, cuts[17]: 90th
-    return Interval(step_s * math.exp(-cuts[17]), step_s * math.exp(-cuts[1]),
+    q10, q90 = q10_q90(cal.held_out_residuals)
+    return Interval(step_s * math.exp(-q90), step_s * math.exp(-q10),
                     f"this cluster's {len(cal.runs)} runs (leave-one-run-out)", len(cal.held_out_residuals))
 
 

@@ -19,13 +19,13 @@ from api import store
 from api.app import create_app
 from api.routes import tune as tune_route
 from api.settings import Settings
+from benchmarks import cpu_bench
 from planner.tune import RunFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PROFILE = json.loads((ROOT / "tests/data/cpu_runs/profile.json").read_text())
-SPEC = {"name": "bench", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
-        "ffn_hidden_size": 192, "vocab_size": 256}  # benchmarks/cpu_bench.py's model
-TRAINING = {"seq_length": 64, "global_batch_size": 16, "precision": "fp32"}
+SPEC = cpu_bench.SPEC.model_dump(mode="json", exclude_defaults=True)  # the CPU benchmarks' model, as a JSON body
+TRAINING = cpu_bench.TRAINING.model_dump(mode="json", exclude_defaults=True)
 SETTINGS = {"plans": 2, "steps": 6, "warmup": 2, "profile_steps": 2, "time_budget_s": 5.0}
 
 

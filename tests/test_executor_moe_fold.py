@@ -184,8 +184,8 @@ def test_folded_expert_checkpoint_resumes_under_another_plan(tmp_path: Path) -> 
 
     from run_plans import GBS, SEQ, TRAINING, profile_for, torchrun_worker
 
-    from executor.train import plan_for
     from planner.contracts import RunReport
+    from planner.tune import plan_for
 
     spec = fold.SPECS["moe_cap"].model_copy(update={"vocab_size": 64})
     ref = reference_run(spec, SyntheticTokens(spec.vocab_size, SEQ, 0), steps=4, global_batch=GBS,

@@ -333,10 +333,10 @@ def test_bf16_plans_train_in_mixed_precision_with_fp32_master_weights(tmp_path: 
 
 def _plan_of(path: Path, preset: str, num_ranks: int, **layout: object):
     """A plan of a preset model over ``num_ranks`` H100s (`autopar plan` would pick its own layout)."""
-    from executor.train import plan_for
     from planner.contracts import ParallelLayout, TrainingConfig
     from planner.presets import get_preset
     from planner.reference import reference_profile
+    from planner.tune import plan_for
 
     prof = reference_profile("dgx-h100", 1).model_copy(update={"gpus_per_node": num_ranks})
     plan = plan_for(get_preset(preset), TrainingConfig(seq_length=4096, global_batch_size=64),
@@ -479,8 +479,8 @@ def test_the_worker_matches_losses_and_gradients_of_the_reference(tmp_path: Path
 
     from executor.data import SyntheticTokens
     from executor.reference import reference_run
-    from executor.train import plan_for
     from planner.contracts import MoESpec, ParallelLayout
+    from planner.tune import plan_for
 
     spec = SPEC.model_copy(update={"moe": MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=32)} if moe else {})
     lay = ParallelLayout(**layout, micro_batch_size=1)

@@ -118,8 +118,8 @@ def test_a_run_reports_each_rank_s_step_by_term(tmp_path: Path, name: str, moe: 
     shows its collectives under its own name."""
     from run_plans import SPEC, TRAINING, profile_for, torchrun_worker
 
-    from executor.train import plan_for
     from planner.contracts import MoESpec
+    from planner.tune import plan_for
 
     spec = SPEC.model_copy(update={"moe": MoESpec(num_experts=4, top_k=2, expert_ffn_hidden_size=32)} if moe else {})
     lay = ParallelLayout(**layout, micro_batch_size=1)

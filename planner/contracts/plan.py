@@ -131,6 +131,26 @@ class ParallelLayout(Contract):
         of the dimensions inside it (read-only; memoised by the sizes, as the search asks per candidate)."""
         return _mesh_strides(self.mesh_sizes(), self.mesh_sizes(True))
 
+    def recompute_summary(self) -> str:
+        """The recompute in a few words: the kind, or each stage's (``s0:fullx3``)."""
+        if self.recompute_per_stage is None:
+            return self.recompute.value
+        parts = [f"s{i}:{r.kind.value}" + (f"x{r.num_layers}" if r.num_layers is not None
+                                           and r.kind is not Recompute.none else "")
+                 for i, r in enumerate(self.recompute_per_stage)]
+        return "per stage [" + " ".join(parts) + "]"
+
+    def summary(self) -> str:
+        """The layout in one line, as the CLI's, the pages' and ``autopar tune``'s tables show it."""
+        v = f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp}{v}"
+                f" dp{self.dp_replicate}x{self.dp_shard}"
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp is not None else ''}"
+                f" zero{self.zero_stage}{' offload' if self.offload_optimizer else ''}"
+                f"{' keep-gathered' if self.zero_stage == 3 and not self.reshard_after_forward else ''}"
+                f" mb{self.micro_batch_size} {self.schedule.value if self.pp > 1 else ''} rc:{self.recompute_summary()}"
+                f"{f' split{self.layers_per_stage}' if self.layers_per_stage else ''}")
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard

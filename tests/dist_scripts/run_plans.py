@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from executor.train import plan_for
 from planner.contracts import ModelSpec, ParallelLayout, Plan, TrainingConfig
 from planner.reference import reference_profile
+from planner.tune import plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, GBS = 16, 8
