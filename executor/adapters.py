@@ -97,3 +97,18 @@ def builtin_adapter(model: nn.Module) -> ModelAdapter:
     spec = model.spec
     return replace(BUILTIN, lm_head=None if spec.tied_embeddings else BUILTIN.lm_head,
                    up_proj=BUILTIN.up_proj if spec.ffn_kind == "swiglu" else None)
+
+
+def norm_width(attention: nn.Module, module: nn.Module, a: ModelAdapter) -> str | None:
+    """How a weighted module inside ``attention`` (other than its projections) sees the heads, told by
+    its weight's length: ``"head"`` when it equals ``attention.head_dim`` (a per-head norm: Qwen3,
+    Gemma 3), ``"row"`` when it equals the output width of the q or k projection (a norm over the whole
+    projection: OLMo 2), None when neither (the module cannot be placed under tensor parallelism)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 1 or len(list(module.parameters())) != 1:
+        return None
+    width = weight.shape[0]
+    if width == getattr(attention, "head_dim", None):
+        return "head"
+    outs = {get_submodule(attention, p).out_features for p in (a.q_proj, a.k_proj) if hasattr(attention, p)}
+    return "row" if width in outs else None

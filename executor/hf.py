@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.adapters import HF, ModelAdapter, get_submodule
+from executor.adapters import HF, ModelAdapter, get_submodule, norm_width
+from planner.contracts import ParallelLayout
 from planner.errors import AutoparError
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 def _config_dict(config: dict[str, Any] | str | Path) -> dict[str, Any]:
@@ -42,28 +41,58 @@ def _config_dict(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     return data
 
 
+def _hf_config(model_type: object, data: dict[str, Any]):  # noqa: ANN202 - a transformers PretrainedConfig
+    """transformers' config class for ``model_type`` filled from ``data``; an unknown type is refused
+    naming the value."""
+    import transformers
+
+    if not isinstance(model_type, str) or not model_type:
+        raise AutoparError("model_type", model_type, "set model_type to the config's transformers model type "
+                           "(llama, qwen3, gemma2, olmo2, granite, phi3, ...)", problem="is missing or not a string")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as err:
+        raise AutoparError("model_type", model_type, f"use a model type transformers {transformers.__version__} "
+                           "knows (llama, qwen3, gemma2, olmo2, granite, phi3, ...)",
+                           problem=f"is not known to transformers ({err})") from None
+
+
+def _from_config(hf_config, model_type: str) -> nn.Module:  # noqa: ANN001 - a transformers PretrainedConfig
+    """``AutoModelForCausalLM.from_config`` with SDPA attention, or the model's eager attention where
+    transformers gives it no SDPA path (Gemma 2's soft-capped scores); anything else it refuses (not a
+    causal LM, an inconsistent config) becomes an AutoparError naming the model type."""
+    import transformers
+
+    build = transformers.AutoModelForCausalLM.from_config
+    try:
+        try:
+            return build(hf_config, attn_implementation="sdpa")
+        except ValueError as err:
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+            return build(hf_config, attn_implementation="eager")
+    except (ValueError, AssertionError, TypeError, KeyError) as err:
+        raise AutoparError("model_type", model_type, "pass the config.json of a decoder-only causal LM whose "
+                           "fields transformers accepts", problem=f"cannot be built as a causal LM ({err})") from None
+
+
 def build_hf_model(config: dict[str, Any] | str | Path, *, dtype: torch.dtype = torch.float32,
                    seed: int = 0) -> nn.Module:
-    """A randomly initialised ``AutoModelForCausalLM`` for ``config`` (model_type in
-    :data:`SUPPORTED_MODEL_TYPES`), SDPA attention, parameters in ``dtype``.
+    """A randomly initialised ``AutoModelForCausalLM`` for ``config`` (any ``model_type`` transformers
+    builds as a causal LM; what each plan dimension can do with it is decided from its modules by
+    :func:`check_parallelisable`), SDPA attention where transformers has it, parameters in ``dtype``.
 
     The weights are transformers' own initialisation drawn from a private RNG stream seeded with
     ``seed`` (the global RNG state is restored afterwards), so equal (config, seed) give equal
     weights. Under ``with torch.device("meta")`` it builds shapes only."""
-    import transformers
-
     data = _config_dict(config)
     model_type = data.pop("model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise AutoparError("model_type", model_type, "use one of " + ", ".join(SUPPORTED_MODEL_TYPES)
-                           + ", or describe the model as a ModelSpec for the built-in decoder",
-                           problem="is not a Hugging Face model type the executor supports")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         data.pop(key, None)
-    hf_config = transformers.AutoConfig.for_model(model_type, **data)
+    hf_config = _hf_config(model_type, data)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        model = _from_config(hf_config, model_type)
     return model.to(dtype)
 
 
@@ -76,47 +105,80 @@ def hf_full_state(config: dict[str, Any] | str | Path, *, seed: int = 0) -> dict
 
 
 def hf_adapter(model: nn.Module) -> ModelAdapter:
-    """The module paths of a supported Hugging Face causal LM (checked by :func:`check_parallelisable`)."""
+    """The module paths of a Hugging Face causal LM (checked by :func:`check_parallelisable`)."""
     check_parallelisable(model)
     return HF
 
 
-def check_parallelisable(model: nn.Module) -> None:
-    """Raise AutoparError naming the first module the parallel code needs and ``model`` lacks:
-    the embedding, the layer list, every layer's norms and q/k/v/o projections, its dense MLP
-    (gate/up/down projections) or MoE block (``experts`` and a router ``gate``), the final norm,
-    the LM head."""
+FUSED = {"qkv_proj": "q, k and v", "query_key_value": "q, k and v", "Wqkv": "q, k and v",
+         "gate_up_proj": "gate and up"}
+"""Fused projections (Phi-3, GPT-NeoX, MPT): one Linear whose output the model slices by the full
+head counts, so a column split would hand each rank a mix of q, k and v (or gate and up) rows."""
+
+
+def check_parallelisable(model: nn.Module, layout: ParallelLayout | None = None) -> None:
+    """Raise AutoparError naming the first module a plan needs and ``model`` lacks, before any process
+    starts. Every plan: the embedding, a non-empty layer list, each layer's attention and MLP, the final
+    norm and the LM head. Tensor parallelism (``layout.tp > 1``) also: separate q/k/v/o projections, a
+    dense MLP's gate/up/down projections, and every other weighted module of an attention being a
+    per-head norm or a norm over a whole projection (:func:`executor.adapters.norm_width`)."""
     a = HF
     name = type(model).__name__
     for path in (a.embedding, a.layers, a.final_norm, a.lm_head):
         _require(model, path, name)
-    layers = get_submodule(model, a.layers)
-    if len(layers) == 0:
+    if len(get_submodule(model, a.layers)) == 0:
         raise AutoparError(f"{name}.{a.layers}", 0, "use a model with at least one decoder layer",
                            problem="is empty")
+    tp = layout is not None and layout.tp > 1
     for index, layer in a.layer_items(model):
         where = f"{name}.{a.layers}.{index}"
-        for path in (a.attention_norm, a.ffn_norm, a.attention):
-            _require(layer, path, where)
-        attention = a.attention_of(layer)
-        for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
-            _require(attention, proj, f"{where}.{a.attention}", nn.Linear)
+        _require(layer, a.attention, where)
         _require(layer, a.mlp, where)
-        ffn = a.ffn_of(layer)
-        if a.is_moe(layer):
-            _require(ffn, "gate", f"{where}.{a.mlp}")
-        else:
-            for proj in (a.gate_proj, a.up_proj, a.down_proj):
-                _require(ffn, proj, f"{where}.{a.mlp}", nn.Linear)
+        if tp:
+            _check_tp_attention(a.attention_of(layer), f"{where}.{a.attention}", layout.tp)
+            if not a.is_moe(layer):
+                _check_tp_mlp(a.ffn_of(layer), f"{where}.{a.mlp}", layout.tp)
 
 
-def _require(root: nn.Module, path: str, where: str, kind: type[nn.Module] = nn.Module) -> None:
+def _refuse_fused(module: nn.Module, where: str, tp: int) -> None:
+    for path, parts in FUSED.items():
+        if isinstance(getattr(module, path, None), nn.Linear):
+            raise AutoparError("layout.tp", tp, "use tp=1 for this model (FSDP, HSDP and pipelines run it)",
+                               problem=f"cannot split {where}.{path}: it fuses the {parts} projections in one "
+                               "Linear, which a column split would cut across")
+
+
+def _check_tp_attention(attention: nn.Module, where: str, tp: int) -> None:
+    a = HF
+    _refuse_fused(attention, where, tp)
+    for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+        _require(attention, proj, where, nn.Linear, tp)
+    projections = {a.q_proj, a.k_proj, a.v_proj, a.o_proj}
+    for path, module in attention.named_children():
+        if path in projections or next(module.parameters(), None) is None:
+            continue
+        if norm_width(attention, module, a) is None:
+            raise AutoparError("layout.tp", tp, "use tp=1 for this model",
+                               problem=f"cannot place {where}.{path} ({type(module).__name__}): its weights are "
+                               "neither per head nor over a whole q/k projection")
+
+
+def _check_tp_mlp(mlp: nn.Module, where: str, tp: int) -> None:
+    a = HF
+    _refuse_fused(mlp, where, tp)
+    for proj in (a.gate_proj, a.up_proj, a.down_proj):
+        _require(mlp, proj, where, nn.Linear, tp)
+
+
+def _require(root: nn.Module, path: str, where: str, kind: type[nn.Module] = nn.Module, tp: int = 1) -> None:
     try:
         module = get_submodule(root, path)
     except AttributeError:
-        fix = ("use a Llama-style decoder (one of " + ", ".join(SUPPORTED_MODEL_TYPES)
-               + ") whose modules tensor/pipeline parallelism can split")
-        raise AutoparError(f"{where}.{path}", "missing", fix, problem="is not in the model") from None
+        fix = ("use tp=1 for this model (FSDP, HSDP and pipelines run it)" if tp > 1 else
+               "use a decoder-only causal LM with model.embed_tokens, model.layers (each with self_attn and "
+               "mlp), model.norm and lm_head")
+        raise AutoparError(f"{where}.{path}", "missing", fix,
+                           problem="is not in the model" + (f", and tp={tp} needs it" if tp > 1 else "")) from None
     if not isinstance(module, kind):
         raise AutoparError(f"{where}.{path}", type(module).__name__,
                            f"it must be a {kind.__name__} to be sharded", problem=f"is not a {kind.__name__}")

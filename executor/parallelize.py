@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from executor.adapters import ModelAdapter, builtin_adapter, get_submodule
+from executor.adapters import ModelAdapter, builtin_adapter, get_submodule, norm_width
 from executor.measure import label
 from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
 from planner.errors import AutoparError
@@ -235,6 +235,10 @@ def check_supported(layout: ParallelLayout, spec_or_model: ModelSpec | nn.Module
     CP/EP/selective hooks); a module that is not the built-in decoder counts as one."""
     spec, is_hf = _spec_of(spec_or_model)
     check(Target.autopar, Job(spec, training, layout, hf=hf or is_hf))
+    if is_hf:
+        from executor.hf import check_parallelisable
+
+        check_parallelisable(spec_or_model, layout)
 
 
 # ---------------------------------------------------------------- tensor / sequence parallel
@@ -321,12 +325,29 @@ def _rank_share_style():
     return SequenceParallel(sequence_dim=0, use_local_output=True)
 
 
+def _row_norm_style():
+    """The style of a norm over a whole column-split projection (OLMo 2's q/k norms): its weight is
+    ``Replicate()`` and its input this rank's columns (``Shard(-1)``), so the mean of squares is reduced
+    over the TP group by DTensor and each rank scales its own columns; the output is local again."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return SequenceParallel(sequence_dim=-1, use_local_output=True)
+
+
+def _region_style(block: nn.Module, region: str, module: nn.Module, a: ModelAdapter | None):
+    """:func:`_row_norm_style` for a norm over a whole q/k projection of the attention
+    (:func:`executor.adapters.norm_width`), else :func:`_rank_share_style`."""
+    if a is not None and region == a.attention and norm_width(get_submodule(block, region), module, a) == "row":
+        return _row_norm_style()
+    return _rank_share_style()
+
+
 def _unsharded_styles(root: nn.Module, plan: dict, regions: tuple[str, ...], sp: bool,
-                      skip: tuple[str, ...] = ()) -> dict:
+                      skip: tuple[str, ...] = (), a: ModelAdapter | None = None) -> dict:
     """A style for every module of ``root`` that owns parameters and that ``plan`` does not name (paths
     under ``skip`` excepted), so that no weight left whole on the TP ranks gets a wrong gradient:
 
-    * inside one of ``regions`` (a layer's attention and MLP): :func:`_rank_share_style`;
+    * inside one of ``regions`` (a layer's attention and MLP): :func:`_region_style`;
     * elsewhere, on the residual stream: with SP the stream is sequence-sharded, so ``SequenceParallel``
       (weights ``Replicate()``, gradient ``Partial`` and summed over TP); without SP every TP rank runs
       the module on the same whole input and already holds the whole gradient: no style."""
@@ -336,8 +357,9 @@ def _unsharded_styles(root: nn.Module, plan: dict, regions: tuple[str, ...], sp:
     for path, module in root.named_modules():
         if not path or path in plan or path.startswith(skip) or next(module.parameters(False), None) is None:
             continue
-        if path.startswith(tuple(f"{r}." for r in regions)):
-            styles[path] = _rank_share_style()
+        region = next((r for r in regions if path.startswith(f"{r}.")), None)
+        if region is not None:
+            styles[path] = _region_style(root, region, module, a)
         elif sp:
             styles[path] = SequenceParallel()
     return styles
@@ -371,14 +393,24 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
         top[a.lm_head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                          output_layouts=Shard(-1), use_local_output=False)
     top |= _unsharded_styles(model, top, (), sp, skip=(f"{a.layers}.",))
+    tied = _tied_head(model, a)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:  # both styles shard the [vocab, hidden] table by rows: one Shard(0) parameter serves both
+        get_submodule(model, a.lm_head).weight = get_submodule(model, a.embedding).weight
     for _, block in a.layer_items(model):
         moe = a.ffn_of(block) if not hf and a.is_moe(block) else None
         plan = _block_plan(layout, a, hf, moe)
         skip = (f"{a.moe}.",) if moe is not None else ()  # the experts: apply_moe
-        plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp, skip=skip)
+        plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp, skip=skip, a=a)
         parallelize_module(block, tp_mesh, plan)
+
+
+def _tied_head(model: nn.Module, a: ModelAdapter) -> bool:
+    """Whether the LM head module and the embedding hold the same weight (a tied Hugging Face model)."""
+    if a.lm_head is None or not (_has(model, a.lm_head) and _has(model, a.embedding)):
+        return False
+    return get_submodule(model, a.lm_head).weight is get_submodule(model, a.embedding).weight
 
 
 def _has(model: nn.Module, path: str) -> bool:

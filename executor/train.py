@@ -104,7 +104,7 @@ def check_plan(plan: Plan, *, hf_config: dict | None = None) -> None:
         from executor.hf import build_hf_model, check_parallelisable
 
         with torch.device("meta"):
-            check_parallelisable(build_hf_model(hf_config))
+            check_parallelisable(build_hf_model(hf_config), lay)
     gbs = plan.training.global_batch_seqs
     if gbs % (lay.dp * lay.micro_batch_size):
         raise AutoparError("training.global_batch_size", gbs,

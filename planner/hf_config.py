@@ -1,12 +1,19 @@
 """Build a ``ModelSpec`` from a Hugging Face transformers ``config.json``.
 
-Supported layouts are decoder-only Llama-style models (``llama``, ``mistral``, ``qwen2``, ``qwen3``),
-their Mixture-of-Experts relatives (``mixtral``, ``qwen3_moe``) and DeepSeek-V3 (``deepseek_v3``: MLA
-attention plus shared and routed experts). Anything else should be written as a ``ModelSpec`` by hand.
+Supported layouts are decoder-only Llama-style models (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``granite``, ``olmo2``, ``phi3``, ``gemma2``, ``gemma3_text``), their Mixture-of-Experts relatives
+(``mixtral``, ``qwen3_moe``) and DeepSeek-V3 (``deepseek_v3``: MLA attention plus shared and routed
+experts). Anything else should be written as a ``ModelSpec`` by hand.
 
-Only shapes are read. Details that barely move memory or time are not modelled: Qwen2's QKV bias
-(``linear_bias`` stays False), Qwen3's q/k RMSNorm, sliding windows, RoPE scaling, DeepSeek's router
-bias and multi-token-prediction layers.
+Only shapes are read. Gemma's gated GELU MLP (GeGLU) has SwiGLU's three matrices and FLOPs and is read
+as ``ffn_kind="swiglu"``; Phi-3's fused qkv and gate-up projections have the shapes of the separate ones.
+Details that barely move memory or time are not modelled, and each is named here: Qwen2's QKV bias
+(``linear_bias`` stays False); the q/k RMSNorms of Qwen3, OLMo 2 and Gemma 3 and Gemma's and OLMo 2's
+extra residual norms (elementwise, under 1% of a layer's time); Granite's scalar multipliers
+(embedding, residual, attention, logits) and Gemma's embedding scale and logit soft-capping (scalars
+applied elementwise); sliding-window attention (Mistral, Gemma 2/3: the windowed layers are priced as
+full causal attention, an over-estimate at sequences longer than the window); RoPE scaling;
+DeepSeek's router bias and multi-token-prediction layers.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ from pydantic import ValidationError
 from planner.contracts.model import ModelSpec
 from planner.errors import AutoparError, UnknownNameError
 
-_DENSE = ("llama", "mistral", "qwen2", "qwen3")
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "phi3", "gemma2", "gemma3_text")
+_GATED_GELU = ("gemma2", "gemma3_text")
+"""Families whose gated MLP runs GELU (tanh) where Llama runs SiLU: same three matrices, same FLOPs."""
+_TIED_BY_DEFAULT = ("gemma2", "gemma3_text")
+"""Families whose transformers config ties the head to the embedding unless it says otherwise."""
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_DENSE, "mixtral", "qwen3_moe", "deepseek_v3")
 _MISSING = object()
 
@@ -129,12 +140,14 @@ def _load(config: dict | str | Path) -> tuple[dict[str, Any], str]:
 
 def _common(r: _Reader) -> dict[str, Any]:
     """Fields shared by every supported layout (Llama-style decoder with a gated SiLU MLP)."""
-    act = r.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    key = "hidden_activation" if "hidden_activation" in r.data else "hidden_act"
+    allowed = ("gelu_pytorch_tanh", "gelu_new", "gelu") if r.model_type in _GATED_GELU else ("silu", "swish")
+    act = r.get(key, allowed[0])
+    if act not in allowed:
         raise AutoparError(
-            r.field("hidden_act"),
+            r.field(key),
             act,
-            "these layouts use a gated SiLU (SwiGLU) MLP: set 'silu'",
+            f"{r.model_type} layouts use a gated MLP with {allowed[0]}: set {allowed[0]!r}",
             problem=f"is not supported for model_type {r.model_type!r}",
         )
     hidden = r.integer("hidden_size", "hidden_size")
@@ -148,7 +161,7 @@ def _common(r: _Reader) -> dict[str, Any]:
         "ffn_hidden_size": r.integer("intermediate_size", "ffn_hidden_size"),
         "ffn_kind": "swiglu",
         "vocab_size": r.integer("vocab_size", "vocab_size"),
-        "tied_embeddings": r.flag("tie_word_embeddings"),
+        "tied_embeddings": r.flag("tie_word_embeddings", default=r.model_type in _TIED_BY_DEFAULT),
         "position_embedding": "rope",
         "norm": "rmsnorm",
         # Llama may bias everything; Qwen2 biases only Q/K/V, which is too small to count as biased linears.

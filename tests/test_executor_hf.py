@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.adapters import builtin_adapter, get_submodule
+from executor.adapters import HF, builtin_adapter, get_submodule, norm_width
 from executor.data import SyntheticTokens
 from executor.hf import build_hf_model, check_parallelisable, hf_adapter
 from executor.model import build_model
+from executor.parallelize import check_supported
 from executor.reference import reference_run
 from planner.contracts import ModelSpec, MoESpec, ParallelLayout
 from planner.cost.params import total_params
@@ -39,14 +40,13 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def unmodelled_params(name: str) -> int:
-    """Weights the planner leaves out on purpose (planner/hf_config.py): Qwen2's Q/K/V biases and
-    Qwen3's per-head q/k RMSNorms, per layer."""
-    heads, kv, layers = 4, 2, 2
-    if name == "qwen2":
-        return layers * (heads + 2 * kv) * 8
-    if name in ("qwen3", "qwen3_moe"):
-        return layers * 2 * 8
-    return 0
+    """Weights the planner leaves out on purpose (planner/hf_config.py), per layer: Qwen2's Q/K/V
+    biases, the per-head q/k RMSNorms of Qwen3 and Gemma 3, OLMo 2's whole-projection q/k norms, Gemma's
+    two extra residual norms."""
+    hidden, head, heads, kv, layers = 32, 8, 4, 2, 2
+    per_layer = {"qwen2": (heads + 2 * kv) * head, "qwen3": 2 * head, "qwen3_moe": 2 * head,
+                 "olmo2": (heads + kv) * head, "gemma2": 2 * hidden, "gemma3": 2 * hidden + 2 * head}
+    return layers * per_layer.get(name, 0)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -84,20 +84,58 @@ def test_config_file_and_dtype(tmp_path):
         build_hf_model(tmp_path / "missing.json")
 
 
-def test_unsupported_model_type_names_it_and_the_supported_list():
-    with pytest.raises(AutoparError, match="gpt2") as err:
-        build_hf_model({"model_type": "gpt2", "n_layer": 2})
-    assert "llama" in str(err.value) and "mixtral" in str(err.value)
+def test_any_model_type_transformers_builds_is_accepted_and_bad_ones_are_named():
+    with pytest.raises(AutoparError, match=r"model_type='no_such_model'.*not known to transformers"):
+        build_hf_model({"model_type": "no_such_model"})
+    with pytest.raises(AutoparError, match=r"model_type=None.*missing"):
+        build_hf_model({"hidden_size": 32})
+    with pytest.raises(AutoparError, match=r"model_type='t5'.*cannot be built as a causal LM"):
+        build_hf_model({"model_type": "t5"})
+    with pytest.raises(AutoparError, match=r"model_type='phi3'.*cannot be built"):  # pad id outside the vocab
+        build_hf_model({**CONFIGS["phi3"], "pad_token_id": 1000})
+    gpt2 = build_hf_model({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 64})
+    with pytest.raises(AutoparError, match=r"GPT2LMHeadModel\.model\.embed_tokens='missing'"):
+        check_parallelisable(gpt2)  # a decoder of another module layout: refused by what it lacks
+
+
+def test_gemma2_falls_back_to_eager_attention():
+    model = build_hf_model(CONFIGS["gemma2"])
+    assert model.config._attn_implementation == "eager"  # transformers has no SDPA path for its soft-capping
+    assert build_hf_model(CONFIGS["llama"]).config._attn_implementation == "sdpa"
+
+
+def test_tensor_parallelism_is_decided_from_the_modules():
+    tp2 = ParallelLayout(dp_shard=2, tp=2, sp=True)
+    phi3 = build_hf_model(CONFIGS["phi3"])
+    check_parallelisable(phi3, ParallelLayout(dp_shard=4, zero_stage=3))
+    with pytest.raises(AutoparError, match=r"layout\.tp=2 cannot split .*layers\.0\.self_attn\.qkv_proj.*fuses"):
+        check_parallelisable(phi3, tp2)
+    with pytest.raises(AutoparError, match=r"qkv_proj"):
+        check_supported(tp2, phi3)
+    olmo2, qwen3 = build_hf_model(CONFIGS["olmo2"]), build_hf_model(CONFIGS["qwen3"])
+    for model, expected in ((olmo2, "row"), (qwen3, "head")):
+        attention = model.model.layers[0].self_attn
+        assert norm_width(attention, attention.q_norm, HF) == expected
+        assert norm_width(attention, attention.k_norm, HF) == expected
+        check_parallelisable(model, tp2)
+    olmo2.model.layers[1].self_attn.q_norm = torch.nn.LayerNorm(12)
+    with pytest.raises(AutoparError, match=r"layers\.1\.self_attn\.q_norm \(LayerNorm\)"):
+        check_parallelisable(olmo2, tp2)
 
 
 def test_check_parallelisable_names_the_missing_module():
+    tp2 = ParallelLayout(dp_shard=2, tp=2, sp=True)
     model = build_hf_model(CONFIGS["llama"])
     del model.model.layers[1].self_attn.q_proj
-    with pytest.raises(AutoparError, match=r"model\.layers\.1\.self_attn\.q_proj"):
-        check_parallelisable(model)
+    check_parallelisable(model)  # without TP the projections are not split: nothing needs them by name
+    with pytest.raises(AutoparError, match=r"model\.layers\.1\.self_attn\.q_proj='missing'.*tp=2 needs it"):
+        check_parallelisable(model, tp2)
     model = build_hf_model(CONFIGS["qwen2"])
     model.model.layers[0].mlp.up_proj = torch.nn.Identity()
     with pytest.raises(AutoparError, match=r"layers\.0\.mlp\.up_proj.*Linear"):
+        check_parallelisable(model, tp2)
+    del model.model.layers[0].self_attn
+    with pytest.raises(AutoparError, match=r"layers\.0\.self_attn='missing'"):
         check_parallelisable(model)
 
 

@@ -51,6 +51,34 @@ def test_mistral() -> None:
     assert spec.moe is None and not spec.tied_embeddings
 
 
+@pytest.mark.parametrize(
+    ("fixture", "shape", "tied", "dropped"),
+    [  # (layers, hidden, heads, kv heads, head size, ffn, vocab); what the ModelSpec leaves out
+        ("gemma-2-9b", (42, 3584, 16, 8, 256, 14336, 256000), True, "soft-capping"),
+        ("olmo-2-7b", (32, 4096, 32, 32, 128, 11008, 100352), False, "OLMo 2"),
+        ("granite-3.0-8b", (40, 4096, 32, 8, 128, 12800, 49155), True, "multipliers"),
+        ("phi-3-mini", (32, 3072, 32, 32, 96, 8192, 32064), False, "Phi-3"),
+    ],
+)
+def test_llama_like_families(fixture: str, shape: tuple, tied: bool, dropped: str) -> None:
+    """Gemma 2 (gated GELU read as the gated MLP, tied by default), OLMo 2, Granite, Phi-3 (fused
+    projections: the same shapes): shapes only, each detail left out named in the module docstring."""
+    spec = model_spec_from_hf_config(FIXTURES / fixture / "config.json")
+    got = (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size,
+           spec.ffn_hidden_size, spec.vocab_size)
+    assert got == shape and spec.tied_embeddings is tied and spec.ffn_kind == "swiglu" and spec.moe is None
+    import planner.hf_config as module
+
+    assert dropped in module.__doc__
+
+
+def test_gemma_activation_is_checked() -> None:
+    cfg = load("gemma-2-9b") | {"hidden_activation": "relu"}
+    with pytest.raises(AutoparError, match=r"hidden_activation='relu'.*gelu_pytorch_tanh"):
+        model_spec_from_hf_config(cfg)
+    assert model_spec_from_hf_config(load("gemma-2-9b") | {"model_type": "gemma3_text"}).tied_embeddings
+
+
 def test_qwen2() -> None:
     spec = model_spec_from_hf_config(FIXTURES / "qwen2-7b" / "config.json")
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.kv_heads) == (28, 3584, 28, 4)

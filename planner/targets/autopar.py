@@ -135,11 +135,13 @@ _AUTOPAR = (
     Limit(
         feature="tensor parallelism with tied embeddings",
         scope="layout",
-        refuses=lambda j: j.layout.tp > 1 and j.model.tied_embeddings,
+        refuses=lambda j: j.layout.tp > 1 and j.model.tied_embeddings and not j.hf,
         field="layout.tp",
         value=lambda j: j.layout.tp,
-        problem="with tied embeddings is not implemented (the head and the embedding shard differently)",
-        fix="use tp=1 or untied embeddings",
+        problem="with tied embeddings is not implemented for the built-in decoder (its head reads the "
+        "embedding's table through a functional call that no TP style wraps)",
+        fix="use tp=1 or untied embeddings (a Hugging Face model's tied head and embedding share one "
+        "vocabulary-sharded table)",
     ),
     Limit(
         feature="tensor parallelism on a Hugging Face MoE model",

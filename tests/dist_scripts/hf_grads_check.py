@@ -10,7 +10,7 @@ and run forward and backward in fp32 over one global batch of :data:`N_MICRO` mi
 data-parallel rank (loss and reduction as :mod:`executor.train` does them). Every rank then gathers
 each gradient whole (``DTensor.full_tensor()``) and writes OUT_DIR/<family>_<plan>/grads<rank>.pt by
 plan-independent name; tests/test_executor_hf.py compares every rank's gradients with
-:func:`executor.reference.reference_run` on one process. Mixture-of-Experts families run only the
+:func:`executor.reference.reference_run` on one process. Families in ``NO_TP`` (MoE, fused projections) run only the
 plans without TP (:func:`executor.parallelize.check_supported` refuses TP for them).
 """
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from executor.data import SyntheticTokens, split_batch
-from executor.hf import SUPPORTED_MODEL_TYPES, build_hf_model, hf_full_state
+from executor.hf import build_hf_model, hf_full_state
 from executor.parallelize import (
     GradAllReduce,
     accumulation_cadence,
@@ -44,6 +44,7 @@ SEED, SEQ, MBS, N_MICRO = 0, 16, 1, 2
 BASE = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
         "tie_word_embeddings": False}
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # inside the tiny vocabulary
 CONFIGS: dict[str, dict] = {
     "llama": {"model_type": "llama", **BASE},
     "mistral": {"model_type": "mistral", **BASE},
@@ -52,8 +53,23 @@ CONFIGS: dict[str, dict] = {
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **BASE},
     "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 16, **BASE},
+    # Granite: scalar multipliers away from 1 so that a lost one shows
+    "granite": {"model_type": "granite", "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.2, "logits_scaling": 2.0, **BASE, **TOKENS},
+    # OLMo 2: no pre-norms, q/k RMSNorms over the whole projection (a TP rank holds part of the row)
+    "olmo2": {"model_type": "olmo2", **BASE, **TOKENS},
+    # Gemma 2: four norms a layer, scaled embedding, soft-capped scores and logits, alternate sliding windows
+    "gemma2": {"model_type": "gemma2", "head_dim": 8, "sliding_window": 8, "query_pre_attn_scalar": 8,
+               **BASE, **TOKENS},
+    # Gemma 3: per-head q/k norms, local/global layers with their own rotary bases
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 8, "sliding_window": 8, "query_pre_attn_scalar": 8,
+               "layer_types": ["sliding_attention", "full_attention"], **BASE, **TOKENS},
+    # Granite 3 and Gemma tie the head to the embedding: one vocabulary-sharded table under TP
+    "granite_tied": {"model_type": "granite", "embedding_multiplier": 3.0, "logits_scaling": 2.0,
+                     **BASE, **TOKENS, "tie_word_embeddings": True},
+    # Phi-3: fused qkv and gate-up projections (tensor parallelism refused, see FUSED)
+    "phi3": {"model_type": "phi3", **BASE, **TOKENS},
 }
-assert set(CONFIGS) == set(SUPPORTED_MODEL_TYPES), "one tiny config per supported family"
 PLANS: dict[str, dict] = {
     "fsdp4": {"dp_shard": 4, "zero_stage": 3},
     "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3},
@@ -61,12 +77,13 @@ PLANS: dict[str, dict] = {
     "fsdp2_tp2": {"dp_shard": 2, "tp": 2, "zero_stage": 3},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+NO_TP = (*MOE_FAMILIES, "phi3")  # refused under TP: check_supported says why
 
 
 def cases() -> list[tuple[str, str]]:
-    """(family, plan) pairs: every plan for dense families, the plans without TP for MoE ones."""
+    """(family, plan) pairs: every plan for most families, the plans without TP for those in NO_TP."""
     return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items()
-            if family not in MOE_FAMILIES or fields.get("tp", 1) == 1]
+            if family not in NO_TP or fields.get("tp", 1) == 1]
 
 
 def case_dir(out: Path, family: str, plan: str) -> Path:
