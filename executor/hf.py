@@ -82,6 +82,9 @@ def build_hf_model(config: dict[str, Any] | str | Path, *, dtype: torch.dtype = 
     builds as a causal LM; what each plan dimension can do with it is decided from its modules by
     :func:`check_parallelisable`), SDPA attention where transformers has it, parameters in ``dtype``.
 
+    No KV cache (``use_cache=False``): with one, a layer recomputed in the backward appended its keys a
+    second time and attended over both copies (Gemma 2/3 raised on the mask's size; Llama's shapes let it run).
+
     The weights are transformers' own initialisation drawn from a private RNG stream seeded with
     ``seed`` (the global RNG state is restored afterwards), so equal (config, seed) give equal
     weights. Under ``with torch.device("meta")`` it builds shapes only."""
@@ -90,6 +93,7 @@ def build_hf_model(config: dict[str, Any] | str | Path, *, dtype: torch.dtype = 
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         data.pop(key, None)
     hf_config = _hf_config(model_type, data)
+    hf_config.use_cache = False  # training: a KV cache would grow again when a recomputed layer reruns
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _from_config(hf_config, model_type)
@@ -105,8 +109,12 @@ def hf_full_state(config: dict[str, Any] | str | Path, *, seed: int = 0) -> dict
 
 
 def hf_adapter(model: nn.Module) -> ModelAdapter:
-    """The module paths of a Hugging Face causal LM (checked by :func:`check_parallelisable`)."""
-    check_parallelisable(model)
+    """The module paths of a Hugging Face causal LM (checked by :func:`check_parallelisable`; a pipeline
+    chunk was checked whole before it was split)."""
+    from executor.hf_pipeline import is_hf_stage
+
+    if not is_hf_stage(model):
+        check_parallelisable(model)
     return HF
 
 

@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from executor.adapters import ModelAdapter, builtin_adapter, get_submodule, norm_width
+from executor.hf_pipeline import is_hf_stage
 from executor.measure import label
 from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
 from planner.errors import AutoparError
@@ -385,6 +386,8 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
     hf = a.family == "hf" if hf is None else hf
     sp = layout.sp
     top: dict = {}
+    if hf and sp and is_hf_stage(model):  # hidden states between chunks: this rank's sequence shard
+        model.autopar_sp_mesh = tp_mesh
     if _has(model, a.embedding):
         top[a.embedding] = RowwiseParallel(input_layouts=Replicate(),
                                            output_layouts=Shard(1) if sp else Replicate(),
@@ -414,12 +417,12 @@ def _tied_head(model: nn.Module, a: ModelAdapter) -> bool:
 
 
 def _has(model: nn.Module, path: str) -> bool:
-    """Whether ``path`` names a module of ``model`` (a pipeline stage sets the ones it lacks to None)."""
+    """Whether ``path`` names a module of ``model`` (a pipeline stage sets the ones it lacks to None, a
+    Hugging Face one its norm and head to ``nn.Identity``)."""
     try:
-        get_submodule(model, path)
+        return not isinstance(get_submodule(model, path), nn.Identity)
     except AttributeError:
         return False
-    return True
 
 
 def loss_context(layout: ParallelLayout) -> contextlib.AbstractContextManager:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.hf_pipeline import is_hf_stage, split_hf_model
 from planner.contracts import ModelSpec, ParallelLayout
 from planner.cost.checks import default_layer_split
 from planner.cost.pipeline import SCHEDULES
@@ -92,19 +93,26 @@ def rank_chunks(layout: ParallelLayout, pp_rank: int) -> list[int]:
     return list(range(pp_rank, num_chunks(layout), layout.pp))
 
 
-def _check_builtin_model(model: nn.Module, pp: int) -> None:
-    if not isinstance(getattr(model, "spec", None), ModelSpec) or not isinstance(
-            getattr(model, "layers", None), nn.ModuleDict):
-        raise AutoparError("layout.pp", pp, "use pp=1 for Hugging Face models, or the built-in model",
-                           problem="pipeline splitting is implemented for the built-in decoder only (a "
-                           "Hugging Face decoder computes rotary embeddings and masks in its outer forward)")
+def _check_splittable(model: nn.Module, pp: int) -> None:
+    """The built-in decoder (its layers a ModuleDict) or a Hugging Face causal LM (:mod:`executor.hf_pipeline`)."""
+    if isinstance(getattr(model, "spec", None), ModelSpec):
+        if isinstance(getattr(model, "layers", None), nn.ModuleDict):
+            return
+    elif hasattr(model, "config") or is_hf_stage(model):
+        return
+    raise AutoparError("layout.pp", pp, "use the built-in decoder or a Hugging Face causal LM",
+                       problem=f"cannot split a {type(model).__name__} into pipeline stages")
 
 
 def split_model(model: nn.Module, layout: ParallelLayout, pp_rank: int) -> list[nn.Module]:
-    """For each chunk of pipeline rank ``pp_rank`` (see :func:`rank_chunks`), a deep copy of the built-in
-    ``model`` (build it on the meta device: copies are then free) holding only the chunk's layers
-    (names kept), the embedding only on chunk 0, the final norm and head only on the last chunk."""
-    _check_builtin_model(model, layout.pp)
+    """For each chunk of pipeline rank ``pp_rank`` (see :func:`rank_chunks`), a deep copy of ``model``
+    (build it on the meta device: copies are then free) holding only the chunk's layers (names kept),
+    the embedding only on chunk 0, the final norm and head only on the last chunk. A Hugging Face
+    model's chunks run its own forward (:func:`executor.hf_pipeline.split_hf_model`)."""
+    _check_splittable(model, layout.pp)
+    if not isinstance(getattr(model, "spec", None), ModelSpec):
+        ids = stage_layer_ids(layout, model.config.num_hidden_layers)
+        return split_hf_model(model, ids, rank_chunks(layout, pp_rank))
     if model.output is None and layout.pp > 1:
         raise AutoparError("model.tied_embeddings", True, "use untied embeddings (tied_embeddings: false) "
                            "or pp=1", problem="would share one weight between the first and the last stage")
@@ -189,6 +197,13 @@ def _has_moe(part: nn.Module) -> bool:
     return any(getattr(block, "moe", None) is not None for block in part.layers.values())
 
 
+def _hf_spec(part: nn.Module) -> ModelSpec:
+    """The ModelSpec of a Hugging Face chunk's config (its ``num_hidden_layers`` is the whole model's)."""
+    from executor.parallelize import _spec_of
+
+    return _spec_of(part)[0]
+
+
 def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: dist.ProcessGroup,
                    pp_rank: int | None = None, *, n_microbatches: int, loss_fn: LossFn, device: torch.device,
                    grad_scale: float = 1.0, aux_weight: float = 0.0):
@@ -216,8 +231,10 @@ def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: di
         raise AutoparError("chunks", f"{len(chunks)} modules",
                            f"pass split_model(model, layout, {group_rank})",
                            problem=f"but pipeline rank {group_rank} runs {len(indices)} stages")
-    _check_builtin_model(chunks[0], layout.pp)
-    check_pipeline(layout, chunks[0].spec, n_microbatches)
+    _check_splittable(chunks[0], layout.pp)
+    hf = is_hf_stage(chunks[0])
+    spec = _hf_spec(chunks[0]) if hf else chunks[0].spec
+    check_pipeline(layout, spec, n_microbatches, hf=hf)
     modules = [_MoEChunk(part, aux_weight, grad_scale) if aux_weight and _has_moe(part) else part
                for part in chunks]
     n = num_chunks(layout)

@@ -242,7 +242,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(LLAMA.model_copy(update={"vocab_size": 128257}), tp=2),
             job(tp=2),
         ),
-        "tensor parallelism with tied embeddings": (job(TIED, tp=2), job(tp=2)),
+        "tensor parallelism with tied embeddings": (job(TIED, tp=2), job(TIED, tp=2, hf=True)),
         "tensor parallelism on a Hugging Face MoE model": (
             job(MIXTRAL, tp=2, sp=True, hf=True),
             job(MIXTRAL, tp=2, sp=True),
@@ -288,7 +288,6 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         "multi-head latent attention in the built-in model": (job(DEEPSEEK), job(DEEPSEEK, hf=True)),
         "position embeddings other than RoPE in the built-in model": (job(GPT3), job(GPT3, hf=True)),
         "dropout in the built-in model": (job(LLAMA.model_copy(update={"dropout": 0.1})), job()),
-        "pipeline parallelism on a Hugging Face model": (job(pp=2, hf=True), job(pp=2)),
         "pipeline parallelism with tied embeddings": (job(TIED, pp=2), job(TIED)),
         "zero-bubble schedule with ZeRO-2/3": (
             job(pp=2, dp_shard=2, zero_stage=2, schedule="zero_bubble"),

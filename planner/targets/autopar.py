@@ -287,15 +287,6 @@ _AUTOPAR = (
         fix="use 0.0 (modern LLM pre-training runs without dropout)",
     ),
     Limit(
-        feature="pipeline parallelism on a Hugging Face model",
-        scope="layout",
-        refuses=lambda j: j.hf and _pp(j),
-        field="layout.pp",
-        value=lambda j: j.layout.pp,
-        problem="pipeline splitting is implemented for the built-in decoder only",
-        fix="use pp=1 for Hugging Face models, or the built-in model",
-    ),
-    Limit(
         feature="pipeline parallelism with tied embeddings",
         scope="layout",
         refuses=lambda j: _pp(j) and j.model.tied_embeddings,

@@ -1,0 +1,100 @@
+"""Hugging Face models under pipeline plans, through the training worker itself (``python -m
+executor.train`` under torchrun, 4 gloo ranks): the losses of 3 steps and every parameter's first-step
+gradient equal the single-process HF run's (executor.reference), for each schedule, an uneven split,
+per-stage recompute, and pipelines combined with data, FSDP and tensor (+ sequence) parallelism."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
+from hf_grads_check import CONFIGS
+from run_plans import profile_for, torchrun_worker
+
+from executor.data import SyntheticTokens
+from executor.hf import build_hf_model
+from executor.hf_pipeline import KeptLayers
+from executor.pipeline import split_model
+from planner.contracts import ParallelLayout, Plan, RunReport, TrainingConfig
+from planner.hf_config import model_spec_from_hf_config
+from planner.tune import plan_for
+
+SEQ, GBS = 16, 8
+TRAINING = TrainingConfig(seq_length=SEQ, global_batch_size=GBS, precision="fp32")
+# |dist - ref| <= 1e-4 relative + 1e-6 absolute per element (fp32: reduction order moves gradients by
+# ~1e-7 relative; a gradient from the wrong micro-batch, stage or reduction is off by O(1))
+RTOL, ATOL = 1e-4, 1e-6
+
+CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields)
+    "llama_pp4_gpipe": ("llama", {"pp": 4, "schedule": "gpipe"}),
+    "gemma2_pp2_dp2_1f1b": ("gemma2", {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
+    "qwen3_pp2_dp2_zero_bubble": ("qwen3", {"pp": 2, "dp_replicate": 2, "schedule": "zero_bubble"}),
+    "granite_pp2_fsdp2_interleaved": ("granite", {"pp": 2, "dp_shard": 2, "zero_stage": 3,
+                                                  "schedule": "interleaved_1f1b", "virtual_stages": 2}),
+    "olmo2_pp2_tp2_sp_uneven": ("olmo2", {"pp": 2, "tp": 2, "sp": True, "schedule": "1f1b",
+                                          "layers_per_stage": [1, 3]}),
+    "gemma3_pp2_dp2_recompute": ("gemma3", {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b",
+                                            "recompute": "full"}),
+    "mixtral_pp2_fsdp2_1f1b": ("mixtral", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
+}
+
+
+def four_layers(family: str) -> dict:
+    config = {**CONFIGS[family], "num_hidden_layers": 4}
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"] * 2
+    return config
+
+
+def plan_of(family: str, fields: dict) -> Plan:
+    spec = model_spec_from_hf_config(four_layers(family))
+    lay = ParallelLayout(**fields, micro_batch_size=1)
+    return plan_for(spec, TRAINING, lay, profile_for(lay.num_gpus))
+
+
+def test_chunks_keep_the_model_wide_layer_names_and_their_layer_types():
+    model = build_hf_model(four_layers("gemma3"))
+    kinds = list(model.config.layer_types)
+    lay = ParallelLayout(pp=2, layers_per_stage=[1, 3])
+    first, = split_model(model, lay, 0)
+    last, = split_model(model, lay, 1)
+    assert isinstance(last.model.layers, KeptLayers) and list(last.model.layers.keys()) == ["1", "2", "3"]
+    assert last.config.layer_types[:3] == kinds[1:] and first.config.layer_types[0] == kinds[0]
+    assert first.model.embed_tokens is not None and last.model.embed_tokens is None
+    names = {n for part in (first, last) for n, _ in part.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}  # every weight once, by its own name
+    tokens = torch.randint(0, 128, (2, SEQ))
+    with torch.no_grad():
+        hidden = first(tokens)
+        assert hidden.shape == (2, SEQ, 32)
+        assert torch.allclose(last(hidden), model(tokens).logits, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_worker_matches_every_gradient_of_one_process(tmp_path: Path, name: str) -> None:
+    from executor.reference import reference_run
+
+    family, fields = CASES[name]
+    config = four_layers(family)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = plan_of(family, fields)
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    torchrun_worker(tmp_path / "plan.json", plan.layout.num_gpus, "--hf-config", str(tmp_path / "config.json"),
+                    "--steps", "3", "--warmup", "0", "--record-dir", str(tmp_path / "rec"),
+                    "--out", str(tmp_path / "r.json"))
+    ref = reference_run(build_hf_model(config, seed=0), SyntheticTokens(128, SEQ, 0), steps=3, global_batch=GBS,
+                        micro_batch_size=1)
+    report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+    assert [s.loss for s in report.steps] == pytest.approx(ref.losses, rel=1e-5), name
+    grads: dict[str, torch.Tensor] = {}
+    for r in range(plan.layout.num_gpus):
+        grads.update(torch.load(tmp_path / "rec" / f"rank{r}.pt", weights_only=False)["grads"])
+    assert set(grads) == set(ref.grads_first_step), name
+    for key, g in ref.grads_first_step.items():
+        torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name} {k}: {m}")
