@@ -109,9 +109,9 @@ def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise AutoparError(f"cp_attention.{name}.shape", tuple(t.shape),
                                "pass [batch, heads, local seq, head_dim] (transpose after the projection)",
                                problem="is not 4-D")
-    if k.shape != v.shape:
-        raise AutoparError("cp_attention.v.shape", tuple(v.shape), f"give v the shape of k {tuple(k.shape)}",
-                           problem="differs from k")
+    if k.shape[:3] != v.shape[:3]:
+        raise AutoparError("cp_attention.v.shape", tuple(v.shape), f"give v the batch, heads and rows of k "
+                           f"{tuple(k.shape)}", problem="differs from k")
     b, hq, s, dh = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, dh):
         raise AutoparError("cp_attention.k.shape", tuple(k.shape),
@@ -128,7 +128,7 @@ def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
-                 group: ProcessGroup) -> torch.Tensor:
+                 group: ProcessGroup, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of the local query rows over the whole sequence held by the CP ``group``.
 
     q [B, Hq, S_local, Dh], k/v [B, Hkv, S_local, Dh] with Hq a multiple of Hkv (GQA heads not
@@ -139,13 +139,22 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions
         out[:, h, i] = sum_j softmax_j(q_i · k_j / sqrt(Dh) over {j : pos_j <= pos_i}) v_j
 
     over all S = cp·S_local rows j of the group, i.e. rows ``positions`` of full causal attention.
+    ``scale`` replaces 1/sqrt(Dh) (Hugging Face models pass theirs); ``window`` keeps only the keys with
+    ``pos_i - pos_j < window`` (sliding-window layers); v may have its own head size (MLA).
     Differentiable in q, k and v (the K/V gradient is summed back to the rank owning each row).
     Memory: the gathered K/V are cp x the local K/V (see the module docstring)."""
     _check_attention_inputs(q, k, v, positions)
+    dk, dv = k.shape[-1], v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    if dv < dk:  # one gather of equal shapes: v's zero columns give zero output columns, cut below
+        v = F.pad(v, (0, dk - dv))
+    elif dv > dk:  # zero columns of q and k leave every score as it was
+        q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
     k_all, v_all = _AllGatherKV.apply(k, v, group)
     k_pos = _all_gather_positions(positions.to(q.device), group)
-    mask = positions.to(q.device)[:, None] >= k_pos[None, :]  # [S_local, S], broadcast over B, H
+    behind = positions.to(q.device)[:, None] - k_pos[None, :]  # [S_local, S], broadcast over B, H
+    mask = behind >= 0 if window is None else (behind >= 0) & (behind < window)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # after the gather, so the collective moves Hkv heads only
         k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)[..., :dv]

@@ -138,6 +138,8 @@ def check_parallelisable(model: nn.Module, layout: ParallelLayout | None = None)
         raise AutoparError(f"{name}.{a.layers}", 0, "use a model with at least one decoder layer",
                            problem="is empty")
     tp = layout is not None and layout.tp > 1
+    if layout is not None and layout.cp > 1:
+        _check_cp(model, layout.cp)
     for index, layer in a.layer_items(model):
         where = f"{name}.{a.layers}.{index}"
         _require(layer, a.attention, where)
@@ -146,6 +148,14 @@ def check_parallelisable(model: nn.Module, layout: ParallelLayout | None = None)
             _check_tp_attention(a.attention_of(layer), f"{where}.{a.attention}", layout.tp)
             if not a.is_moe(layer):
                 _check_tp_mlp(a.ffn_of(layer), f"{where}.{a.mlp}", layout.tp)
+
+
+def _check_cp(model: nn.Module, cp: int) -> None:
+    from executor.hf_cp import cp_refusal
+
+    why = cp_refusal(model)
+    if why is not None:
+        raise AutoparError("layout.cp", cp, "use cp=1 for this model", problem=f"cannot run its attention: {why}")
 
 
 def _refuse_fused(module: nn.Module, where: str, tp: int) -> None:

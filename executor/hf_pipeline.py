@@ -106,10 +106,11 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     box: list = []
     saved = {names[0]: layers[names[0]], names[-1]: layers[names[-1]]}
     try:
+        kwargs = _position_kwargs(self, x)
         if first:
-            kwargs = {"input_ids": x}
+            kwargs["input_ids"] = x
         else:
-            kwargs = {"inputs_embeds": _zeros_like_stream(self, x)}
+            kwargs["inputs_embeds"] = _zeros_like_stream(self, x)
             layers._modules[names[0]] = _Inject(saved[names[0]], _arrive(self, x))
         if not last:
             layers._modules[names[-1]] = _Catch(layers._modules[names[-1]], box)
@@ -117,6 +118,12 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     finally:
         layers._modules.update(saved)
     return out.logits if last else _leave(box[-1])
+
+
+def _position_kwargs(part: nn.Module, x: torch.Tensor) -> dict:
+    """The rank's global ``position_ids`` under context parallelism (:func:`executor.hf_cp.set_positions`)."""
+    ids = getattr(part, "autopar_position_ids", None)
+    return {} if ids is None else {"position_ids": ids.to(x.device)}
 
 
 def _sp_mesh(part: nn.Module):  # noqa: ANN202 - a DeviceMesh or None

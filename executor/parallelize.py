@@ -449,7 +449,13 @@ def add_aux_loss(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- context / expert parallel
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Every attention of the built-in model attends over the whole sequence of the cp group
-    (:func:`executor.cp.cp_attention`); the caller feeds each rank its positions (:func:`cp_shard_batch`)."""
+    (:func:`executor.cp.cp_attention`); the caller feeds each rank its positions (:func:`cp_shard_batch`;
+    a Hugging Face model through :func:`executor.hf_cp.set_positions`)."""
+    if not isinstance(getattr(model, "spec", None), ModelSpec):
+        from executor.hf_cp import apply_hf_cp
+
+        apply_hf_cp(model, cp_mesh.get_group())
+        return
     for block in model.layers.values():
         block.attention.cp_group = cp_mesh.get_group()
 

@@ -140,6 +140,17 @@ def _init_process_group(backend: str) -> None:
                             world_size=world)
 
 
+def _give_positions(part: nn.Module, positions: torch.Tensor, hf: bool, cp: int) -> None:
+    """The rank's global sequence positions (RoPE, causal mask): the built-in model reads ``.positions``;
+    a Hugging Face one gets them under CP (:func:`executor.hf_cp.set_positions`)."""
+    if not hf:
+        part.positions = positions
+    elif cp > 1:
+        from executor.hf_cp import set_positions
+
+        set_positions(part, positions)
+
+
 def _build(plan: Plan, opts: RunOptions) -> tuple[nn.Module, dict[str, torch.Tensor], bool]:
     """The model on the meta device, its plan-independent full weights by name, and whether it is HF."""
     if opts.hf_config is not None:
@@ -192,9 +203,8 @@ class Runtime:
         choice = lay.recompute_per_stage[self.pp_rank] if lay.recompute_per_stage else None
         wrapped = []
         for part in parts:
-            if not self.hf:
-                part.positions = self.positions
             wrapped.append(parallelize(part, lay, self.meshes, training=plan.training, stage_recompute=choice))
+            _give_positions(part, self.positions, self.hf, lay.cp)
         materialise(parts, full_sd, self.device, offload=lay.offload_optimizer)
         self.parts = parts
         self.sync = [w for w in wrapped if isinstance(w, GradAllReduce)]

@@ -98,6 +98,14 @@ def test_any_model_type_transformers_builds_is_accepted_and_bad_ones_are_named()
         check_parallelisable(gpt2)  # a decoder of another module layout: refused by what it lacks
 
 
+def test_context_parallelism_is_refused_for_soft_capped_scores_only():
+    cp2 = ParallelLayout(cp=2, dp_shard=2, zero_stage=3)
+    with pytest.raises(AutoparError, match=r"layout\.cp=2 cannot run its attention: config\.attn_logit_softcapping"):
+        check_supported(cp2, build_hf_model(CONFIGS["gemma2"]))
+    for family in ("gemma3", "olmo2", "mixtral"):  # sliding windows, whole-row q/k norms, MoE: run
+        check_supported(cp2, build_hf_model(CONFIGS[family]))
+
+
 def test_gemma2_falls_back_to_eager_attention():
     model = build_hf_model(CONFIGS["gemma2"])
     assert model.config._attn_implementation == "eager"  # transformers has no SDPA path for its soft-capping

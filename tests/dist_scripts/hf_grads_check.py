@@ -25,12 +25,14 @@ from torch.distributed.tensor import DTensor
 
 from executor.data import SyntheticTokens, split_batch
 from executor.hf import build_hf_model, hf_full_state
+from executor.hf_cp import set_positions
 from executor.parallelize import (
     GradAllReduce,
     accumulation_cadence,
     build_mesh,
     check_supported,
     clean_fqn,
+    cp_shard_batch,
     data_rank,
     load_full_state,
     loss_context,
@@ -75,15 +77,18 @@ PLANS: dict[str, dict] = {
     "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3},
     "dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sp": True},
     "fsdp2_tp2": {"dp_shard": 2, "tp": 2, "zero_stage": 3},
+    "cp2_fsdp2": {"cp": 2, "dp_shard": 2, "zero_stage": 3},
+    "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": True},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 NO_TP = (*MOE_FAMILIES, "phi3")  # refused under TP: check_supported says why
+NO_CP = ("gemma2",)  # soft-capped attention scores: refused under CP
 
 
 def cases() -> list[tuple[str, str]]:
     """(family, plan) pairs: every plan for most families, the plans without TP for those in NO_TP."""
     return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items()
-            if family not in NO_TP or fields.get("tp", 1) == 1]
+            if (family not in NO_TP or fields.get("tp", 1) == 1) and (family not in NO_CP or "cp" not in fields)]
 
 
 def case_dir(out: Path, family: str, plan: str) -> Path:
@@ -105,12 +110,15 @@ def run_case(family: str, plan: str, out: Path) -> None:
     check_supported(layout, model, training, hf=True)
     wrapped = parallelize(model, layout, meshes, training=training)
     load_full_state(model, hf_full_state(CONFIGS[family], seed=SEED), torch.device("cpu"))
+    if layout.cp > 1:
+        set_positions(model, cp_shard_batch(torch.zeros(1, SEQ), torch.zeros(1, SEQ), meshes)[2])
     dp_rank, dp_size = data_rank(meshes)
     micro = split_batch(SyntheticTokens(BASE["vocab_size"], SEQ, SEED).batch(0, gbs), dp_rank, dp_size, MBS)
     for i, rows in enumerate(micro):
         accumulation_cadence(wrapped, layout, i == len(micro) - 1)
+        tokens, targets, _ = cp_shard_batch(rows[:, :-1], rows[:, 1:], meshes)
         with loss_context(layout):
-            loss = lm_loss(wrapped(rows[:, :-1]).logits, rows[:, 1:], gbs * SEQ)
+            loss = lm_loss(wrapped(tokens).logits, targets, gbs * SEQ)
             (loss * loss_scale(meshes)).backward()
     if isinstance(wrapped, GradAllReduce):
         wrapped.sync()
