@@ -317,6 +317,8 @@ def run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="check the plan, the options and this host (GPUs, or CPU "
                                                             "cores and memory) and exit: 0 if it can run "
                                                             "here")] = False,
+    record_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: every rank's losses, first-step "
+                                                    "gradients and final weights")] = None,
 ) -> None:
     """Train with a plan under torchrun and report measured step time, tokens/s, MFU and memory.
 
@@ -362,7 +364,8 @@ def run(
     args = ["--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed), "--lr", str(lr),
             "--profile-steps", str(profile_steps), "--out", str(report_path.resolve())]
     args += _optional_worker_args({"--checkpoint-dir": checkpoint_dir, "--data": data, "--hf-config": hf_config,
-                                   "--profile": profile}, checkpoint_every, async_checkpoint, resume, plan_id)
+                                   "--profile": profile, "--record-dir": record_dir},
+                                  checkpoint_every, async_checkpoint, resume, plan_id)
     cmd = worker_command(plan_file.resolve(), nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, max_restarts=max_restarts,
                          worker_args=args)

@@ -99,3 +99,52 @@ def test_the_worker_matches_every_gradient_of_one_process(tmp_path: Path, name: 
     assert set(grads) == set(ref.grads_first_step), name
     for key, g in ref.grads_first_step.items():
         torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_train_a_plan_whose_groups_cross_them(tmp_path: Path) -> None:
+    """``autopar run --nnodes 2``: two torchrun agents of 2 ranks each (node ranks 0 and 1, static
+    rendezvous on 127.0.0.1, each node its own --out as on two hosts); the pipeline groups (ranks 0-2
+    and 1-3) cross the node boundary, FSDP shards within each node. Node 0 writes the report; losses
+    and every first-step gradient match one process."""
+    import subprocess
+
+    from run_plans import ROOT, child_env
+
+    from executor.reference import reference_run
+
+    config = four_layers("qwen3")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = plan_of("qwen3", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"})
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    port = str(_free_port())
+    procs = []
+    for node in ("0", "1"):
+        cmd = [sys.executable, "-c", "from planner.cli import main; main()", "run", str(tmp_path / "plan.json"),
+               "--hf-config", str(tmp_path / "config.json"), "--nnodes", "2", "--node-rank", node,
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--steps", "3",
+               "--warmup", "0", "--record-dir", str(tmp_path / "rec"), "--out", str(tmp_path / f"r{node}.json")]
+        procs.append(subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    assert "node 1 done" in results[1][1], results[1][1][-2000:]
+    ref = reference_run(build_hf_model(config, seed=0), SyntheticTokens(128, SEQ, 0), steps=3, global_batch=GBS,
+                        micro_batch_size=1)
+    report = RunReport.model_validate_json((tmp_path / "r0.json").read_text())
+    assert report.num_ranks == 4 and [s.loss for s in report.steps] == pytest.approx(ref.losses, rel=1e-5)
+    grads: dict[str, torch.Tensor] = {}
+    for r in range(4):
+        grads.update(torch.load(tmp_path / "rec" / f"rank{r}.pt", weights_only=False)["grads"])
+    assert set(grads) == set(ref.grads_first_step)
+    for key, g in ref.grads_first_step.items():
+        torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
