@@ -42,6 +42,7 @@ CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields)
                                             "recompute": "full"}),
     "mixtral_pp2_fsdp2_1f1b": ("mixtral", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
     "gemma3_pp2_cp2_1f1b": ("gemma3", {"pp": 2, "cp": 2, "schedule": "1f1b"}),
+    "deepseek_v3_pp2_cp2_gpipe": ("deepseek_v3", {"pp": 2, "cp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]}),
 }
 
 

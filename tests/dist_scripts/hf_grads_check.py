@@ -69,6 +69,12 @@ CONFIGS: dict[str, dict] = {
     # Granite 3 and Gemma tie the head to the embedding: one vocabulary-sharded table under TP
     "granite_tied": {"model_type": "granite", "embedding_multiplier": 3.0, "logits_scaling": 2.0,
                      **BASE, **TOKENS, "tie_word_embeddings": True},
+    # DeepSeek-V3 style: MLA (low-rank q and kv, a v head size of its own), a dense first layer, then
+    # routed experts with a shared one and group-limited routing
+    "deepseek_v3": {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                    "v_head_dim": 8, "n_group": 2, "topk_group": 1, **BASE, **TOKENS},
     # Phi-3: fused qkv and gate-up projections (tensor parallelism refused, see FUSED)
     "phi3": {"model_type": "phi3", **BASE, **TOKENS},
 }
@@ -80,7 +86,7 @@ PLANS: dict[str, dict] = {
     "cp2_fsdp2": {"cp": 2, "dp_shard": 2, "zero_stage": 3},
     "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": True},
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 NO_TP = (*MOE_FAMILIES, "phi3")  # refused under TP: check_supported says why
 NO_CP = ("gemma2",)  # soft-capped attention scores: refused under CP
 
