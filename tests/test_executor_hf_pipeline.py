@@ -149,3 +149,33 @@ def test_two_nodes_on_loopback_train_a_plan_whose_groups_cross_them(tmp_path: Pa
     assert set(grads) == set(ref.grads_first_step)
     for key, g in ref.grads_first_step.items():
         torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_of_a_3d_hf_plan_resumes_with_bit_identical_losses(tmp_path: Path) -> None:
+    """OLMo 2 under PP2 x TP2+SP (a 3-D plan: pp, tp and sp over 4 ranks): rank 3 exits at step 3, torchrun
+    restarts the workers, they resume from the step-2 DCP checkpoint (model-wide layer names) and end
+    with the losses and the weights of an uninterrupted run, bit for bit."""
+    from run_plans import child_env
+    from test_executor_run import _final_state, autopar_run
+
+    config = four_layers("olmo2")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = plan_of("olmo2", {"pp": 2, "tp": 2, "sp": True, "schedule": "1f1b"})
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    common = [str(tmp_path / "plan.json"), "--hf-config", str(tmp_path / "config.json"), "--steps", "5",
+              "--checkpoint-every", "2", "--profile-steps", "0"]
+    marker = tmp_path / "died"
+    r = autopar_run(*common, "--checkpoint-dir", str(tmp_path / "a"), "--max-restarts", "1", "--out",
+                    str(tmp_path / "a.json"), env=child_env(AUTOPAR_TEST_DIE=f"3:3:{marker}"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert marker.exists() and "continuing at step 2" in r.stdout, r.stdout[-3000:]
+    r = autopar_run(*common, "--checkpoint-dir", str(tmp_path / "b"), "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = _final_state(tmp_path / "a" / "step_4"), _final_state(tmp_path / "b" / "step_4")
+    assert set(a["model"]) == set(b["model"]) and "model.layers.3.self_attn.q_norm.weight" in b["model"]
+    for name in b["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    losses = [[s.loss for s in RunReport.model_validate_json((tmp_path / f).read_text()).steps]
+              for f in ("a.json", "b.json")]
+    assert losses[0] == losses[1]
