@@ -140,10 +140,13 @@ def check_parallelisable(model: nn.Module, layout: ParallelLayout | None = None)
     tp = layout is not None and layout.tp > 1
     if layout is not None and layout.cp > 1:
         _check_cp(model, layout.cp)
+    ep = layout.ep if layout is not None else 1
     for index, layer in a.layer_items(model):
         where = f"{name}.{a.layers}.{index}"
         _require(layer, a.attention, where)
         _require(layer, a.mlp, where)
+        if ep > 1 and a.is_moe(layer):
+            _check_ep(a.ffn_of(layer).experts, f"{where}.{a.mlp}.experts", ep)
         if tp:
             _check_tp_attention(a.attention_of(layer), f"{where}.{a.attention}", layout.tp)
             if not a.is_moe(layer):
@@ -156,6 +159,14 @@ def _check_cp(model: nn.Module, cp: int) -> None:
     why = cp_refusal(model)
     if why is not None:
         raise AutoparError("layout.cp", cp, "use cp=1 for this model", problem=f"cannot run its attention: {why}")
+
+
+def _check_ep(experts: nn.Module, where: str, ep: int) -> None:
+    from executor.hf_moe import ep_refusal
+
+    why = ep_refusal(experts)
+    if why is not None:
+        raise AutoparError("layout.ep", ep, "use ep=1 for this model", problem=f"cannot dispatch {where}: it {why}")
 
 
 def _refuse_fused(module: nn.Module, where: str, tp: int) -> None:

@@ -388,21 +388,8 @@ class MoE(nn.Module):
         return self._keep_mask(whole.reshape(-1, k)).view(rows, total, k)[:, pos].reshape(-1, k)
 
     def _dispatch_combine(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert parallel: rows [N, D] sorted by global expert (``counts`` [E] per expert) -> each
-        row's expert output, same order, computed on the rank owning the expert."""
-        group = self.ep_group
-        ep = dist.get_world_size(group)
-        local_e = self.num_experts // ep
-        send = counts.view(ep, local_e)  # [destination rank, its local expert]
-        recv = torch.empty_like(send)
-        with label("autopar.ep"):
-            dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, my local expert]
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        got = all_to_all(rows, out_splits, in_splits, group)
-        # received: by source rank, each block sorted by my local expert -> regroup by local expert
-        by_expert = _by_expert(recv)
-        out = self._run_local(got[by_expert], recv.sum(0))
-        return all_to_all(out[by_expert.argsort()], in_splits, out_splits, group)
+        """Expert parallel: :func:`dispatch_combine` over the EP group with this block's local experts."""
+        return dispatch_combine(rows, counts, self.ep_group, self._run_local)
 
     def _run_local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts on rows [N, D] sorted by local expert (``counts`` per local expert); with
@@ -432,6 +419,24 @@ class MoE(nn.Module):
                     full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
                                              src_data_rank=None)
                 p.copy_(full)
+
+
+def dispatch_combine(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
+                     run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Expert parallel: rows [N, D] sorted by global expert (``counts`` [E] per expert) -> each row's
+    expert output, same order, computed on the rank of ``group`` owning the expert (rank r owns experts
+    [r E/ep, (r+1) E/ep)) by ``run_local(rows sorted by local expert, counts per local expert)``."""
+    ep = dist.get_world_size(group)
+    send = counts.view(ep, counts.numel() // ep)  # [destination rank, its local expert]
+    recv = torch.empty_like(send)
+    with label("autopar.ep"):
+        dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, my local expert]
+    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    got = all_to_all(rows, out_splits, in_splits, group)
+    # received: by source rank, each block sorted by my local expert -> regroup by local expert
+    by_expert = _by_expert(recv)
+    out = run_local(got[by_expert], recv.sum(0))
+    return all_to_all(out[by_expert.argsort()], in_splits, out_splits, group)
 
 
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:

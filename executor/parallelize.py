@@ -474,6 +474,15 @@ def apply_moe(model: nn.Module, layout: ParallelLayout, meshes: Meshes) -> None:
         apply_token_split(model, meshes["cp_tp"].get_group(), shard, 1.0 / layout.cp)
 
 
+def apply_hf_moe(model: nn.Module, meshes: Meshes) -> None:
+    """A Hugging Face MoE model's routed experts on the folded expert mesh's ``ep`` dimension
+    (:mod:`executor.hf_moe`; expert TP is not offered: the target table refuses TP on HF MoE models)."""
+    from executor.hf_moe import apply_hf_expert_parallel
+
+    meshes.add_moe()
+    apply_hf_expert_parallel(model, meshes["ep"])
+
+
 def _is_builtin_moe(model: nn.Module) -> bool:
     spec = getattr(model, "spec", None)
     return isinstance(spec, ModelSpec) and spec.moe is not None
@@ -548,7 +557,8 @@ def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
                 # gloo has no PREMUL_SUM: reduce-scatter with SUM, then divide. (Not with a 1-rank shard
                 # group: torch 2.13 then divides twice, and no reduce-scatter runs anyway.)
                 experts.set_force_sum_reduction_for_comms(True)
-            register_fsdp_forward_method(experts, "forward_grouped")  # MoE calls it instead of forward
+            if hasattr(experts, "forward_grouped"):  # the built-in MoE calls it instead of forward
+                register_fsdp_forward_method(experts, "forward_grouped")
         fully_shard(block, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
 
@@ -664,6 +674,8 @@ def parallelize(model: nn.Module, layout: ParallelLayout, meshes: Meshes, *, tra
         apply_cp(model, meshes["cp"])
     if _is_builtin_moe(model):
         apply_moe(model, layout, meshes)
+    elif layout.ep > 1:
+        apply_hf_moe(model, meshes)
     apply_recompute(model, stage_recompute, layout)
     return apply_data_parallel(model, layout, meshes, training)
 

@@ -106,6 +106,17 @@ def test_context_parallelism_is_refused_for_soft_capped_scores_only():
         check_supported(cp2, build_hf_model(CONFIGS[family]))
 
 
+def test_expert_parallelism_is_decided_from_the_experts_module():
+    ep2 = ParallelLayout(dp_shard=4, ep=2)
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        check_supported(ep2, build_hf_model(CONFIGS[family]))
+    model = build_hf_model(CONFIGS["mixtral"])
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj_bias = torch.nn.Parameter(torch.zeros(4, 32))  # an experts layout of another kind
+    with pytest.raises(AutoparError, match=r"layout\.ep=2 cannot dispatch .*layers\.1\.mlp\.experts.*down_proj_bias"):
+        check_supported(ep2, model)
+
+
 def test_gemma2_falls_back_to_eager_attention():
     model = build_hf_model(CONFIGS["gemma2"])
     assert model.config._attn_implementation == "eager"  # transformers has no SDPA path for its soft-capping

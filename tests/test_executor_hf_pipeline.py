@@ -1,7 +1,8 @@
 """Hugging Face models under pipeline plans, through the training worker itself (``python -m
 executor.train`` under torchrun, 4 gloo ranks): the losses of 3 steps and every parameter's first-step
 gradient equal the single-process HF run's (executor.reference), for each schedule, an uneven split,
-per-stage recompute, and pipelines combined with data, FSDP, tensor (+ sequence) and context parallelism."""
+per-stage recompute, and pipelines combined with data, FSDP, tensor (+ sequence), context and expert
+parallelism."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields)
     "gemma3_pp2_dp2_recompute": ("gemma3", {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b",
                                             "recompute": "full"}),
     "mixtral_pp2_fsdp2_1f1b": ("mixtral", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
+    "qwen3_moe_pp2_ep2_1f1b": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2, "schedule": "1f1b"}),
     "gemma3_pp2_cp2_1f1b": ("gemma3", {"pp": 2, "cp": 2, "schedule": "1f1b"}),
     "deepseek_v3_pp2_cp2_gpipe": ("deepseek_v3", {"pp": 2, "cp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]}),
 }

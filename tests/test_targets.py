@@ -271,8 +271,6 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(dp_shard=4, offload_optimizer=True),
             job(dp_shard=4, zero_stage=2, offload_optimizer=True),
         ),
-        "expert parallelism on a Hugging Face model": (
-            job(MIXTRAL, dp_shard=8, ep=8, hf=True), job(MIXTRAL, dp_shard=8, ep=8)),
         "selective recompute on a Hugging Face model": (
             job(recompute="selective", hf=True),
             job(recompute="selective"),

@@ -216,15 +216,6 @@ _AUTOPAR = (
         fix="use zero_stage 2 or 3 (FSDP2 CPUOffloadPolicy)",
     ),
     Limit(
-        feature="expert parallelism on a Hugging Face model",
-        scope="layout",
-        refuses=lambda j: j.hf and j.layout.ep > 1,
-        field="layout.ep",
-        value=lambda j: j.layout.ep,
-        problem="is implemented for the built-in model's MoE layers only",
-        fix="use ep=1 for Hugging Face models, or the built-in model",
-    ),
-    Limit(
         feature="selective recompute on a Hugging Face model",
         scope="layout",
         refuses=lambda j: j.hf and j.layout.recompute is Recompute.selective,

@@ -85,6 +85,9 @@ PLANS: dict[str, dict] = {
     "fsdp2_tp2": {"dp_shard": 2, "tp": 2, "zero_stage": 3},
     "cp2_fsdp2": {"cp": 2, "dp_shard": 2, "zero_stage": 3},
     "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": True},
+    "ep2_dp4": {"dp_shard": 4, "ep": 2},
+    "ep4_fsdp4": {"dp_shard": 4, "ep": 4, "zero_stage": 3},
+    "ep2_cp2_fsdp2": {"cp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 NO_TP = (*MOE_FAMILIES, "phi3")  # refused under TP: check_supported says why
@@ -92,9 +95,11 @@ NO_CP = ("gemma2",)  # soft-capped attention scores: refused under CP
 
 
 def cases() -> list[tuple[str, str]]:
-    """(family, plan) pairs: every plan for most families, the plans without TP for those in NO_TP."""
+    """(family, plan) pairs: every plan for most families, none with TP for those in NO_TP, none with CP for
+    those in NO_CP, the EP plans for the MoE families only."""
     return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items()
-            if (family not in NO_TP or fields.get("tp", 1) == 1) and (family not in NO_CP or "cp" not in fields)]
+            if (family not in NO_TP or fields.get("tp", 1) == 1) and (family not in NO_CP or "cp" not in fields)
+            and (family in MOE_FAMILIES or "ep" not in fields)]
 
 
 def case_dir(out: Path, family: str, plan: str) -> Path:
