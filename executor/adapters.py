@@ -110,5 +110,12 @@ def norm_width(attention: nn.Module, module: nn.Module, a: ModelAdapter) -> str 
     width = weight.shape[0]
     if width == getattr(attention, "head_dim", None):
         return "head"
-    outs = {get_submodule(attention, p).out_features for p in (a.q_proj, a.k_proj) if hasattr(attention, p)}
+    projections = (getattr(attention, p, None) for p in (a.q_proj, a.k_proj))
+    outs = {m.out_features for m in projections if isinstance(m, nn.Linear)}
     return "row" if width in outs else None
+
+
+
+def is_mla(attention: nn.Module) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come up from a latent through ``kv_b_proj``."""
+    return isinstance(getattr(attention, "kv_b_proj", None), nn.Linear)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.adapters import HF, ModelAdapter, get_submodule, norm_width
+from executor.adapters import HF, ModelAdapter, get_submodule, is_mla, norm_width
 from planner.contracts import ParallelLayout
 from planner.errors import AutoparError
 
@@ -178,8 +178,14 @@ def _refuse_fused(module: nn.Module, where: str, tp: int) -> None:
 
 
 def _check_tp_attention(attention: nn.Module, where: str, tp: int) -> None:
+    """Separate q/k/v/o projections whose other weighted children are per-head or whole-row q/k norms."""
     a = HF
     _refuse_fused(attention, where, tp)
+    if is_mla(attention):
+        raise AutoparError("layout.tp", tp, "use tp=1 for this model (FSDP, HSDP, CP, EP and pipelines run it)",
+                           problem=f"cannot split {where}: multi-head latent attention's shared rotary key feeds "
+                           "every head, so its latent projection's gradient would need a sum over the TP ranks "
+                           "inside the model's forward")
     for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
         _require(attention, proj, where, nn.Linear, tp)
     projections = {a.q_proj, a.k_proj, a.v_proj, a.o_proj}

@@ -87,3 +87,45 @@ def _run_local(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> 
         gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
         outs.append(F.linear(experts.act_fn(gate) * up, down[e]))
     return torch.cat(outs) if outs else rows[:0]
+
+
+# ---------------------------------------------------------------- under tensor (+ sequence) parallelism
+def tp_block_style():  # noqa: ANN201 - a ParallelStyle
+    """The MoE block of a layer under TP + SP (the target table requires SP): it takes this rank's
+    sequence shard as a plain tensor and routes it itself, as the built-in MoE does; its output goes back
+    to the residual stream as a ``Shard(1)`` DTensor."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                    use_local_input=True, output_layouts=(Shard(1),),
+                                    desired_output_layouts=(Shard(1),), use_local_output=False)
+
+
+def sum_router_grad_over_tp(router: nn.Module, group) -> None:  # noqa: ANN001 - a ProcessGroup
+    """The router's weight is whole on every TP rank, which routes only its own rows: its gradient is
+    summed over the TP group as it is computed (a hook on the tensor the forward uses: FSDP2's gathered
+    parameter, or the parameter itself), so every TP rank holds the micro-batch's gradient."""
+    router.autopar_tp_group = group
+    router.autopar_hooked = set()
+    router.register_forward_pre_hook(_hook_router_weight)
+
+
+def _hook_router_weight(router: nn.Module, args: tuple) -> None:
+    w = router.weight
+    if id(w) in router.autopar_hooked or not w.requires_grad:
+        return
+    router.autopar_hooked.add(id(w))
+    group = router.autopar_tp_group
+    w.register_hook(lambda g: _all_reduced(g, group))
+
+
+def _all_reduced(grad: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001 - a ProcessGroup
+    import torch.distributed as dist
+
+    from executor.measure import label
+
+    out = grad.contiguous().clone()
+    with label("autopar.tp"):
+        dist.all_reduce(out, group=group)
+    return out

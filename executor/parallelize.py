@@ -265,9 +265,8 @@ def _block_plan(layout: ParallelLayout, a: ModelAdapter, hf: bool, moe: nn.Modul
     out = Shard(1) if layout.sp else Replicate()
     local = not (hf and layout.sp)  # HF with SP: the residual stream stays a DTensor (see apply_tp)
     attn, mlp = a.attention, a.mlp
-    plan: dict = {f"{attn}.{a.q_proj}": ColwiseParallel(), f"{attn}.{a.k_proj}": ColwiseParallel(),
-                  f"{attn}.{a.v_proj}": ColwiseParallel(),
-                  f"{attn}.{a.o_proj}": RowwiseParallel(output_layouts=out, use_local_output=local)}
+    plan: dict = {f"{attn}.{p}": ColwiseParallel() for p in (a.q_proj, a.k_proj, a.v_proj)}
+    plan[f"{attn}.{a.o_proj}"] = RowwiseParallel(output_layouts=out, use_local_output=local)
     if moe is not None:
         plan |= _moe_plan(layout, a, moe)
     else:
@@ -402,11 +401,33 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
     if tied:  # both styles shard the [vocab, hidden] table by rows: one Shard(0) parameter serves both
         get_submodule(model, a.lm_head).weight = get_submodule(model, a.embedding).weight
     for _, block in a.layer_items(model):
+        if hf and a.is_moe(block):
+            _tp_hf_moe_block(block, layout, a, tp_mesh)
+            continue
         moe = a.ffn_of(block) if not hf and a.is_moe(block) else None
         plan = _block_plan(layout, a, hf, moe)
         skip = (f"{a.moe}.",) if moe is not None else ()  # the experts: apply_moe
         plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp, skip=skip, a=a)
         parallelize_module(block, tp_mesh, plan)
+
+
+def _tp_hf_moe_block(block: nn.Module, layout: ParallelLayout, a: ModelAdapter, tp_mesh: DeviceMesh) -> None:
+    """A Hugging Face MoE layer under TP + SP: the attention as in a dense layer; the MoE block routes the
+    rank's sequence shard (:func:`executor.hf_moe.tp_block_style`), its routed experts whole on the folded
+    expert mesh (their gradient reduced over it, TP ranks included), its router's gradient summed over TP
+    (:func:`executor.hf_moe.sum_router_grad_over_tp`), its shared experts rank-shared like Qwen3's q/k norms."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from executor.hf_moe import sum_router_grad_over_tp, tp_block_style
+
+    plan = _block_plan(layout, a, True, None)
+    for key in [k for k in plan if k == a.mlp or k.startswith(f"{a.mlp}.")]:
+        del plan[key]  # the dense MLP's entries
+    plan[a.mlp] = tp_block_style()
+    skip = (f"{a.mlp}.experts", f"{a.mlp}.gate")
+    plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), layout.sp, skip=skip, a=a)
+    parallelize_module(block, tp_mesh, plan)
+    sum_router_grad_over_tp(get_submodule(block, f"{a.mlp}.gate"), tp_mesh.get_group())
 
 
 def _tied_head(model: nn.Module, a: ModelAdapter) -> bool:
@@ -474,13 +495,22 @@ def apply_moe(model: nn.Module, layout: ParallelLayout, meshes: Meshes) -> None:
         apply_token_split(model, meshes["cp_tp"].get_group(), shard, 1.0 / layout.cp)
 
 
-def apply_hf_moe(model: nn.Module, meshes: Meshes) -> None:
-    """A Hugging Face MoE model's routed experts on the folded expert mesh's ``ep`` dimension
-    (:mod:`executor.hf_moe`; expert TP is not offered: the target table refuses TP on HF MoE models)."""
+def apply_hf_moe(model: nn.Module, layout: ParallelLayout, meshes: Meshes) -> None:
+    """A Hugging Face MoE model's routed experts on the folded expert mesh (their gradient reduced over
+    ``expert_dp``), sharded over its ``ep`` dimension when ep > 1 (:mod:`executor.hf_moe`; the experts'
+    FFN is not split over TP: etp must be 1)."""
     from executor.hf_moe import apply_hf_expert_parallel
 
     meshes.add_moe()
-    apply_hf_expert_parallel(model, meshes["ep"])
+    if layout.ep > 1:
+        apply_hf_expert_parallel(model, meshes["ep"])
+
+
+def _has_hf_experts(model: nn.Module) -> bool:
+    if isinstance(getattr(model, "spec", None), ModelSpec):
+        return False
+    a = _adapter(model)
+    return any(a.is_moe(layer) for _, layer in a.layer_items(model))
 
 
 def _is_builtin_moe(model: nn.Module) -> bool:
@@ -674,8 +704,8 @@ def parallelize(model: nn.Module, layout: ParallelLayout, meshes: Meshes, *, tra
         apply_cp(model, meshes["cp"])
     if _is_builtin_moe(model):
         apply_moe(model, layout, meshes)
-    elif layout.ep > 1:
-        apply_hf_moe(model, meshes)
+    elif layout.ep > 1 or (layout.tp > 1 and _has_hf_experts(model)):
+        apply_hf_moe(model, layout, meshes)
     apply_recompute(model, stage_recompute, layout)
     return apply_data_parallel(model, layout, meshes, training)
 

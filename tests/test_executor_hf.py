@@ -117,6 +117,16 @@ def test_expert_parallelism_is_decided_from_the_experts_module():
         check_supported(ep2, model)
 
 
+def test_moe_families_take_tensor_parallelism_with_whole_experts_but_not_latent_attention():
+    tp2 = ParallelLayout(dp_shard=2, tp=2, sp=True, etp=1)
+    for family in ("mixtral", "qwen3_moe"):
+        check_supported(tp2, build_hf_model(CONFIGS[family]))
+    with pytest.raises(AutoparError, match=r"layout\.tp=2 .*multi-head latent attention"):
+        check_supported(tp2, build_hf_model(CONFIGS["deepseek_v3"]))
+    with pytest.raises(AutoparError, match=r"layout\.tp=2 cannot split .*self_attn: multi-head latent"):
+        check_parallelisable(build_hf_model(CONFIGS["deepseek_v3"]), tp2)
+
+
 def test_gemma2_falls_back_to_eager_attention():
     model = build_hf_model(CONFIGS["gemma2"])
     assert model.config._attn_implementation == "eager"  # transformers has no SDPA path for its soft-capping

@@ -43,6 +43,7 @@ CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields)
                                             "recompute": "full"}),
     "mixtral_pp2_fsdp2_1f1b": ("mixtral", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
     "qwen3_moe_pp2_ep2_1f1b": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2, "schedule": "1f1b"}),
+    "mixtral_pp2_tp2_sp_1f1b": ("mixtral", {"pp": 2, "tp": 2, "sp": True, "etp": 1, "schedule": "1f1b"}),
     "gemma3_pp2_cp2_1f1b": ("gemma3", {"pp": 2, "cp": 2, "schedule": "1f1b"}),
     "deepseek_v3_pp2_cp2_gpipe": ("deepseek_v3", {"pp": 2, "cp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]}),
 }

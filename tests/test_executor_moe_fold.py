@@ -88,15 +88,16 @@ def test_what_does_not_fold_is_refused(layout, field, words) -> None:
     assert str(info.value).startswith(field) and words in str(info.value), str(info.value)
 
 
-def test_expert_ffn_must_split_over_etp_and_hf_moe_keeps_tp_refused() -> None:
+def test_expert_ffn_must_split_over_etp_and_hf_moe_takes_tp_with_whole_experts() -> None:
     wide = MOE.model_copy(update={"moe": MOE.moe.model_copy(update={"expert_ffn_hidden_size": 25})})
     with pytest.raises(AutoparError, match=r"layout\.etp=2 does not divide moe\.expert_ffn_hidden_size=25"):
         check_supported(ParallelLayout(dp_shard=2, tp=2, sp=True, ep=2), wide)
     check_supported(ParallelLayout(dp_shard=2, tp=2, sp=True, ep=2, etp=1), wide)
     check_supported(ParallelLayout(dp_shard=2, cp=2, ep=4, zero_stage=3), MOE,
                     TrainingConfig(seq_length=16, global_batch_size=4))
-    with pytest.raises(AutoparError, match=r"layout\.tp=2 is implemented for the built-in"):
+    with pytest.raises(AutoparError, match=r"layout\.etp=2 splits the routed experts' FFN"):
         check_supported(ParallelLayout(tp=2, sp=True), MOE, hf=True)
+    check_supported(ParallelLayout(tp=2, sp=True, etp=1), MOE, hf=True)  # experts whole, folded over TP
     check_supported(ParallelLayout(cp=2, dp_shard=2, ep=4), MOE, hf=True)  # CP and EP run HF MoE models
 
 

@@ -243,10 +243,6 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(tp=2),
         ),
         "tensor parallelism with tied embeddings": (job(TIED, tp=2), job(TIED, tp=2, hf=True)),
-        "tensor parallelism on a Hugging Face MoE model": (
-            job(MIXTRAL, tp=2, sp=True, hf=True),
-            job(MIXTRAL, tp=2, sp=True),
-        ),
         "tensor parallelism on a MoE model without sequence parallelism": (
             job(MIXTRAL, tp=2),
             job(MIXTRAL, tp=2, sp=True),
@@ -271,6 +267,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(dp_shard=4, offload_optimizer=True),
             job(dp_shard=4, zero_stage=2, offload_optimizer=True),
         ),
+        "tensor parallelism on multi-head latent attention in a Hugging Face model": (
+            job(DEEPSEEK, tp=2, sp=True, dp_shard=4, etp=1, hf=True), job(DEEPSEEK, dp_shard=8, hf=True)),
+        "expert tensor parallelism on a Hugging Face MoE model": (
+            job(MIXTRAL, tp=2, sp=True, dp_shard=4, hf=True), job(MIXTRAL, tp=2, sp=True, dp_shard=4, etp=1, hf=True)),
         "selective recompute on a Hugging Face model": (
             job(recompute="selective", hf=True),
             job(recompute="selective"),

@@ -144,13 +144,24 @@ _AUTOPAR = (
         "vocabulary-sharded table)",
     ),
     Limit(
-        feature="tensor parallelism on a Hugging Face MoE model",
+        feature="tensor parallelism on multi-head latent attention in a Hugging Face model",
         scope="layout",
-        refuses=lambda j: j.hf and j.layout.tp > 1 and j.model.moe is not None,
+        refuses=lambda j: j.hf and j.model.mla is not None and j.layout.tp > 1,
         field="layout.tp",
         value=lambda j: j.layout.tp,
-        problem="is implemented for the built-in model's MoE layers only",
-        fix="use tp=1 for Hugging Face MoE models, or the built-in model",
+        problem="splits multi-head latent attention, whose shared rotary key feeds every head: its latent "
+        "projection's gradient would need a sum over the TP ranks inside the model's forward",
+        fix="use tp=1 (FSDP, HSDP, CP, EP and pipelines run it)",
+    ),
+    Limit(
+        feature="expert tensor parallelism on a Hugging Face MoE model",
+        scope="layout",
+        refuses=lambda j: j.hf and j.model.moe is not None and j.layout.expert_tp > 1,
+        field="layout.etp",
+        value=lambda j: j.layout.expert_tp,
+        problem="splits the routed experts' FFN over the TP ranks, which the executor does for the built-in "
+        "MoE only (a Hugging Face model's experts stay whole, folded over the TP ranks)",
+        fix="set etp=1",
     ),
     Limit(
         feature="tensor parallelism on a MoE model without sequence parallelism",
@@ -189,7 +200,7 @@ _AUTOPAR = (
         scope="layout",
         refuses=lambda j: (
             j.model.moe is not None and j.model.moe.num_shared_experts > 0 and j.layout.tp > 1
-            and j.model.moe.shared_ffn % j.layout.tp != 0
+            and j.model.moe.shared_ffn % j.layout.tp != 0 and not j.hf
         ),
         field="layout.tp",
         value=lambda j: j.layout.tp,

@@ -88,18 +88,28 @@ PLANS: dict[str, dict] = {
     "ep2_dp4": {"dp_shard": 4, "ep": 2},
     "ep4_fsdp4": {"dp_shard": 4, "ep": 4, "zero_stage": 3},
     "ep2_cp2_fsdp2": {"cp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3},
+    "moe_tp2_sp_dp2": {"dp_shard": 2, "tp": 2, "sp": True, "etp": 1},
+    "moe_tp2_sp_ep2_fsdp2": {"dp_shard": 2, "tp": 2, "sp": True, "etp": 1, "ep": 2, "zero_stage": 3},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-NO_TP = (*MOE_FAMILIES, "phi3")  # refused under TP: check_supported says why
+NO_TP = ("phi3", "deepseek_v3")  # refused under TP (fused projections, MLA): check_supported says why
 NO_CP = ("gemma2",)  # soft-capped attention scores: refused under CP
 
 
+def runs(family: str, fields: dict) -> bool:
+    """Whether ``family`` runs plan ``fields`` here: no TP for NO_TP, no CP for NO_CP; MoE families take
+    TP only with whole experts (etp 1); EP and etp plans are for MoE families only."""
+    tp, moe = fields.get("tp", 1) > 1, family in MOE_FAMILIES
+    if (tp and family in NO_TP) or ("cp" in fields and family in NO_CP):
+        return False
+    if moe:
+        return not tp or "etp" in fields
+    return "ep" not in fields and "etp" not in fields
+
+
 def cases() -> list[tuple[str, str]]:
-    """(family, plan) pairs: every plan for most families, none with TP for those in NO_TP, none with CP for
-    those in NO_CP, the EP plans for the MoE families only."""
-    return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items()
-            if (family not in NO_TP or fields.get("tp", 1) == 1) and (family not in NO_CP or "cp" not in fields)
-            and (family in MOE_FAMILIES or "ep" not in fields)]
+    """(family, plan) pairs: every plan each family runs (:func:`runs`)."""
+    return [(family, plan) for family in CONFIGS for plan, fields in PLANS.items() if runs(family, fields)]
 
 
 def case_dir(out: Path, family: str, plan: str) -> Path:
