@@ -1,65 +1,52 @@
-"""Hugging Face models under pipeline plans, through the training worker itself (``python -m
-executor.train`` under torchrun, 4 gloo ranks): the losses of 3 steps and every parameter's first-step
-gradient equal the single-process HF run's (executor.reference), for each schedule, an uneven split,
-per-stage recompute, and pipelines combined with data, FSDP, tensor (+ sequence), context and expert
-parallelism."""
+"""Hugging Face models under pipeline plans through the training worker's own Runtime (4 gloo ranks,
+tests/dist_scripts/hf_pipeline_check.py: every case in one launch): the step losses and every
+parameter's first-step gradient equal the single-process HF run's (executor.reference), for each
+schedule, an uneven split, per-stage recompute, and pipelines combined with data, FSDP, tensor
+(+ sequence), context and expert parallelism. Then ``autopar run`` itself: two nodes on loopback, and a
+killed rank of a 3-D plan resumed from its checkpoint."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
-from hf_grads_check import CONFIGS
-from run_plans import profile_for, torchrun_worker
+from run_plans import ROOT, child_env
 
 from executor.data import SyntheticTokens
 from executor.hf import build_hf_model
 from executor.hf_pipeline import KeptLayers
 from executor.pipeline import split_model
-from planner.contracts import ParallelLayout, Plan, RunReport, TrainingConfig
-from planner.hf_config import model_spec_from_hf_config
-from planner.tune import plan_for
+from planner.contracts import ParallelLayout, RunReport
 
-SEQ, GBS = 16, 8
-TRAINING = TrainingConfig(seq_length=SEQ, global_batch_size=GBS, precision="fp32")
+SCRIPT = Path(__file__).parent / "dist_scripts" / "hf_pipeline_check.py"
+_spec = importlib.util.spec_from_file_location("hf_pipeline_check", SCRIPT)
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+SEQ, GBS, four_layers, plan_of = check.SEQ, check.GBS, check.four_layers, check.plan_of
 # |dist - ref| <= 1e-4 relative + 1e-6 absolute per element (fp32: reduction order moves gradients by
 # ~1e-7 relative; a gradient from the wrong micro-batch, stage or reduction is off by O(1))
 RTOL, ATOL = 1e-4, 1e-6
 
-CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields)
-    "llama_pp4_gpipe": ("llama", {"pp": 4, "schedule": "gpipe"}),
-    "gemma2_pp2_dp2_1f1b": ("gemma2", {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
-    "qwen3_pp2_dp2_zero_bubble": ("qwen3", {"pp": 2, "dp_replicate": 2, "schedule": "zero_bubble"}),
-    "granite_pp2_fsdp2_interleaved": ("granite", {"pp": 2, "dp_shard": 2, "zero_stage": 3,
-                                                  "schedule": "interleaved_1f1b", "virtual_stages": 2}),
-    "olmo2_pp2_tp2_sp_uneven": ("olmo2", {"pp": 2, "tp": 2, "sp": True, "schedule": "1f1b",
-                                          "layers_per_stage": [1, 3]}),
-    "gemma3_pp2_dp2_recompute": ("gemma3", {"pp": 2, "dp_shard": 2, "zero_stage": 1, "schedule": "1f1b",
-                                            "recompute": "full"}),
-    "mixtral_pp2_fsdp2_1f1b": ("mixtral", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"}),
-    "qwen3_moe_pp2_ep2_1f1b": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2, "schedule": "1f1b"}),
-    "mixtral_pp2_tp2_sp_1f1b": ("mixtral", {"pp": 2, "tp": 2, "sp": True, "etp": 1, "schedule": "1f1b"}),
-    "gemma3_pp2_cp2_1f1b": ("gemma3", {"pp": 2, "cp": 2, "schedule": "1f1b"}),
-    "deepseek_v3_pp2_cp2_gpipe": ("deepseek_v3", {"pp": 2, "cp": 2, "schedule": "gpipe", "layers_per_stage": [1, 3]}),
-}
+
+def reference(family: str, steps: int):  # noqa: ANN201 - a ReferenceResult
+    from executor.reference import reference_run
+
+    return reference_run(build_hf_model(four_layers(family), seed=0), SyntheticTokens(128, SEQ, 0), steps=steps,
+                         global_batch=GBS, micro_batch_size=1)
 
 
-def four_layers(family: str) -> dict:
-    config = {**CONFIGS[family], "num_hidden_layers": 4}
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"] * 2
-    return config
-
-
-def plan_of(family: str, fields: dict) -> Plan:
-    spec = model_spec_from_hf_config(four_layers(family))
-    lay = ParallelLayout(**fields, micro_batch_size=1)
-    return plan_for(spec, TRAINING, lay, profile_for(lay.num_gpus))
+def assert_grads_match(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], name: str) -> None:
+    assert set(grads) == set(ref), name
+    for key, g in ref.items():
+        torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name} {k}: {m}")
 
 
 def test_chunks_keep_the_model_wide_layer_names_and_their_layer_types():
@@ -81,28 +68,24 @@ def test_chunks_keep_the_model_wide_layer_names_and_their_layer_types():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_worker_matches_every_gradient_of_one_process(tmp_path: Path, name: str) -> None:
-    from executor.reference import reference_run
-
-    family, fields = CASES[name]
-    config = four_layers(family)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    plan = plan_of(family, fields)
-    (tmp_path / "plan.json").write_text(plan.model_dump_json())
-    torchrun_worker(tmp_path / "plan.json", plan.layout.num_gpus, "--hf-config", str(tmp_path / "config.json"),
-                    "--steps", "3", "--warmup", "0", "--record-dir", str(tmp_path / "rec"),
-                    "--out", str(tmp_path / "r.json"))
-    ref = reference_run(build_hf_model(config, seed=0), SyntheticTokens(128, SEQ, 0), steps=3, global_batch=GBS,
-                        micro_batch_size=1)
-    report = RunReport.model_validate_json((tmp_path / "r.json").read_text())
-    assert [s.loss for s in report.steps] == pytest.approx(ref.losses, rel=1e-5), name
-    grads: dict[str, torch.Tensor] = {}
-    for r in range(plan.layout.num_gpus):
-        grads.update(torch.load(tmp_path / "rec" / f"rank{r}.pt", weights_only=False)["grads"])
-    assert set(grads) == set(ref.grads_first_step), name
-    for key, g in ref.grads_first_step.items():
-        torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name} {k}: {m}")
+def test_every_case_matches_the_losses_and_every_gradient_of_one_process(tmp_path: Path) -> None:
+    """One torchrun launch runs every case (start-up paid once); every rank's gradients are compared."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, check=False, env={**child_env(), "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print(f"\nhf_pipeline_check launch ({len(check.CASES)} cases): {time.perf_counter() - start:.1f} s")
+    refs: dict[str, object] = {}
+    for name, (family, _) in check.CASES.items():
+        ref = refs.setdefault(family, reference(family, check.STEPS))
+        records = [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=False) for r in range(4)]
+        assert records[0]["losses"] == pytest.approx(ref.losses, rel=1e-5), name
+        grads: dict[str, torch.Tensor] = {}
+        for rec in records:
+            grads.update(rec["grads"])
+        assert_grads_match(grads, ref.grads_first_step, name)
 
 
 def _free_port() -> int:
@@ -119,12 +102,6 @@ def test_two_nodes_on_loopback_train_a_plan_whose_groups_cross_them(tmp_path: Pa
     rendezvous on 127.0.0.1, each node its own --out as on two hosts); the pipeline groups (ranks 0-2
     and 1-3) cross the node boundary, FSDP shards within each node. Node 0 writes the report; losses
     and every first-step gradient match one process."""
-    import subprocess
-
-    from run_plans import ROOT, child_env
-
-    from executor.reference import reference_run
-
     config = four_layers("qwen3")
     (tmp_path / "config.json").write_text(json.dumps(config))
     plan = plan_of("qwen3", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "1f1b"})
@@ -142,16 +119,13 @@ def test_two_nodes_on_loopback_train_a_plan_whose_groups_cross_them(tmp_path: Pa
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     assert "node 1 done" in results[1][1], results[1][1][-2000:]
-    ref = reference_run(build_hf_model(config, seed=0), SyntheticTokens(128, SEQ, 0), steps=3, global_batch=GBS,
-                        micro_batch_size=1)
+    ref = reference("qwen3", 3)
     report = RunReport.model_validate_json((tmp_path / "r0.json").read_text())
     assert report.num_ranks == 4 and [s.loss for s in report.steps] == pytest.approx(ref.losses, rel=1e-5)
     grads: dict[str, torch.Tensor] = {}
     for r in range(4):
         grads.update(torch.load(tmp_path / "rec" / f"rank{r}.pt", weights_only=False)["grads"])
-    assert set(grads) == set(ref.grads_first_step)
-    for key, g in ref.grads_first_step.items():
-        torch.testing.assert_close(grads[key], g, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    assert_grads_match(grads, ref.grads_first_step, "two nodes")
 
 
 @pytest.mark.slow
@@ -159,7 +133,6 @@ def test_a_killed_rank_of_a_3d_hf_plan_resumes_with_bit_identical_losses(tmp_pat
     """OLMo 2 under PP2 x TP2+SP (a 3-D plan: pp, tp and sp over 4 ranks): rank 3 exits at step 3, torchrun
     restarts the workers, they resume from the step-2 DCP checkpoint (model-wide layer names) and end
     with the losses and the weights of an uninterrupted run, bit for bit."""
-    from run_plans import child_env
     from test_executor_run import _final_state, autopar_run
 
     config = four_layers("olmo2")
