@@ -5,15 +5,17 @@ Supported layouts are decoder-only Llama-style models (``llama``, ``mistral``, `
 (``mixtral``, ``qwen3_moe``) and DeepSeek-V3 (``deepseek_v3``: MLA attention plus shared and routed
 experts). Anything else should be written as a ``ModelSpec`` by hand.
 
-Only shapes are read. Gemma's gated GELU MLP (GeGLU) has SwiGLU's three matrices and FLOPs and is read
-as ``ffn_kind="swiglu"``; Phi-3's fused qkv and gate-up projections have the shapes of the separate ones.
-Details that barely move memory or time are not modelled, and each is named here: Qwen2's QKV bias
-(``linear_bias`` stays False); the q/k RMSNorms of Qwen3, OLMo 2 and Gemma 3 and Gemma's and OLMo 2's
-extra residual norms (elementwise, under 1% of a layer's time); Granite's scalar multipliers
-(embedding, residual, attention, logits) and Gemma's embedding scale and logit soft-capping (scalars
-applied elementwise); sliding-window attention (Mistral, Gemma 2/3: the windowed layers are priced as
-full causal attention, an over-estimate at sequences longer than the window); RoPE scaling;
-DeepSeek's router bias and multi-token-prediction layers.
+Shapes are read, and what each family adds that moves time: Gemma's gated GELU MLP (GeGLU) has
+SwiGLU's three matrices and FLOPs and is read as ``ffn_kind="swiglu"``; Phi-3's fused qkv and gate-up
+projections have the shapes of the separate ones. Priced (``ModelSpec`` fields, :mod:`planner.cost.layer`):
+sliding-window attention (``sliding_window``, ``global_layer_every``: Mistral 7B v0.1, Gemma 2 and 3: the
+windowed blocks' attention work), Gemma's two extra norms per block (``extra_norms``), the q/k norms of
+Qwen3, OLMo 2 and Gemma 3 (``qk_norm``), Gemma 2's soft-capped logits (``logit_softcap``). Not modelled,
+each named here: Qwen2's QKV bias (``linear_bias`` stays False) and its optional sliding window
+(``use_sliding_window``: off in the released configs); the norms' and q/k norms' own weights in the
+parameter count (under 0.01%); Granite's scalar multipliers (embedding, residual, attention, logits) and
+Gemma's embedding scale (one multiply each); Gemma 2's soft-capped attention scores (inside the fused
+kernel where a framework has one); RoPE scaling; DeepSeek's router bias and multi-token-prediction layers.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def _mixtral(r: _Reader) -> dict[str, Any]:
 
 
 def _qwen3_moe(r: _Reader) -> dict[str, Any]:
-    spec = _common(r)
+    spec = _common(r) | {"qk_norm": True}
     step = r.integer("decoder_sparse_step", "moe.layer_frequency", default=1)
     dense = sorted(set(r.int_list("mlp_only_layers")))
     if dense != list(range(len(dense))):
@@ -256,8 +258,44 @@ def _deepseek_v3(r: _Reader) -> dict[str, Any]:
     return spec
 
 
+def _window(r: _Reader, every: int | None) -> dict[str, Any]:
+    """A sliding window (``sliding_window``, null: none) on the blocks ``global_layer_every`` leaves windowed."""
+    window = r.get("sliding_window", None)
+    if window is None:
+        return {}
+    return {"sliding_window": r.integer("sliding_window", "sliding_window"), "global_layer_every": every}
+
+
+def _gemma(r: _Reader) -> dict[str, Any]:
+    """Gemma 2 (every second block global, logits soft-capped) and Gemma 3 (one block in
+    ``sliding_window_pattern`` global, q/k norms): two extra norms per block."""
+    spec = _common(r)
+    gemma3 = r.model_type == "gemma3_text"
+    every = r.integer("sliding_window_pattern", "global_layer_every", default=6) if gemma3 else 2
+    cap = r.get("final_logit_softcapping", None)
+    spec |= _window(r, every) | {"extra_norms": 2, "qk_norm": gemma3}
+    if cap is not None:
+        spec["logit_softcap"] = float(cap)
+    return spec
+
+
+def _qk_norm(r: _Reader) -> dict[str, Any]:
+    """Qwen3 and OLMo 2: a norm on every query and key."""
+    return _common(r) | {"qk_norm": True}
+
+
+def _mistral(r: _Reader) -> dict[str, Any]:
+    """Mistral: a sliding window on every block where the config sets one (7B v0.1: 4096)."""
+    return _common(r) | _window(r, None)
+
+
 _LAYOUTS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     **{t: _common for t in _DENSE},
+    "mistral": _mistral,
+    "qwen3": _qk_norm,
+    "olmo2": _qk_norm,
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "deepseek_v3": _deepseek_v3,

@@ -97,10 +97,11 @@ def _build() -> dict[str, ModelSpec]:
     presets.append(_llama("mixtral-8x7b", 32, 4096, 32, 14336, 32000, kv_heads=8, moe=mixtral_moe))
 
     # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (Qwen3 technical report, 2025). 32 query heads of 128
-    # over a 2048-wide residual, so head_dim is explicit; 128 experts of 768, 8 active, no shared expert.
+    # over a 2048-wide residual, so head_dim is explicit; 128 experts of 768, 8 active, no shared expert;
+    # an RMSNorm on every query and key head.
     qwen_moe = MoESpec(num_experts=128, top_k=8, expert_ffn_hidden_size=768)
     presets.append(
-        _llama("qwen3-30b-a3b", 48, 2048, 32, 6144, 151936, kv_heads=4, head_dim=128, moe=qwen_moe)
+        _llama("qwen3-30b-a3b", 48, 2048, 32, 6144, 151936, kv_heads=4, head_dim=128, moe=qwen_moe, qk_norm=True)
     )
 
     # DeepSeek-V3: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", and deepseek-ai/DeepSeek-V3

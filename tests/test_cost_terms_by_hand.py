@@ -659,3 +659,39 @@ def test_moe_load_imbalance_scales_the_busiest_ranks_routed_work():
     skewed = block(small_moe(), replace(micro(), moe_imbalance=2.0), dp_shard=2, ep=2)
     assert skewed.forward.comm_s["ep"] > balanced.forward.comm_s["ep"]
     assert skewed.forward.gemm_s > balanced.forward.gemm_s
+
+
+# ============================================================================================
+# What a model family adds (planner.hf_config): sliding windows, extra norms, q/k norms, soft-capping
+# ============================================================================================
+class TestWhatAFamilyAdds:
+    def test_a_window_prices_the_keys_each_query_attends_to(self):
+        from planner.cost.compute import attention_window_share, windowed_work_ratio
+
+        assert windowed_work_ratio(8, 3) == pytest.approx(21 / 36)  # keys 1,2,3,3,3,3,3,3 of 1+2+...+8
+        assert windowed_work_ratio(8, 8) == 1.0
+        s, w = 1024, 256
+        ratio = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+        gemma = llama(sliding_window=w, global_layer_every=2)  # blocks 0 and 2 windowed, 1 and 3 global
+        share = (2 * ratio + 2) / 4
+        assert attention_window_share(gemma, s) == pytest.approx(share)
+        assert attention_window_share(llama(sliding_window=w), s) == pytest.approx(ratio)  # every block
+        full, windowed = block(llama(), micro()), block(gemma, micro())
+        assert windowed.forward.attention_s == pytest.approx(full.forward.attention_s * share)
+        assert windowed.backward.attention_s == pytest.approx(full.backward.attention_s * share)
+        assert windowed.forward.gemm_s == full.forward.gemm_s
+
+    def test_extra_norms_and_qk_norms_are_bandwidth_passes(self):
+        base, more = block(llama(), micro()), block(llama(extra_norms=2, qk_norm=True), micro())
+        tokens = 2 * 1024
+        norms = 2 * (2 * 2 * tokens * H) / 1e12  # two more norms, each reading and writing tokens x H in bf16
+        qk = 2 * 2 * tokens * (HEADS + KV) * 128 / 1e12  # every query and key head, read and written
+        assert more.forward.memory_s - base.forward.memory_s == pytest.approx(norms + qk)
+
+    def test_soft_capped_logits_are_three_passes_over_them(self):
+        groups = mesh_groups(ParallelLayout(tp=2), 8)
+        base = lm_head_cost(easy_profile(), llama(), micro(tp=2), groups)
+        capped = lm_head_cost(easy_profile(), llama(logit_softcap=30.0), micro(tp=2), groups)
+        passes = 3 * 2 * 2 * (2 * 1024) * VOCAB / 2 / 1e12  # divide, tanh, multiply: read + write bf16 logits
+        assert capped[0].memory_s - base[0].memory_s == pytest.approx(passes)
+        assert capped[1].memory_s - base[1].memory_s == pytest.approx(passes)

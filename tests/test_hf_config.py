@@ -52,31 +52,36 @@ def test_mistral() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fixture", "shape", "tied", "dropped"),
-    [  # (layers, hidden, heads, kv heads, head size, ffn, vocab); what the ModelSpec leaves out
-        ("gemma-2-9b", (42, 3584, 16, 8, 256, 14336, 256000), True, "soft-capping"),
-        ("olmo-2-7b", (32, 4096, 32, 32, 128, 11008, 100352), False, "OLMo 2"),
-        ("granite-3.0-8b", (40, 4096, 32, 8, 128, 12800, 49155), True, "multipliers"),
-        ("phi-3-mini", (32, 3072, 32, 32, 96, 8192, 32064), False, "Phi-3"),
+    ("fixture", "shape", "tied", "adds"),
+    [  # (layers, hidden, heads, kv heads, head size, ffn, vocab); what the family adds, priced
+        ("gemma-2-9b", (42, 3584, 16, 8, 256, 14336, 256000), True,
+         {"sliding_window": 4096, "global_layer_every": 2, "extra_norms": 2, "logit_softcap": 30.0}),
+        ("olmo-2-7b", (32, 4096, 32, 32, 128, 11008, 100352), False, {"qk_norm": True}),
+        ("granite-3.0-8b", (40, 4096, 32, 8, 128, 12800, 49155), True, {}),
+        ("phi-3-mini", (32, 3072, 32, 32, 96, 8192, 32064), False, {}),
+        ("mistral-7b-v0.1", (32, 4096, 32, 8, 128, 14336, 32000), False, {"sliding_window": 4096}),
     ],
 )
-def test_llama_like_families(fixture: str, shape: tuple, tied: bool, dropped: str) -> None:
-    """Gemma 2 (gated GELU read as the gated MLP, tied by default), OLMo 2, Granite, Phi-3 (fused
-    projections: the same shapes): shapes only, each detail left out named in the module docstring."""
+def test_llama_like_families(fixture: str, shape: tuple, tied: bool, adds: dict) -> None:
+    """Gemma 2 (gated GELU read as the gated MLP, tied by default, a window on every second block, two
+    extra norms, soft-capped logits), OLMo 2 (q/k norms), Granite (scalars, not modelled), Phi-3 (fused
+    projections: the same shapes), Mistral 7B v0.1 (a window on every block)."""
     spec = model_spec_from_hf_config(FIXTURES / fixture / "config.json")
     got = (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size,
            spec.ffn_hidden_size, spec.vocab_size)
     assert got == shape and spec.tied_embeddings is tied and spec.ffn_kind == "swiglu" and spec.moe is None
-    import planner.hf_config as module
-
-    assert dropped in module.__doc__
+    defaults = {"sliding_window": None, "global_layer_every": None, "extra_norms": 0, "qk_norm": False,
+                "logit_softcap": None}
+    assert {k: getattr(spec, k) for k in defaults} == defaults | adds
 
 
 def test_gemma_activation_is_checked() -> None:
     cfg = load("gemma-2-9b") | {"hidden_activation": "relu"}
     with pytest.raises(AutoparError, match=r"hidden_activation='relu'.*gelu_pytorch_tanh"):
         model_spec_from_hf_config(cfg)
-    assert model_spec_from_hf_config(load("gemma-2-9b") | {"model_type": "gemma3_text"}).tied_embeddings
+    gemma3 = model_spec_from_hf_config(load("gemma-2-9b") | {"model_type": "gemma3_text", "sliding_window": 1024})
+    assert gemma3.tied_embeddings and gemma3.qk_norm and (gemma3.sliding_window, gemma3.global_layer_every) == (1024, 6)
+    assert [gemma3.is_windowed_layer(i) for i in range(7)] == [True] * 5 + [False, True]
 
 
 def test_qwen2() -> None:

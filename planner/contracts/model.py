@@ -118,6 +118,17 @@ class ModelSpec(Contract):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, strict=True)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
+    sliding_window: int | None = Field(
+        None, strict=True, description="keys a windowed layer's query attends to, itself included (Mistral 7B "
+        "v0.1: 4096, Gemma 2: 4096, Gemma 3: 1024); None: every layer attends to the whole causal prefix")
+    global_layer_every: int | None = Field(
+        None, strict=True, description="with sliding_window, block i attends to the whole prefix when (i + 1) % N "
+        "== 0 (Gemma 2: 2, Gemma 3: 6); None: every block is windowed")
+    extra_norms: int = Field(0, strict=True, ge=0, le=8,
+                             description="RMSNorms over the hidden size per block beyond the two (Gemma 2/3: 2)")
+    qk_norm: bool = Field(False, description="an RMSNorm on every query and key head (Qwen3, OLMo 2, Gemma 3)")
+    logit_softcap: float | None = Field(
+        None, gt=0.0, description="tanh soft-capping of the output logits, cap x tanh(logits / cap) (Gemma 2: 30)")
 
     @field_validator("num_layers")
     @classmethod
@@ -148,6 +159,11 @@ class ModelSpec(Contract):
     @classmethod
     def _optional_positive(cls, v: int | None, info) -> int | None:  # noqa: ANN001
         return None if v is None else _positive(info.field_name, v, MAX_HIDDEN)
+
+    @field_validator("sliding_window", "global_layer_every")
+    @classmethod
+    def _window(cls, v: int | None, info) -> int | None:  # noqa: ANN001
+        return None if v is None else _positive(info.field_name, v, MAX_SEQ)
 
     @field_validator("max_position_embeddings")
     @classmethod
@@ -192,6 +208,12 @@ class ModelSpec(Contract):
     @property
     def value_head_size(self) -> int:
         return self.mla.v_head_dim if self.mla is not None else self.head_size
+
+    def is_windowed_layer(self, index: int) -> bool:
+        """Whether block ``index`` attends through ``sliding_window`` (see ``global_layer_every``)."""
+        if self.sliding_window is None:
+            return False
+        return self.global_layer_every is None or (index + 1) % self.global_layer_every != 0
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has routed experts."""

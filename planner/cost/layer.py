@@ -44,6 +44,7 @@ from planner.contracts.limits import ONE_KERNEL
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s, placement
 from planner.cost.compute import (
     attention_time_s,
+    attention_window_share,
     cross_entropy_bytes,
     elementwise_time_s,
     gemm_fwd_bwd_s,
@@ -349,6 +350,8 @@ def block_cost(
         profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads, kv_heads=kv_heads,
         qk_dim=model.head_size, v_dim=model.value_head_size, precision=mb.precision, causal=True, flash=mb.flash,
     )
+    share = attention_window_share(model, mb.seq)  # sliding-window blocks: fewer keys per query
+    core_f, core_b = core_f * share, core_b * share
     fwd.attention_s, bwd.attention_s = core_f, core_b
     fwd.memory_s = _elementwise_s(profile, model, moe, mb, layout, heads + kv_heads)
     bwd.memory_s = ELEMENTWISE_BACKWARD_RATIO * fwd.memory_s
@@ -383,9 +386,10 @@ def _block_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None,
 
 def _elementwise_s(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch,
                    layout: ParallelLayout, rope_heads: int) -> float:
-    """Forward seconds of the bandwidth-bound kernels: 2 norms (2E each), 2 residual adds with dropout (3E +
-    mask each) in the replicated region (split by t only with SP); activation function and RoPE (the local
-    query and key heads, ``rope_heads``, read + write) in the TP region; an MoE layer's dispatcher kernels.
+    """Forward seconds of the bandwidth-bound kernels: 2 norms (2E each) and ``model.extra_norms`` more, 2
+    residual adds with dropout (3E + mask each) in the replicated region (split by t only with SP);
+    activation function, RoPE and q/k norms (``model.qk_norm``; the local query and key heads,
+    ``rope_heads``, read + write) in the TP region; an MoE layer's dispatcher kernels.
     Each at its own measured rate for its own size where the profile has an elementwise table (norms as
     rmsnorm, the SwiGLU product as silu_mul, the rest as adds), else at the memory bandwidth."""
     t, elt, tokens, p = mb.tp, mb.elt, mb.tokens, mb.precision
@@ -402,7 +406,9 @@ def _elementwise_s(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | Non
     swiglu = model.ffn_kind == "swiglu"
     act = (3 if swiglu else 2) * elt * tokens * ffn / t
     rope = 2 * elt * tokens * rope_heads * model.head_size if model.position_embedding == "rope" else 0
-    total = (2 * elementwise_time_s(profile, "rmsnorm", norm, p)
+    qk = 2 * elt * tokens * rope_heads * model.head_size if model.qk_norm else 0  # per-head norms, read + write
+    total = ((2 + model.extra_norms) * elementwise_time_s(profile, "rmsnorm", norm, p)
+             + elementwise_time_s(profile, "rmsnorm", qk, p)
              + elementwise_time_s(profile, "silu_mul" if swiglu else "add", act, p)
              + 2 * elementwise_time_s(profile, "add", add, p)
              + elementwise_time_s(profile, "add", rope, p))
@@ -587,8 +593,12 @@ def lm_head_cost(
     # the loss's backward (softmax minus one-hot) reads and writes the fp32 logits once
     fwd.loss_s = elementwise_time_s(profile, "softmax_cross_entropy", cross_entropy_bytes(logits, mb.elt), p)
     bwd.loss_s = elementwise_time_s(profile, "softmax_cross_entropy", 8 * logits, p)
-    fwd.memory_s = elementwise_time_s(profile, "rmsnorm", norm, p) + fwd.loss_s
-    bwd.memory_s = elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + bwd.loss_s
+    # soft-capped logits (model.logit_softcap): divide, tanh, multiply, each reading and writing the logits
+    cap = 3 * 2 * mb.elt * logits if model.logit_softcap is not None else 0
+    fwd.memory_s = (elementwise_time_s(profile, "rmsnorm", norm, p) + fwd.loss_s
+                    + elementwise_time_s(profile, "add", cap, p))
+    bwd.memory_s = (elementwise_time_s(profile, "rmsnorm", 2 * norm, p) + bwd.loss_s
+                    + elementwise_time_s(profile, "add", cap, p))
     fwd.launch(5, profile)  # norm, GEMM, max, exp-sum, loss
     bwd.launch(10, profile)
     if t > 1:

@@ -42,7 +42,7 @@ from planner.cost.comm import (
     mesh_groups,
     placement,
 )
-from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s
+from planner.cost.compute import attention_time_s, attention_window_share, gemm_fwd_bwd_s
 from planner.cost.layer import (
     MicroBatch,
     _attention_gemms,
@@ -1209,9 +1209,9 @@ def _block_floor_base(model: ModelSpec, profile: ClusterProfile, index: int, mb:
             total += sum(_mlp_gemms(profile, model, tokens, moe.shared_ffn, t, mb.precision, moe.num_shared_experts))
     heads = max(model.num_attention_heads // t, 1)
     kv_heads = heads if model.mla is not None else max(model.kv_heads // t, 1)
-    total += sum(attention_time_s(profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads,
-                                  kv_heads=kv_heads, qk_dim=model.head_size, v_dim=model.value_head_size,
-                                  precision=mb.precision, causal=True, flash=mb.flash))
+    total += attention_window_share(model, mb.seq) * sum(attention_time_s(
+        profile, batch=mb.batch, q_len=mb.local_seq, kv_len=mb.seq, heads=heads, kv_heads=kv_heads,
+        qk_dim=model.head_size, v_dim=model.value_head_size, precision=mb.precision, causal=True, flash=mb.flash))
     if mb.cp > 1:  # not overlapped
         kv_dim = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla else kv_heads * (
             model.head_size + model.value_head_size)
