@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from executor.adapters import ModelAdapter, builtin_adapter, get_submodule, norm_width
 from executor.hf_pipeline import is_hf_stage
 from executor.measure import label
-from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
+from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, Schedule, StageRecompute, TrainingConfig
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
 
@@ -569,12 +569,16 @@ def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
 
     ZeRO-2 keeps the gathered parameters from forward to backward (reshard_after_forward=False):
     one all-gather per step, gradients and optimizer states sharded. ZeRO-3 frees them after forward
-    when ``layout.reshard_after_forward``. Offload: ``CPUOffloadPolicy`` keeps sharded parameters,
+    when ``layout.reshard_after_forward``, except under the zero-bubble schedule: its split weight pass
+    takes the stage's parameters when it runs, and resharded ones are not the tensors the forward used
+    (every weight gradient of the stage was lost); a pipeline stage holds its weights gathered anyway
+    (``planner.cost.memory.kept_gathered_bytes_per_param``). Offload: ``CPUOffloadPolicy`` keeps sharded parameters,
     gradients and optimizer states on the CPU and steps there (on a CPU-only machine a no-op move)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
 
     kw: dict = {"mp_policy": _mp_policy(training),
-                "reshard_after_forward": layout.zero_stage == 3 and layout.reshard_after_forward}
+                "reshard_after_forward": layout.zero_stage == 3 and layout.reshard_after_forward
+                and not (layout.pp > 1 and layout.schedule is Schedule.zero_bubble)}
     if layout.offload_optimizer:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     mesh = meshes.fsdp()

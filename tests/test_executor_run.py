@@ -464,6 +464,7 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
                                     "zero_stage": 1}),
     ("moe_pp2_dp2_zero_bubble", True, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble", "zero_stage": 1}),
     ("moe_pp2_fsdp2_1f1b", True, {"pp": 2, "dp_shard": 2, "schedule": "1f1b", "zero_stage": 3}),
+    ("pp2_fsdp2_zero_bubble", False, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble", "zero_stage": 3}),
     ("moe_pp2_tp2_sp_ep2_etp1", True, {"pp": 2, "tp": 2, "sp": True, "ep": 2, "etp": 1, "schedule": "1f1b"}),
     ("moe_pp2_cp2_ep2_fsdp", True, {"pp": 2, "cp": 2, "ep": 2, "schedule": "1f1b", "zero_stage": 3}),
     ("moe_cp2_tp2_sp_ep2_etp2", True, {"cp": 2, "tp": 2, "sp": True, "ep": 2}),
@@ -473,8 +474,8 @@ def test_the_worker_matches_losses_and_gradients_of_the_reference(tmp_path: Path
     """The training worker itself (not a test harness): losses of 3 steps and every parameter's
     first-step gradient equal the single-process run's, under pipeline x tensor, interleaved pipeline
     x data (ZeRO-1) and an MoE model (aux loss through the schedule) under zero-bubble x ZeRO-1 and
-    1F1B x FSDP, and with its experts folded over tensor / context parallel ranks (etp 1 and tp).
-    (Zero-bubble x FSDP is refused: this test found its lost gradients.)"""
+    1F1B x FSDP, zero-bubble x FSDP (this test found its lost weight gradients; now kept gathered), and with
+    its experts folded over tensor / context parallel ranks (etp 1 and tp)."""
     import torch
     from run_plans import GBS, SEQ, torchrun_worker
 

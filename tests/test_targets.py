@@ -288,10 +288,6 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         "position embeddings other than RoPE in the built-in model": (job(GPT3), job(GPT3, hf=True)),
         "dropout in the built-in model": (job(LLAMA.model_copy(update={"dropout": 0.1})), job()),
         "pipeline parallelism with tied embeddings": (job(TIED, pp=2), job(TIED)),
-        "zero-bubble schedule with ZeRO-2/3": (
-            job(pp=2, dp_shard=2, zero_stage=2, schedule="zero_bubble"),
-            job(pp=2, dp_shard=2, zero_stage=1, schedule="zero_bubble"),
-        ),
         "1F1B with fewer micro-batches than stages": (job(pp=4, micro=3), job(pp=4, micro=4)),
         "multi-stage schedule with micro-batches not in rounds of pp": (
             job(pp=4, schedule="zero_bubble", micro=9),

@@ -298,20 +298,6 @@ _AUTOPAR = (
         fix="use untied embeddings or pp=1",
     ),
     Limit(
-        feature="zero-bubble schedule with ZeRO-2/3",
-        scope="layout",
-        refuses=lambda j: _pp(j) and j.layout.schedule is Schedule.zero_bubble and j.layout.zero_stage >= 2,
-        field="layout.schedule",
-        value=lambda j: "zero_bubble",
-        problem=lambda j: (
-            f"with FSDP2 (zero_stage {j.layout.zero_stage}) loses the weight gradients of every "
-            "stage but the first: torch's split backward computes them in a separate weight pass that FSDP "
-            "never reduce-scatters (measured: the blocks of stage 1 got no gradient and the loss left the "
-            "reference after one step)"
-        ),
-        fix="use zero_stage 0 or 1 with zero_bubble, or 1f1b / interleaved_1f1b with ZeRO-2/3",
-    ),
-    Limit(
         feature="1F1B with fewer micro-batches than stages",
         scope="split",
         refuses=lambda j: (

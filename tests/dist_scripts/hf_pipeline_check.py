@@ -31,6 +31,8 @@ SEQ, GBS, STEPS = 16, 8, 2
 TRAINING = TrainingConfig(seq_length=SEQ, global_batch_size=GBS, precision="fp32")
 CASES: dict[str, tuple[str, dict]] = {  # name -> (family, layout fields); every case runs on 4 ranks
     "llama_pp4_gpipe": ("llama", {"pp": 4, "schedule": "gpipe"}),
+    "llama_pp2_fsdp2_zero_bubble": ("llama", {"pp": 2, "dp_shard": 2, "zero_stage": 3, "schedule": "zero_bubble"}),
+    "qwen3_pp2_zero2_zero_bubble": ("qwen3", {"pp": 2, "dp_shard": 2, "zero_stage": 2, "schedule": "zero_bubble"}),
     "gemma2_pp2_dp2_1f1b": ("gemma2", {"pp": 2, "dp_replicate": 2, "schedule": "1f1b"}),
     "qwen3_pp2_dp2_zero_bubble": ("qwen3", {"pp": 2, "dp_replicate": 2, "schedule": "zero_bubble"}),
     "granite_pp2_fsdp2_interleaved": ("granite", {"pp": 2, "dp_shard": 2, "zero_stage": 3,
