@@ -537,6 +537,11 @@ def apply_recompute(model: nn.Module, choice: StageRecompute | None, layout: Par
     container = get_submodule(model, a.layers)
     items = list(a.layer_items(model))
     n = len(items) if choice is None or choice.num_layers is None else min(choice.num_layers, len(items))
+    if kind is Recompute.selective and a.family == "hf":
+        from executor.hf_selective import apply_hf_selective
+
+        apply_hf_selective(model, [block for _, block in items[:n]])
+        return
     for name, block in items[:n]:
         if kind is Recompute.full:
             container.add_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

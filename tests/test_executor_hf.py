@@ -127,6 +127,31 @@ def test_moe_families_take_tensor_parallelism_with_whole_experts_but_not_latent_
         check_parallelisable(build_hf_model(CONFIGS["deepseek_v3"]), tp2)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # SDPA, and eager with its explicit masks
+def test_selective_recompute_reruns_the_attention_core_of_the_chosen_layers_only(monkeypatch, family):
+    import executor.hf_selective as selective
+    from executor.parallelize import apply_recompute
+    from planner.contracts import Recompute, StageRecompute
+
+    calls: list[torch.nn.Module] = []
+    real = selective.inner_attention
+
+    def counting(attention):
+        fn = real(attention)
+        return lambda *args, **kwargs: calls.append(attention) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(selective, "inner_attention", counting)
+    model = build_hf_model(CONFIGS[family])
+    tokens = torch.randint(0, 128, (2, 12))
+    reference = build_hf_model(CONFIGS[family])(tokens).logits
+    apply_recompute(model, StageRecompute(kind=Recompute.selective, num_layers=1), ParallelLayout())
+    logits = model(tokens).logits
+    assert torch.allclose(logits, reference, atol=1e-6)  # the model's own masks still apply
+    logits.sum().backward()
+    first, second = (layer.self_attn for layer in model.model.layers)
+    assert calls.count(first) == 2 and calls.count(second) == 1  # forward, and again in the backward
+
+
 def test_gemma2_falls_back_to_eager_attention():
     model = build_hf_model(CONFIGS["gemma2"])
     assert model.config._attn_implementation == "eager"  # transformers has no SDPA path for its soft-capping

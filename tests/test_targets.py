@@ -271,14 +271,6 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(DEEPSEEK, tp=2, sp=True, dp_shard=4, etp=1, hf=True), job(DEEPSEEK, dp_shard=8, hf=True)),
         "expert tensor parallelism on a Hugging Face MoE model": (
             job(MIXTRAL, tp=2, sp=True, dp_shard=4, hf=True), job(MIXTRAL, tp=2, sp=True, dp_shard=4, etp=1, hf=True)),
-        "selective recompute on a Hugging Face model": (
-            job(recompute="selective", hf=True),
-            job(recompute="selective"),
-        ),
-        "per-stage selective recompute on a Hugging Face model": (
-            job(recompute_per_stage=[SEL], hf=True),
-            job(recompute_per_stage=[full()], hf=True),
-        ),
         "fp16 or fp8 training": (job(training={"precision": "fp16"}), job()),
         "a sequence that context/sequence parallelism cannot split": (
             job(seq=20, cp=2, tp=2, sp=True),

@@ -3,7 +3,7 @@ Its pricing facts and its capability table. Never imports torch."""
 
 from __future__ import annotations
 
-from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, Precision, Recompute, Schedule
+from planner.contracts import ClusterProfile, ModelSpec, Precision, Schedule
 from planner.cost.params import embedding_params, head_per_tp_rank
 from planner.targets.core import Job, Limit, Target, TargetFacts, TargetSpec, _grouped_mm_or_loop
 from planner.targets.rows import _TORCH_PIPELINE_SENDS, _no_compile, _pp, _pp_sends, _sends_as_sp, _trained
@@ -49,10 +49,6 @@ _AUTOPAR_FACTS = TargetFacts(
 )
 
 
-def _stage_selective(layout: ParallelLayout) -> bool:
-    return any(s.kind is Recompute.selective for s in layout.recompute_per_stage or [])
-
-
 def _seq_split(j: Job) -> int:
     """Sequence chunks context/sequence parallelism need: 2 x cp (cp > 1), times tp with sp."""
     return (2 * j.layout.cp if j.layout.cp > 1 else 1) * (j.layout.tp if j.layout.sp else 1)
@@ -61,13 +57,6 @@ def _seq_split(j: Job) -> int:
 def _rounds(j: Job) -> int:
     return max(1, (j.micro_batches or 0) // j.layout.pp)
 
-
-_HF_SELECTIVE = {
-    "field": "layout.recompute",
-    "value": lambda j: "selective",
-    "problem": "needs the built-in attention's recompute hook",
-    "fix": "use full or none for Hugging Face models",
-}
 
 _AUTOPAR = (
     _no_compile("the executor", "runs its model eagerly"),
@@ -225,18 +214,6 @@ _AUTOPAR = (
         value=lambda j: True,
         problem=lambda j: f"is implemented with FSDP2 offload, not with zero_stage {j.layout.zero_stage}",
         fix="use zero_stage 2 or 3 (FSDP2 CPUOffloadPolicy)",
-    ),
-    Limit(
-        feature="selective recompute on a Hugging Face model",
-        scope="layout",
-        refuses=lambda j: j.hf and j.layout.recompute is Recompute.selective,
-        **_HF_SELECTIVE,
-    ),
-    Limit(
-        feature="per-stage selective recompute on a Hugging Face model",
-        scope="split",
-        refuses=lambda j: j.hf and _stage_selective(j.layout),
-        **_HF_SELECTIVE,
     ),
     Limit(
         feature="fp16 or fp8 training",

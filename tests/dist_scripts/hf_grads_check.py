@@ -85,6 +85,8 @@ PLANS: dict[str, dict] = {
     "fsdp2_tp2": {"dp_shard": 2, "tp": 2, "zero_stage": 3},
     "cp2_fsdp2": {"cp": 2, "dp_shard": 2, "zero_stage": 3},
     "cp2_tp2_sp": {"cp": 2, "tp": 2, "sp": True},
+    "fsdp4_selective": {"dp_shard": 4, "zero_stage": 3, "recompute": "selective"},
+    "cp2_tp2_sp_selective": {"cp": 2, "tp": 2, "sp": True, "recompute": "selective"},
     "ep2_dp4": {"dp_shard": 4, "ep": 2},
     "ep4_fsdp4": {"dp_shard": 4, "ep": 4, "zero_stage": 3},
     "ep2_cp2_fsdp2": {"cp": 2, "dp_shard": 2, "ep": 2, "zero_stage": 3},
