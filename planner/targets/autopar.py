@@ -58,6 +58,10 @@ def _rounds(j: Job) -> int:
     return max(1, (j.micro_batches or 0) // j.layout.pp)
 
 
+MLA_TP_PROBLEM = ("multi-head latent attention, whose shared rotary key feeds every head: its latent projection's "
+                  "gradient would need a sum over the TP ranks inside the model's forward")
+"""Why a Hugging Face model's MLA is not split over TP: the target table's row and the executor's module check."""
+
 _AUTOPAR = (
     _no_compile("the executor", "runs its model eagerly"),
     Limit(
@@ -138,8 +142,7 @@ _AUTOPAR = (
         refuses=lambda j: j.hf and j.model.mla is not None and j.layout.tp > 1,
         field="layout.tp",
         value=lambda j: j.layout.tp,
-        problem="splits multi-head latent attention, whose shared rotary key feeds every head: its latent "
-        "projection's gradient would need a sum over the TP ranks inside the model's forward",
+        problem=f"splits {MLA_TP_PROBLEM}",
         fix="use tp=1 (FSDP, HSDP, CP, EP and pipelines run it)",
     ),
     Limit(
