@@ -19,6 +19,7 @@ from torch import nn
 
 from executor.adapters import HF
 from executor.cp import cp_attention
+from executor.hf_pipeline import is_hf_stage
 
 IMPLEMENTATION = "autopar_cp"
 
@@ -70,7 +71,7 @@ def set_positions(model: nn.Module, positions: torch.Tensor) -> None:
 
 def _add_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A whole model's forward gets ``position_ids`` (a pipeline chunk passes them itself)."""
-    if not hasattr(module, "autopar_stage"):
+    if not is_hf_stage(module):
         ids = module.autopar_position_ids
         kwargs.setdefault("position_ids", ids.to(args[0].device if args else ids.device))
     return args, kwargs
