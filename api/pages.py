@@ -28,6 +28,7 @@ from planner.contracts.common import Precision
 from planner.contracts.report import term_comparison
 from planner.contracts.tune import TuneReport
 from planner.cost.comm import ring_factor
+from planner.cost.pipeline import SCHEDULES
 
 log = logging.getLogger("autopar.pages")
 HERE = Path(__file__).parent
@@ -348,7 +349,7 @@ def timeline_view(plan: Plan) -> dict:
     title = (f"{schedule}: {len(stages)} stage{'s' if len(stages) != 1 else ''} x {shown_m} micro-batches"
              + (f", {lay.virtual_stages} chunks per stage" if lay.virtual_stages > 1 else ""))
     svg = charts.timeline_chart(ranks, title=title, rank_labels=[f"stage {i}" for i in range(len(ranks))],
-                                split_backward=schedule == "zero_bubble")
+                                split_backward=lay.pp > 1 and SCHEDULES[lay.schedule].split_backward)
     return dict(svg=svg, message=None, notes=notes, microbatches=m, shown=shown_m, makespan=total, bubble=bubble,
                 schedule=schedule)
 

@@ -11,14 +11,22 @@ when its rank is free and the operation it depends on has ended:
   micro-batch on the same rank.
 
 Virtual stage ``s = chunk * p + rank`` (Megatron's interleaving: rank r holds chunks r, r + p, ...).
-Gaps between a rank's boxes are the pipeline bubble. Communication is not drawn.
+The V schedules (ZB-V, DualPipeV: rank r holds chunks r and 2p-1-r, :func:`planner.cost.pipeline.rank_chunks`)
+are simulated greedily instead (:func:`_simulate_v`): a free rank runs the ready operation it can start
+first, an input gradient before a forward before a weight gradient, holding at most the schedule's
+micro-batches in flight. Gaps between a rank's boxes are the pipeline bubble. Communication is not drawn.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from planner.contracts import Schedule
+from planner.cost.pipeline import SCHEDULES as FACTS
+from planner.cost.pipeline import microbatches_in_flight, rank_chunks
+
+SCHEDULES = tuple(s.value for s in Schedule)
+V_SCHEDULES = tuple(s.value for s in Schedule if FACTS[s].depth == 2)
 
 
 class Box(NamedTuple):
@@ -74,6 +82,8 @@ def simulate(schedule: str, forward_s: list[float], backward_s: list[float], mic
     m = int(microbatches)
     if m < 1:
         raise ScheduleError(f"microbatches={microbatches} must be at least 1")
+    if schedule in V_SCHEDULES:
+        return _simulate_v(Schedule(schedule), forward_s, backward_s, m)
     v = int(virtual_stages) if schedule == "interleaved_1f1b" else 1
     if v < 1:
         raise ScheduleError(f"virtual_stages={virtual_stages} must be at least 1")
@@ -146,6 +156,74 @@ def simulate(schedule: str, forward_s: list[float], backward_s: list[float], mic
         while pending_w[r]:
             run_w(r)
     return boxes
+
+
+def stage_of(schedule: str, p: int, virtual: int, rank: int, chunk: int) -> int:
+    """The virtual stage of a rank's ``chunk``-th chunk (:func:`planner.cost.pipeline.rank_chunks`)."""
+    return rank_chunks(Schedule(schedule), p, virtual, rank)[chunk]
+
+
+class _VState:
+    """The greedy V simulation's state: op ends by (kind, micro-batch, stage), per-rank clocks and boxes."""
+
+    def __init__(self, schedule: Schedule, forward_s: list[float], backward_s: list[float], m: int) -> None:
+        p = len(forward_s)
+        self.p, self.m, self.split = p, m, FACTS[schedule].split_backward
+        self.stages = [rank_chunks(schedule, p, 2, r) for r in range(p)]
+        b_share = 0.25 if self.split else 0.5  # per chunk: the rank's backward halved, then split in B and W
+        self.dur = [{"F": max(0.0, forward_s[r]) / 2, "B": max(0.0, backward_s[r]) * b_share,
+                     "W": max(0.0, backward_s[r]) * 0.25} for r in range(p)]
+        self.cap = [2 * microbatches_in_flight(schedule, r, p, m, 2) for r in range(p)]  # in chunk units
+        self.end: dict[tuple[str, int, int], float] = {}
+        self.todo = [[(k, j, c) for j in range(m) for c in (0, 1) for k in ("FBW" if self.split else "FB")]
+                     for _ in range(p)]
+        self.held = [0] * p  # chunk micro-batches whose activations the rank holds
+        self.free = [0.0] * p
+        self.boxes: list[list[Box]] = [[] for _ in range(p)]
+
+    def ready(self, r: int, op: tuple[str, int, int]) -> float | None:
+        """When ``op`` of rank ``r`` may start (its dependency's end), or None while that has not run."""
+        kind, j, c = op
+        s, last = self.stages[r][c], 2 * self.p - 1
+        dep = {"F": ("F", j, s - 1) if s > 0 else None,
+               "B": ("B", j, s + 1) if s < last else ("F", j, s), "W": ("B", j, s)}[kind]
+        return 0.0 if dep is None else self.end.get(dep)
+
+    def best(self, r: int, capped: bool) -> tuple[float, int, tuple[str, int, int]] | None:
+        """The rank's next op: the earliest start, then an input gradient before a forward before a W."""
+        out = None
+        for op in self.todo[r]:
+            at = self.ready(r, op)
+            if at is None or (capped and op[0] == "F" and self.held[r] >= self.cap[r]):
+                continue
+            key = (max(at, self.free[r]), "BFW".index(op[0]), op)
+            out = key if out is None or key[:2] < out[:2] else out
+        return out
+
+    def run(self, r: int, start: float, op: tuple[str, int, int]) -> None:
+        kind, j, c = op
+        self.free[r] = start + self.dur[r][kind]
+        self.end[(kind, j, self.stages[r][c])] = self.free[r]
+        self.boxes[r].append(Box(kind, j, start, self.free[r], c))
+        self.todo[r].remove(op)
+        self.held[r] += 1 if kind == "F" else -1 if kind == ("W" if self.split else "B") else 0
+
+
+def _simulate_v(schedule: Schedule, forward_s: list[float], backward_s: list[float], m: int) -> list[list[Box]]:
+    """The V schedules, greedily (module doc); the cap on micro-batches in flight is lifted only where it
+    would stop every rank."""
+    st = _VState(schedule, forward_s, backward_s, m)
+    while any(st.todo):
+        found = [(b, r) for r in range(st.p) if (b := st.best(r, True)) is not None]
+        if not found:
+            found = [(b, r) for r in range(st.p) if (b := st.best(r, False)) is not None]
+        if not found:
+            raise ScheduleError(f"{schedule.value} with p={st.p}, m={m} deadlocks in this simulation")
+        (start, _, op), r = min(found, key=lambda x: x[0][:2])
+        st.run(r, start, op)
+    for rank in st.boxes:
+        rank.sort(key=lambda b: b.start_s)
+    return st.boxes
 
 
 def makespan(boxes: list[list[Box]]) -> float:

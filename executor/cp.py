@@ -128,7 +128,8 @@ def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
-                 group: ProcessGroup, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                 group: ProcessGroup, scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the local query rows over the whole sequence held by the CP ``group``.
 
     q [B, Hq, S_local, Dh], k/v [B, Hkv, S_local, Dh] with Hq a multiple of Hkv (GQA heads not
@@ -140,7 +141,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions
 
     over all S = cp·S_local rows j of the group, i.e. rows ``positions`` of full causal attention.
     ``scale`` replaces 1/sqrt(Dh) (Hugging Face models pass theirs); ``window`` keeps only the keys with
-    ``pos_i - pos_j < window`` (sliding-window layers); v may have its own head size (MLA).
+    ``pos_i - pos_j < window`` (sliding-window layers); v may have its own head size (MLA); ``softcap``
+    soft-caps the scores, ``softcap · tanh(score / softcap)`` before the mask and softmax (Gemma 2), which
+    SDPA cannot: the scores are then computed explicitly ([B, Hq, S_local, S], as the model's own eager
+    attention does).
     Differentiable in q, k and v (the K/V gradient is summed back to the rank owning each row).
     Memory: the gathered K/V are cp x the local K/V (see the module docstring)."""
     _check_attention_inputs(q, k, v, positions)
@@ -157,4 +161,15 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # after the gather, so the collective moves Hkv heads only
         k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
+    if softcap is not None:
+        return _capped_attention(q, k_all, v_all, mask, scale, softcap)[..., :dv]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)[..., :dv]
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """``softmax(softcap · tanh(q kᵀ · scale / softcap), masked) v``, the scores in fp32 like the eager models."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -182,10 +182,10 @@ def _check_tp_attention(attention: nn.Module, where: str, tp: int) -> None:
     a = HF
     _refuse_fused(attention, where, tp)
     if is_mla(attention):
-        from planner.targets.autopar import MLA_TP_PROBLEM
+        from executor.hf_mla import check_mla_tp
 
-        raise AutoparError("layout.tp", tp, "use tp=1 for this model (FSDP, HSDP, CP, EP and pipelines run it)",
-                           problem=f"cannot split {where}: {MLA_TP_PROBLEM}")
+        check_mla_tp(attention, where, tp)
+        return
     for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
         _require(attention, proj, where, nn.Linear, tp)
     projections = {a.q_proj, a.k_proj, a.v_proj, a.o_proj}

@@ -1,15 +1,15 @@
 """Context parallelism for Hugging Face models: their attention calls :func:`executor.cp.cp_attention`.
 
-transformers looks each attention function up by ``config._attn_implementation``; this module
-registers ``"autopar_cp"`` (:data:`IMPLEMENTATION`), which runs the all-gather CP attention of
-:mod:`executor.cp` on the query, key and value the model's attention computed, with the model's own
-scale and sliding window. transformers makes no mask for an implementation it has no mask function
-for; the CP attention builds its own from global positions. The rotary tables follow the rank's
-global positions, passed as ``position_ids`` (:func:`set_positions`): the rank holds the
-load-balanced chunks ``r`` and ``2·cp-1-r`` of the sequence.
+transformers looks each attention function up by ``config._attn_implementation``; this module registers
+``"autopar_cp"`` (:data:`IMPLEMENTATION`), which runs the all-gather CP attention of :mod:`executor.cp` on
+the query, key and value the model's attention computed, with the model's own scale, sliding window and
+score soft-cap (Gemma 2's ``softcap``). transformers makes no mask for an implementation it has no mask
+function for; the CP attention builds its own from global positions. The rotary tables follow the rank's
+global positions, passed as ``position_ids`` (:func:`set_positions`): the rank holds the load-balanced
+chunks ``r`` and ``2·cp-1-r`` of the sequence.
 
-Refused before any process starts (:func:`cp_refusal`): soft-capped attention scores (Gemma 2),
-which SDPA cannot compute.
+:func:`cp_refusal` names what the CP attention cannot compute, before any process starts: attention sinks
+(gpt-oss's learned per-head logits in the softmax).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # noqa: ANN003
     """transformers' attention-function contract: q/k/v [B, H, S_local, D] -> ([B, S_local, H, D], None)."""
     out = cp_attention(query, key, value, positions=module.autopar_cp_positions, group=module.autopar_cp_group,
-                       scale=scaling, window=kwargs.get("sliding_window"))
+                       scale=scaling, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -40,10 +40,11 @@ def _register() -> None:
 
 
 def cp_refusal(model: nn.Module) -> str | None:
-    """Why ``model``'s attention cannot run under CP, or None."""
-    cap = getattr(model.config, "attn_logit_softcapping", None)
-    if cap is not None:
-        return f"config.attn_logit_softcapping={cap}: soft-capped scores are not an SDPA attention"
+    """Why ``model``'s attention cannot run under CP, or None: attention sinks (learned per-head logits joining
+    the softmax, gpt-oss) are not in :func:`executor.cp.cp_attention`."""
+    for attention in _attentions(model):
+        if isinstance(getattr(attention, "sinks", None), torch.nn.Parameter):
+            return f"{type(attention).__name__}.sinks: attention sinks join the softmax, which the CP attention omits"
     return None
 
 

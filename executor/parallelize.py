@@ -57,10 +57,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from executor.adapters import ModelAdapter, builtin_adapter, get_submodule, norm_width
+from executor.adapters import ModelAdapter, builtin_adapter, get_submodule, is_mla, norm_width
 from executor.hf_pipeline import is_hf_stage
 from executor.measure import label
-from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, Schedule, StageRecompute, TrainingConfig
+from planner.contracts import ModelSpec, ParallelLayout, Precision, Recompute, StageRecompute, TrainingConfig
+from planner.cost.pipeline import SCHEDULES
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
 
@@ -405,10 +406,31 @@ def apply_tp(model: nn.Module, layout: ParallelLayout, tp_mesh: DeviceMesh, *,
             _tp_hf_moe_block(block, layout, a, tp_mesh)
             continue
         moe = a.ffn_of(block) if not hf and a.is_moe(block) else None
-        plan = _block_plan(layout, a, hf, moe)
+        plan = _with_mla(block, _block_plan(layout, a, hf, moe), a)
         skip = (f"{a.moe}.",) if moe is not None else ()  # the experts: apply_moe
         plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), sp, skip=skip, a=a)
         parallelize_module(block, tp_mesh, plan)
+        _after_tp(block, a, tp_mesh)
+
+
+def _with_mla(block: nn.Module, plan: dict, a: ModelAdapter) -> dict:
+    """``plan`` with a multi-head latent attention's projections in place of q/k/v (:mod:`executor.hf_mla`)."""
+    attention = get_submodule(block, a.attention)
+    if not is_mla(attention):
+        return plan
+    from executor.hf_mla import mla_plan
+
+    qkv = {f"{a.attention}.{p}" for p in (a.q_proj, a.k_proj, a.v_proj)}
+    return {k: v for k, v in plan.items() if k not in qkv} | mla_plan(attention, a.attention)
+
+
+def _after_tp(block: nn.Module, a: ModelAdapter, tp_mesh: DeviceMesh) -> None:
+    """What a layer needs once parallelised: MLA's shared rotary key's gradient summed over TP."""
+    attention = get_submodule(block, a.attention)
+    if is_mla(attention):
+        from executor.hf_mla import sum_rotary_key_grad_over_tp
+
+        sum_rotary_key_grad_over_tp(attention, tp_mesh.get_group())
 
 
 def _tp_hf_moe_block(block: nn.Module, layout: ParallelLayout, a: ModelAdapter, tp_mesh: DeviceMesh) -> None:
@@ -420,7 +442,7 @@ def _tp_hf_moe_block(block: nn.Module, layout: ParallelLayout, a: ModelAdapter, 
 
     from executor.hf_moe import sum_router_grad_over_tp, tp_block_style
 
-    plan = _block_plan(layout, a, True, None)
+    plan = _with_mla(block, _block_plan(layout, a, True, None), a)
     for key in [k for k in plan if k == a.mlp or k.startswith(f"{a.mlp}.")]:
         del plan[key]  # the dense MLP's entries
     plan[a.mlp] = tp_block_style()
@@ -428,6 +450,7 @@ def _tp_hf_moe_block(block: nn.Module, layout: ParallelLayout, a: ModelAdapter, 
     plan |= _unsharded_styles(block, plan, (a.attention, a.mlp), layout.sp, skip=skip, a=a)
     parallelize_module(block, tp_mesh, plan)
     sum_router_grad_over_tp(get_submodule(block, f"{a.mlp}.gate"), tp_mesh.get_group())
+    _after_tp(block, a, tp_mesh)
 
 
 def _tied_head(model: nn.Module, a: ModelAdapter) -> bool:
@@ -574,7 +597,7 @@ def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
 
     ZeRO-2 keeps the gathered parameters from forward to backward (reshard_after_forward=False):
     one all-gather per step, gradients and optimizer states sharded. ZeRO-3 frees them after forward
-    when ``layout.reshard_after_forward``, except under the zero-bubble schedule: its split weight pass
+    when ``layout.reshard_after_forward``, except under the zero-bubble schedules: their split weight pass
     takes the stage's parameters when it runs, and resharded ones are not the tensors the forward used
     (every weight gradient of the stage was lost); a pipeline stage holds its weights gathered anyway
     (``planner.cost.memory.kept_gathered_bytes_per_param``). Offload: ``CPUOffloadPolicy`` keeps sharded parameters,
@@ -583,7 +606,7 @@ def apply_fsdp(model: nn.Module, layout: ParallelLayout, meshes: Meshes,
 
     kw: dict = {"mp_policy": _mp_policy(training),
                 "reshard_after_forward": layout.zero_stage == 3 and layout.reshard_after_forward
-                and not (layout.pp > 1 and layout.schedule is Schedule.zero_bubble)}
+                and not (layout.pp > 1 and SCHEDULES[layout.schedule].split_backward)}
     if layout.offload_optimizer:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     mesh = meshes.fsdp()

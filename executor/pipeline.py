@@ -6,8 +6,11 @@ contract, :mod:`planner.search.stages`: chunk ``c`` holds the next ``layers_per_
 without it the planner's default split is used (:func:`planner.cost.checks.default_layer_split`:
 as even as possible, extra layers to the interior chunks first). Chunk ``c`` runs on pipeline rank
 ``c % pp`` — rank ``r`` holds chunks ``r, r + pp, r + 2 pp, ...``, the interleaved placement torch's
-multi-stage schedules expect and the one the planner prices (``StageModel.rank_layers``). Every
-chunk holds at least one layer (as the planner's search guarantees).
+multi-stage schedules expect and the one the planner prices (``StageModel.rank_layers``); under the V
+schedules (``zero_bubble_v``, ``dualpipe_v``) rank ``r`` holds chunks ``r`` and ``2 pp - 1 - r``, so rank 0
+holds the embedding and the head (torch's ``style="v"``). Both come from
+:func:`planner.cost.pipeline.rank_chunks`. Every chunk holds at least one layer (as the planner's search
+guarantees).
 
 Each chunk is a copy of the model with the other layers deleted from ``layers`` (a ModuleDict, so a
 kept layer keeps its name "7" and checkpoints do not depend on the plan), the embedding only on
@@ -18,10 +21,11 @@ returns hidden states ``[B, S, D]``.
 ``interleaved_1f1b`` -> ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank),
 ``zero_bubble`` -> ``ScheduleInterleavedZeroBubble`` with one chunk per rank: ZB-H1 (Qi et al. 2024),
 each backward split into an input-gradient step on the critical path and a weight-gradient step that
-fills the bubble, the schedule :mod:`planner.cost.pipeline` prices. (The V-shaped ZBV schedule needs
-two chunks per rank, which the plan contract does not allow with ``zero_bubble``.) All four run on
-gloo and NCCL. Gradients are not rescaled by the schedule (``scale_grads=False``): the loss function
-returns each micro-batch's share of the step loss, so the accumulated gradient is the step's.
+fills the bubble, the schedule :mod:`planner.cost.pipeline` prices; ``zero_bubble_v`` ->
+``ScheduleZBVZeroBubble`` and ``dualpipe_v`` -> ``ScheduleDualPipeV``, two chunks per rank in a V (the
+class names are the schedule table's). All run on gloo and NCCL. Gradients are not rescaled by the
+schedule (``scale_grads=False``): the loss function returns each micro-batch's share of the step loss,
+so the accumulated gradient is the step's.
 
 **Loss.** ``loss_fn(logits, targets)`` of a micro-batch returns its token-loss sum divided by the
 step's global token count (:func:`executor.reference.lm_loss`), so the micro-batch losses of all
@@ -48,7 +52,8 @@ from torch import nn
 from executor.hf_pipeline import is_hf_stage, split_hf_model
 from planner.contracts import ModelSpec, ParallelLayout
 from planner.cost.checks import default_layer_split
-from planner.cost.pipeline import SCHEDULES
+from planner.cost.pipeline import SCHEDULES, head_rank
+from planner.cost.pipeline import rank_chunks as pipeline_rank_chunks
 from planner.errors import AutoparError
 from planner.targets import Job, Target, check
 
@@ -89,8 +94,14 @@ def stage_layer_ids(layout: ParallelLayout, num_layers: int) -> list[list[int]]:
 
 
 def rank_chunks(layout: ParallelLayout, pp_rank: int) -> list[int]:
-    """The chunk (stage) indices pipeline rank ``pp_rank`` runs, in pipeline order: r, r + pp, ..."""
-    return list(range(pp_rank, num_chunks(layout), layout.pp))
+    """The chunk (stage) indices pipeline rank ``pp_rank`` runs, in pipeline order: r, r + pp, ... or, for
+    the V schedules, r and 2 pp - 1 - r (:func:`planner.cost.pipeline.rank_chunks`, the planner's placement)."""
+    return pipeline_rank_chunks(layout.schedule, layout.pp, layout.virtual_stages, pp_rank)
+
+
+def last_rank(layout: ParallelLayout) -> int:
+    """The pipeline rank that runs the last chunk (the head and the loss): pp - 1, or 0 for the V schedules."""
+    return head_rank(layout.schedule, layout.pp, layout.virtual_stages)
 
 
 def _check_splittable(model: nn.Module, pp: int) -> None:
@@ -161,7 +172,9 @@ class _AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
         ctx.weight, ctx.aux_meta = weight, (aux.shape, aux.dtype, aux.device)
-        return hidden.view_as(hidden)
+        # a copy, not a view: the V schedules hand a chunk's output to the rank's next chunk and detach it
+        # in place after the input-gradient step, which a view refuses
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -169,20 +182,27 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
-class _MoEChunk(nn.Module):
-    """A chunk whose MoE load-balancing loss (weight ``aux_weight``, times ``grad_scale`` in the gradient)
-    enters the backward through its output; ``aux_values`` records each forward's aux loss (detached)."""
+@dataclass
+class _AuxRecorder:
+    """A MoE chunk's load-balancing loss weight and the aux loss of each of its forwards (detached)."""
 
-    def __init__(self, part: nn.Module, aux_weight: float, grad_scale: float) -> None:
-        super().__init__()
-        self.part, self.aux_weight, self.grad_scale = part, aux_weight, grad_scale
-        self.aux_values: list[torch.Tensor] = []
+    aux_weight: float
+    values: list[torch.Tensor]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.part(x)
-        aux = self.part.aux_loss().to(out.device)
-        self.aux_values.append(aux.detach())
-        return _AuxLossGrad.apply(out, aux, self.aux_weight * self.grad_scale)
+
+def _add_aux_loss(part: nn.Module, aux_weight: float, grad_scale: float) -> None:
+    """Make the chunk's MoE load-balancing loss (weight ``aux_weight``, times ``grad_scale`` in the gradient)
+    enter the backward through its output: a forward hook on the chunk itself, not a wrapper module, so the
+    schedule still sees the FSDP2 module (it holds FSDP's gradient sync and resharding back until a split
+    backward's weight step has run); ``part.autopar_aux`` records each forward's aux loss."""
+    part.autopar_aux = _AuxRecorder(aux_weight, [])
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        aux = module.aux_loss().to(out.device)
+        module.autopar_aux.values.append(aux.detach())
+        return _AuxLossGrad.apply(out, aux, aux_weight * grad_scale)
+
+    part.register_forward_hook(hook)
 
 
 @dataclass(frozen=True)
@@ -235,10 +255,11 @@ def build_schedule(chunks: list[nn.Module], layout: ParallelLayout, pp_group: di
     hf = is_hf_stage(chunks[0])
     spec = _hf_spec(chunks[0]) if hf else chunks[0].spec
     check_pipeline(layout, spec, n_microbatches, hf=hf)
-    modules = [_MoEChunk(part, aux_weight, grad_scale) if aux_weight and _has_moe(part) else part
-               for part in chunks]
+    for part in chunks:
+        if aux_weight and _has_moe(part) and not hasattr(part, "autopar_aux"):
+            _add_aux_loss(part, aux_weight, grad_scale)
     n = num_chunks(layout)
-    stages = [PipelineStage(m, c, n, device, group=pp_group) for m, c in zip(modules, indices)]
+    stages = [PipelineStage(m, c, n, device, group=pp_group) for m, c in zip(chunks, indices)]
     scaled = loss_fn if grad_scale == 1.0 else (lambda out, tgt: loss_fn(out, tgt) * grad_scale)
     facts = SCHEDULES[layout.schedule]  # the torch class of each schedule: planner/cost/pipeline.py
     cls = getattr(torch.distributed.pipelining, facts.torch_class)
@@ -257,9 +278,9 @@ def pipeline_step(schedule, stages: list, tokens: torch.Tensor | None,
     MoE aux losses of its chunks' micro-batches; the sum over all pipeline and data-parallel ranks
     (an all-reduce the caller does) is the step's loss, as :func:`executor.reference.reference_run`
     reports it."""
-    recorders = [s.submod for s in stages if isinstance(s.submod, _MoEChunk)]
+    recorders = [s.submod.autopar_aux for s in stages if hasattr(s.submod, "autopar_aux")]
     for r in recorders:
-        r.aux_values.clear()
+        r.values.clear()
     losses: list[torch.Tensor] = []
     args = (tokens,) if is_first else ()
     kwargs = {"target": targets, "losses": losses} if is_last else {}
@@ -270,5 +291,5 @@ def pipeline_step(schedule, stages: list, tokens: torch.Tensor | None,
         share += float(loss.detach()) / schedule.autopar_step.grad_scale
     n = schedule.autopar_step.n_microbatches
     for r in recorders:  # the last n forwards: the first step's metadata inference runs one more
-        share += r.aux_weight * float(sum(v.float() for v in r.aux_values[-n:]))
+        share += r.aux_weight * float(sum(v.float() for v in r.values[-n:]))
     return share

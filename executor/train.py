@@ -181,7 +181,7 @@ class Runtime:
             materialise,
             parallelize,
         )
-        from executor.pipeline import build_schedule, split_model
+        from executor.pipeline import build_schedule, last_rank, split_model
 
         self.plan, self.opts, self.layout = plan, opts, plan.layout
         lay = plan.layout
@@ -226,7 +226,7 @@ class Runtime:
                 loss_fn=self._pp_loss, device=self.device, grad_scale=float(self.scale),
                 aux_weight=1.0 / self.n_micro_global if self.moe else 0.0)
         self.first = self.pp_rank == 0
-        self.last = self.pp_rank == lay.pp - 1
+        self.last = self.pp_rank == last_rank(lay)  # pp - 1, or 0 under the V schedules
         self._ready: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # prefetch()
 
     def prefetch(self, step: int) -> None:

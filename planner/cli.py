@@ -45,6 +45,7 @@ from planner.contracts.limits import (
     MAX_TOP_K,
     MAX_VIRTUAL_STAGES,
 )
+from planner.cost.pipeline import SCHEDULES
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 from planner.search.options import SearchOptions
@@ -237,6 +238,12 @@ def _layout(
         except ValueError:
             raise AutoparError("--layers-per-stage", layers_per_stage, "give comma-separated integers, e.g. 9,10,10,9",
                                problem="is not a list of integers") from None
+    depth = SCHEDULES[schedule].depth  # the V schedules run two chunks per rank: --vp need not say so
+    if vp == 1 and not SCHEDULES[schedule].virtual and depth > 1:
+        vp = depth
+    elif vp != 1 and not SCHEDULES[schedule].virtual and vp != depth:
+        raise AutoparError("--vp", vp, f"leave --vp out with --schedule {schedule.value} (it runs {depth} chunk(s) "
+                           "per rank), or use --schedule interleaved_1f1b", problem="does not fit the schedule")
     return ParallelLayout(
         dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp, zero_stage=zero,
         reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, virtual_stages=vp,

@@ -239,7 +239,7 @@ def _deepseek_v3(r: _Reader) -> dict[str, Any]:
         )
     # DeepSeek modeling code: layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0.
     first = _first_moe_layer(k, lambda i: i % freq == 0, freq)
-    spec["moe"] = {
+    spec["moe"] = None if first >= spec["num_layers"] else {  # no MoE layer: a dense MLA model
         "num_experts": r.integer("n_routed_experts", "moe.num_experts"),
         "top_k": r.integer("num_experts_per_tok", "moe.top_k"),
         "expert_ffn_hidden_size": r.integer("moe_intermediate_size", "moe.expert_ffn_hidden_size"),

@@ -354,7 +354,7 @@ def test_names_from_files_print_as_written_not_as_markup(tmp_path):
 def test_export_and_schema_write_all_or_none_and_an_empty_cluster_is_refused(tmp_path):
     plan = tmp_path / "p.json"
     assert autopar("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "64",
-                   "--out", str(plan)).returncode == 0
+                   "--target", "megatron", "--out", str(plan)).returncode == 0
     (tmp_path / "ex" / "megatron_args.sh").mkdir(parents=True)  # a folder where a file is to go
     assert_usage_error(autopar("export", str(plan), "--to", "megatron", "--out-dir", str(tmp_path / "ex")),
                        "--out-dir=", "holds a folder where megatron_args.sh is to be written")

@@ -19,7 +19,7 @@ from planner.cost.memory import (
     model_state_bytes,
     state_bytes_per_param,
 )
-from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
+from planner.cost.pipeline import head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
 
 
 def training(**changes) -> TrainingConfig:
@@ -244,6 +244,13 @@ class TestInFlight:
         assert got == pytest.approx([5.5, 4.5, 3.5, 2.5])
         assert got[0] == pytest.approx(4 * (1 + 3 / (4 * 2)))
 
+    def test_v_schedules(self):
+        # ZB-V: 2p half-size chunks = p whole stages on every rank (Qi et al. §6); DualPipeV: PP + 1 chunks
+        # with PP = 2p, i.e. p + 1/2 (DualPipe's table); both capped by m
+        assert [microbatches_in_flight(Schedule.zero_bubble_v, i, 4, 8, 2) for i in range(4)] == [4.0] * 4
+        assert [microbatches_in_flight(Schedule.dualpipe_v, i, 4, 8, 2) for i in range(4)] == [4.5] * 4
+        assert microbatches_in_flight(Schedule.zero_bubble_v, 0, 4, 3, 2) == 3.0
+
     def test_interleaved_capped_by_micro_batches(self):
         assert microbatches_in_flight(Schedule.interleaved_1f1b, 0, 4, 4, 2) == 4.0
 
@@ -278,6 +285,29 @@ class TestPipeline:
         # m*t + (p-1)*f = 24 + 3 = 27
         assert pipeline_time_s(Schedule.zero_bubble, self.F, self.BW, 8) == pytest.approx((27.0, 3.0))
 
+    def test_zero_bubble_v_equal(self):
+        # per chunk F = f/2 = 0.5, B = W = b/4 = 0.5: F = B = W, so (p-1)(F + B - 2W) = 0 (Qi et al. §6)
+        assert pipeline_time_s(Schedule.zero_bubble_v, self.F, self.BW, 8, 2) == pytest.approx((24.0, 0.0))
+        # f = 2, b = 2: (p-1)(F + B - 2W) = 3 * (1 + 0.5 - 1) = 1.5
+        assert pipeline_time_s(Schedule.zero_bubble_v, [2.0] * 4, [2.0] * 4, 8, 2) == pytest.approx((33.5, 1.5))
+
+    def test_dualpipe_v_equal(self):
+        # (p-1)(F&B + B_full - 3W), F&B = F + B_full unoverlapped: 3 * (0.5 + 1 + 1 - 1.5) = 3
+        assert pipeline_time_s(Schedule.dualpipe_v, self.F, self.BW, 8, 2) == pytest.approx((27.0, 3.0))
+
+    def test_unequal_v(self):
+        # slowest rank 1 (t = 6) left out; ZB-V: ranks 0 and 2 each max(0, (3f - t)/4) = max(0, (3 - 3)/4) = 0;
+        # DualPipeV: each (f + t)/4 = 1
+        assert pipeline_time_s(Schedule.zero_bubble_v, [1, 2, 1], [2, 4, 2], 4, 2) == pytest.approx((24.0, 0.0))
+        assert pipeline_time_s(Schedule.dualpipe_v, [1, 2, 1], [2, 4, 2], 4, 2) == pytest.approx((26.0, 2.0))
+
+    def test_v_placement(self):
+        # rank r runs chunks r and 2p-1-r: rank 0 holds the first and the last chunk (torch's style="v")
+        assert [rank_chunks(Schedule.zero_bubble_v, 4, 2, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+        assert [rank_chunks(Schedule.interleaved_1f1b, 2, 3, r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+        assert head_rank(Schedule.dualpipe_v, 4, 2) == 0
+        assert head_rank(Schedule.interleaved_1f1b, 4, 2) == 3
+
     def test_unequal_1f1b(self):
         # t = [3, 6, 3]: sum t + (m-1) max t = 12 + 3*6 = 30, bubble = 12 - 6 = 6
         assert pipeline_time_s(Schedule.one_f_one_b, [1, 2, 1], [2, 4, 2], 4) == pytest.approx((30.0, 6.0))
@@ -290,8 +320,7 @@ class TestPipeline:
         # m * max t + forwards of the other stages = 24 + 1 + 1
         assert pipeline_time_s(Schedule.zero_bubble, [1, 2, 1], [2, 4, 2], 4) == pytest.approx((26.0, 2.0))
 
-    @pytest.mark.parametrize("schedule", [Schedule.gpipe, Schedule.one_f_one_b, Schedule.zero_bubble,
-                                          Schedule.interleaved_1f1b])
+    @pytest.mark.parametrize("schedule", list(Schedule))
     def test_single_stage(self, schedule):
         # no pipeline: m * (f + b), no bubble
         assert pipeline_time_s(schedule, [0.5], [1.0], 6) == pytest.approx((9.0, 0.0))

@@ -666,7 +666,7 @@ def test_moe_load_imbalance_scales_the_busiest_ranks_routed_work():
 # ============================================================================================
 class TestWhatAFamilyAdds:
     def test_a_window_prices_the_keys_each_query_attends_to(self):
-        from planner.cost.compute import attention_window_share, windowed_work_ratio
+        from planner.cost.flops import attention_window_share, windowed_work_ratio
 
         assert windowed_work_ratio(8, 3) == pytest.approx(21 / 36)  # keys 1,2,3,3,3,3,3,3 of 1+2+...+8
         assert windowed_work_ratio(8, 8) == 1.0
@@ -680,6 +680,18 @@ class TestWhatAFamilyAdds:
         assert windowed.forward.attention_s == pytest.approx(full.forward.attention_s * share)
         assert windowed.backward.attention_s == pytest.approx(full.backward.attention_s * share)
         assert windowed.forward.gemm_s == full.forward.gemm_s
+
+    def test_model_flops_count_the_keys_a_window_leaves(self):
+        """MFU's model FLOPs: a windowed block's attention core times its window ratio, the rest unchanged."""
+        from planner.cost.flops import attention_core_flops, layer_flops, model_flops_per_step, windowed_work_ratio
+
+        s, w = 1024, 256
+        gemma, plain = llama(sliding_window=w, global_layer_every=2), llama()
+        core = attention_core_flops(plain, 2, s)
+        assert layer_flops(gemma, 0, 2, s).attention_core == pytest.approx(core * windowed_work_ratio(s, w))
+        assert layer_flops(gemma, 1, 2, s).attention_core == core  # every second block attends to the whole prefix
+        saved = 3 * 2 * core * (1 - windowed_work_ratio(s, w))  # 3 x forward, two windowed blocks of four
+        assert model_flops_per_step(plain, 2, s) - model_flops_per_step(gemma, 2, s) == pytest.approx(saved)
 
     def test_extra_norms_and_qk_norms_are_bandwidth_passes(self):
         base, more = block(llama(), micro()), block(llama(extra_norms=2, qk_norm=True), micro())

@@ -98,12 +98,35 @@ def test_any_model_type_transformers_builds_is_accepted_and_bad_ones_are_named()
         check_parallelisable(gpt2)  # a decoder of another module layout: refused by what it lacks
 
 
-def test_context_parallelism_is_refused_for_soft_capped_scores_only():
+def test_context_parallelism_is_refused_for_attention_sinks_only():
     cp2 = ParallelLayout(cp=2, dp_shard=2, zero_stage=3)
-    with pytest.raises(AutoparError, match=r"layout\.cp=2 cannot run its attention: config\.attn_logit_softcapping"):
-        check_supported(cp2, build_hf_model(CONFIGS["gemma2"]))
-    for family in ("gemma3", "olmo2", "mixtral"):  # sliding windows, whole-row q/k norms, MoE: run
+    sinks = build_hf_model({**CONFIGS["llama"], "model_type": "gpt_oss", "head_dim": 8,
+                            "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": None})
+    with pytest.raises(AutoparError, match=r"layout\.cp=2 cannot run its attention: GptOssAttention\.sinks"):
+        check_parallelisable(sinks, cp2)  # (the planner does not read gpt_oss configs yet: the module check)
+    for family in ("gemma2", "gemma3", "olmo2", "mixtral"):  # soft-capped scores, windows, row q/k norms, MoE: run
         check_supported(cp2, build_hf_model(CONFIGS[family]))
+
+
+def test_cp_attention_soft_caps_the_scores_as_gemma_2_does():
+    """On one rank (a group of one) the CP attention with ``softcap`` equals softmax(c·tanh(s/c)) v by hand."""
+    import torch.distributed as dist
+
+    from executor.cp import cp_attention
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 6, 4, generator=g) * 3 for _ in range(3))
+        got = cp_attention(q, k, v, positions=torch.arange(6), group=dist.group.WORLD, scale=0.5, softcap=2.0)
+        scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 2.0) * 2.0
+        scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+        assert torch.allclose(got, torch.softmax(scores, -1) @ v, atol=1e-6)
+        plain = cp_attention(q, k, v, positions=torch.arange(6), group=dist.group.WORLD, scale=0.5)
+        assert not torch.allclose(got, plain, atol=1e-3)  # the cap matters at these magnitudes
+    finally:
+        dist.destroy_process_group()
 
 
 def test_expert_parallelism_is_decided_from_the_experts_module():
@@ -117,14 +140,16 @@ def test_expert_parallelism_is_decided_from_the_experts_module():
         check_supported(ep2, model)
 
 
-def test_moe_families_take_tensor_parallelism_with_whole_experts_but_not_latent_attention():
+def test_moe_families_and_latent_attention_take_tensor_parallelism_with_whole_experts():
     tp2 = ParallelLayout(dp_shard=2, tp=2, sp=True, etp=1)
-    for family in ("mixtral", "qwen3_moe"):
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3"):
         check_supported(tp2, build_hf_model(CONFIGS[family]))
-    with pytest.raises(AutoparError, match=r"layout\.tp=2 .*multi-head latent attention"):
-        check_supported(tp2, build_hf_model(CONFIGS["deepseek_v3"]))
-    with pytest.raises(AutoparError, match=r"layout\.tp=2 cannot split .*self_attn: multi-head latent"):
-        check_parallelisable(build_hf_model(CONFIGS["deepseek_v3"]), tp2)
+    model = build_hf_model(CONFIGS["deepseek_v3"])
+    with pytest.raises(AutoparError, match=r"layout\.tp=8 .*divides the 4 attention heads"):
+        check_parallelisable(model, ParallelLayout(tp=8, sp=True, etp=1))
+    model.model.layers[0].self_attn.extra = torch.nn.Linear(4, 4)  # a weighted module the plan does not place
+    with pytest.raises(AutoparError, match=r"layout\.tp=2 cannot place .*self_attn\.extra \(Linear\)"):
+        check_parallelisable(model, tp2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # SDPA, and eager with its explicit masks

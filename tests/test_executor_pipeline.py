@@ -17,7 +17,7 @@ import torch
 
 from executor.data import SyntheticTokens
 from executor.model import build_model
-from executor.pipeline import _AuxLossGrad, check_pipeline, rank_chunks, split_model, stage_layer_ids
+from executor.pipeline import _AuxLossGrad, check_pipeline, last_rank, rank_chunks, split_model, stage_layer_ids
 from executor.reference import ReferenceResult, reference_run
 from planner.contracts import ModelSpec, ParallelLayout
 from planner.errors import AutoparError
@@ -50,6 +50,18 @@ def test_interleaved_chunks_are_consecutive_and_chunk_c_runs_on_rank_c_mod_pp() 
     assert stage_layer_ids(layout, 6) == [[0], [1, 2], [3, 4], [5]]
     assert rank_chunks(layout, 0) == [0, 2] and rank_chunks(layout, 1) == [1, 3]
     assert rank_chunks(ParallelLayout(pp=4, virtual_stages=2, schedule="interleaved_1f1b"), 3) == [3, 7]
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble_v", "dualpipe_v"])
+def test_v_schedules_put_chunks_r_and_2pp_minus_1_minus_r_on_rank_r(schedule) -> None:
+    layout = ParallelLayout(pp=2, virtual_stages=2, schedule=schedule, layers_per_stage=[2, 1, 1, 2])
+    assert [rank_chunks(layout, r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert last_rank(layout) == 0  # rank 0 holds the embedding and the head
+    first, last = split_model(build_model(SPEC.model_copy(update={"num_layers": 6}), device="meta"), layout, 0)
+    assert list(first.layers) == ["0", "1"] and first.output is None
+    assert list(last.layers) == ["4", "5"] and last.tok_embeddings is None and last.output is not None
+    with pytest.raises(ValueError, match="virtual_stages=2"):
+        ParallelLayout(pp=2, schedule=schedule)
 
 
 @pytest.mark.parametrize(("layout", "layers", "words"), [
@@ -97,9 +109,11 @@ def test_split_model_refuses_hugging_face_and_tied_embeddings() -> None:
 
 
 @pytest.mark.parametrize(("layout", "n", "words"), [
-    (ParallelLayout(pp=4, schedule="1f1b"), 3, ["micro-batches per pipeline=3", "at least pp=4"]),
+    (ParallelLayout(pp=4, schedule="1f1b"), 3, ["micro-batches per pipeline=3", "Schedule1F1B", "at least 4"]),
     (ParallelLayout(pp=4, schedule="zero_bubble"), 9, ["micro-batches per pipeline=9", "multiple of pp=4"]),
     (ParallelLayout(pp=2, schedule="interleaved_1f1b", virtual_stages=2), 5, ["=5", "2 rounds"]),
+    (ParallelLayout(pp=4, schedule="dualpipe_v", virtual_stages=2), 7,
+     ["micro-batches per pipeline=7", "fewer than the 8", "ScheduleDualPipeV", "at least 8"]),
 ])
 def test_check_pipeline_refuses_micro_batch_counts_torch_cannot_schedule(layout, n, words) -> None:
     with pytest.raises(AutoparError) as info:
@@ -111,6 +125,8 @@ def test_check_pipeline_accepts_what_the_schedules_run() -> None:
     check_pipeline(ParallelLayout(pp=4, schedule="gpipe"), SPEC, 2)
     check_pipeline(ParallelLayout(pp=4, schedule="zero_bubble"), SPEC, 6)  # one round of 6
     check_pipeline(ParallelLayout(pp=4, schedule="interleaved_1f1b", virtual_stages=2), 8, 2)
+    check_pipeline(ParallelLayout(pp=4, schedule="zero_bubble_v", virtual_stages=2), SPEC, 4)
+    check_pipeline(ParallelLayout(pp=4, schedule="dualpipe_v", virtual_stages=2), SPEC, 8)
     check_pipeline(ParallelLayout(), SPEC.model_copy(update={"tied_embeddings": True}), 1)
 
 

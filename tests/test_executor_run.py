@@ -460,7 +460,10 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
     ("pp2_tp2_sp", False, {"pp": 2, "tp": 2, "sp": True, "schedule": "1f1b"}),
     ("pp2_dp2_interleaved", False, {"pp": 2, "dp_shard": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                                     "zero_stage": 1}),
-    ("moe_pp2_dp2_zero_bubble", True, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble", "zero_stage": 1}),
+    # ZB-V through the worker: rank 0 holds the embedding and the head, FSDP2 keeps the stage's weights
+    # gathered for the split weight pass (ZB-H1 with a MoE: tests/dist_scripts/pipeline_check.py)
+    ("moe_pp2_fsdp2_zero_bubble_v", True, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble_v", "virtual_stages": 2,
+                                           "zero_stage": 3}),
     ("moe_pp2_fsdp2_1f1b", True, {"pp": 2, "dp_shard": 2, "schedule": "1f1b", "zero_stage": 3}),
     ("pp2_fsdp2_zero_bubble", False, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble", "zero_stage": 3}),
     ("moe_pp2_tp2_sp_ep2_etp1", True, {"pp": 2, "tp": 2, "sp": True, "ep": 2, "etp": 1, "schedule": "1f1b"}),

@@ -269,6 +269,12 @@ def test_heads_not_dividing_hidden_names_the_field() -> None:
     assert "num_attention_heads=30" in str(err) and "4096" in str(err)
 
 
+def test_a_deepseek_config_without_moe_layers_is_a_dense_mla_model() -> None:
+    """first_k_dense_replace >= num_hidden_layers: transformers builds every layer dense, and so does the plan."""
+    spec = model_spec_from_hf_config(load("deepseek-v3") | {"first_k_dense_replace": 61})
+    assert spec.moe is None and spec.mla is not None and spec.num_layers == 61
+
+
 @pytest.mark.parametrize(
     ("fixture", "change", "key"),
     [
@@ -278,7 +284,6 @@ def test_heads_not_dividing_hidden_names_the_field() -> None:
         ("qwen2-7b", {"num_hidden_layers": -4}, "num_hidden_layers"),
         ("mixtral-8x7b-v0.1", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("qwen3-30b-a3b", {"moe_intermediate_size": 0}, "moe_intermediate_size"),
-        ("deepseek-v3", {"first_k_dense_replace": 61}, "first_k_dense_replace"),
         ("deepseek-v3", {"n_shared_experts": -1}, "n_shared_experts"),
         ("deepseek-v3", {"v_head_dim": 0}, "v_head_dim"),
     ],

@@ -226,6 +226,17 @@ def test_pipeline_plan_page_draws_a_timeline(site: dict) -> None:
     assert "micro-batch 0" in timeline
 
 
+def test_a_v_schedule_plan_page_draws_both_chunks_of_every_stage(site: dict) -> None:
+    body = {**PIPELINE_PLAN, "options": {**PIPELINE_PLAN["options"], "schedules": ["zero_bubble_v"]}}
+    plan = site["client"].post("/v1/plans", json=body).json()
+    assert plan["plan"]["layout"]["schedule"] == "zero_bubble_v", plan["plan"]["layout"]
+    page = html(site, f"/plans/{plan['id']}")
+    timeline = page[page.index('class="chart timeline"'):]
+    timeline = timeline[:timeline.index("</svg>")]
+    assert "lighter: odd model chunk" in timeline and "input gradient (B)" in timeline
+    assert "simulated greedily" in page and "stage 0 holds the embedding and the head" in page
+
+
 def test_infeasible_plan_page_explains(site: dict) -> None:
     plan = site["infeasible"]
     page = html(site, f"/plans/{plan['id']}")

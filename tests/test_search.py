@@ -55,6 +55,11 @@ DECOMPOSITION_CASES = [
                                          ep_comm_overlap=True), 64, 4096),
     ("deepseek-v3", "dgx-h100", 16, dict(tp=2, sp=True, pp=8, dp_shard=8, ep=16, etp=1, zero_stage=1,
                                          schedule=Schedule.interleaved_1f1b, virtual_stages=2), 256, 4096),
+    # the V schedules: rank 0 holds the first and the last chunk (the embedding and the head)
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp_shard=2, zero_stage=3, schedule=Schedule.zero_bubble_v,
+                                      virtual_stages=2), 64, 4096),
+    ("deepseek-v3", "dgx-h100", 16, dict(tp=1, pp=8, dp_shard=16, ep=16, zero_stage=1,
+                                         schedule=Schedule.dualpipe_v, virtual_stages=2), 256, 4096),
 ]
 
 
@@ -102,6 +107,13 @@ CPSAT_CASES = [
     # two block kinds (dense prefix, then MoE) under zero-bubble: the F* term of the objective
     ("deepseek-v3", 7, "dgx-h100", 4, dict(tp=1, pp=4, dp_shard=8, ep=8, zero_stage=2, schedule=Schedule.zero_bubble),
      32, 4096),
+    # the V schedules' objectives (the slowest rank's term left out) and placement, one and two block kinds
+    ("llama3-8b", 8, "dgx-h100", 1, dict(tp=1, pp=2, dp_shard=4, zero_stage=1, schedule=Schedule.zero_bubble_v,
+                                         virtual_stages=2), 32, 4096),
+    ("deepseek-v3", 7, "dgx-h100", 4, dict(tp=1, pp=2, dp_shard=16, ep=8, zero_stage=2, schedule=Schedule.dualpipe_v,
+                                           virtual_stages=2), 32, 4096),
+    ("deepseek-v3", 7, "dgx-h100", 4, dict(tp=1, pp=2, dp_shard=16, ep=8, zero_stage=2, schedule=Schedule.zero_bubble_v,
+                                           virtual_stages=2), 32, 4096),
 ]
 
 
@@ -324,7 +336,8 @@ def test_memory_bound_is_a_lower_bound_of_every_fitting_split(seq):  # noqa: ANN
     tr = TrainingConfig(global_batch_size=16, seq_length=seq)
     binding = 0
     for zero, offload in ((0, False), (1, False), (1, True), (3, False)):
-        for sched, v in ((Schedule.one_f_one_b, 1), (Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1)):
+        for sched, v in ((Schedule.one_f_one_b, 1), (Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1),
+                         (Schedule.zero_bubble_v, 2)):
             lay = ParallelLayout(tp=1, pp=2, dp_shard=4, ep=4, zero_stage=zero, offload_optimizer=offload,
                                  schedule=sched, virtual_stages=v)
             sm = StageModel(model, tr, prof, lay)
@@ -364,7 +377,8 @@ def test_leaf_bound_with_exposed_zero_traffic_is_a_lower_bound_of_every_split(na
     binding = checked = per_mb_checked = 0
     for st in structs:
         price_structure(st, model, tr, prof, opts, cache)
-        scheds = [(Schedule.one_f_one_b, 1)] + ([(Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1)]
+        scheds = [(Schedule.one_f_one_b, 1)] + ([(Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble, 1),
+                                                 (Schedule.zero_bubble_v, 2), (Schedule.dualpipe_v, 2)]
                                                 if st.pp > 1 else [])
         for (sched, v), zero, reshard, overlap, offload in itertools.product(scheds, (1, 2, 3), (True, False),
                                                                              (True, False), (False, True)):
@@ -548,7 +562,7 @@ def _split_cases():
         for zero, offload, reshard in ((0, False, True), (1, False, True), (1, True, True), (2, False, True),
                                        (3, False, True), (3, False, False)):
             for sched, v in ((Schedule.one_f_one_b, 1), (Schedule.zero_bubble, 1), (Schedule.gpipe, 1),
-                             (Schedule.interleaved_1f1b, 2)):
+                             (Schedule.interleaved_1f1b, 2), (Schedule.zero_bubble_v, 2), (Schedule.dualpipe_v, 2)):
                 if v * pp <= layers:
                     yield StageModel(model, tr, prof, ParallelLayout(
                         tp=1, pp=pp, dp_shard=dp, ep=ep, zero_stage=zero, offload_optimizer=offload,
@@ -634,6 +648,8 @@ def test_leaf_bound_with_pigeonhole_tails_is_a_lower_bound_of_every_split(name, 
         scheds = [(Schedule.one_f_one_b, 1), (Schedule.zero_bubble, 1)]
         if pp * 2 <= layers and st.m % pp == 0:
             scheds.append((Schedule.interleaved_1f1b, 2))
+        if pp * 2 <= layers:
+            scheds += [(Schedule.zero_bubble_v, 2), (Schedule.dualpipe_v, 2)]
         for (sched, v), zero, offload in itertools.product(scheds, (0, 1, 3), (False, True)):
             if offload and zero == 0:
                 continue

@@ -6,14 +6,15 @@ import itertools
 
 import pytest
 
-from api.timeline import SCHEDULES, ScheduleError, busy, makespan, simulate
+from api.timeline import SCHEDULES, V_SCHEDULES, ScheduleError, busy, makespan, simulate, stage_of
 
 CASES = [(1, 4), (2, 2), (4, 8), (4, 3), (8, 16), (3, 7)]
 
 
-def check_consistent(boxes, p: int, m: int, v: int = 1) -> None:  # noqa: ANN001
+def check_consistent(boxes, p: int, m: int, v: int = 1, schedule: str = "1f1b") -> None:  # noqa: ANN001
     """No overlap on a rank; every (micro-batch, chunk) runs forward and backward once per rank;
-    forward on virtual stage s starts after it ended on s-1, backward after it ended on s+1."""
+    forward on virtual stage s starts after it ended on s-1, backward after it ended on s+1 (the stage of a
+    rank's chunk as the schedule places it)."""
     assert len(boxes) == p
     end = {}
     for r, rank in enumerate(boxes):
@@ -22,7 +23,7 @@ def check_consistent(boxes, p: int, m: int, v: int = 1) -> None:  # noqa: ANN001
             assert b.start_s >= a.end_s - 1e-12, (r, a, b)
         for b in rank:
             assert b.end_s > b.start_s
-            key = (b.kind, b.microbatch, b.chunk * p + r)
+            key = (b.kind, b.microbatch, stage_of(schedule, p, v, r, b.chunk))
             assert key not in end
             end[key] = b
     for j in range(m):
@@ -87,11 +88,24 @@ def test_zero_bubble_splits_backward_and_is_no_slower_than_1f1b(p: int, m: int) 
 def test_uneven_stages_stay_consistent(schedule: str) -> None:
     fwd = [0.01, 0.05, 0.05, 0.04]
     bwd = [0.02, 0.11, 0.10, 0.09]
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if schedule == "interleaved_1f1b" or schedule in V_SCHEDULES else 1
     boxes = simulate(schedule, fwd, bwd, 8, v)
-    check_consistent(boxes, 4, 8, v)
+    check_consistent(boxes, 4, 8, v, schedule)
     slowest = max(f + b for f, b in zip(fwd, bwd))
     assert makespan(boxes) >= 8 * slowest - 1e-12
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (3, 7)])
+def test_v_schedules_run_both_chunks_of_every_rank_and_beat_1f1b(schedule: str, p: int, m: int) -> None:
+    f, b = 1.0, 2.0
+    boxes = simulate(schedule, [f] * p, [b] * p, m, 2)
+    check_consistent(boxes, p, m, 2, schedule)
+    # rank 0 runs the first and the last chunk: every micro-batch's first forward and its last one
+    assert {bx.chunk for bx in boxes[0] if bx.kind == "F"} == {0, 1}
+    assert all(busy(rank) == pytest.approx(m * (f + b)) for rank in boxes)
+    if m >= 2 * p:
+        assert makespan(boxes) < makespan(simulate("1f1b", [f] * p, [b] * p, m))
 
 
 def test_bad_input_is_a_schedule_error() -> None:

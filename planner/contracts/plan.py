@@ -22,6 +22,8 @@ class Schedule(str, Enum):
     one_f_one_b = "1f1b"
     interleaved_1f1b = "interleaved_1f1b"
     zero_bubble = "zero_bubble"
+    zero_bubble_v = "zero_bubble_v"  # ZB-V: two chunks per rank in a V (Qi et al. 2024 §6)
+    dualpipe_v = "dualpipe_v"  # DualPipeV: DeepSeek's DualPipe cut in half, two chunks per rank in a V
 
 
 class Recompute(str, Enum):
@@ -86,6 +88,21 @@ class ParallelLayout(Contract):
         "target refuses a value its pipeline does not send (planner.targets TargetFacts.pp_sends)",
     )
 
+    def _check_depth(self) -> None:
+        """Chunks per rank: any for interleaved 1F1B, the schedule's own depth otherwise (planner.cost.pipeline)."""
+        from planner.cost.pipeline import SCHEDULES  # the schedule facts' home imports this module
+
+        facts = SCHEDULES[self.schedule]
+        if facts.depth > 1 and self.pp == 1:
+            raise ValueError(f"schedule='{self.schedule.value}' runs two chunks per rank in a V, so it needs "
+                             "pp > 1; use schedule='1f1b' for pp=1")
+        if not facts.virtual and self.virtual_stages != facts.depth:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} does not fit schedule='{self.schedule.value}', which runs "
+                f"{facts.depth} chunk(s) per rank; set virtual_stages={facts.depth} (only interleaved_1f1b "
+                "takes other depths)"
+            )
+
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
         if "pp_scatter_gather" not in self.model_fields_set:
@@ -96,11 +113,7 @@ class ParallelLayout(Contract):
             )
         if self.schedule is Schedule.interleaved_1f1b and self.pp == 1:
             raise ValueError("schedule='interleaved_1f1b' needs pp > 1; use schedule='1f1b' for pp=1")
-        if self.schedule is not Schedule.interleaved_1f1b and self.virtual_stages != 1:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} only applies to schedule='interleaved_1f1b' "
-                f"(got schedule='{self.schedule.value}'); set virtual_stages=1 or change the schedule"
-            )
+        self._check_depth()
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp * self.virtual_stages:
             raise ValueError(
                 f"layers_per_stage has {len(self.layers_per_stage)} entries but pp x virtual_stages = "

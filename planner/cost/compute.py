@@ -20,7 +20,7 @@ import math
 import statistics
 from typing import NamedTuple
 
-from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, ModelSpec, Precision
+from planner.contracts import AttentionBlocking, AttentionPoint, ClusterProfile, GemmLayout, Precision
 from planner.contracts.cluster import slow_checks
 from planner.cost.memo import memo_for
 
@@ -410,26 +410,6 @@ def sdpa_takes_grouped_kv(device_type: str, sixteen_bit: bool, sm_major: int, he
     if device_type != "cuda":
         return True
     return sixteen_bit and sm_major >= 8 and head_dim <= FLASH_MAX_HEAD_DIM
-
-
-def windowed_work_ratio(seq: int, window: int) -> float:
-    """Keys s causal queries attend to through a window of ``window`` keys (each query itself included),
-    over those of the whole causal prefix: ``(w(w+1)/2 + (s-w)w) / (s(s+1)/2)`` when w < s, else 1."""
-    if window >= seq:
-        return 1.0
-    return (window * (window + 1) / 2 + (seq - window) * window) / (seq * (seq + 1) / 2)
-
-
-def attention_window_share(model: ModelSpec, seq: int) -> float:
-    """The factor on every block's attention core: the mean over the blocks of :func:`windowed_work_ratio`
-    (1 for a block attending to the whole prefix). A mean, so that blocks stay alike for the search (its
-    block kinds are MoE and dense); exact for a pipeline stage holding whole periods of
-    ``model.global_layer_every``."""
-    if model.sliding_window is None:
-        return 1.0
-    n = model.num_layers
-    windowed = sum(model.is_windowed_layer(i) for i in range(n))
-    return (windowed * windowed_work_ratio(seq, model.sliding_window) + (n - windowed)) / n
 
 
 def causal_work_fraction(seq_length: int, block: int = 128) -> float:

@@ -64,6 +64,26 @@ def moe_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
     return router + shared + routed, routed
 
 
+def windowed_work_ratio(seq: int, window: int) -> float:
+    """Keys s causal queries attend to through a window of ``window`` keys (each query itself included),
+    over those of the whole causal prefix: ``(w(w+1)/2 + (s-w)w) / (s(s+1)/2)`` when w < s, else 1."""
+    if window >= seq:
+        return 1.0
+    return (window * (window + 1) / 2 + (seq - window) * window) / (seq * (seq + 1) / 2)
+
+
+def attention_window_share(model: ModelSpec, seq: int) -> float:
+    """The factor on every block's attention core: the mean over the blocks of :func:`windowed_work_ratio`
+    (1 for a block attending to the whole prefix). A mean, so that blocks stay alike for the search (its
+    block kinds are MoE and dense); exact for a pipeline stage holding whole periods of
+    ``model.global_layer_every``."""
+    if model.sliding_window is None:
+        return 1.0
+    n = model.num_layers
+    windowed = sum(model.is_windowed_layer(i) for i in range(n))
+    return (windowed * windowed_work_ratio(seq, model.sliding_window) + (n - windowed)) / n
+
+
 def layer_flops(model: ModelSpec, index: int, batch: int, seq_length: int) -> LayerFlops:
     """Forward FLOPs of block ``index`` for ``batch`` sequences of ``seq_length`` tokens."""
     tokens = batch * seq_length
@@ -71,9 +91,10 @@ def layer_flops(model: ModelSpec, index: int, batch: int, seq_length: int) -> La
         mlp, routed = moe_flops(model, tokens)
     else:
         mlp, routed = dense_mlp_flops(model, tokens), 0.0
+    window = windowed_work_ratio(seq_length, model.sliding_window) if model.is_windowed_layer(index) else 1.0
     return LayerFlops(
         attention_linear=attention_linear_flops(model, tokens),
-        attention_core=attention_core_flops(model, batch, seq_length),
+        attention_core=attention_core_flops(model, batch, seq_length) * window,
         mlp=mlp,
         routed_expert=routed,
     )
@@ -85,14 +106,16 @@ def lm_head_flops(model: ModelSpec, tokens: int) -> float:
 
 
 def forward_flops(model: ModelSpec, batch: int, seq_length: int) -> float:
-    """All blocks plus the LM head, forward only (blocks of one kind cost the same)."""
+    """All blocks plus the LM head, forward only: blocks of one kind cost the same but for their attention
+    core, which sliding-window blocks shrink (:func:`attention_window_share`, the blocks' mean factor)."""
     moe = model.num_moe_layers
-    dense = model.num_layers - moe
     blocks = 0.0
-    if dense:
-        blocks += dense * layer_flops(model, _first_layer(model, moe=False), batch, seq_length).total
-    if moe:
-        blocks += moe * layer_flops(model, _first_layer(model, moe=True), batch, seq_length).total
+    for is_moe, n in ((False, model.num_layers - moe), (True, moe)):
+        if n:
+            lf = layer_flops(model, _first_layer(model, moe=is_moe), batch, seq_length)
+            blocks += n * (lf.total - lf.attention_core)
+    core = attention_core_flops(model, batch, seq_length)
+    blocks += model.num_layers * attention_window_share(model, seq_length) * core
     return blocks + lm_head_flops(model, batch * seq_length)
 
 

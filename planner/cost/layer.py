@@ -44,7 +44,6 @@ from planner.contracts.limits import ONE_KERNEL
 from planner.cost.comm import GroupPlacement, collective_time_s, hidden_time_s, placement
 from planner.cost.compute import (
     attention_time_s,
-    attention_window_share,
     cross_entropy_bytes,
     elementwise_time_s,
     gemm_fwd_bwd_s,
@@ -52,6 +51,7 @@ from planner.cost.compute import (
     linear_gemms_s,
     memory_time_s,
 )
+from planner.cost.flops import attention_window_share
 
 ELEMENTWISE_BACKWARD_RATIO = 1.25
 """Backward / forward HBM traffic of the bandwidth-bound ops: LayerNorm backward reads x and dy

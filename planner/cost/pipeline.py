@@ -9,12 +9,28 @@ micro-batches, ``p`` stages and ``v`` virtual stages per rank, the step is ``m·
 - Interleaved 1F1B: bubble ``(Σ t_i - max t_i)/v`` — for equal stages ``(p-1)·t/v``.
 - Zero-bubble ZB-H1 (Qi et al. 2024): the weight-gradient half of backward ``W`` fills the cool-down,
   bubble ``(p - 1)(F + B - W)``; with ``B = W = b/2`` that is ``Σ_{i≠max} f_i``.
+- Zero-bubble V (ZB-V, Qi et al. 2024 §6) and DualPipeV (DeepSeek-AI 2024, the "cut-in-half" DualPipe of
+  github.com/deepseek-ai/DualPipe) hold two chunks per rank in a V: rank ``r`` runs chunks ``r`` and
+  ``2p-1-r``, so rank 0 holds both the embedding and the head. Per chunk ``F = f/2``, full backward
+  ``b/2`` split evenly into input and weight steps ``B = W = b/4``. ZB-V: bubble ``(p - 1)(F + B - 2W)``,
+  zero when ``F = B = W`` — per rank ``max(0, f/2 - b/4) = max(0, (3f - t)/4)`` summed over the ranks
+  but the slowest. DualPipeV: ``(p - 1)(F&B + B_full - 3W)`` (DualPipe's table with ``PP = 2p`` chunks
+  in line); torch's schedule runs the overlapped ``F&B`` one after the other unless a model registers
+  its own overlap, so ``F&B = F + B_full`` and the bubble is ``(f + t)/4`` per rank but the slowest.
+  DualPipeV's advantage, hiding the expert all-to-all behind the other micro-batch's compute, is the
+  plan's ``ep_comm_overlap``, priced apart; without it DualPipeV is never faster than ZB-V.
 
 Micro-batches whose activations stage ``i`` holds at its peak, in whole-stage units: GPipe all ``m``;
 1F1B and zero-bubble (ZB-H1) ``p - i``; interleaved 1F1B: Megatron's warm-up runs ``(v-1)·p + 2·(p-1-i)``
 chunk forwards before the first backward, and each chunk holds ``1/v`` of the stage's activations, so with
 the chunk in progress ``((v-1)p + 2(p-1-i) + 1)/v = p + (p - 1 - 2i)/v``; stage 0 holds
-``p·(1 + (p-1)/(p·v))`` (Korthikanti et al. §3). Each capped at ``m``.
+``p·(1 + (p-1)/(p·v))`` (Korthikanti et al. §3); ZB-V ``p`` on every rank (its peak equals 1F1B's
+first stage, Qi et al. §6: 2p half-size chunks); DualPipeV ``PP + 1`` chunks with ``PP = 2p``, i.e.
+``p + 1/2`` (DualPipe's table). Each capped at ``m``.
+
+**Placement** (:func:`rank_chunks`, the one home the search, the predictor, the exports and the executor
+read): looped schedules put chunk ``c`` on rank ``c % p``; the V schedules put chunks ``r`` and ``2p-1-r``
+on rank ``r`` (torch's ``style="v"``). :func:`head_rank` is the rank holding the last chunk.
 
 Each schedule's step formula has four forms, all in its row: the exact one above (``bubble``); a lower
 bound from two ranks' lower-bounded times (``two_rank_floor``, the search's split bound); a lower bound
@@ -68,6 +84,20 @@ def _bubble_zero(totals: list[float], forward_s: list[float], virtual: int) -> f
     return sum(f for i, f in enumerate(forward_s) if i != i_max)
 
 
+def _slowest(totals: list[float], forward_s: list[float]) -> int:
+    return max(range(len(totals)), key=lambda i: (totals[i], forward_s[i]))
+
+
+def _bubble_zbv(totals: list[float], forward_s: list[float], virtual: int) -> float:
+    i_max = _slowest(totals, forward_s)
+    return sum(max(0.0, (3 * f - t) / 4) for i, (t, f) in enumerate(zip(totals, forward_s)) if i != i_max)
+
+
+def _bubble_dualpipev(totals: list[float], forward_s: list[float], virtual: int) -> float:
+    i_max = _slowest(totals, forward_s)
+    return sum((f + t) / 4 for i, (t, f) in enumerate(zip(totals, forward_s)) if i != i_max)
+
+
 def _two_sequential(t0: float, t1: float, f0: float, f1: float, m: int, v: int) -> float:
     top = max(t0, t1)
     return (m - 1) * top + t0 + t1
@@ -81,6 +111,15 @@ def _two_interleaved(t0: float, t1: float, f0: float, f1: float, m: int, v: int)
 def _two_zero(t0: float, t1: float, f0: float, f1: float, m: int, v: int) -> float:
     # m·T* + Σ_{i≠i*} f_i >= m·max T + the smaller forward (the slowest rank is not known from bounds)
     return m * max(t0, t1) + min(f0, f1)
+
+
+def _two_zbv(t0: float, t1: float, f0: float, f1: float, m: int, v: int) -> float:
+    return m * max(t0, t1)  # the bubble term is not monotone in the bounds: 0 stands in
+
+
+def _two_dualpipev(t0: float, t1: float, f0: float, f1: float, m: int, v: int) -> float:
+    # the other rank's (f + t)/4 grows with its time and forward: the smaller of the two bounds it
+    return m * max(t0, t1) + min(f0 + t0, f1 + t1) / 4
 
 
 def _work_sequential(w: PipeWork) -> float:
@@ -102,6 +141,15 @@ def _work_zero(w: PipeWork) -> float:
     # and m·T* + Σ_{i≠i*} f_i >= (m - ρ)·T* + fwd + (2ρ - 1)·vt, which grows with T* (m >= 1 > ρ): with or
     # without collectives in the stages
     return max((w.m - w.rho) * w.minmax + w.fwd + (2 * w.rho - 1) * w.v * w.send_s, others)
+
+
+def _work_zbv(w: PipeWork) -> float:
+    return w.m * w.minmax
+
+
+def _work_dualpipev(w: PipeWork) -> float:
+    # m·T* + Σ_{i≠i*} (f_i + t_i)/4 >= m·T* + (total - T*)/4, increasing in T*
+    return (w.m - 0.25) * w.minmax + w.total / 4
 
 
 # CP-SAT objectives: ``T``/``F`` the ranks' time and forward variables, ``t_max`` a variable at least every
@@ -128,6 +176,34 @@ def _cpsat_zero(mdl, T, F, t_max, tail, m: int, v: int, big: int):  # noqa: ANN0
     return m * t_max + sum(F) - f_star + tail, 1
 
 
+def _star(mdl, T, t_max, terms, cap):  # noqa: ANN001, ANN202, N803
+    """A variable equal to ``terms[r*]`` of one rank ``r*`` at ``t_max`` (the bubbles leave out the slowest
+    rank's term); ``cap`` a redundant upper bound that keeps the LP relaxation from running it to the domain's end."""
+    z = [mdl.NewBoolVar(f"z{r}") for r in range(len(T))]
+    mdl.AddExactlyOne(z)
+    star = mdl.NewIntVar(0, cap[1], "star")
+    for r, zr in enumerate(z):
+        mdl.Add(T[r] >= t_max).OnlyEnforceIf(zr)
+        mdl.Add(star <= terms[r]).OnlyEnforceIf(zr)
+    mdl.Add(star <= cap[0])
+    return star
+
+
+def _cpsat_zbv(mdl, T, F, t_max, tail, m: int, v: int, big: int):  # noqa: ANN001, ANN202, N803
+    # 4x: Σ_r u_r - u_{r*} with u_r >= max(0, 3F_r - T_r); at the optimum u_r <= 2 T_r <= 2 t_max
+    u = [mdl.NewIntVar(0, 3 * big, f"u{r}") for r in range(len(T))]
+    for r, ur in enumerate(u):
+        mdl.Add(ur >= 3 * F[r] - T[r])
+    star = _star(mdl, T, t_max, u, (2 * t_max, 3 * big))
+    return 4 * m * t_max + sum(u) - star + 4 * tail, 4
+
+
+def _cpsat_dualpipev(mdl, T, F, t_max, tail, m: int, v: int, big: int):  # noqa: ANN001, ANN202, N803
+    terms = [F[r] + T[r] for r in range(len(T))]
+    star = _star(mdl, T, t_max, terms, (2 * t_max, 2 * big))
+    return 4 * m * t_max + sum(terms) - star + 4 * tail, 4
+
+
 def _in_flight_all(stage: int, pp: int, m: int, virtual: int) -> float:
     return float(m)
 
@@ -138,6 +214,22 @@ def _in_flight_warmup(stage: int, pp: int, m: int, virtual: int) -> float:
 
 def _in_flight_interleaved(stage: int, pp: int, m: int, virtual: int) -> float:
     return float(min(m, pp + (pp - 1 - 2 * stage) / virtual))
+
+
+def _in_flight_v(stage: int, pp: int, m: int, virtual: int) -> float:
+    return float(min(m, pp))
+
+
+def _in_flight_dualpipev(stage: int, pp: int, m: int, virtual: int) -> float:
+    return float(min(m, pp + 0.5))
+
+
+def _looped(rank: int, pp: int, virtual: int) -> list[int]:
+    return list(range(rank, pp * virtual, pp))
+
+
+def _v_shape(rank: int, pp: int, virtual: int) -> list[int]:
+    return [rank, 2 * pp - 1 - rank]
 
 
 @dataclass(frozen=True)
@@ -152,28 +244,43 @@ class ScheduleFacts:
     cpsat: Callable  # (model, T, F, t_max, tail, m, v, big) -> (objective, scale): the step x scale
     in_flight: Callable[[int, int, int, int], float]  # (stage, pp, m, v) -> micro-batches held at the peak
     virtual: bool  # the search picks a depth v >= 2 of chunks per rank (micro-batches a multiple of pp)
-    dominated_by: Schedule | None  # a schedule with the same step and no more in flight: searched instead
+    depth: int  # chunks per rank when not ``virtual`` (the plan's virtual_stages)
+    placement: Callable[[int, int, int], list[int]]  # (rank, pp, v) -> its chunks, in pipeline order
+    split_backward: bool  # weight gradients in their own step, after the input gradients (zero-bubble)
+    dominated_by: Schedule | None  # a schedule with no slower step and no more in flight: searched instead
     torch_class: str  # torch.distributed.pipelining's schedule class the executor runs
     looped: bool  # that class takes every stage of the rank (several chunks), not one
     torchtitan: str | None  # torchtitan's --parallelism.pipeline_parallel_schedule (None: not exported)
+    min_micro_batches: Callable[[int], int] = lambda pp: 1  # per pipeline, that torch's class accepts
 
 
 _SEQUENTIAL = {"bubble": _bubble_sequential, "two_rank_floor": _two_sequential, "max_factor": lambda m: m - 1,
                "work_floor": _work_sequential, "cpsat": _cpsat_sequential}
+_ONE_CHUNK = {"virtual": False, "depth": 1, "placement": _looped}
+_V = {"virtual": False, "depth": 2, "placement": _v_shape, "split_backward": True, "looped": True}
 
 SCHEDULES: dict[Schedule, ScheduleFacts] = {
-    Schedule.gpipe: ScheduleFacts(**_SEQUENTIAL, in_flight=_in_flight_all, virtual=False,
+    Schedule.gpipe: ScheduleFacts(**_SEQUENTIAL, **_ONE_CHUNK, in_flight=_in_flight_all, split_backward=False,
                                   dominated_by=Schedule.one_f_one_b, torch_class="ScheduleGPipe", looped=False,
                                   torchtitan="GPipe"),
-    Schedule.one_f_one_b: ScheduleFacts(**_SEQUENTIAL, in_flight=_in_flight_warmup, virtual=False, dominated_by=None,
-                                        torch_class="Schedule1F1B", looped=False, torchtitan="1F1B"),
+    Schedule.one_f_one_b: ScheduleFacts(**_SEQUENTIAL, **_ONE_CHUNK, in_flight=_in_flight_warmup, split_backward=False,
+                                        dominated_by=None, torch_class="Schedule1F1B", looped=False, torchtitan="1F1B",
+                                        min_micro_batches=lambda pp: pp),
     Schedule.interleaved_1f1b: ScheduleFacts(
         _bubble_interleaved, _two_interleaved, lambda m: m, _work_interleaved, _cpsat_interleaved,
-        _in_flight_interleaved, virtual=True, dominated_by=None, torch_class="ScheduleInterleaved1F1B", looped=True,
-        torchtitan="Interleaved1F1B"),
+        _in_flight_interleaved, virtual=True, depth=1, placement=_looped, split_backward=False, dominated_by=None,
+        torch_class="ScheduleInterleaved1F1B", looped=True, torchtitan="Interleaved1F1B"),
     Schedule.zero_bubble: ScheduleFacts(
-        _bubble_zero, _two_zero, lambda m: m, _work_zero, _cpsat_zero, _in_flight_warmup, virtual=False,
-        dominated_by=None, torch_class="ScheduleInterleavedZeroBubble", looped=True, torchtitan=None),
+        _bubble_zero, _two_zero, lambda m: m, _work_zero, _cpsat_zero, _in_flight_warmup, **_ONE_CHUNK,
+        split_backward=True, dominated_by=None, torch_class="ScheduleInterleavedZeroBubble", looped=True,
+        torchtitan=None),
+    Schedule.zero_bubble_v: ScheduleFacts(
+        _bubble_zbv, _two_zbv, lambda m: m, _work_zbv, _cpsat_zbv, _in_flight_v, **_V, dominated_by=None,
+        torch_class="ScheduleZBVZeroBubble", torchtitan="ZBVZeroBubble"),
+    Schedule.dualpipe_v: ScheduleFacts(
+        _bubble_dualpipev, _two_dualpipev, lambda m: m, _work_dualpipev, _cpsat_dualpipev, _in_flight_dualpipev,
+        **_V, dominated_by=Schedule.zero_bubble_v, torch_class="ScheduleDualPipeV", torchtitan="DualPipeV",
+        min_micro_batches=lambda pp: 2 * pp),  # torch: "at least as many microbatches as stages"
 }
 
 
@@ -187,6 +294,17 @@ def pipeline_time_s(
         return critical, 0.0
     bubble = SCHEDULES[schedule].bubble(totals, forward_s, virtual)
     return critical + bubble, bubble
+
+
+def rank_chunks(schedule: Schedule, pp: int, virtual: int, rank: int) -> list[int]:
+    """The chunk (pipeline stage) indices pipeline rank ``rank`` runs, in pipeline order (module doc)."""
+    return SCHEDULES[schedule].placement(rank, pp, virtual)
+
+
+def head_rank(schedule: Schedule, pp: int, virtual: int) -> int:
+    """The pipeline rank holding the last chunk (the final norm, the head and the loss)."""
+    last = pp * virtual - 1
+    return next(r for r in range(pp) if last in rank_chunks(schedule, pp, virtual, r))
 
 
 def microbatches_in_flight(schedule: Schedule, stage: int, pp: int, num_micro_batches: int, virtual: int) -> float:

@@ -56,7 +56,7 @@ from planner.cost.memory import (
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import microbatches_in_flight, pipeline_time_s
+from planner.cost.pipeline import head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
 from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, pipeline_send_s, rank_passes_s
 from planner.errors import AutoparError
 
@@ -81,17 +81,18 @@ def _stages(model: ModelSpec, layout: ParallelLayout) -> list[_Stage]:
     p, v = layout.pp, layout.virtual_stages
     counts = layout.layers_per_stage or default_layer_split(model.num_layers, p * v)
     starts = [sum(counts[:i]) for i in range(p * v)]
+    last = head_rank(layout.schedule, p, v)
     stages = []
     for rank in range(p):
-        layers = [i for chunk in range(v)
-                  for i in range(starts[chunk * p + rank], starts[chunk * p + rank] + counts[chunk * p + rank])]
+        layers = [i for chunk in rank_chunks(layout.schedule, p, v, rank)
+                  for i in range(starts[chunk], starts[chunk] + counts[chunk])]
         if layout.recompute_per_stage is not None:
             choice = layout.recompute_per_stage[rank]
             n = len(layers) if choice.num_layers is None else min(choice.num_layers, len(layers))
             recompute = [choice.kind] * n + [Recompute.none] * (len(layers) - n)
         else:
             recompute = [layout.recompute] * len(layers)
-        stages.append(_Stage(layers, rank == 0, rank == p - 1, recompute))
+        stages.append(_Stage(layers, rank == 0, rank == last, recompute))
     return stages
 
 

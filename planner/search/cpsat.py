@@ -139,7 +139,7 @@ class _Rank:
         return self.r == 0
 
     def last(self, cx: _Context) -> bool:
-        return self.r == cx.p - 1
+        return self.r == cx.sm.head_rank
 
     def const_dense(self, cx: _Context) -> float:
         """Dense parameters outside the blocks: the embedding on rank 0, the LM head on the last."""
@@ -198,14 +198,14 @@ def _chunk_vars(cx: _Context) -> tuple[list[cp_model.IntVar], list[cp_model.Line
 
 def _rank_vars(cx: _Context, r: int, chunks: list[cp_model.IntVar],
                a_in_chunk: list[cp_model.LinearExprT] | None) -> _Rank:
-    """Rank ``r``'s layer counts (its chunks are r, r+p, ...) and recompute: one kind per rank, a count of
+    """Rank ``r``'s layer counts (its chunks: ``sm.placement[r]``) and recompute: one kind per rank, a count of
     its layers (kind-a blocks come first in the rank)."""
-    mdl, L, p, d_count = cx.mdl, cx.L, cx.p, cx.d_count
+    mdl, L, d_count = cx.mdl, cx.L, cx.d_count
     if cx.single:
         n = na = chunks[r]
         nb = mdl.NewConstant(0)
     else:
-        mine = [c * p + r for c in range(cx.v)]
+        mine = cx.sm.placement[r]
         n = mdl.NewIntVar(1, L, f"n{r}")
         mdl.Add(n == sum(chunks[j] for j in mine))
         na = mdl.NewIntVar(0, min(L, d_count), f"na{r}")
@@ -372,8 +372,7 @@ def _rank_memory(cx: _Context, rk: _Rank) -> None:
 
 def _chunk_values(cx: _Context, chunks: list[int]) -> list[int]:
     """Values of :func:`_chunk_vars`' variables for layers per (virtual) stage ``chunks``."""
-    p, v = cx.p, cx.v
-    return [sum(chunks[c * p + r] for c in range(v)) for r in range(p)] if cx.single else chunks
+    return [sum(chunks[c] for c in mine) for mine in cx.sm.placement] if cx.single else chunks
 
 
 def _restrict(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], *, even_split: bool,
@@ -430,11 +429,13 @@ def _solve(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], scal
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return StageSolution([], [], name, None, solver.WallTime())
-    p, v = cx.p, cx.v
+    v = cx.v
     sol_chunks = [solver.Value(c) for c in chunks]
-    if cx.single:
-        per_rank = sol_chunks
-        sol_chunks = [per_rank[j % p] // v + (1 if j // p < per_rank[j % p] % v else 0) for j in range(p * v)]
+    if cx.single:  # each rank's count over its chunks, as even as it allows (the first ones one larger)
+        per_rank, sol_chunks = sol_chunks, [0] * (cx.p * v)
+        for n, mine in zip(per_rank, cx.sm.placement):
+            for k, c in enumerate(mine):
+                sol_chunks[c] = n // v + (1 if k < n % v else 0)
     rec: list[tuple[Recompute, int]] = []
     for rk in ranks:
         rs_v, rf_v = solver.Value(rk.rs), solver.Value(rk.rf)

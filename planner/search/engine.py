@@ -543,7 +543,7 @@ class _SearchState:
                 break
             st = self.ordered[si][0]
             sched = Schedule.one_f_one_b if Schedule.one_f_one_b in opts.schedules or st.pp == 1 else opts.schedules[0]
-            if SCHEDULES[sched].virtual:
+            if SCHEDULES[sched].virtual or SCHEDULES[sched].depth != 1:
                 continue
             self.price_leaf(si, st, sched, 1, self.minmax_for(si), 0.0, seed_zero, 1, st.dp, False, True)
 

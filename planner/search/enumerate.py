@@ -201,8 +201,10 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
                     rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={v}")
                     break
                 out.append((sched, v))
+        elif st.pp * SCHEDULES[sched].depth > model.num_layers:  # the V schedules: two chunks per rank
+            rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={SCHEDULES[sched].depth}")
         else:
-            out.append((sched, 1))
+            out.append((sched, SCHEDULES[sched].depth))
     return out
 
 

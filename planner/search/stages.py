@@ -42,7 +42,8 @@ from planner.cost.comm import (
     mesh_groups,
     placement,
 )
-from planner.cost.compute import attention_time_s, attention_window_share, gemm_fwd_bwd_s
+from planner.cost.compute import attention_time_s, gemm_fwd_bwd_s
+from planner.cost.flops import attention_window_share
 from planner.cost.layer import (
     MicroBatch,
     _attention_gemms,
@@ -69,7 +70,7 @@ from planner.cost.memory import (
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import SCHEDULES, microbatches_in_flight, pipeline_time_s
+from planner.cost.pipeline import SCHEDULES, head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
 from planner.cost.predict import (
     check_layout,
     default_layer_split,
@@ -348,6 +349,8 @@ class StageModel:
         self.m = check_layout(model, training, base, profile.num_gpus)
         self.model, self.training, self.profile, self.layout = model, training, profile, base
         self.p, self.v = base.pp, base.virtual_stages
+        self.placement = [rank_chunks(base.schedule, self.p, self.v, r) for r in range(self.p)]
+        self.head_rank = head_rank(base.schedule, self.p, self.v)  # holds the last chunk: the head, the loss
         cache = block_cache if block_cache is not None else {}
         shared = shared_costs(model, training, profile, base, cache, target)
         self.kinds, self.mb = shared.kinds, shared.mb
@@ -411,11 +414,9 @@ class StageModel:
 
     # -- one stage -----------------------------------------------------------------------------
     def rank_layers(self, chunks: list[int]) -> list[list[int]]:
-        """Block indices each pipeline rank owns, chunk by chunk (rank r holds chunks r, r+p, ...)."""
+        """Block indices each pipeline rank owns, chunk by chunk (:func:`planner.cost.pipeline.rank_chunks`)."""
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        return [[i for c in range(self.v)
-                 for i in range(starts[c * self.p + r], starts[c * self.p + r] + chunks[c * self.p + r])]
-                for r in range(self.p)]
+        return [[i for c in mine for i in range(starts[c], starts[c] + chunks[c])] for mine in self.placement]
 
     def _counts(self, layers: list[int], count: int) -> tuple[int, int, int, int]:
         """(dense blocks, MoE blocks, recomputed dense, recomputed MoE) of ``layers``, the first ``count``
@@ -447,7 +448,7 @@ class StageModel:
         (first, last, counts, kind) for this layout (a split's middle ranks share it); the memory is the rank's."""
         if kind is Recompute.none:
             r_dense = r_moe = 0
-        key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
+        key = (rank == 0, rank == self.head_rank, n_dense, n_moe, kind, r_dense, r_moe)
         timing = self._timing.get(key)
         if timing is None:
             timing = self._timing[key] = self._stage_timing(key)
@@ -485,7 +486,8 @@ class StageModel:
         the micro-batches in flight, the full-recompute transient, the loss, the biggest block's buffers)
         and the optimizer step's temporaries."""
         per_mb = acts + (self.emb_act if rank == 0 else 0.0)
-        act_phase = per_mb * self.in_flight[rank] + transient + (self.logits + self.root if rank == self.p - 1 else 0.0)
+        loss = self.logits + self.root if rank == self.head_rank else 0.0
+        act_phase = per_mb * self.in_flight[rank] + transient + loss
         if layers:
             act_phase += self.block_buffer * gather_biggest
         return peak_bytes(self.fixed, self.frag, dense * self._state_dense + experts * self._state_expert + act_phase,
@@ -496,7 +498,7 @@ class StageModel:
         """``stage_terms_counts(...).memory_bytes`` without the timing terms (for fit tests)."""
         if kind is Recompute.none:
             r_dense = r_moe = 0
-        key = (rank == 0, rank == self.p - 1, n_dense, n_moe, kind, r_dense, r_moe)
+        key = (rank == 0, rank == self.head_rank, n_dense, n_moe, kind, r_dense, r_moe)
         return self._memory(rank, *self._held_for(key), n_dense + n_moe)
 
     def _holdings(self, first: bool, last: bool, n_dense: int, n_moe: int, kind: Recompute, r_dense: int,
@@ -662,7 +664,7 @@ def recompute_bound_s(sm: StageModel) -> float:
         e = 0.0
         if r == 0:
             e += sm.emb_params * per_state + fl * sm.emb_act
-        if r == sm.p - 1:
+        if r == sm.head_rank:
             e += sm.head_params * per_state + sm.logits + sm.root
         free += max(0.0, (sm.alloc_capacity - e) / u) if u > 0 else math.inf
         if rho > 0:
@@ -701,7 +703,7 @@ def _optimizer_step_cap(sm: StageModel, kc: KindCost, rank: int) -> float:
     """Blocks of cost ``kc`` pipeline rank ``rank`` can hold through the optimizer step: its model states
     and the step's temporaries within the allocator's budget (``math.inf`` without temporaries)."""
     od, oe = sm._step_state
-    fixed = (sm.emb_params if rank == 0 else 0.0) + (sm.head_params if rank == sm.p - 1 else 0.0)
+    fixed = (sm.emb_params if rank == 0 else 0.0) + (sm.head_params if rank == sm.head_rank else 0.0)
     per_block = kc.dense_params * od + kc.expert_params * oe
     room = sm.alloc_capacity - fixed * od
     if room < 0:
@@ -742,7 +744,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
     gather_buffer = sm.block_buffer * kc.gather_params if gather_buffers else 0.0
     ranks = []
-    p, capacity, inf = sm.p, sm.alloc_capacity, math.inf
+    capacity, inf = sm.alloc_capacity, math.inf
     send = 2 * sm.v * sm.p2p_s
     for r, fl in enumerate(sm.in_flight):
         x = send
@@ -750,7 +752,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
         if r == 0:
             x += sum(sm.emb)
             e += sm.emb_params * sm._state_dense + fl * sm.emb_act
-        if r == p - 1:
+        if r == sm.head_rank:
             x += sum(sm.head)
             e += sm.head_params * sm._state_dense + sm.logits + sm.root
         if capacity - e < 0:

@@ -6,7 +6,15 @@ from __future__ import annotations
 from planner.contracts import ClusterProfile, ModelSpec, Precision, Schedule
 from planner.cost.params import embedding_params, head_per_tp_rank
 from planner.targets.core import Job, Limit, Target, TargetFacts, TargetSpec, _grouped_mm_or_loop
-from planner.targets.rows import _TORCH_PIPELINE_SENDS, _no_compile, _pp, _pp_sends, _sends_as_sp, _trained
+from planner.targets.rows import (
+    _TORCH_PIPELINE_SENDS,
+    _no_compile,
+    _pp,
+    _pp_sends,
+    _sends_as_sp,
+    _torch_schedule_micro_batches,
+    _trained,
+)
 
 
 # ============================================================================================
@@ -57,10 +65,6 @@ def _seq_split(j: Job) -> int:
 def _rounds(j: Job) -> int:
     return max(1, (j.micro_batches or 0) // j.layout.pp)
 
-
-MLA_TP_PROBLEM = ("multi-head latent attention, whose shared rotary key feeds every head: its latent projection's "
-                  "gradient would need a sum over the TP ranks inside the model's forward")
-"""Why a Hugging Face model's MLA is not split over TP: the target table's row and the executor's module check."""
 
 _AUTOPAR = (
     _no_compile("the executor", "runs its model eagerly"),
@@ -135,15 +139,6 @@ _AUTOPAR = (
         "embedding's table through a functional call that no TP style wraps)",
         fix="use tp=1 or untied embeddings (a Hugging Face model's tied head and embedding share one "
         "vocabulary-sharded table)",
-    ),
-    Limit(
-        feature="tensor parallelism on multi-head latent attention in a Hugging Face model",
-        scope="layout",
-        refuses=lambda j: j.hf and j.model.mla is not None and j.layout.tp > 1,
-        field="layout.tp",
-        value=lambda j: j.layout.tp,
-        problem=f"splits {MLA_TP_PROBLEM}",
-        fix="use tp=1 (FSDP, HSDP, CP, EP and pipelines run it)",
     ),
     Limit(
         feature="expert tensor parallelism on a Hugging Face MoE model",
@@ -277,23 +272,7 @@ _AUTOPAR = (
         problem=lambda j: f"with pp={j.layout.pp} would share one weight between the first and last stage",
         fix="use untied embeddings or pp=1",
     ),
-    Limit(
-        feature="1F1B with fewer micro-batches than stages",
-        scope="split",
-        refuses=lambda j: (
-            _pp(j)
-            and j.micro_batches is not None
-            and j.layout.schedule is Schedule.one_f_one_b
-            and j.micro_batches < j.layout.pp
-        ),
-        field="micro-batches per pipeline",
-        value=lambda j: j.micro_batches,
-        problem="are fewer than the pipeline stages, which torch's 1F1B refuses",
-        fix=lambda j: (
-            f"use at least pp={j.layout.pp} micro-batches (global batch / (dp x micro_batch_size)), "
-            "or schedule gpipe"
-        ),
-    ),
+    _torch_schedule_micro_batches("the executor"),
     Limit(
         feature="multi-stage schedule with micro-batches not in rounds of pp",
         scope="split",

@@ -108,11 +108,20 @@ _DEEPSPEED = (
     Limit(
         feature="interleaved (virtual-stage) schedule",
         scope="layout",
-        refuses=lambda j: j.layout.virtual_stages > 1 or j.layout.schedule is Schedule.interleaved_1f1b,
+        refuses=lambda j: j.layout.schedule is Schedule.interleaved_1f1b,
         field="schedule",
         value=lambda j: "interleaved_1f1b",
         problem="cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank",
         fix="plan with schedule='1f1b' and virtual_stages=1, or use --to megatron or --to torchtitan",
+    ),
+    Limit(
+        feature="V-shaped schedule (ZB-V, DualPipeV)",
+        scope="layout",
+        refuses=lambda j: _pp(j) and j.layout.schedule in (Schedule.zero_bubble_v, Schedule.dualpipe_v),
+        field="schedule",
+        value=lambda j: j.layout.schedule.value,
+        problem="cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank, not two in a V",
+        fix="plan with schedule='zero_bubble' (Megatron-DeepSpeed's ZB-H1) or '1f1b', or use --to torchtitan",
     ),
     Limit(
         feature="GPipe schedule",

@@ -82,6 +82,16 @@ _MEGATRON = (
         fix="plan with schedule='1f1b' (same bubble, less memory), or use --to torchtitan",
     ),
     Limit(
+        feature="V-shaped schedule (ZB-V, DualPipeV)",
+        scope="layout",
+        refuses=lambda j: _pp(j) and j.layout.schedule in (Schedule.zero_bubble_v, Schedule.dualpipe_v),
+        field="schedule",
+        value=lambda j: j.layout.schedule.value,
+        problem="is not in Megatron-LM (its pipeline runs 1F1B or interleaved 1F1B; DualPipeV lives in forks "
+        "such as Ascend's MindSpeed)",
+        fix="plan with schedule='interleaved_1f1b' or '1f1b', or use --to torchtitan (ZBVZeroBubble, DualPipeV)",
+    ),
+    Limit(
         feature="zero-bubble schedule",
         scope="layout",
         refuses=lambda j: _pp(j) and j.layout.schedule is Schedule.zero_bubble,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from planner.contracts import ModelSpec, Precision, TrainingConfig
+from planner.cost.pipeline import SCHEDULES
 from planner.targets.core import GPUS_PER_NODE, Job, Limit, TargetFacts
 from planner.targets.split import recompute_text, uniform_recompute
 
@@ -99,6 +100,30 @@ _TORCH_PIPELINE_SENDS = (
     "the TP rank's sequence shard (1/tp of the activation), without it the whole activation, replicated on "
     "every TP rank"
 )
+
+
+def _least_micro_batches(j: Job) -> int:
+    return SCHEDULES[j.layout.schedule].min_micro_batches(j.layout.pp)
+
+
+def _torch_schedule_micro_batches(framework: str) -> Limit:
+    """The row refusing fewer micro-batches per pipeline than torch's schedule class takes (1F1B: pp,
+    DualPipeV: 2 pp; :data:`planner.cost.pipeline.SCHEDULES`), for a target that runs torch's pipelining."""
+    return Limit(
+        feature="fewer micro-batches than the pipeline schedule takes",
+        scope="split",
+        refuses=lambda j: _pp(j) and j.micro_batches is not None and j.micro_batches < _least_micro_batches(j),
+        field="micro-batches per pipeline",
+        value=lambda j: j.micro_batches,
+        problem=lambda j: (
+            f"are fewer than the {_least_micro_batches(j)} that torch's "
+            f"{SCHEDULES[j.layout.schedule].torch_class} takes with pp={j.layout.pp} in {framework}"
+        ),
+        fix=lambda j: (
+            f"use at least {_least_micro_batches(j)} micro-batches per pipeline (global batch / (dp x "
+            "micro_batch_size)), or schedule gpipe"
+        ),
+    )
 
 
 def _pp_sends(framework: str, facts: TargetFacts, field: str = "pp_scatter_gather") -> Limit:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from planner.contracts import ParallelLayout, Recompute
 from planner.cost.checks import default_layer_split
+from planner.cost.pipeline import rank_chunks
 
 
 def stage_layers(layout: ParallelLayout, num_layers: int) -> list[int]:
@@ -16,9 +17,10 @@ def stage_layers(layout: ParallelLayout, num_layers: int) -> list[int]:
     return default_layer_split(num_layers, layout.pp * layout.virtual_stages)
 
 
-def _rank_chunks(counts: list[int], pp: int, virtual: int) -> list[list[int]]:
-    """Layers of each model chunk, per pipeline rank (the planner's and Megatron's stage order)."""
-    return [[counts[c * pp + r] for c in range(virtual)] for r in range(pp)]
+def _rank_chunks(counts: list[int], layout: ParallelLayout) -> list[list[int]]:
+    """Layers of each model chunk, per pipeline rank (:func:`planner.cost.pipeline.rank_chunks`)."""
+    return [[counts[c] for c in rank_chunks(layout.schedule, layout.pp, layout.virtual_stages, r)]
+            for r in range(layout.pp)]
 
 
 def recompute_text(layout: ParallelLayout) -> str:
@@ -57,7 +59,7 @@ def uniform_recompute(layout: ParallelLayout, num_layers: int) -> RecomputeSetti
     """
     if layout.recompute_per_stage is None:
         return RecomputeSetting(layout.recompute.value)
-    chunks = _rank_chunks(stage_layers(layout, num_layers), layout.pp, layout.virtual_stages)
+    chunks = _rank_chunks(stage_layers(layout, num_layers), layout)
     wanted = _per_rank(layout, chunks)
     kinds = {k for k, _ in wanted} - {"none"}
     if not kinds:
@@ -84,7 +86,7 @@ def every_nth_recompute(layout: ParallelLayout, num_layers: int) -> int | None:
     torchtitan/distributed/activation_checkpoint.py ``_apply_layer_sac``, v0.2.2.)"""
     if layout.recompute_per_stage is None:
         return None
-    chunks = _rank_chunks(stage_layers(layout, num_layers), layout.pp, layout.virtual_stages)
+    chunks = _rank_chunks(stage_layers(layout, num_layers), layout)
     wanted = _per_rank(layout, chunks)
     if any(k == "selective" for k, _ in wanted):
         return None

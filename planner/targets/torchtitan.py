@@ -26,6 +26,7 @@ from planner.targets.rows import (
     _pp_sends,
     _recompute_value,
     _sends_as_sp,
+    _torch_schedule_micro_batches,
     _trained,
 )
 from planner.targets.split import RecomputeSetting, every_nth_recompute, uniform_recompute
@@ -120,6 +121,7 @@ _SELECTIVE = {
 _TORCHTITAN = (
     _kv_heads("torchtitan"),
     _master_weights("torchtitan"),
+    _torch_schedule_micro_batches("torchtitan"),
     Limit(
         feature="tensor parallelism without sequence parallelism",
         scope="layout",

@@ -75,6 +75,10 @@ CONFIGS: dict[str, dict] = {
                     "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
                     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                     "v_head_dim": 8, "n_group": 2, "topk_group": 1, **BASE, **TOKENS},
+    # the same MLA with dense layers only: MLA under TP without SP too (executor.hf_mla)
+    "deepseek_v3_dense": {"model_type": "deepseek_v3", "first_k_dense_replace": 2, "kv_lora_rank": 16,
+                          "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+                          **BASE, **TOKENS},
     # Phi-3: fused qkv and gate-up projections (tensor parallelism refused, see FUSED)
     "phi3": {"model_type": "phi3", **BASE, **TOKENS},
 }
@@ -94,16 +98,25 @@ PLANS: dict[str, dict] = {
     "moe_tp2_sp_ep2_fsdp2": {"dp_shard": 2, "tp": 2, "sp": True, "etp": 1, "ep": 2, "zero_stage": 3},
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-NO_TP = ("phi3", "deepseek_v3")  # refused under TP (fused projections, MLA): check_supported says why
-NO_CP = ("gemma2",)  # soft-capped attention scores: refused under CP
+NO_TP = ("phi3",)  # refused under TP (fused projections): check_supported says why
+NO_CP: tuple[str, ...] = ()  # refused under CP (executor.hf_cp.cp_refusal): none of these families
+# families whose code paths another family's plans already cover run these plans only: Mistral and Qwen2 are
+# Llama's modules (Qwen2 adds q/k/v biases: the TP plans), the dense MLA model adds MLA under TP without SP
+ONLY: dict[str, tuple[str, ...]] = {
+    "mistral": ("fsdp4", "dp2_tp2_sp", "cp2_fsdp2"),
+    "qwen2": ("hsdp_2x2", "dp2_tp2_sp", "fsdp2_tp2", "cp2_tp2_sp"),
+    "deepseek_v3_dense": ("dp2_tp2_sp", "fsdp2_tp2", "cp2_tp2_sp"),
+}
 
 
 def runs(family: str, fields: dict) -> bool:
-    """Whether ``family`` runs plan ``fields`` here: no TP for NO_TP, no CP for NO_CP; MoE families take
-    TP only with whole experts (etp 1); EP and etp plans are for MoE families only."""
+    """Whether ``family`` runs plan ``fields`` here: no TP for NO_TP, no CP for NO_CP, only ONLY[family] where
+    listed; MoE families take TP only with whole experts (etp 1); EP and etp plans are for MoE families only."""
     tp, moe = fields.get("tp", 1) > 1, family in MOE_FAMILIES
     if (tp and family in NO_TP) or ("cp" in fields and family in NO_CP):
         return False
+    if family in ONLY:
+        return any(PLANS[p] is fields for p in ONLY[family])
     if moe:
         return not tp or "etp" in fields
     return "ep" not in fields and "etp" not in fields

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from executor.data import SyntheticTokens, split_batch
 from executor.model import build_model, full_state_dict
-from executor.pipeline import build_schedule, pipeline_step, split_model
+from executor.pipeline import build_schedule, last_rank, pipeline_step, split_model
 from executor.reference import lm_loss, make_optimizer
 from planner.contracts import ModelSpec, MoESpec, ParallelLayout
 
@@ -51,6 +51,12 @@ CASES: dict[str, tuple[int, bool, dict, int]] = {
     "pp2_dp2_interleaved_uneven": (6, False, {"pp": 2, "dp_replicate": 2, "schedule": "interleaved_1f1b",
                                               "virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1]}, 4),
     "pp2_dp2_moe_zero_bubble": (4, True, {"pp": 2, "dp_replicate": 2, "schedule": "zero_bubble"}, 2),
+    # the V schedules: rank r runs chunks r and 2pp-1-r, rank 0 the embedding and the head
+    "pp4_zero_bubble_v": (8, False, {"pp": 4, "schedule": "zero_bubble_v", "virtual_stages": 2}, 4),
+    "pp2_dp2_dualpipe_v_uneven": (6, False, {"pp": 2, "dp_replicate": 2, "schedule": "dualpipe_v",
+                                             "virtual_stages": 2, "layers_per_stage": [2, 1, 1, 2]}, 4),
+    "pp2_dp2_moe_zero_bubble_v": (4, True, {"pp": 2, "dp_replicate": 2, "schedule": "zero_bubble_v",
+                                            "virtual_stages": 2}, 2),
 }
 
 
@@ -66,7 +72,7 @@ def run_case(name: str, out: Path) -> None:
     dp, pp = layout.dp, layout.pp
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    is_first, is_last = pp_rank == 0, pp_rank == pp - 1
+    is_first, is_last = pp_rank == 0, pp_rank == last_rank(layout)
     n_micro = global_batch // (dp * MBS)
 
     full = full_state_dict(model_spec, SEED)
