@@ -187,11 +187,23 @@ def base_layout(st: Structure, opts: SearchOptions, **extra) -> ParallelLayout: 
     return ParallelLayout(**fields)
 
 
+def _schedule_refusal(target: str, model: ModelSpec, sched: Schedule, pp: int, depth: int):  # noqa: ANN202
+    """The target's refusal of the schedule itself (its rows about ``schedule``), whatever else the layout holds:
+    such a schedule is not enumerated at all (each of its leaves would be refused one by one)."""
+    layout = ParallelLayout(pp=pp, schedule=sched, virtual_stages=depth)
+    return targets.refusal(target, targets.Job(model, None, layout), ("layout",), field="schedule")
+
+
 def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules: Rules) -> list[tuple[Schedule, int]]:
     if st.pp == 1:
         return [(Schedule.one_f_one_b, 1)]
     out = []
     for sched in opts.schedules:
+        facts = SCHEDULES[sched]
+        refused = _schedule_refusal(opts.target, model, sched, st.pp, 2 if facts.virtual else facts.depth)
+        if refused is not None:
+            rules.remove(Rule.TARGET, str(refused), target=opts.target, feature=refused.feature)
+            continue
         if SCHEDULES[sched].virtual:
             if st.m % st.pp:
                 rules.remove(Rule.INTERLEAVED_MICRO_BATCHES, f"m={st.m}, pp={st.pp}")
