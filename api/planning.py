@@ -12,6 +12,7 @@ from api.db import Database, PlanRow
 from api.schemas import ModelRef, PlanRequest
 from planner.contracts import ClusterProfile, ModelSpec, Plan
 from planner.errors import AutoparError
+from planner.goodput import rank_by_time_to_train
 from planner.search import SearchOptions, search
 
 
@@ -90,7 +91,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
     digest = store.canonical_hash(dict(model=model.model_dump(mode="json"),
                                        training=req.training.model_dump(mode="json"),
                                        profile_id=profile_id, num_nodes=profile.num_nodes,
-                                       options=req.options.model_dump(mode="json")))
+                                       options=req.options.model_dump(mode="json"),
+                                       **({"goal": req.goal.model_dump(mode="json")} if req.goal else {})))
     common = dict(profile_id=profile_id, request=request, request_hash=digest, model_name=model.name,
                   num_gpus=profile.num_gpus)
     earlier = store.find_reusable_plan(db, request_hash=digest)
@@ -103,6 +105,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
         return row, True
     try:
         plan: Plan = search(model, req.training, profile, opts)
+        if req.goal is not None:  # ranked by expected time-to-train, the goal kept with the plan
+            plan = rank_by_time_to_train(plan, req.goal, profile).model_copy(update={"goal": req.goal})
     except AutoparError as exc:
         row = store.store_plan(db, status="infeasible", step_time_s=None, plan=None, explanation=explanation(exc),
                                **common)

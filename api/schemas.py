@@ -7,7 +7,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig
+from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig, TrainingGoal
 from planner.contracts.limits import (
     MAX_GPUS,
     MAX_MICRO_BATCH,
@@ -147,6 +147,8 @@ class PlanRequest(Strict):
         None, ge=1, le=MAX_GPUS, strict=True, description="reference profiles only: nodes to plan for"
     )
     options: PlanOptions = Field(default_factory=PlanOptions)
+    goal: TrainingGoal | None = Field(None, description="tokens or steps to train and the cluster's failure and "
+                                      "storage facts: the plans are then ranked by expected time-to-train")
 
     @model_validator(mode="after")
     def _where(self) -> PlanRequest:

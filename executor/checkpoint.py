@@ -19,6 +19,7 @@ DP4, TP2xDP2 -> FSDP4, 4 ranks -> 2 ranks): DCP reshards tensors and DTensors al
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from planner.contracts.report import CheckpointRecord
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -43,6 +46,18 @@ def latest_step(root: str | Path) -> int | None:
         return None
     steps = [int(m.group(1)) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").exists()]
     return max(steps, default=None)
+
+
+def _tensor_bytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) state dict, DTensors by their local shard."""
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _module(parts: list[nn.Module]) -> nn.Module | list[nn.Module]:
@@ -70,6 +85,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, every: int = 0, use_async: bool = False) -> None:
         self.root, self.every, self.use_async = Path(root), every, use_async
         self._pending: Future | None = None
+        self.records: list[CheckpointRecord] = []  # each save's blocking and write times
         # an async save runs its collectives in a background thread: on the training's own process group
         # they would interleave with the step's collectives (a hang), so it gets a group of its own
         self._group = dist.new_group(backend="gloo") if use_async else None
@@ -82,13 +98,24 @@ class Checkpointer:
         """Collective: every rank writes its shards of the state after ``steps_done`` steps."""
         self.wait()
         path = step_dir(self.root, steps_done)
+        t0 = time.perf_counter()
         state = _state(parts, optimizer, {**progress, "step": steps_done})
+        nbytes = _tensor_bytes(state)
         if self.use_async:
             result = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = getattr(result, "upload_completion", result)
+            record = self._record(steps_done, "async", time.perf_counter() - t0, nbytes)
+            self._pending.add_done_callback(lambda _: record.__setattr__("write_s", time.perf_counter() - t0))
         else:
             dcp.save(state, checkpoint_id=str(path))
+            self._record(steps_done, "sync", time.perf_counter() - t0, nbytes)  # its write is its blocking time
         return path
+
+    def _record(self, step: int, mode: str, blocking_s: float, nbytes: int) -> CheckpointRecord:
+        record = CheckpointRecord(step=step, mode=mode, blocking_s=blocking_s, write_s=blocking_s,
+                                  bytes_per_rank=nbytes)
+        self.records.append(record)
+        return record
 
     def wait(self) -> None:
         """Block until an asynchronous save has been written."""

@@ -455,7 +455,7 @@ def train(plan: Plan, opts: RunOptions) -> RunReport | None:
             num_ranks=rt.world, warmup_steps=len(history) + warm, steps=history + records,
             median_step_time_s=median, tokens_per_s=plan.training.tokens_per_step / median, mfu=mfu,
             peak_memory_bytes_per_rank=[int(m) for m in mems], memory_kind=kind, environment=env,
-            breakdown=[t for t in splits if t is not None])
+            breakdown=[t for t in splits if t is not None], checkpoints=ckpt.records if ckpt is not None else [])
         if opts.out:
             try:  # a run is never lost to a path: where --out fails now, the report is kept and named
                 write_or_keep(Path(opts.out), report.model_dump_json(indent=2), "--out", "run report", "autopar-run")

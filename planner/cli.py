@@ -32,8 +32,10 @@ from planner.contracts import (
     RunReport,
     Schedule,
     TrainingConfig,
+    TrainingGoal,
     json_schemas,
 )
+from planner.contracts.goodput import MAX_FAILURE_RATE, MAX_PRICE, MAX_TOKENS
 from planner.contracts.limits import (
     MAX_GLOBAL_BATCH,
     MAX_GLOBAL_BATCH_TOKENS,
@@ -51,6 +53,7 @@ from planner.files import check_out, check_out_dir, read_input, write_files, wri
 from planner.search.options import SearchOptions
 
 SEARCH = SearchOptions()  # the search's defaults (one home: planner/search/options.py)
+GOAL = TrainingGoal(steps=1)  # the time-to-train defaults (one home: planner/contracts/goodput.py)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Auto-parallelism planner for training large transformers.")
@@ -442,10 +445,24 @@ def plan(
     memory_headroom: Annotated[float | None, typer.Option(min=0.0, max=0.9, help="share of each GPU's memory kept "
                                                           "free beyond every predicted term (default: the profile's, "
                                                           "5% in reference profiles)")] = None,
+    tokens: Annotated[float | None, typer.Option(
+        min=1, max=MAX_TOKENS, help="tokens to train: rank the plans by expected time-to-train")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps to train (instead of --tokens)")] = None,
+    failure_rate: Annotated[float, typer.Option(
+        min=1e-12, max=MAX_FAILURE_RATE, help="job-interrupting failures per GPU-hour (default: Llama 3 405B's "
+        "419 in 54 days on 16,384 GPUs)")] = GOAL.failure_rate_per_gpu_hour,
+    checkpoint_bandwidth: Annotated[float, typer.Option(
+        min=1e-6, max=1e4, help="storage write GB/s per node (default: Llama 3's 2 TB/s over 2,048 nodes)")
+    ] = GOAL.checkpoint_gbps_per_node,
+    restart_s: Annotated[float, typer.Option(min=0, max=7 * 86400, help="seconds from a failure until training "
+                                             "resumes")] = GOAL.restart_s,
+    price_per_gpu_hour: Annotated[float | None, typer.Option(min=1e-6, max=MAX_PRICE, help="USD per GPU-hour")
+                                  ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
 ) -> None:
-    """Search every layout (TP/PP/DP/SP/CP/EP x ZeRO x recompute x micro-batch x schedule) for the fastest that fits."""
+    """Search every layout (TP/PP/DP/SP/CP/EP x ZeRO x recompute x micro-batch x schedule) for the fastest that fits;
+    with --tokens or --steps, rank the plans by expected time-to-train (failures and checkpoints included)."""
     from rich.progress import Progress
 
     from planner.search import search
@@ -456,6 +473,7 @@ def plan(
             update={"memory_headroom": memory_headroom})})
     if out is not None:
         check_out(out, "plan.json")  # before the search, which may take its whole --time-budget
+    goal = _goal(tokens, steps, failure_rate, checkpoint_bandwidth, restart_s, price_per_gpu_hour)
     from planner.targets import Target
 
     if target not in {t.value for t in Target}:
@@ -474,6 +492,27 @@ def plan(
         with Progress(transient=True, console=err_console) as bar:
             task = bar.add_task("searching layouts", total=None)
             result = search(spec, training, prof, opts, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    _finish_plan(result, goal, prof, out, as_json)
+
+
+def _goal(tokens: float | None, steps: int | None, failure_rate: float, gbps: float, restart_s: float,
+          price: float | None) -> TrainingGoal | None:
+    """The time-to-train goal of ``autopar plan``'s flags, or None without --tokens and --steps."""
+    if tokens is None and steps is None:
+        return None
+    if tokens is not None and steps is not None:
+        raise AutoparError("--steps", steps, "give --tokens or --steps, not both", problem="is given with --tokens")
+    return TrainingGoal(tokens=tokens, steps=steps, failure_rate_per_gpu_hour=failure_rate,
+                        checkpoint_gbps_per_node=gbps, restart_s=restart_s, price_per_gpu_hour=price)
+
+
+def _finish_plan(result: Plan, goal: TrainingGoal | None, prof: ClusterProfile, out: Path | None,
+                 as_json: bool) -> None:
+    """Rank by time-to-train (with a goal), write ``--out``, print the plan and its goodput line."""
+    if goal is not None:
+        from planner.goodput import rank_by_time_to_train
+
+        result = rank_by_time_to_train(result, goal, prof).model_copy(update={"goal": goal})
     if out is not None:
         write_or_keep(out, result.model_dump_json(indent=2), "--out", "plan", "autopar-plan")
     if as_json:
@@ -481,6 +520,8 @@ def plan(
         return
     render_prediction(result)
     render_search(result)
+    if result.prediction.goodput is not None:
+        console.print(result.prediction.goodput.summary(), markup=False, highlight=False)
     if out is not None:
         console.print(f"plan written to {out}")
 

@@ -60,6 +60,18 @@ def test_uninterrupted_runs_match_the_reference_and_save_every_k_steps(saved: di
 
 
 @pytest.mark.slow
+def test_the_report_records_each_checkpoint_s_blocking_and_write_times(saved: dict) -> None:
+    """Rank 0's checkpoints, sync and async: what planner.cost.goodput predicts (benchmarks/goodput.py)."""
+    for name, mode in (("pp2dp2", "async"), ("tp2dp2", "sync")):
+        report = RunReport.model_validate_json((saved["tmp"] / f"{name}.report.json").read_text())
+        assert [c.step for c in report.checkpoints] == [2, 4] and {c.mode for c in report.checkpoints} == {mode}
+        for c in report.checkpoints:
+            assert c.bytes_per_rank > 0 and 0 < c.blocking_s <= c.write_s < 60
+            if mode == "sync":
+                assert c.write_s == pytest.approx(c.blocking_s, rel=0.05, abs=1e-3)
+
+
+@pytest.mark.slow
 def test_same_plan_resume_reproduces_the_losses_exactly(saved: dict) -> None:
     tmp = saved["tmp"]
     ckpt = _from_step2(tmp / "pp2dp2", tmp / "same")

@@ -628,6 +628,14 @@ class TestTorchtitan:
             f"layers.{i}" for i in range(32)
         ]
 
+    @pytest.mark.parametrize(("schedule", "name"), [("zero_bubble_v", "ZBVZeroBubble"), ("dualpipe_v", "DualPipeV")])
+    def test_v_schedules_keep_the_stage_order_torchtitan_places_in_a_v(self, schedule, name):
+        f = titan(make_plan(tp=2, sp=True, pp=4, dp_shard=2, zero_stage=3, schedule=schedule, virtual_stages=2))
+        assert one(f, "--parallelism.pipeline_parallel_schedule") == name
+        parts = [p.split(",") for p in f["--parallelism.module_fqns_per_model_part"]]
+        # stage order: torchtitan puts stages r and 2pp-1-r on rank r itself (style "v")
+        assert len(parts) == 8 and parts[0][0] == "tok_embeddings" and parts[7][-1] == "lm_head"
+
     def test_gpipe_and_ddp(self):
         f = titan(make_plan(tp=8, sp=True, pp=2, schedule="gpipe"))
         assert one(f, "--parallelism.pipeline_parallel_schedule") == "GPipe"

@@ -22,6 +22,7 @@ import socket
 import pytest
 from test_export import make_plan, titan_argv
 
+from planner.cost.pipeline import SCHEDULES
 from planner.export import export_plan
 
 TITAN_PLANS = {
@@ -43,6 +44,8 @@ TITAN_PLANS = {
             "virtual_stages": 2,
         },
     ),
+    "zero-bubble v": ("llama3-8b", 16, {"tp": 2, "sp": True, "pp": 4, "dp_shard": 2, "zero_stage": 3,
+                                        "schedule": "zero_bubble_v", "virtual_stages": 2}),
     "ddp async tp": (
         "llama3-8b",
         16,
@@ -76,8 +79,7 @@ def test_torchtitan_config_manager_parses_the_export(name):
     )
     if lay.pp > 1:
         assert (
-            par.pipeline_parallel_schedule
-            == {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}[lay.schedule.value]
+            par.pipeline_parallel_schedule == SCHEDULES[lay.schedule].torchtitan
         )
         assert par.pipeline_parallel_microbatch_size == lay.micro_batch_size
         assert len(par.module_fqns_per_model_part) == lay.pp * lay.virtual_stages

@@ -19,6 +19,7 @@ from planner.contracts.cluster import (
     TimedPoint,
 )
 from planner.contracts.common import SCHEMA_VERSION, Optimizer, Precision
+from planner.contracts.goodput import CheckpointChoice, GoodputPrediction, TrainingGoal
 from planner.contracts.model import MLASpec, ModelSpec, MoESpec
 from planner.contracts.plan import (
     Alternative,
@@ -43,6 +44,7 @@ CONTRACTS = {
     "ClusterProfile": ClusterProfile,
     "Plan": Plan,
     "Prediction": Prediction,
+    "TrainingGoal": TrainingGoal,
     "RunReport": RunReport,
 }
 
@@ -60,5 +62,5 @@ __all__ = [
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",
     "Prediction", "MemoryBreakdown", "CommTime", "StagePrediction", "Alternative", "RunReport", "StepRecord",
     "TermTimes", "STEP_TERMS", "TERM_MEANING",
-    "SearchReport", "FamilyOutcome",
+    "SearchReport", "FamilyOutcome", "TrainingGoal", "GoodputPrediction", "CheckpointChoice",
 ]

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from planner.contracts.cluster import LinkLevel
 from planner.contracts.common import SCHEMA_VERSION, Contract, Precision
+from planner.contracts.goodput import GoodputPrediction, TrainingGoal
 from planner.contracts.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
 from planner.contracts.model import ModelSpec
 from planner.contracts.training import TrainingConfig
@@ -286,6 +287,9 @@ class Prediction(Contract):
         default_factory=dict, description="the critical rank's step by term (planner.contracts.report.STEP_TERMS): "
         "compute by operator class, each collective kind's exposed time (pp: sends and the bubble), the optimizer "
         "step, other: kernel launches; what a run's breakdown is compared with")
+    goodput: GoodputPrediction | None = Field(
+        None, description="time-to-train under the plan's goal (planner.cost.goodput): checkpoint interval and "
+                          "mode, goodput, days, GPU-hours, cost; None without a goal")
     interval: StepTimeInterval | None = Field(
         None, description="where the measured step time lies for 80% of held-out published runs of this regime "
                           "(planner.uncertainty); None where no regime has enough of them")
@@ -351,6 +355,8 @@ class Plan(Contract):
         "'OPTIMAL (bound)' when the default split met the lower bound; None for a layout given by hand",
     )
     search: SearchReport | None = None
+    goal: TrainingGoal | None = Field(None, description="what to train and how the cluster fails, when given: "
+                                                         "the plans are then ranked by expected time-to-train")
 
 
 @functools.lru_cache(maxsize=4096)

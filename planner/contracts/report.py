@@ -13,14 +13,24 @@ from planner.contracts.limits import MAX_GPUS
 from planner.contracts.plan import ParallelLayout
 from planner.contracts.terms import COMM_TERMS, COMPUTE_TERMS, STEP_TERMS, TERM_MEANING, unknown_terms
 
-__all__ = ["COMM_TERMS", "COMPUTE_TERMS", "STEP_TERMS", "TERM_MEANING", "RunReport", "StepRecord", "TermTimes",
-           "term_comparison"]
+__all__ = ["COMM_TERMS", "COMPUTE_TERMS", "STEP_TERMS", "TERM_MEANING", "CheckpointRecord", "RunReport",
+           "StepRecord", "TermTimes", "term_comparison"]
 
 class StepRecord(Contract):
     step: int = Field(ge=0, strict=True)
     loss: float
     time_s: float = Field(gt=0)
     profiled: bool = Field(False, description="run under torch.profiler for the breakdown: left out of the median")
+
+
+class CheckpointRecord(Contract):
+    """One checkpoint the run saved (rank 0's view): how long training stopped and how long the write took."""
+
+    step: int = Field(ge=0, strict=True)
+    mode: Literal["sync", "async"]
+    blocking_s: float = Field(ge=0, description="training stopped this long (async: until async_save returned)")
+    write_s: float = Field(ge=0, description="from the save's start until the checkpoint was on storage")
+    bytes_per_rank: int = Field(ge=0, description="the tensors rank 0 saved")
 
 
 class TermTimes(Contract):
@@ -64,6 +74,8 @@ class RunReport(Contract):
     environment: Environment = Field(default_factory=Environment)
     breakdown: list[TermTimes] = Field(default_factory=list, description="per rank, the step time by term "
                                        "(torch.profiler on the profiled steps); empty when not profiled")
+    checkpoints: list[CheckpointRecord] = Field(default_factory=list, description="each checkpoint saved, with "
+                                                "its blocking and write times (planner.cost.goodput predicts them)")
 
 
 def term_comparison(predicted: dict[str, float], report: RunReport | None) -> list[dict]:

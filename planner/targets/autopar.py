@@ -39,6 +39,8 @@ _AUTOPAR_FACTS = TargetFacts(
     pp_sends=_sends_as_sp,
     pp_source=_TORCH_PIPELINE_SENDS + " (executor/pipeline.py)",
     master_in_param=True,
+    async_checkpoint="autopar run --async-checkpoint (torch.distributed.checkpoint.async_save)",
+    checkpoint_source="executor/checkpoint.py: torch.distributed.checkpoint.save",
     states_source="executor/parallelize.py: ZeRO-2/3 are FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype="
     "bf16, reduce_dtype=fp32), whose sharded fp32 parameter is the master (16-bit weights exist only gathered); "
     "ZeRO-0/1 keep whole fp32 parameters under torch.autocast (its cached 16-bit casts live through the "

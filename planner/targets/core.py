@@ -85,6 +85,8 @@ class TargetFacts:
     profile's GPU and the training precision (:data:`ONE_KERNEL`: all of them, one grouped kernel; 1: one after
     another), or None: the profile's ``assumptions.grouped_gemm_streams`` (Transformer Engine's streams).
     :func:`priced_profile` applies it.
+    ``async_checkpoint``: the target's option that copies a checkpoint to host memory and writes it behind
+    training (:mod:`planner.cost.goodput` prices both modes), or None: it saves synchronously.
     Each with the source it was read from."""
 
     loss: Callable[[ParallelLayout], float | None]
@@ -97,6 +99,8 @@ class TargetFacts:
     expert_source: str = "the profile's assumptions.grouped_gemm_streams"
     fsdp_root: Callable[[ModelSpec, int], float] = lambda model, tp: 0.0
     root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
+    async_checkpoint: str | None = None  # the option that saves checkpoints behind training; None: synchronous
+    checkpoint_source: str = "not stated"
     fp8_saved_inputs: bool = True
     fp8_source: str = "refuses FP8 training: never priced"
 

@@ -57,6 +57,8 @@ _DEEPSPEED_FACTS = TargetFacts(
     "so with sequence parallelism (distinct shards) each rank sends its own shard (1/tp) unpartitioned, and "
     "Megatron-DeepSpeed's gpt_model.py asserts partitioning off for MoE models with pp > 1 and tp > 1",
     master_in_param=False,
+    checkpoint_source="DeepSpeed engine.save_checkpoint writes synchronously (its asynchronous Nebula engine "
+    "runs on Azure only)",
     states_source="ZeRO keeps 16-bit parameters (partitioned at stage 3) beside fp32 master partitions "
     "(deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups, stage3.py "
     "fp32_partitioned_groups_flat): the Rajbhandari et al. counts",

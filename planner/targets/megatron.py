@@ -44,6 +44,8 @@ _MEGATRON_FACTS = TargetFacts(
     "sequence by tp only with --sequence-parallel; the scatter-gather of whole activations was removed in "
     "core_v0.18.0 (NVIDIA/Megatron-LM 10e7b74597)",
     master_in_param=False,
+    async_checkpoint="--async-save (Megatron-Core dist_checkpointing, torch_dist format)",
+    checkpoint_source="Megatron-LM --save with --ckpt-format torch_dist",
     states_source="16-bit parameters beside fp32 main parameters and Adam states sharded by the distributed "
     "optimizer (megatron/core/optimizer/distrib_optimizer.py); Megatron-FSDP shards a 16-bit model-weight "
     "buffer and an fp32 main-weight buffer (megatron_fsdp/param_and_grad_buffer.py): the Rajbhandari et al. "

@@ -60,6 +60,8 @@ _TORCHTITAN_FACTS = TargetFacts(
     pp_source=_TORCH_PIPELINE_SENDS + " (torchtitan 0.3.0 distributed/pipeline_parallel.py builds its "
     "PipelineStage schedules on it)",
     master_in_param=True,
+    async_checkpoint="[checkpoint] async_mode = 'async' (torch.distributed.checkpoint.async_save)",
+    checkpoint_source="torchtitan 0.3.0 components/checkpoint.py",
     states_source="torchtitan 0.3.0 applies FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=bf16, "
     "reduce_dtype=fp32) (distributed/fsdp.py apply_fsdp_to_decoder): the sharded fp32 parameter is the master",
     fsdp_root=lambda model, tp: head_per_tp_rank(model, tp),
