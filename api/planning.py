@@ -12,6 +12,7 @@ from api.db import Database, PlanRow
 from api.schemas import ModelRef, PlanRequest
 from planner.contracts import ClusterProfile, ModelSpec, Plan
 from planner.errors import AutoparError
+from planner.fallback import fallback_plans
 from planner.goodput import rank_by_time_to_train
 from planner.search import SearchOptions, search
 
@@ -92,7 +93,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
                                        training=req.training.model_dump(mode="json"),
                                        profile_id=profile_id, num_nodes=profile.num_nodes,
                                        options=req.options.model_dump(mode="json"),
-                                       **({"goal": req.goal.model_dump(mode="json")} if req.goal else {})))
+                                       **({"goal": req.goal.model_dump(mode="json")} if req.goal else {}),
+                                       **({"fallbacks": req.fallbacks} if req.fallbacks else {})))
     common = dict(profile_id=profile_id, request=request, request_hash=digest, model_name=model.name,
                   num_gpus=profile.num_gpus)
     earlier = store.find_reusable_plan(db, request_hash=digest)
@@ -107,6 +109,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
         plan: Plan = search(model, req.training, profile, opts)
         if req.goal is not None:  # ranked by expected time-to-train, the goal kept with the plan
             plan = rank_by_time_to_train(plan, req.goal, profile).model_copy(update={"goal": req.goal})
+        if req.fallbacks:  # a search per lost node count, each with the request's budget
+            plan = plan.model_copy(update={"fallbacks": fallback_plans(plan, profile, req.fallbacks, opts)})
     except AutoparError as exc:
         row = store.store_plan(db, status="infeasible", step_time_s=None, plan=None, explanation=explanation(exc),
                                **common)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig, TrainingGoal
 from planner.contracts.limits import (
+    MAX_FALLBACKS,
     MAX_GPUS,
     MAX_MICRO_BATCH,
     MAX_TIME_BUDGET_S,
@@ -149,6 +150,8 @@ class PlanRequest(Strict):
     options: PlanOptions = Field(default_factory=PlanOptions)
     goal: TrainingGoal | None = Field(None, description="tokens or steps to train and the cluster's failure and "
                                       "storage facts: the plans are then ranked by expected time-to-train")
+    fallbacks: int = Field(0, ge=0, le=MAX_FALLBACKS, strict=True,
+                           description="also plan for the loss of 1..K nodes (each a search with the same budget)")
 
     @model_validator(mode="after")
     def _where(self) -> PlanRequest:

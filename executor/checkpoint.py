@@ -60,8 +60,25 @@ def _tensor_bytes(state: object) -> int:
     return 0
 
 
-def _module(parts: list[nn.Module]) -> nn.Module | list[nn.Module]:
-    return parts if len(parts) > 1 else parts[0]
+def _module(parts: list[nn.Module]) -> nn.Module:
+    """The rank's chunks as one module whose names are the model's (the chunks of an interleaved or V
+    schedule each hold some of ``layers``; they are merged, not listed, so ``layers.7`` stays ``layers.7``)."""
+    return parts[0] if len(parts) == 1 else _merge(parts)
+
+
+def _merge(parts: list[nn.Module]) -> nn.Module:
+    """A container holding every chunk's modules under their own names: a child with parameters in one chunk
+    only is taken as it is (a Hugging Face chunk's stand-in ``nn.Identity`` norm or head has none); a child
+    with parameters in several (a ``layers`` dict) is merged the same way."""
+    merged = nn.Module()
+    for name in dict.fromkeys(n for part in parts for n, _ in part.named_children()):
+        children = [c for part in parts if (c := dict(part.named_children()).get(name)) is not None
+                    and next(c.parameters(), None) is not None]
+        if len(children) > 1 and any(next(c.parameters(recurse=False), None) is not None for c in children):
+            raise ValueError(f"chunks hold the weights of {name} twice")  # a shared module: not a pipeline split
+        if children:
+            merged.add_module(name, children[0] if len(children) == 1 else _merge(children))
+    return merged
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -283,6 +283,16 @@ def upload(report: RunReport, server: str, token: str | None, plan_id: int, keep
     return post_or_keep(server, "/v1/runs", json.dumps(body).encode(), token, "run", keep)
 
 
+def _fallback_file(plan: Plan, lost: int) -> tuple[Plan, Path]:
+    """The plan's fallback for ``lost`` nodes (planner.fallback) and a file the workers read it from."""
+    from planner.fallback import fallback_plan
+
+    chosen = fallback_plan(plan, lost)
+    path = Path(tempfile.mkdtemp(prefix="autopar-fallback-")) / "plan.json"
+    path.write_text(chosen.model_dump_json(indent=2))
+    return chosen, path
+
+
 def run(
     plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="a Plan written by `autopar plan --out`")],
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps to run (counted from step 0)")] = 20,
@@ -319,6 +329,9 @@ def run(
                                                             "here")] = False,
     record_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: every rank's losses, first-step "
                                                     "gradients and final weights")] = None,
+    fallback: Annotated[int | None, typer.Option(min=1, help="run the plan's fallback for this many lost nodes "
+                                                 "(autopar plan --fallbacks); with --resume it continues from the "
+                                                 "last checkpoint on the nodes left")] = None,
 ) -> None:
     """Train with a plan under torchrun and report measured step time, tokens/s, MFU and memory.
 
@@ -329,9 +342,13 @@ def run(
       autopar run plan.json --nnodes 2 --node-rank 0 --master-addr node0 --nproc-per-node 8
 
       autopar run plan.json --dry-run
+
+      autopar run plan.json --fallback 1 --checkpoint-dir ckpt --resume
     """
     try:
         plan = load_plan(plan_file)
+        if fallback is not None:
+            plan, plan_file = _fallback_file(plan, fallback)
         config = load_hf_config(hf_config, plan)
         warmup, nproc = _check_run_options(plan, lr, steps, warmup, nproc_per_node, nnodes, node_rank,
                                            server, plan_id)

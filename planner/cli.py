@@ -37,6 +37,7 @@ from planner.contracts import (
 )
 from planner.contracts.goodput import MAX_FAILURE_RATE, MAX_PRICE, MAX_TOKENS
 from planner.contracts.limits import (
+    MAX_FALLBACKS,
     MAX_GLOBAL_BATCH,
     MAX_GLOBAL_BATCH_TOKENS,
     MAX_GPUS,
@@ -458,6 +459,8 @@ def plan(
                                              "resumes")] = GOAL.restart_s,
     price_per_gpu_hour: Annotated[float | None, typer.Option(min=1e-6, max=MAX_PRICE, help="USD per GPU-hour")
                                   ] = None,
+    fallbacks: Annotated[int, typer.Option(min=0, max=MAX_FALLBACKS, help="also plan for the loss of 1..K nodes "
+                                           "(autopar run --fallback K resumes with one)")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the Plan JSON here (for explain / export)")] = None,
 ) -> None:
@@ -492,6 +495,10 @@ def plan(
         with Progress(transient=True, console=err_console) as bar:
             task = bar.add_task("searching layouts", total=None)
             result = search(spec, training, prof, opts, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if fallbacks:
+        from planner.fallback import fallback_plans
+
+        result = result.model_copy(update={"fallbacks": fallback_plans(result, prof, fallbacks, opts)})
     _finish_plan(result, goal, prof, out, as_json)
 
 
@@ -522,6 +529,11 @@ def _finish_plan(result: Plan, goal: TrainingGoal | None, prof: ClusterProfile, 
     render_search(result)
     if result.prediction.goodput is not None:
         console.print(result.prediction.goodput.summary(), markup=False, highlight=False)
+    for f in result.fallbacks:
+        what = (f"{f.layout.summary()}: {f.prediction.step_time_s:.3g} s ({f.slower_by:+.1%})" if f.layout
+                else f"none: {f.reason}")
+        console.print(f"fallback for {f.lost_nodes} lost node(s), {f.num_gpus} GPUs: {what}", markup=False,
+                      highlight=False)
     if out is not None:
         console.print(f"plan written to {out}")
 

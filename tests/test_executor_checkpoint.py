@@ -95,3 +95,31 @@ def test_resume_under_another_plan_continues_the_loss_curve(saved: dict, source:
     assert [resumed[s] for s in (2, 3)] == pytest.approx(ref[2:], rel=1e-5)
     # the restored history is the source run's
     assert [resumed[s] for s in (0, 1)] == [saved["losses"][source][s] for s in (0, 1)]
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_a_rank_s_chunks_save_under_the_model_s_names(hf: bool) -> None:
+    """Interleaved and V schedules give a rank several chunks; the checkpoint sees them as one module with the
+    unsplit model's names (a Hugging Face chunk's stand-in norm and head hold nothing)."""
+    from executor.checkpoint import _module
+    from executor.pipeline import split_model
+    from planner.contracts import ParallelLayout
+
+    if hf:
+        from executor.hf import build_hf_model
+
+        model = build_hf_model({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "tie_word_embeddings": False})
+    else:
+        from run_plans import SPEC
+
+        from executor.model import build_model
+
+        model = build_model(SPEC)
+    layout = ParallelLayout(pp=2, schedule="zero_bubble_v", virtual_stages=2)
+    parts = split_model(model, layout, 0)  # chunks 0 and 3: the embedding, the first and the last layers, the head
+    merged = set(_module(parts).state_dict())
+    assert merged == {k for part in parts for k, v in part.state_dict().items()}
+    assert merged < set(model.state_dict()) and any("embed" in k for k in merged)
+    assert any(k.endswith("norm.weight") and "layers" not in k for k in merged)

@@ -39,3 +39,4 @@ MAX_TIME_BUDGET_S = 3600.0  # seconds a search may run; the service's AUTOPAR_PL
 ONE_KERNEL = 1 << 20
 """``Assumptions.grouped_gemm_streams`` of a single grouped kernel (``torch._grouped_mm``): every local expert's
 tiles share its waves and it launches once per grouped linear (more than any ``MoESpec.num_experts``)."""
+MAX_FALLBACKS = 8  # fallback plans (lost nodes 1..K) a plan may carry: each is a search of its own

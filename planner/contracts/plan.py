@@ -334,6 +334,17 @@ class SearchReport(Contract):
     )
 
 
+class Fallback(Contract):
+    """The plan to resume with after losing ``lost_nodes`` nodes (planner.fallback), or why there is none."""
+
+    lost_nodes: int = Field(ge=1, strict=True)
+    num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True, description="the GPUs left")
+    layout: ParallelLayout | None = None
+    prediction: Prediction | None = None
+    slower_by: float | None = Field(None, description="step time / the plan's step time - 1")
+    reason: str
+
+
 class Plan(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     model: ModelSpec
@@ -357,6 +368,8 @@ class Plan(Contract):
     search: SearchReport | None = None
     goal: TrainingGoal | None = Field(None, description="what to train and how the cluster fails, when given: "
                                                          "the plans are then ranked by expected time-to-train")
+    fallbacks: list[Fallback] = Field(default_factory=list, description="plans for the loss of 1..K nodes, each "
+                                      "resumable from the last checkpoint (autopar run --fallback K)")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -107,6 +107,10 @@ ONLY: dict[str, tuple[str, ...]] = {
     "qwen2": ("hsdp_2x2", "dp2_tp2_sp", "fsdp2_tp2", "cp2_tp2_sp"),
     "deepseek_v3_dense": ("dp2_tp2_sp", "fsdp2_tp2", "cp2_tp2_sp"),
 }
+# FSDP and HSDP wrap every family alike (fully_shard per layer): beyond these families (Llama's modules, a tied
+# head, Gemma 2's eager attention, a MoE of each expert layout) their plans add nothing a TP or CP plan does not
+WHOLE_MODEL_PLANS = ("fsdp4", "hsdp_2x2")
+SHARDED_ALIKE = ("llama", "granite_tied", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3", "phi3")
 
 
 def runs(family: str, fields: dict) -> bool:
@@ -117,6 +121,8 @@ def runs(family: str, fields: dict) -> bool:
         return False
     if family in ONLY:
         return any(PLANS[p] is fields for p in ONLY[family])
+    if family not in SHARDED_ALIKE and any(PLANS[p] is fields for p in WHOLE_MODEL_PLANS):
+        return False
     if moe:
         return not tp or "etp" in fields
     return "ep" not in fields and "etp" not in fields
