@@ -172,9 +172,10 @@ def test_the_budget_covers_structures_whose_leaves_all_fail_to_fit() -> None:
                        reference_profile("dgx-h100", 1024), time_budget_s=1.0, max_micro_batch_size=1024)
     assert isinstance(out, AutoparError) and out.field == "time_budget_s" and "ran out" in out.problem, out
     # the old code took 30 s. On 2 loaded cores the budget may run out while bounding, before the leaves
-    # (both seen under make test's two workers); 3 s of slack for a check between leaves (1.6-1.8 s alone,
-    # 1.77 s, 2.21 s and 3.17 s seen under make test's load; this guards against the 30 s, not a timing target)
-    assert wall < 1.0 + 3.0, (wall, str(out))
+    # (both seen under make test's two workers); 5 s of slack for a check between leaves (1.5-1.8 s alone,
+    # 1.77 s, 2.21 s, 3.17 s and, with the V schedules, 4.71 s seen under make test's load; this guards against
+    # the 30 s, not a timing target)
+    assert wall < 1.0 + 5.0, (wall, str(out))
 
 
 def test_the_budget_covers_the_alternatives_predictions() -> None:

@@ -62,6 +62,17 @@ def test_async_blocks_for_the_copy_only_and_waits_for_the_write():
     assert slow_write.interval_s == 5_000.0  # the next checkpoint waits for the write
 
 
+def test_the_copy_of_cpu_ranks_runs_through_host_memory():
+    from planner.cost.goodput import checkpoint_times
+    from planner.reference import reference_profile
+
+    gpu = reference_profile("dgx-h100", 2)
+    cpu = gpu.model_copy(update={"links": [x for x in gpu.links if x.level.value != "host_device"]})
+    copy, write = checkpoint_times(cpu, 4e9, 64e9, 2, 1.0)
+    assert copy == pytest.approx(4e9 / cpu.assumptions.cpu_optimizer_bytes_per_s) and write == pytest.approx(32.0)
+    assert checkpoint_times(gpu, 4e9, 64e9, 2, 1.0)[1] == write
+
+
 def test_steps_from_tokens_round_up():
     tr = TrainingConfig(seq_length=4096, global_batch_size=8)
     assert steps_to_train(TrainingGoal(tokens=32768 * 10 + 1), tr) == 11

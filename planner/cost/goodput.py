@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from planner.contracts import ClusterProfile, ModelSpec, ParallelLayout, Prediction, TrainingConfig
+from planner.contracts import ClusterProfile, LinkLevel, ModelSpec, ParallelLayout, Prediction, TrainingConfig
 from planner.contracts.goodput import CheckpointChoice, GoodputPrediction, TrainingGoal
 from planner.cost.comm import host_copy_time_s
 from planner.cost.memory import state_bytes_per_param
@@ -65,8 +65,12 @@ def checkpoint_sizes(model: ModelSpec, training: TrainingConfig, layout: Paralle
 def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes: float, nodes: int,
                      gbps_per_node: float) -> tuple[float, float]:
     """(device-to-host copy of the rank's states over the host link, the write of the whole checkpoint at
-    ``nodes · gbps_per_node`` GB/s): every rank copies at once, and storage takes each byte once."""
-    return host_copy_time_s(profile, per_rank_bytes, to_device=False), total_bytes / (nodes * gbps_per_node * 1e9)
+    ``nodes · gbps_per_node`` GB/s): every rank copies at once, and storage takes each byte once. A profile of
+    CPU ranks has no host link: their copy is one through host memory (``assumptions.cpu_optimizer_bytes_per_s``)."""
+    write = total_bytes / (nodes * gbps_per_node * 1e9)
+    if not any(link.level is LinkLevel.host_device for link in profile.links):
+        return per_rank_bytes / profile.assumptions.cpu_optimizer_bytes_per_s, write
+    return host_copy_time_s(profile, per_rank_bytes, to_device=False), write
 
 
 def choose_checkpoint(mode: str, copy_s: float, write_s: float, train_s: float, restart_s: float,
