@@ -56,7 +56,7 @@ from planner.cost.memory import (
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
+from planner.cost.pipeline import SCHEDULES, head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
 from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, pipeline_send_s, rank_passes_s
 from planner.errors import AutoparError
 
@@ -551,6 +551,10 @@ def _notes(c: _Step, peak: MemoryBreakdown) -> list[str]:
                      "synchronous training waits for the slowest device): " + "; ".join(slower))
     if profile.calibration is not None:
         notes.append(calibration_note(profile.calibration))
+    if c.layout.pp > 1 and SCHEDULES[c.layout.schedule].depth == 2:
+        notes.append(f"{c.layout.schedule.value}'s bubble is the equal-stage formula (Qi et al. 2024 §6; DualPipe's "
+                     "table) spread over the ranks' own times, with B = W = half the backward: no measured run of a "
+                     "V schedule checks it yet, so a plan that wins by its bubble wins by an untested term")
     return notes
 
 
