@@ -351,7 +351,7 @@ def timeline_view(plan: Plan) -> dict:
     svg = charts.timeline_chart(ranks, title=title, rank_labels=[f"stage {i}" for i in range(len(ranks))],
                                 split_backward=lay.pp > 1 and SCHEDULES[lay.schedule].split_backward)
     return dict(svg=svg, message=None, notes=notes, microbatches=m, shown=shown_m, makespan=total, bubble=bubble,
-                schedule=schedule)
+                schedule=schedule, v_shape=SCHEDULES[lay.schedule].v_shape)
 
 
 def plan_charts(plan: Plan) -> dict:

@@ -109,7 +109,7 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
         plan: Plan = search(model, req.training, profile, opts)
         if req.goal is not None:  # ranked by expected time-to-train, the goal kept with the plan
             plan = rank_by_time_to_train(plan, req.goal, profile).model_copy(update={"goal": req.goal})
-        if req.fallbacks:  # a search per lost node count, each with the request's budget
+        if req.fallbacks:  # a search per lost node count, sharing the request's budget (planner.fallback)
             plan = plan.model_copy(update={"fallbacks": fallback_plans(plan, profile, req.fallbacks, opts)})
     except AutoparError as exc:
         row = store.store_plan(db, status="infeasible", step_time_s=None, plan=None, explanation=explanation(exc),

@@ -151,7 +151,8 @@ class PlanRequest(Strict):
     goal: TrainingGoal | None = Field(None, description="tokens or steps to train and the cluster's failure and "
                                       "storage facts: the plans are then ranked by expected time-to-train")
     fallbacks: int = Field(0, ge=0, le=MAX_FALLBACKS, strict=True,
-                           description="also plan for the loss of 1..K nodes (each a search with the same budget)")
+                           description="also plan for the loss of 1..K nodes (the K searches share the request's "
+                                       "time budget)")
 
     @model_validator(mode="after")
     def _where(self) -> PlanRequest:

@@ -26,7 +26,7 @@ from planner.cost.pipeline import SCHEDULES as FACTS
 from planner.cost.pipeline import microbatches_in_flight, rank_chunks
 
 SCHEDULES = tuple(s.value for s in Schedule)
-V_SCHEDULES = tuple(s.value for s in Schedule if FACTS[s].depth == 2)
+V_SCHEDULES = tuple(s.value for s in Schedule if FACTS[s].v_shape)
 
 
 class Box(NamedTuple):

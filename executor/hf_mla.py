@@ -16,8 +16,8 @@ heads (``q_b_proj`` or ``q_proj``; ``kv_b_proj``), then runs ordinary attention 
   output's gradient over the TP group (an autograd function: identity forward, all-reduce of the last
   ``qk_rope_head_dim`` columns backward).
 
-Without that sum the latent projection's gradient was off by about 1e-3 relative to one process (the
-check that found it: tests/dist_scripts/hf_grads_check.py, DeepSeek-V3 under dp2 x tp2 + SP).
+Without that sum every gradient upstream of the latent projection is off (1.6e-3 relative on the embedding,
+norms and MLP of tests/dist_scripts/hf_grads_check.py's dense MLA family under dp2 x tp2 + SP).
 """
 
 from __future__ import annotations

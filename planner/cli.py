@@ -35,7 +35,7 @@ from planner.contracts import (
     TrainingGoal,
     json_schemas,
 )
-from planner.contracts.goodput import MAX_FAILURE_RATE, MAX_PRICE, MAX_TOKENS
+from planner.contracts.goodput import MAX_FAILURE_RATE, MAX_GBPS_PER_NODE, MAX_PRICE, MAX_RESTART_S, MAX_TOKENS
 from planner.contracts.limits import (
     MAX_FALLBACKS,
     MAX_GLOBAL_BATCH,
@@ -48,7 +48,6 @@ from planner.contracts.limits import (
     MAX_TOP_K,
     MAX_VIRTUAL_STAGES,
 )
-from planner.cost.pipeline import SCHEDULES
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
 from planner.search.options import SearchOptions
@@ -214,8 +213,8 @@ def _read(path: Path, flag: str) -> str:
 
 def _layout(
     num_gpus: int, tp: int, pp: int, cp: int, ep: int, dp: int | None, dp_replicate: int | None, sp: bool, zero: int,
-    reshard: bool, micro_batch: int, schedule: Schedule, vp: int, layers_per_stage: str | None, recompute: Recompute,
-    offload: bool, tp_overlap: bool, dp_overlap: bool, etp: int | None = None,
+    reshard: bool, micro_batch: int, schedule: Schedule, vp: int | None, layers_per_stage: str | None,
+    recompute: Recompute, offload: bool, tp_overlap: bool, dp_overlap: bool, etp: int | None = None,
 ) -> ParallelLayout:
     if dp is None:
         if num_gpus % (tp * pp * cp):
@@ -242,15 +241,10 @@ def _layout(
         except ValueError:
             raise AutoparError("--layers-per-stage", layers_per_stage, "give comma-separated integers, e.g. 9,10,10,9",
                                problem="is not a list of integers") from None
-    depth = SCHEDULES[schedule].depth  # the V schedules run two chunks per rank: --vp need not say so
-    if vp == 1 and not SCHEDULES[schedule].virtual and depth > 1:
-        vp = depth
-    elif vp != 1 and not SCHEDULES[schedule].virtual and vp != depth:
-        raise AutoparError("--vp", vp, f"leave --vp out with --schedule {schedule.value} (it runs {depth} chunk(s) "
-                           "per rank), or use --schedule interleaved_1f1b", problem="does not fit the schedule")
+    depth = {} if vp is None else {"virtual_stages": vp}  # unstated: the schedule's own (the contract's default)
     return ParallelLayout(
         dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp, zero_stage=zero,
-        reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, virtual_stages=vp,
+        reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, **depth,
         layers_per_stage=counts, recompute=recompute, offload_optimizer=offload, tp_comm_overlap=tp_overlap,
         dp_comm_overlap=dp_overlap,
     )
@@ -369,7 +363,8 @@ def predict(
     reshard: Annotated[bool, typer.Option(help="ZeRO-3: free gathered weights after forward")] = True,
     micro_batch: Annotated[int, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="micro-batch size (sequences)")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="pipeline schedule")] = Schedule.one_f_one_b,
-    vp: Annotated[int, typer.Option(min=1, max=MAX_LAYERS, help="virtual stages per pipeline rank (interleaved)")] = 1,
+    vp: Annotated[int | None, typer.Option(min=1, max=MAX_LAYERS, help="chunks per pipeline rank (interleaved; "
+                                           "default: the schedule's own, 2 for the V schedules, else 1)")] = None,
     layers_per_stage: Annotated[str | None, typer.Option(help="comma-separated layers per (virtual) stage")] = None,
     recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
@@ -453,9 +448,10 @@ def plan(
         min=1e-12, max=MAX_FAILURE_RATE, help="job-interrupting failures per GPU-hour (default: Llama 3 405B's "
         "419 in 54 days on 16,384 GPUs)")] = GOAL.failure_rate_per_gpu_hour,
     checkpoint_bandwidth: Annotated[float, typer.Option(
-        min=1e-6, max=1e4, help="storage write GB/s per node (default: Llama 3's 2 TB/s over 2,048 nodes)")
+        min=1e-6, max=MAX_GBPS_PER_NODE,
+        help="storage write GB/s per node (default: Llama 3's 2 TB/s over 2,048 nodes)")
     ] = GOAL.checkpoint_gbps_per_node,
-    restart_s: Annotated[float, typer.Option(min=0, max=7 * 86400, help="seconds from a failure until training "
+    restart_s: Annotated[float, typer.Option(min=0, max=MAX_RESTART_S, help="seconds from a failure until training "
                                              "resumes")] = GOAL.restart_s,
     price_per_gpu_hour: Annotated[float | None, typer.Option(min=1e-6, max=MAX_PRICE, help="USD per GPU-hour")
                                   ] = None,

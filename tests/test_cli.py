@@ -464,3 +464,10 @@ def test_the_search_options_have_one_set_of_defaults():
     req = PlanRequest.model_validate({"model": {"preset": "llama3-8b"}, "cluster": "dgx-h100",
                                       "training": {"seq_length": 4096, "global_batch_size": 64}})
     assert search_options(req, max_budget_s=3600).time_budget_s == search.time_budget_s
+
+
+def test_predict_with_a_v_schedule_needs_no_virtual_stages():
+    """--vp left out means the schedule's own depth: 2 chunks per rank for ZB-V (planner.contracts.plan)."""
+    out = json.loads(invoke("predict", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+                            "--global-batch", "64", "--pp", "2", "--schedule", "zero_bubble_v", "--json").stdout)
+    assert out["layout"]["virtual_stages"] == 2 and out["layout"]["schedule"] == "zero_bubble_v"

@@ -60,8 +60,9 @@ def test_v_schedules_put_chunks_r_and_2pp_minus_1_minus_r_on_rank_r(schedule) ->
     first, last = split_model(build_model(SPEC.model_copy(update={"num_layers": 6}), device="meta"), layout, 0)
     assert list(first.layers) == ["0", "1"] and first.output is None
     assert list(last.layers) == ["4", "5"] and last.tok_embeddings is None and last.output is not None
-    with pytest.raises(ValueError, match="virtual_stages=2"):
-        ParallelLayout(pp=2, schedule=schedule)
+    assert ParallelLayout(pp=2, schedule=schedule).virtual_stages == 2  # unstated: the schedule's own depth
+    with pytest.raises(ValueError, match="virtual_stages=3 does not fit.*set virtual_stages=2"):
+        ParallelLayout(pp=2, schedule=schedule, virtual_stages=3)
 
 
 @pytest.mark.parametrize(("layout", "layers", "words"), [

@@ -22,6 +22,8 @@ DEFAULT_RESTART_S = 600.0
 MAX_FAILURE_RATE = 1.0  # per GPU-hour: a GPU failing every hour is not a cluster to plan for
 MAX_PRICE = 1e4  # USD per GPU-hour
 MAX_TOKENS = 1e16
+MAX_GBPS_PER_NODE = 1e4  # GB/s of storage writes a node gets
+MAX_RESTART_S = 7 * 86400.0  # a week between a failure and training again
 
 
 class TrainingGoal(Contract):
@@ -35,9 +37,9 @@ class TrainingGoal(Contract):
         description="job-interrupting failures per GPU-hour (default: Llama 3 405B's 419 in 54 days on 16,384 "
                     "GPUs)")
     checkpoint_gbps_per_node: float = Field(
-        LLAMA3_STORAGE_GBPS_PER_NODE, gt=0, le=1e4,
+        LLAMA3_STORAGE_GBPS_PER_NODE, gt=0, le=MAX_GBPS_PER_NODE,
         description="storage write bandwidth a node gets, GB/s (default: Llama 3's 2 TB/s over 2,048 nodes)")
-    restart_s: float = Field(DEFAULT_RESTART_S, ge=0, le=7 * 86400,
+    restart_s: float = Field(DEFAULT_RESTART_S, ge=0, le=MAX_RESTART_S,
                              description="seconds from a failure until training resumes, checkpoint load included")
     price_per_gpu_hour: float | None = Field(None, gt=0, le=MAX_PRICE,
                                              description="USD per GPU-hour; None: no cost is stated")

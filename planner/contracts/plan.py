@@ -90,10 +90,13 @@ class ParallelLayout(Contract):
     )
 
     def _check_depth(self) -> None:
-        """Chunks per rank: any for interleaved 1F1B, the schedule's own depth otherwise (planner.cost.pipeline)."""
+        """Chunks per rank: any for interleaved 1F1B, the schedule's own depth otherwise (planner.cost.pipeline),
+        which is also what an unstated ``virtual_stages`` means (a V schedule's two chunks need no saying)."""
         from planner.cost.pipeline import SCHEDULES  # the schedule facts' home imports this module
 
         facts = SCHEDULES[self.schedule]
+        if "virtual_stages" not in self.model_fields_set and not facts.virtual:
+            object.__setattr__(self, "virtual_stages", facts.depth)
         if facts.depth > 1 and self.pp == 1:
             raise ValueError(f"schedule='{self.schedule.value}' runs two chunks per rank in a V, so it needs "
                              "pp > 1; use schedule='1f1b' for pp=1")

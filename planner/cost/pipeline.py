@@ -257,6 +257,11 @@ class ScheduleFacts:
     torchtitan: str | None  # torchtitan's --parallelism.pipeline_parallel_schedule (None: not exported)
     min_micro_batches: Callable[[int], int] = lambda pp: 1  # per pipeline, that torch's class accepts
 
+    @property
+    def v_shape(self) -> bool:
+        """Two chunks per rank in a V (ZB-V, DualPipeV): rank 0 holds the first and the last."""
+        return self.placement is _v_shape
+
 
 _SEQUENTIAL = {"bubble": _bubble_sequential, "two_rank_floor": _two_sequential, "max_factor": lambda m: m - 1,
                "work_floor": _work_sequential, "cpsat": _cpsat_sequential}

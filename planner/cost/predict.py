@@ -551,7 +551,7 @@ def _notes(c: _Step, peak: MemoryBreakdown) -> list[str]:
                      "synchronous training waits for the slowest device): " + "; ".join(slower))
     if profile.calibration is not None:
         notes.append(calibration_note(profile.calibration))
-    if c.layout.pp > 1 and SCHEDULES[c.layout.schedule].depth == 2:
+    if c.layout.pp > 1 and SCHEDULES[c.layout.schedule].v_shape:
         notes.append(f"{c.layout.schedule.value}'s bubble is the equal-stage formula (Qi et al. 2024 §6; DualPipe's "
                      "table) spread over the ranks' own times, with B = W = half the backward: no measured run of a "
                      "V schedule checks it yet, so a plan that wins by its bubble wins by an untested term")

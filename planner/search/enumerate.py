@@ -204,7 +204,7 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
         if refused is not None:
             rules.remove(Rule.TARGET, str(refused), target=opts.target, feature=refused.feature)
             continue
-        if SCHEDULES[sched].virtual:
+        if facts.virtual:
             if st.m % st.pp:
                 rules.remove(Rule.INTERLEAVED_MICRO_BATCHES, f"m={st.m}, pp={st.pp}")
                 continue
@@ -213,10 +213,10 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
                     rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={v}")
                     break
                 out.append((sched, v))
-        elif st.pp * SCHEDULES[sched].depth > model.num_layers:  # the V schedules: two chunks per rank
-            rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={SCHEDULES[sched].depth}")
+        elif st.pp * facts.depth > model.num_layers:  # the V schedules: two chunks per rank
+            rules.remove(Rule.VIRTUAL_STAGES, f"pp={st.pp}, v={facts.depth}")
         else:
-            out.append((sched, SCHEDULES[sched].depth))
+            out.append((sched, facts.depth))
     return out
 
 

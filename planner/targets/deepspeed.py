@@ -27,6 +27,7 @@ from planner.targets.rows import (
     _kv_heads,
     _master_weights,
     _no_compile,
+    _no_v_schedule,
     _one_recompute_fails,
     _pp,
     _pp_sends,
@@ -116,14 +117,9 @@ _DEEPSPEED = (
         problem="cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank",
         fix="plan with schedule='1f1b' and virtual_stages=1, or use --to megatron or --to torchtitan",
     ),
-    Limit(
-        feature="V-shaped schedule (ZB-V, DualPipeV)",
-        scope="layout",
-        refuses=lambda j: _pp(j) and j.layout.schedule in (Schedule.zero_bubble_v, Schedule.dualpipe_v),
-        field="schedule",
-        value=lambda j: j.layout.schedule.value,
-        problem="cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank, not two in a V",
-        fix="plan with schedule='zero_bubble' (Megatron-DeepSpeed's ZB-H1) or '1f1b', or use --to torchtitan",
+    _no_v_schedule(
+        "cannot be expressed: DeepSpeed's pipeline engine runs one stage per rank, not two in a V",
+        "plan with schedule='zero_bubble' (Megatron-DeepSpeed's ZB-H1) or '1f1b', or use --to torchtitan",
     ),
     Limit(
         feature="GPipe schedule",

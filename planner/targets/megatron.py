@@ -25,6 +25,7 @@ from planner.targets.rows import (
     _kv_heads,
     _master_weights,
     _no_compile,
+    _no_v_schedule,
     _one_recompute_fails,
     _pp,
     _pp_sends,
@@ -83,15 +84,10 @@ _MEGATRON = (
         "stages)",
         fix="plan with schedule='1f1b' (same bubble, less memory), or use --to torchtitan",
     ),
-    Limit(
-        feature="V-shaped schedule (ZB-V, DualPipeV)",
-        scope="layout",
-        refuses=lambda j: _pp(j) and j.layout.schedule in (Schedule.zero_bubble_v, Schedule.dualpipe_v),
-        field="schedule",
-        value=lambda j: j.layout.schedule.value,
-        problem="is not in Megatron-LM (its pipeline runs 1F1B or interleaved 1F1B; DualPipeV lives in forks "
-        "such as Ascend's MindSpeed)",
-        fix="plan with schedule='interleaved_1f1b' or '1f1b', or use --to torchtitan (ZBVZeroBubble, DualPipeV)",
+    _no_v_schedule(
+        "is not in Megatron-LM (its pipeline runs 1F1B or interleaved 1F1B; DualPipeV lives in forks such as "
+        "Ascend's MindSpeed)",
+        "plan with schedule='interleaved_1f1b' or '1f1b', or use --to torchtitan (ZBVZeroBubble, DualPipeV)",
     ),
     Limit(
         feature="zero-bubble schedule",

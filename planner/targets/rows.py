@@ -102,6 +102,20 @@ _TORCH_PIPELINE_SENDS = (
 )
 
 
+def _no_v_schedule(problem: str, fix: str) -> Limit:
+    """The row of a framework whose pipeline cannot place two chunks per rank in a V (the schedules whose
+    ``planner.cost.pipeline.SCHEDULES`` row is ``v_shape``)."""
+    return Limit(
+        feature="V-shaped schedule (ZB-V, DualPipeV)",
+        scope="layout",
+        refuses=lambda j: _pp(j) and SCHEDULES[j.layout.schedule].v_shape,
+        field="schedule",
+        value=lambda j: j.layout.schedule.value,
+        problem=problem,
+        fix=fix,
+    )
+
+
 def _least_micro_batches(j: Job) -> int:
     return SCHEDULES[j.layout.schedule].min_micro_batches(j.layout.pp)
 
