@@ -13,8 +13,9 @@ predicted quantity it measures (:data:`METRICS`):
 Error is predicted / published - 1. A row with a ``skip_reason`` (a configuration the source leaves
 incomplete, a feature or device the planner does not model) is listed with that reason, not predicted.
 A compared row names in ``approximations`` what the planner models only roughly (:data:`APPROXIMATIONS`).
-Summaries: the headline over the rows with no :data:`UNMODELLED` feature, the rows with no approximation
-at all, and the rows whose recompute policy the planner does not have (informational).
+Summaries: the headline over every compared row, the rows with no approximation at all, and each source.
+torchtitan's per-op selective checkpointing is the planner's ``op`` recompute (``planner.cost.sac``); until
+2026-12-07 those rows were informational (their policy was not modelled).
 
     .venv/bin/python benchmarks/memory_published.py [--csv planner/data/published_memory.csv]
 """
@@ -70,14 +71,8 @@ APPROXIMATIONS = {
     "compile": "torch.compile: not modelled, the prediction is the same with and without it",
     "float8": "float8/MX linears: precision fp8, every linear saving a 1-byte input",
     "async_tp": "async tensor parallel: not modelled",
-    "op_sac": "torchtitan per-op selective checkpointing (every second matmul recomputed): the planner's "
-              "selective recomputes the attention core only",
 }
 """Features a compared row's run used that the planner models only approximately, by the name the CSV uses."""
-
-UNMODELLED = ("op_sac",)
-"""Approximations that change the recompute policy itself: rows with one are left out of the headline."""
-
 
 @dataclass(frozen=True)
 class Case:
@@ -169,11 +164,11 @@ def model_of(row: dict[str, str]) -> ModelSpec:
 
 
 def recompute_of(row: dict[str, str], pp: int) -> dict:
-    """Layout fields for none, selective, full, or ``full:N`` (N blocks of each stage fully recomputed)."""
+    """Layout fields for none, selective, full, op, or ``full:N`` (N blocks of each stage fully recomputed)."""
     value = _cell(row, "recompute")
     kind, _, layers = value.partition(":")
-    if kind not in ("none", "selective", "full") or (layers and not layers.isdigit()):
-        raise AutoparError("recompute", value, "write none, selective, full or full:<layers per stage>",
+    if kind not in ("none", "selective", "full", "op") or (layers and not layers.isdigit()):
+        raise AutoparError("recompute", value, "write none, selective, full, op or full:<layers per stage>",
                            problem="is no recompute choice the planner models")
     if layers:
         return {"recompute_per_stage": [StageRecompute(kind=kind, num_layers=int(layers))] * pp}
@@ -255,10 +250,6 @@ def approximations_of(row: dict[str, str]) -> list[str]:
     return names
 
 
-def unmodelled(result: Result) -> bool:
-    return any(a in UNMODELLED for a in result.approximations.split(";"))
-
-
 def summary(label: str, results: list[Result]) -> str:
     if not results:
         return f"summary {label}: no rows"
@@ -286,9 +277,8 @@ def main() -> int:
         print(f"{res.row_id:44} {res.metric:13} {res.published / GIB:9.2f} {res.predicted / GIB:9.2f} "
               f"{res.error:+7.1%}  {res.approximations or '-'}")
     print("(GiB; error = predicted / published - 1)")
-    print(summary("headline (no unmodelled recompute policy)", [r for r in results if not unmodelled(r)]))
+    print(summary("headline", results))
     print(summary("no approximations", [r for r in results if not r.approximations]))
-    print(summary("per-op SAC, policy not modelled (informational)", [r for r in results if unmodelled(r)]))
     for source in dict.fromkeys(r.source for r in results):
         print(summary(f"[{source}]", [r for r in results if r.source == source]))
     print(f"skipped {len(skipped)} rows:")

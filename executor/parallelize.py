@@ -550,8 +550,11 @@ def apply_recompute(model: nn.Module, choice: StageRecompute | None, layout: Par
     runs again in the backward. selective: only the attention core — softmax(QK^T/sqrt(d) + mask) V —
     runs under ``torch.utils.checkpoint``; the projections' inputs and outputs stay stored. That is
     Korthikanti et al.'s selective recompute: the core holds the O(s^2) activations (scores, softmax,
-    its dropout mask: 5as/h per token of their formula) while costing few FLOPs to redo."""
+    its dropout mask: 5as/h per token of their formula) while costing few FLOPs to redo. op: per-op selective
+    checkpointing of the whole block (:mod:`executor.sac`)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from executor.sac import op_checkpoint
 
     kind = choice.kind if choice is not None else layout.recompute
     if kind is Recompute.none:
@@ -568,6 +571,8 @@ def apply_recompute(model: nn.Module, choice: StageRecompute | None, layout: Par
     for name, block in items[:n]:
         if kind is Recompute.full:
             container.add_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        elif kind is Recompute.op:
+            container.add_module(name, op_checkpoint(block))
         else:
             a.attention_of(block).recompute_core = True
 

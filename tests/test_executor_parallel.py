@@ -153,6 +153,50 @@ def test_selective_and_full_recompute_keep_loss_and_gradients() -> None:
         assert all(torch.allclose(grads[0][n], other[n], atol=1e-6) for n in grads[0])
 
 
+def _backward_matmuls(model: torch.nn.Module, data: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+    """aten.mm calls of one backward (recomputed forward matmuls included) and the gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            Count.calls += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    loss = torch.nn.functional.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+    with Count():
+        loss.backward()
+    return Count.calls, {clean_fqn(n): p.grad for n, p in model.named_parameters()}
+
+
+def test_per_op_recompute_runs_again_every_second_matmul_and_keeps_the_gradients() -> None:
+    """Per-op SAC (executor.sac) re-runs wk, wo and w3 of each block (its 2nd, 4th and 6th matmul: 3 more
+    matmuls a block than no recompute; full recompute re-runs 6: torch's checkpoint stops once the last
+    tensor the backward needs is rebuilt, so w2 never runs again) and changes no gradient."""
+    data = SyntheticTokens(DENSE.vocab_size, 16, 0).batch(0, 2)
+    runs = {}
+    for kind in ("none", "op", "full"):
+        model = build_model(DENSE, device="cpu")
+        init_weights(model, 0)
+        apply_recompute(model, None, ParallelLayout(recompute=kind))
+        runs[kind] = _backward_matmuls(model, data)
+    (none, g_none), (op, g_op), (full, g_full) = runs["none"], runs["op"], runs["full"]
+    assert (op - none, full - none) == (3 * DENSE.num_layers, 6 * DENSE.num_layers)
+    for grads in (g_op, g_full):
+        assert all(torch.allclose(g_none[n], grads[n], atol=1e-6) for n in g_none)
+
+
+def test_per_op_recompute_runs_the_router_again_uncounted() -> None:
+    """An MoE block: the router's matmul is always run again and not counted (executor.sac.router_shapes)."""
+    from executor.sac import router_shapes
+
+    model = build_model(MOE, device="cpu")
+    block = next(iter(model.layers.values()))
+    assert router_shapes(block) == {(MOE.hidden_size, MOE.moe.num_experts)}
+    assert router_shapes(build_model(DENSE, device="cpu").layers["0"]) == frozenset()
+
+
 # ---------------------------------------------------------------- torchrun, 4 ranks
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:

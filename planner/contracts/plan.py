@@ -31,6 +31,8 @@ class Recompute(str, Enum):
     none = "none"
     selective = "selective"  # attention core (Korthikanti et al.): softmax, dropout, attention over values
     full = "full"  # whole block: only its input is kept
+    op = "op"  # per-op selective checkpointing as torchtitan's SelectiveAC runs it: matmul outputs kept except
+    # every second, attention outputs and reduce-scatters kept, the rest run again (planner.cost.sac)
 
 
 class StageRecompute(Contract):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from planner.contracts import ModelSpec, Recompute
 from planner.cost.params import attention_params
+from planner.cost.sac import kept_linears
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,16 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_length: int) -
 def recompute_flops(model: ModelSpec, kind: Recompute, index: int, batch: int, seq_length: int) -> float:
     """Extra forward FLOPs the backward pass re-executes for block ``index``.
 
-    full: the whole block forward; selective: the attention core only (Korthikanti et al. §4.2).
+    full: the whole block forward; selective: the attention core only (Korthikanti et al. §4.2); op: the
+    block's GEMMs but the kept linears' (:func:`planner.cost.sac.kept_linears`; the attention kernel's output
+    is kept too).
     """
     if kind is Recompute.none:
         return 0.0
     lf = layer_flops(model, index, batch, seq_length)
+    if kind is Recompute.op:
+        kept = sum(lin.flops for lin in kept_linears(model, index, 1)) * batch * seq_length
+        return lf.attention_linear + lf.mlp - kept
     return lf.total if kind is Recompute.full else lf.attention_core
 
 

@@ -5,7 +5,7 @@ collectives (TP all-reduce or SP all-gather/reduce-scatter, CP key/value all-gat
 all-to-all, and with MoE parallel folding the experts' own TP all-gather/reduce-scatter). Backward
 runs the input- and weight-gradient GEMM of each linear layer (their own shapes), the attention
 backward, 1.25x the elementwise traffic, and the mirrored collectives; recompute adds a forward
-(full) or the attention-core forward (selective).
+(full), the attention-core forward (selective) or what per-op SAC does not keep (op, :func:`op_recompute_pass`).
 
 MoE parallel folding (``ParallelLayout.etp`` < tp; Liu et al. 2025, Megatron-Core's alltoall token
 dispatcher: permute, all-to-all over ep, all-gather over etp, grouped GEMMs, then the mirror): a rank
@@ -52,6 +52,7 @@ from planner.cost.compute import (
     memory_time_s,
 )
 from planner.cost.flops import attention_window_share
+from planner.cost.sac import kept_gemm_share
 
 ELEMENTWISE_BACKWARD_RATIO = 1.25
 """Backward / forward HBM traffic of the bandwidth-bound ops: LayerNorm backward reads x and dy
@@ -118,11 +119,42 @@ class BlockCost:
     forward: PassCost
     backward: PassCost  # without recompute
     attention_core_forward_s: float  # what selective recompute re-runs
+    op_again: PassCost = field(default_factory=PassCost)  # what per-op SAC re-runs (:func:`op_recompute_pass`)
+
+    def again(self, recompute: Recompute) -> PassCost | None:
+        """What the backward runs again under ``recompute`` (None: nothing): the whole forward (full), the
+        attention core (selective), the ops per-op SAC does not keep (op)."""
+        if recompute is Recompute.full:
+            return self.forward
+        if recompute is Recompute.selective:
+            return PassCost(attention_s=self.attention_core_forward_s)
+        return self.op_again if recompute is Recompute.op else None
 
     def backward_s(self, recompute: Recompute) -> float:
-        extra = {Recompute.none: 0.0, Recompute.selective: self.attention_core_forward_s,
-                 Recompute.full: self.forward.total_s}[recompute]
-        return self.backward.total_s + extra
+        again = self.again(recompute)
+        return self.backward.total_s + (again.total_s if again is not None else 0.0)
+
+
+def op_recompute_pass(model: ModelSpec, index: int, mb: MicroBatch, fwd: PassCost) -> PassCost:
+    """What per-op SAC (:mod:`planner.cost.sac`) runs again of block ``index``'s forward ``fwd``: the GEMMs whose
+    outputs it does not keep (their share of the forward's GEMM FLOPs: every second bias-free matmul, the
+    router, the routed experts), the attention core unless a fused kernel's output is kept (flash), every
+    bandwidth-bound kernel and launch, and the collectives whose outputs are not kept: with SP the TP
+    all-gathers (half the TP traffic; the reduce-scatters are kept), without SP the TP all-reduces, the CP
+    exchanges; not the EP all-to-alls (kept)."""
+    moe = model.moe if model.is_moe_layer(index) else None
+    other = 0.0  # GEMM FLOPs per token the policy never keeps
+    if moe is not None:
+        h, f, etp = model.hidden_size, moe.expert_ffn_hidden_size, mb.expert_tp
+        up = (2 if model.ffn_kind == "swiglu" else 1) * f / etp
+        other = 2.0 * h * moe.num_experts + expert_rows(moe, mb) / mb.tokens * 2.0 * h * (up + f / etp)
+    again = PassCost(gemm_s=fwd.gemm_s * (1.0 - kept_gemm_share(model, index, mb.tp, other)),
+                     attention_s=0.0 if mb.flash else fwd.attention_s, memory_s=fwd.memory_s,
+                     overhead_s=fwd.overhead_s, kernels=fwd.kernels)
+    for kind, seconds in fwd.comm_s.items():
+        share = {"ep": 0.0, "tp": 0.5 if mb.sp else 1.0}.get(kind, 1.0)
+        again.add_comm(kind, share * seconds, share * fwd.exposed_comm_s[kind], share * fwd.comm_bytes[kind])
+    return again
 
 
 @dataclass(frozen=True)
@@ -366,8 +398,9 @@ def block_cost(
     bwd.launch(2 * kernels, profile)
     if moe is not None:
         _dispatch_sync(profile, fwd, moe, mb, layout, async_eff if layout.ep_comm_overlap else 0.0)
-    return BlockCost(fwd.calibrated(profile), bwd.calibrated(profile),
-                     attention_core_forward_s=core_f * profile.term_factor("attention"))
+    fwd, bwd = fwd.calibrated(profile), bwd.calibrated(profile)
+    return BlockCost(fwd, bwd, attention_core_forward_s=core_f * profile.term_factor("attention"),
+                     op_again=op_recompute_pass(model, index, mb, fwd))
 
 
 def _block_gemms(profile: ClusterProfile, model: ModelSpec, moe: MoESpec | None, mb: MicroBatch,

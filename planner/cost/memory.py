@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.contracts import Assumptions, ClusterProfile, ModelSpec, ParallelLayout, Recompute, TrainingConfig
+from planner.cost.sac import kept_linear_elements
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ActivationShape:
     tp: int
     sp: bool
     etp: int | None = None  # the routed experts' TP degree; None = tp
+    ep: int = 1  # expert-parallel degree (per-op SAC keeps the all-to-alls' outputs)
 
 
 def layer_activation_bytes(
@@ -133,6 +135,8 @@ def layer_activation_bytes(
     tokens = s * b
     if recompute is Recompute.full:
         return elt * tokens * h / rep
+    if recompute is Recompute.op:
+        return op_kept_bytes(model, index, shape, flash=flash, elt=elt, moe_imbalance=moe_imbalance)
     a = model.num_attention_heads / t
     k = max(model.kv_heads / t, 1.0) if model.mla is None else a
     dqk, dv = model.head_size, model.value_head_size
@@ -169,6 +173,40 @@ def layer_activation_bytes(
         per_mlp = 3 if model.ffn_kind == "swiglu" else 2
         ffn = tokens * (elt * (per_mlp - 1) + lin) * model.ffn_hidden_size / t  # last one is FC2's input
     return replicated + attn + core + ffn
+
+
+def recompute_transient(acts: dict[Recompute, float], kind: Recompute) -> float:
+    """Bytes a recomputed block adds for a moment during its backward, beyond what it keeps (``acts`` its
+    activations per recompute kind): full recompute rebuilds all of them (counted whole, its kept input
+    with them), per-op SAC what it did not keep; selective recompute's core is one head-batch kernel, 0."""
+    if kind is Recompute.full:
+        return acts[Recompute.none]
+    return acts[Recompute.none] - acts[Recompute.op] if kind is Recompute.op else 0.0
+
+
+def op_kept_bytes(model: ModelSpec, index: int, shape: ActivationShape, *, flash: bool, elt: int = 2,
+                  moe_imbalance: float = 1.0) -> float:
+    """Bytes block ``index`` keeps for its backward under per-op SAC (:mod:`planner.cost.sac`), one micro-batch:
+    the checkpointed block's input ``E/rep``; the kept linears' outputs (:func:`planner.cost.sac.kept_linears`);
+    the attention kernel's output and fp32 log-sum-exp (flash; unfused: the output and its probabilities); with
+    SP each reduce-scatter's output ``E/t`` (two a dense block, one more per MoE block's shared experts, one
+    fewer without them); with EP the dispatch and combine all-to-alls' outputs, ``h`` per routed row each.
+    ``E = s·b·h`` (``s`` this rank's tokens), ``rep = t`` with SP, else 1."""
+    b, s, t = shape.batch, shape.seq, shape.tp
+    h, tokens = model.hidden_size, shape.seq * shape.batch
+    rep = t if shape.sp else 1
+    a = model.num_attention_heads / t
+    scores = b * a * s * shape.kv_seq
+    core = elt * tokens * a * model.value_head_size + (4.0 * tokens * a if flash else elt * scores)
+    kept = elt * tokens * (h / rep + kept_linear_elements(model, index, t)) + core
+    moe = model.moe if model.is_moe_layer(index) else None
+    if shape.sp and t > 1:
+        scatters = 2 if moe is None else 1 + (1 if moe.num_shared_experts else 0)
+        kept += scatters * elt * tokens * h / t
+    if moe is not None and shape.ep > 1:
+        routed = tokens / rep * moe.top_k * (moe.capacity_factor or moe_imbalance)
+        kept += 2 * elt * routed * h
+    return kept
 
 
 def logits_bytes(model: ModelSpec, tokens: int, tp: int, bytes_per_logit: float = 6.0) -> float:

@@ -51,6 +51,7 @@ from planner.cost.memory import (
     model_state_bytes,
     optimizer_step_bytes_per_param,
     prefetch_bytes_per_param,
+    recompute_transient,
     root_gathered_bytes_per_param,
     state_bytes_per_param,
     usable_bytes,
@@ -312,7 +313,8 @@ class _Step:
         key = (self.kinds[i], recompute)
         if key not in self._acts:
             t, lay = self.training, self.layout
-            shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp, self.mb.etp)
+            shape = ActivationShape(lay.micro_batch_size, self.mb.local_seq, t.seq_length, lay.tp, lay.sp, self.mb.etp,
+                                    lay.ep)
             self._acts[key] = layer_activation_bytes(self.model, i, shape, recompute, flash=t.flash_attention,
                                                      elt=t.precision.bytes,
                                                      fp8=self.fp8_inputs,
@@ -433,9 +435,9 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
         if st.first:
             per_mb += c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)
         activations = factor * per_mb * in_flight
-        full = [li for li, r in zip(st.layers, st.recompute) if r is Recompute.full]
-        if full:  # recomputing a block in backward rebuilds all of its activations for a moment
-            activations += factor * max(c.activations_of(li, Recompute.none) for li in full)
+        # recomputing a block in backward rebuilds its activations for a moment
+        activations += factor * max((recompute_transient({k: c.activations_of(li, k) for k in Recompute}, r)
+                                     for li, r in zip(st.layers, st.recompute)), default=0.0)
         # this rank's share of its biggest block (experts split over ep x etp)
         biggest = max((c.dense_of(li) + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)
@@ -454,7 +456,7 @@ def _layer_comm(c: _Step, st: _Stage, t: _Times) -> list[CommTime]:
     passes: list[PassCost] = []
     for li, r in zip(st.layers, st.recompute):
         bc = c.block(li)
-        passes += [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
+        passes += [bc.forward, bc.backward] + [p for p in (bc.again(r),) if p is not None]
     emb_f, emb_b, head_f, head_b = t.ends
     passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
     per_kind: dict[str, tuple[float, float, float]] = {}  # kind -> (time, exposed, bytes) per micro-batch
@@ -492,17 +494,15 @@ def _terms(c: _Step, st: _Stage, t: _Times, comm: list[CommTime], bubble_s: floa
     step (recompute included), each collective kind's exposed time, the bubble with the pipeline's sends,
     the optimizer step (with offload copies), kernel launches as ``other``."""
     passes: list[PassCost] = []
-    attention_again = 0.0  # selective recompute re-runs the attention core
     for li, r in zip(st.layers, st.recompute):
         bc = c.block(li)
-        passes += [bc.forward, bc.backward] + ([bc.forward] if r is Recompute.full else [])
-        attention_again += bc.attention_core_forward_s if r is Recompute.selective else 0.0
+        passes += [bc.forward, bc.backward] + [p for p in (bc.again(r),) if p is not None]
     emb_f, emb_b, head_f, head_b = t.ends
     passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
     m = c.m
     out = dict.fromkeys(STEP_TERMS, 0.0)
     out["gemm"] = m * sum(p.gemm_s for p in passes)
-    out["attention"] = m * (sum(p.attention_s for p in passes) + attention_again)
+    out["attention"] = m * sum(p.attention_s for p in passes)
     out["loss"] = m * sum(p.loss_s for p in passes)
     out["elementwise"] = m * sum(p.memory_s - p.loss_s for p in passes)
     out["other"] = m * sum(p.overhead_s for p in passes)

@@ -66,6 +66,7 @@ from planner.cost.memory import (
     logits_bytes,
     memory_offset,
     optimizer_step_bytes_per_param,
+    recompute_transient,
     state_bytes_per_param,
     usable_bytes,
 )
@@ -226,10 +227,10 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
         if params_key not in cache:
             cache[params_key] = (model, layer_params(model, index))
         dense, expert = cache[params_key][1]
-        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, factor, fp8_in)
+        acts_key = ("acts", index, mb, layout.micro_batch_size, layout.tp, layout.sp, layout.ep, factor, fp8_in)
         if acts_key not in cache:
             shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp,
-                                    mb.etp)
+                                    mb.etp, layout.ep)
             elt = training.precision.bytes
             cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r,
                                                                   flash=training.flash_attention, elt=elt, fp8=fp8_in,
@@ -514,8 +515,8 @@ class StageModel:
             dense += n * kc.dense_params
             experts += n * kc.expert_params
             acts += (n - rc) * kc.activations[Recompute.none] + rc * kc.activations[kind]
-            if rc and kind is Recompute.full:
-                transient = max(transient, kc.activations[Recompute.none])
+            if rc:
+                transient = max(transient, recompute_transient(kc.activations, kind))
             gather_biggest = max(gather_biggest, kc.gather_params)
         if first:
             dense += self.emb_params
@@ -739,7 +740,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     # (Δ seconds, bytes shed per micro-batch in flight, transient bytes) per recompute kind: a fully
     # recomputed block rebuilds its activations for a moment
     options = [(kc.backward_s[r] - kc.backward_s[Recompute.none], a_none - kc.activations[r],
-                a_none if r is Recompute.full else 0.0) for r in RECOMPUTE_KINDS]
+                recompute_transient(kc.activations, r)) for r in RECOMPUTE_KINDS]
     options = [o for o in options if o[1] > 0]
     # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
     gather_buffer = sm.block_buffer * kc.gather_params if gather_buffers else 0.0

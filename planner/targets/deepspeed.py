@@ -27,6 +27,7 @@ from planner.targets.rows import (
     _kv_heads,
     _master_weights,
     _no_compile,
+    _no_op_sac,
     _no_v_schedule,
     _one_recompute_fails,
     _pp,
@@ -94,6 +95,7 @@ def _dp_overlap(j: Job) -> bool:
 
 
 _DEEPSPEED = (
+    _no_op_sac("Megatron-DeepSpeed", "recomputes the attention core (selective) or whole layers, not by op"),
     _no_compile("Megatron-DeepSpeed", "is not compiled by autopar's export (it writes no compile section)"),
     _kv_heads("Megatron-DeepSpeed"),
     _master_weights("DeepSpeed"),

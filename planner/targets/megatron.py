@@ -25,6 +25,7 @@ from planner.targets.rows import (
     _kv_heads,
     _master_weights,
     _no_compile,
+    _no_op_sac,
     _no_v_schedule,
     _one_recompute_fails,
     _pp,
@@ -61,6 +62,8 @@ _MEGATRON_FACTS = TargetFacts(
 # megatron/core/transformer/transformer_config.py, megatron/core/distributed/fsdp/mcore_fsdp_adapter.py
 # ============================================================================================
 _MEGATRON = (
+    _no_op_sac("Megatron-LM (core_v0.19.0)", "recomputes by module (--recompute-granularity selective with "
+               "--recompute-modules core_attn, mlp, ...) or whole layers, not by op"),
     _no_compile("Megatron-LM", "has no torch.compile of the model (its fusions are Transformer Engine's kernels)"),
     _kv_heads("Megatron-LM"),
     _master_weights("Megatron-LM"),

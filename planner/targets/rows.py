@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.contracts import ModelSpec, Precision, TrainingConfig
+from planner.contracts import ModelSpec, Precision, Recompute, TrainingConfig
 from planner.cost.pipeline import SCHEDULES
 from planner.targets.core import GPUS_PER_NODE, Job, Limit, TargetFacts
 from planner.targets.split import recompute_text, uniform_recompute
@@ -84,6 +84,26 @@ def _one_recompute_fails(j: Job) -> bool:
 
 def _recompute_value(j: Job) -> str:
     return recompute_text(j.layout)
+
+
+def _uses_op_sac(j: Job) -> bool:
+    lay = j.layout
+    if lay.recompute_per_stage is None:
+        return lay.recompute is Recompute.op
+    return any(s.kind is Recompute.op for s in lay.recompute_per_stage)
+
+
+def _no_op_sac(framework: str, has: str) -> Limit:
+    """The row of a framework without per-op selective checkpointing (``Recompute.op``, planner.cost.sac)."""
+    return Limit(
+        feature="per-op selective activation checkpointing",
+        scope="layout",
+        refuses=_uses_op_sac,
+        field="recompute",
+        value=_recompute_value,
+        problem=f"(per-op selective checkpointing) cannot be expressed: {framework} {has}",
+        fix="plan with recompute='selective', 'full' or 'none', or use --to torchtitan",
+    )
 
 
 # ============================================================================================

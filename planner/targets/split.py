@@ -47,7 +47,7 @@ def _per_rank(layout: ParallelLayout, chunks: list[list[int]]) -> list[tuple[str
 
 @dataclass(frozen=True)
 class RecomputeSetting:
-    kind: str  # "none" | "selective" | "full"
+    kind: str  # "none" | "selective" | "full" | "op"
     block: int | None = None  # full recompute of only the first ``block`` layers of every model chunk
 
 
@@ -69,7 +69,7 @@ def uniform_recompute(layout: ParallelLayout, num_layers: int) -> RecomputeSetti
     kind = kinds.pop()
     if all(n == sum(rank) for rank, (_, n) in zip(chunks, wanted) if sum(rank) > 0):
         return RecomputeSetting(kind)
-    if kind == "selective":
+    if kind != "full":  # only full recompute has a "first N layers" form (Megatron's --recompute-method block)
         return None
     largest = max((c for rank in chunks for c in rank), default=0)
     for block in range(1, largest + 1):
@@ -81,14 +81,14 @@ def uniform_recompute(layout: ParallelLayout, num_layers: int) -> RecomputeSetti
 def every_nth_recompute(layout: ParallelLayout, num_layers: int) -> int | None:
     """torchtitan's layer-selective checkpointing: the smallest ``N`` for which every rank, fully
     recomputing every N-th of its ``L`` layers (``floor(L / N)`` of them), recomputes as many layers as
-    ``recompute_per_stage`` says; None without ``recompute_per_stage``, with selective recompute, or
-    when no ``N`` does. (torchtitan counts the blocks of all model parts of a rank with one counter,
+    ``recompute_per_stage`` says; None without ``recompute_per_stage``, with selective or per-op
+    recompute, or when no ``N`` does. (torchtitan counts the blocks of all model parts of a rank with one counter,
     torchtitan/distributed/activation_checkpoint.py ``_apply_layer_sac``, v0.2.2.)"""
     if layout.recompute_per_stage is None:
         return None
     chunks = _rank_chunks(stage_layers(layout, num_layers), layout)
     wanted = _per_rank(layout, chunks)
-    if any(k == "selective" for k, _ in wanted):
+    if any(k in ("selective", "op") for k, _ in wanted):
         return None
     totals = [sum(rank) for rank in chunks]
     for every in range(1, max(totals, default=0) + 2):

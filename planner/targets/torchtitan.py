@@ -451,11 +451,11 @@ def _titan_compile(lay: ParallelLayout) -> list[tuple[str, ...]]:
 
 
 def _titan_checkpointing(plan: Plan) -> str:
-    """The activation_checkpoint subcommand: ``full`` or ``none`` for every layer (the target's table has
-    refused the rest)."""
+    """The activation_checkpoint subcommand: ``full``, ``selective`` (its per-op SelectiveAC: the plan's ``op``,
+    with its default force-recomputed router gate) or ``none`` for every layer (the table has refused the rest)."""
     setting = uniform_recompute(plan.layout, plan.model.num_layers)
-    if setting is not None and setting.block is None and setting.kind in ("full", "none"):
-        return setting.kind
+    if setting is not None and setting.block is None and setting.kind in ("full", "none", "op"):
+        return "selective" if setting.kind == "op" else setting.kind
     assert every_nth_recompute(plan.layout, plan.model.num_layers) == 1, "its table (_TORCHTITAN) refuses the rest"
     return "full"
 

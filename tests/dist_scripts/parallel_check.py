@@ -75,6 +75,10 @@ CASES: dict[str, tuple[str, dict, StageRecompute | None]] = {
     "full_first1_ddp4": ("dense", {"dp_replicate": 4}, StageRecompute(kind="full", num_layers=1)),
     "hf_dp2_tp2_sp": ("hf", {"dp_shard": 2, "tp": 2, "sp": True}, None),
     "hf_fsdp2_tp2_full": ("hf", {"dp_shard": 2, "tp": 2, "zero_stage": 3, "recompute": "full"}, None),
+    # per-op selective checkpointing (executor.sac): DTensor matmuls and reduce-scatters, experts, an HF block
+    "op_fsdp2_tp2_sp": ("dense", {"dp_shard": 2, "tp": 2, "sp": True, "zero_stage": 3, "recompute": "op"}, None),
+    "op_ep2_fsdp4": ("moe", {"dp_shard": 4, "ep": 2, "zero_stage": 3, "recompute": "op"}, None),
+    "hf_dp2_tp2_sp_op": ("hf", {"dp_shard": 2, "tp": 2, "sp": True, "recompute": "op"}, None),
 }
 
 
