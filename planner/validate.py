@@ -624,15 +624,16 @@ def _schedule(row: dict[str, str], n: dict, pp: int, vp_text: str, defaults: lis
 
 def _stated_recompute(row: dict[str, str], fw: str, model: ModelSpec, pp: int, layout_kwargs: dict,
                       defaults: list[str]) -> Recompute | None:
-    """The recompute the row states (None: unstated). torchtitan's selective AC goes into
-    ``layout_kwargs`` as full recompute of every other layer."""
+    """The recompute the row states (None: unstated). torchtitan's per-op selective AC ("selective op",
+    "per-op SAC") is ``op``; its layer-selective AC ("selective layer") goes into ``layout_kwargs`` as full
+    recompute of every other layer."""
     rc_text = unstated(row.get("activation_recompute")).lower()
     if "torchtitan" in fw and rc_text.startswith("selective"):
-        # torchtitan's "selective layer" checkpoints every other block; its per-op SAC recomputes
-        # every other matmul and the elementwise ops: both cost about half the layers' forward again.
+        if "op" in re.findall(r"[a-z]+", rc_text):
+            return Recompute.op
         layout_kwargs["recompute_per_stage"] = [
             StageRecompute(kind=Recompute.full, num_layers=model.num_layers // (2 * pp))] * pp
-        defaults.append("recompute: torchtitan selective AC modelled as full recompute of every other layer")
+        defaults.append("recompute: torchtitan layer-selective AC as full recompute of every other layer")
     for kind in (Recompute.full, Recompute.selective, Recompute.none):
         if rc_text.startswith(kind.value):
             return kind

@@ -31,6 +31,11 @@ TITAN_PLANS = {
         16,
         {"dp_shard": 16, "zero_stage": 3, "micro_batch_size": 2, "recompute": "full"},
     ),
+    "dense fsdp tp per-op sac": (
+        "llama3-8b",
+        16,
+        {"dp_shard": 8, "tp": 2, "sp": True, "zero_stage": 3, "micro_batch_size": 2, "recompute": "op"},
+    ),
     "fsdp tp pp interleaved": (
         "llama3-8b",
         16,
@@ -86,9 +91,8 @@ def test_torchtitan_config_manager_parses_the_export(name):
         assert train.local_batch_size == plan.training.global_batch_seqs // lay.dp
     else:
         assert train.local_batch_size == lay.micro_batch_size
-    assert type(cfg.activation_checkpoint).__qualname__ == (
-        "FullAC.Config" if lay.recompute.value == "full" else "NoneType"
-    )
+    assert type(cfg.activation_checkpoint).__qualname__ == {
+        "full": "FullAC.Config", "op": "SelectiveAC.Config"}.get(lay.recompute.value, "NoneType")
     assert cfg.compile.enable_async_tensor_parallel == (lay.tp_comm_overlap and lay.tp > 1)
     compiled = lay.compile or (lay.tp_comm_overlap and lay.tp > 1)
     assert cfg.compile.enable == compiled and (not compiled or set(cfg.compile.components) == {"model", "loss"})

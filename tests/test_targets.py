@@ -74,6 +74,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     Target.megatron: {
         **COMMON,
         "torch.compile of the model and loss": (job(compile=True), job()),
+        "per-op selective activation checkpointing": (job(recompute="op"), job(recompute="selective")),
         "ALiBi position embeddings": (job(ALIBI), job()),
         "GPipe schedule": (job(pp=2, schedule="gpipe"), job(pp=2)),
         "zero-bubble schedule": (job(pp=2, schedule="zero_bubble"), job(pp=2)),
@@ -109,6 +110,7 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     Target.deepspeed: {
         **COMMON,
         "torch.compile of the model and loss": (job(compile=True), job()),
+        "per-op selective activation checkpointing": (job(recompute="op"), job(recompute="full")),
         "ring context parallelism": (job(cp=2), job()),
         "V-shaped schedule (ZB-V, DualPipeV)": (job(pp=2, schedule="dualpipe_v", virtual_stages=2), job(pp=2)),
         "interleaved (virtual-stage) schedule": (
