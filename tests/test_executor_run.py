@@ -465,6 +465,9 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
     ("moe_pp2_fsdp2_zero_bubble_v", True, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble_v", "virtual_stages": 2,
                                            "zero_stage": 3}),
     ("moe_pp2_fsdp2_1f1b", True, {"pp": 2, "dp_shard": 2, "schedule": "1f1b", "zero_stage": 3}),
+    # per-op selective checkpointing (executor.sac) on pipeline stages under FSDP2, experts and router included
+    ("moe_pp2_fsdp2_1f1b_op", True, {"pp": 2, "dp_shard": 2, "schedule": "1f1b", "zero_stage": 3,
+                                     "recompute": "op"}),
     ("pp2_fsdp2_zero_bubble", False, {"pp": 2, "dp_shard": 2, "schedule": "zero_bubble", "zero_stage": 3}),
     ("moe_pp2_tp2_sp_ep2_etp1", True, {"pp": 2, "tp": 2, "sp": True, "ep": 2, "etp": 1, "schedule": "1f1b"}),
     ("moe_pp2_cp2_ep2_fsdp", True, {"pp": 2, "cp": 2, "ep": 2, "schedule": "1f1b", "zero_stage": 3}),

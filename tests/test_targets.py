@@ -176,6 +176,8 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     },
     Target.torchtitan: {
         **COMMON,
+        "per-op selective checkpointing under a split-backward schedule": (
+            job(pp=2, schedule="zero_bubble", recompute="op"), job(pp=2, schedule="1f1b", recompute="op")),
         "tensor parallelism without sequence parallelism": (job(tp=2), job(tp=2, sp=True)),
         "ZeRO-1/2 (sharding without parameters)": (
             job(dp_shard=2, zero_stage=1),
@@ -234,6 +236,8 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
     },
     Target.autopar: {
         "torch.compile of the model and loss": (job(compile=True), job()),
+        "per-op selective checkpointing under a split-backward schedule": (
+            job(pp=2, schedule="zero_bubble", recompute="op"), job(pp=2, schedule="1f1b", recompute="op")),
         "expert parallelism on a dense model": (
             job(dp_shard=2, ep=2),
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=2),

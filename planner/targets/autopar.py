@@ -7,6 +7,7 @@ from planner.contracts import ClusterProfile, ModelSpec, Precision, Schedule
 from planner.cost.params import embedding_params, head_per_tp_rank
 from planner.targets.core import Job, Limit, Target, TargetFacts, TargetSpec, _grouped_mm_or_loop
 from planner.targets.rows import (
+    _OP_SAC_SPLIT_BACKWARD,
     _TORCH_PIPELINE_SENDS,
     _no_compile,
     _pp,
@@ -69,6 +70,7 @@ def _rounds(j: Job) -> int:
 
 
 _AUTOPAR = (
+    _OP_SAC_SPLIT_BACKWARD,
     _no_compile("the executor", "runs its model eagerly"),
     Limit(
         feature="expert parallelism on a dense model",

@@ -93,6 +93,21 @@ def _uses_op_sac(j: Job) -> bool:
     return any(s.kind is Recompute.op for s in lay.recompute_per_stage)
 
 
+_OP_SAC_SPLIT_BACKWARD = Limit(
+    feature="per-op selective checkpointing under a split-backward schedule",
+    scope="layout",
+    refuses=lambda j: _uses_op_sac(j) and _pp(j) and SCHEDULES[j.layout.schedule].split_backward,
+    field="schedule",
+    value=lambda j: j.layout.schedule.value,
+    problem="runs each stage's backward in two passes (input gradients, then weight gradients), and torch's "
+    "selective checkpointing allows one backward over a checkpointed region (torch 2.13 raises 'Trying to "
+    "backward an extra time'; seen on an autopar run of ZB-H1 with recompute=op)",
+    fix="plan with a schedule without the split weight pass (1f1b, interleaved_1f1b, gpipe), or recompute='full'",
+)
+"""torch.distributed.pipelining's zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) with per-op SAC: the executor and
+torchtitan run both on torch, so both tables hold this row."""
+
+
 def _no_op_sac(framework: str, has: str) -> Limit:
     """The row of a framework without per-op selective checkpointing (``Recompute.op``, planner.cost.sac)."""
     return Limit(

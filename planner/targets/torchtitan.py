@@ -18,6 +18,7 @@ from planner.targets.launch import (
     torchrun,
 )
 from planner.targets.rows import (
+    _OP_SAC_SPLIT_BACKWARD,
     _TORCH_PIPELINE_SENDS,
     _WHOLE_NODES,
     _kv_heads,
@@ -121,6 +122,7 @@ _SELECTIVE = {
 }
 
 _TORCHTITAN = (
+    _OP_SAC_SPLIT_BACKWARD,
     _kv_heads("torchtitan"),
     _master_weights("torchtitan"),
     _torch_schedule_micro_batches("torchtitan"),
