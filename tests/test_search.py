@@ -912,3 +912,43 @@ def test_leaves_of_other_zero_stages_do_not_share_memory_bounds():
         steps.append(search(model, tr, prof, opts).prediction.step_time_s)
         assert steps[-1] == pytest.approx(brute_force_search(model, tr, prof, opts)[0], rel=1e-6)
     assert steps[0] == steps[1]
+
+
+@pytest.mark.parametrize(("target", "kind"), [("torchtitan", Recompute.op), ("autopar", Recompute.op),
+                                              ("megatron", Recompute.full)])
+def test_the_search_recomputes_per_op_where_the_target_runs_it(target, kind):  # noqa: ANN001
+    """FSDP only (no TP, CP, PP), llama3-8b at 64 x 8192 on 8 H100: the activations do not fit without recompute;
+    per-op SAC keeps wq, wv, w1, w2 and the attention output for ~37% more forward GEMMs, cheaper than full
+    recompute of the layers it needs. Megatron-LM has no per-op SAC: full recompute of some layers there."""
+    model, prof = get_preset("llama3-8b"), reference_profile("dgx-h100", 1)
+    tr = TrainingConfig(global_batch_size=64, seq_length=8192)
+    opts = SearchOptions(target=target, max_tp=1, max_cp=1, max_pp=1, offload=False, top_k=5, time_budget_s=30)
+    plan = search(model, tr, prof, opts)
+    lay = plan.layout
+    used = {lay.recompute} if lay.recompute_per_stage is None else {s.kind for s in lay.recompute_per_stage}
+    assert used == {kind}, lay.recompute_summary()
+    layouts = [lay, *(a.layout for a in plan.alternatives)]
+    kinds = {s.kind for x in layouts for s in (x.recompute_per_stage or [])} | {x.recompute for x in layouts}
+    assert (Recompute.op in kinds) == (target != "megatron")
+    again = predict(model, tr, prof, lay, target=target)
+    assert again.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9) and again.memory.fits
+
+
+def test_cpsat_chooses_per_op_recompute_per_rank_and_predict_agrees():
+    """A 1F1B pipeline whose first ranks hold more micro-batches: CP-SAT picks a kind and count per rank among
+    the kinds the target admits (op included for autopar, not for Megatron-LM), and predict prices the
+    chosen split and recompute at the objective."""
+    model = small("llama3-8b", 16)
+    prof = reference_profile("dgx-a100-40gb", 1)
+    tr = TrainingConfig(global_batch_size=32, seq_length=16384)
+    layout = ParallelLayout(tp=2, pp=4, zero_stage=0)
+    mega = StageModel(model, tr, prof, layout, target="megatron")
+    assert Recompute.op not in mega.recompute_kinds
+    sm = StageModel(model, tr, prof, layout, target="autopar")
+    assert sm.recompute_kinds == (Recompute.selective, Recompute.full, Recompute.op)
+    sol = solve_stages(sm, time_limit_s=10)
+    assert sol.status == "OPTIMAL" and any(k is Recompute.op for k, n in sol.recompute if n), sol.recompute
+    mine = sm.layout_for(sol.chunks, sol.recompute)
+    step = predict(model, tr, prof, mine).step_time_s
+    assert step == pytest.approx(sol.objective_s, rel=1e-5)
+    assert all(k is not Recompute.op for k, _ in solve_stages(mega, time_limit_s=10).recompute)

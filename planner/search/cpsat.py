@@ -1,7 +1,7 @@
 """CP-SAT: give layers to pipeline stages and choose recompute per stage for one candidate layout.
 
 The decision: ``c_j`` layers in each (virtual) stage ``j`` (contiguous, ``≥ 1``, summing to the
-model's layers) and, per pipeline rank, a recompute kind (selective or full) with a count of its
+model's layers) and, per pipeline rank, a recompute kind (those the target admits) with a count of its
 layers. Layers are not equal: the model's blocks come in at most two kinds laid out as a prefix
 (DeepSeek-V3's first dense layers, then MoE), rank 0 also holds the embedding and the last rank
 the LM head, and the first 1F1B stage keeps more micro-batches in flight than the last. Every
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from planner.contracts import Recompute
+from planner.cost.memory import recompute_transient
 from planner.cost.pipeline import SCHEDULES
 from planner.search.stages import KindCost, StageModel
 
@@ -119,17 +120,15 @@ class _Context:
 
 @dataclass
 class _Rank:
-    """One pipeline rank's decision variables: ``n`` layers (``na`` of kind a, ``nb`` of kind b) and the
-    recomputed layers ``rs`` (selective) or ``rf`` (full), ``ras``/``raf`` of them of kind a."""
+    """One pipeline rank's decision variables: ``n`` layers (``na`` of kind a, ``nb`` of kind b) and, per
+    recompute kind the target admits (``sm.recompute_kinds``; at most one used), the recomputed layers
+    ``rec[kind]``, ``rec_a[kind]`` of them of kind a."""
     r: int
     n: cp_model.LinearExprT
     na: cp_model.LinearExprT
     nb: cp_model.LinearExprT
-    zsel: cp_model.IntVar
-    rs: cp_model.IntVar
-    rf: cp_model.IntVar
-    ras: cp_model.IntVar
-    raf: cp_model.IntVar
+    rec: dict[Recompute, cp_model.IntVar]
+    rec_a: dict[Recompute, cp_model.IntVar]
     T: cp_model.IntVar | None = None  # forward+backward of one micro-batch, scaled by S
     F: cp_model.IntVar | None = None  # its forward
     tail: cp_model.LinearExprT = 0  # once-per-step tail, scaled by S
@@ -212,36 +211,34 @@ def _rank_vars(cx: _Context, r: int, chunks: list[cp_model.IntVar],
         mdl.Add(na == sum(a_in_chunk[j] for j in mine))
         nb = mdl.NewIntVar(0, L - d_count, f"nb{r}")
         mdl.Add(nb == n - na)
-    zsel = mdl.NewBoolVar(f"sel{r}")
-    rs = mdl.NewIntVar(0, L, f"Rs{r}")
-    rf = mdl.NewIntVar(0, L, f"Rf{r}")
-    mdl.Add(rs + rf <= n)
-    mdl.Add(rs == 0).OnlyEnforceIf(zsel.Not())
-    mdl.Add(rf == 0).OnlyEnforceIf(zsel)
-    ras = mdl.NewIntVar(0, L, f"ras{r}")
-    raf = mdl.NewIntVar(0, L, f"raf{r}")
-    mdl.AddMinEquality(ras, [rs, na])
-    mdl.AddMinEquality(raf, [rf, na])
-    return _Rank(r, n, na, nb, zsel, rs, rf, ras, raf)
+    rec, rec_a, used = {}, {}, []
+    for kind in cx.sm.recompute_kinds:
+        count = mdl.NewIntVar(0, L, f"R{kind.value}{r}")
+        on = mdl.NewBoolVar(f"z{kind.value}{r}")
+        mdl.Add(count == 0).OnlyEnforceIf(on.Not())
+        of_a = mdl.NewIntVar(0, L, f"Ra{kind.value}{r}")
+        mdl.AddMinEquality(of_a, [count, na])
+        rec[kind], rec_a[kind] = count, of_a
+        used.append(on)
+    mdl.Add(sum(rec.values()) <= n)
+    mdl.Add(sum(used) <= 1)  # one recompute kind per rank
+    return _Rank(r, n, na, nb, rec, rec_a)
 
 
 def _rank_compute(cx: _Context, rk: _Rank) -> tuple[cp_model.LinearExprT, cp_model.LinearExprT]:
     """(F, B) compute of one micro-batch in base units: per-block forward/backward by kind, the backward's
     recompute surcharge per recomputed block, the embedding/head on the end ranks and v p2p transfers."""
     sm, ka, kb, q = cx.sm, cx.ka, cx.kb, cx.q
-    na, nb, ras, raf = rk.na, rk.nb, rk.ras, rk.raf
-    rbs, rbf = rk.rs - ras, rk.rf - raf
+    na, nb = rk.na, rk.nb
     fa, fb = ka.forward_s, (kb.forward_s if kb else 0.0)
     ba, bb = ka.backward_s[Recompute.none], (kb.backward_s[Recompute.none] if kb else 0.0)
-    dsa = ka.backward_s[Recompute.selective] - ba
-    dfa = ka.backward_s[Recompute.full] - ba
-    dsb = (kb.backward_s[Recompute.selective] - bb) if kb else 0.0
-    dfb = (kb.backward_s[Recompute.full] - bb) if kb else 0.0
+    surcharge = sum(q(ka.backward_s[k] - ba) * rk.rec_a[k]
+                    + (q(kb.backward_s[k] - bb) * (rk.rec[k] - rk.rec_a[k]) if kb else 0) for k in rk.rec)
     first, last = rk.first, rk.last(cx)
     const_f = (sm.emb[0] if first else 0.0) + (sm.head[0] if last else 0.0) + cx.v * sm.p2p_s
     const_b = (sm.emb[1] if first else 0.0) + (sm.head[1] if last else 0.0) + cx.v * sm.p2p_s
     F = q(fa) * na + q(fb) * nb + q(const_f)
-    B = q(ba) * na + q(bb) * nb + q(dsa) * ras + q(dsb) * rbs + q(dfa) * raf + q(dfb) * rbf + q(const_b)
+    B = q(ba) * na + q(bb) * nb + surcharge + q(const_b)
     return F, B
 
 
@@ -330,29 +327,28 @@ def _rank_memory(cx: _Context, rk: _Rank) -> None:
     less what recompute drops + a fully recomputed block's transient + ZeRO-2/3's block buffer), and at
     the optimizer step (model states and its temporaries; the activations are gone by then)."""
     sm, mdl, ka, kb, r = cx.sm, cx.mdl, cx.ka, cx.kb, rk.r
-    na, nb, ras, raf = rk.na, rk.nb, rk.ras, rk.raf
-    rbs, rbf = rk.rs - ras, rk.rf - raf
+    na, nb = rk.na, rk.nb
     (pda, pdb), (pea, peb) = cx.dense_params, cx.expert_params
     const_dense = rk.const_dense(cx)
     per_dense, per_expert = sm._state_dense, sm._state_expert
     fl = sm.in_flight[r]
     Aa, Ab = ka.activations, (kb.activations if kb else {k: 0.0 for k in Recompute})
-    none, sel, full = Recompute.none, Recompute.selective, Recompute.full
+    none = Recompute.none
     mem = (_mq(per_dense * pda + per_expert * pea + fl * Aa[none]) * na
            + _mq(per_dense * pdb + per_expert * peb + fl * Ab[none]) * nb
-           - int((fl * (Aa[none] - Aa[sel])) // MEM_UNIT) * ras
-           - int((fl * (Ab[none] - Ab[sel])) // MEM_UNIT) * rbs
-           - int((fl * (Aa[none] - Aa[full])) // MEM_UNIT) * raf
-           - int((fl * (Ab[none] - Ab[full])) // MEM_UNIT) * rbf
+           - sum(int((fl * (Aa[none] - Aa[k])) // MEM_UNIT) * rk.rec_a[k]
+                 + int((fl * (Ab[none] - Ab[k])) // MEM_UNIT) * (rk.rec[k] - rk.rec_a[k]) for k in rk.rec)
            + _mq(per_dense * const_dense + (fl * sm.emb_act if rk.first else 0.0)
                  + (sm.logits + sm.root if rk.last(cx) else 0.0)))
-    # a fully recomputed block rebuilds all of its activations for a moment
-    ua, ub = mdl.NewBoolVar(f"ua{r}"), mdl.NewBoolVar(f"ub{r}")
-    mdl.Add(raf == 0).OnlyEnforceIf(ua.Not())
-    mdl.Add(rbf == 0).OnlyEnforceIf(ub.Not())
-    transient = mdl.NewIntVar(0, _mq(max(Aa[none], Ab[none])), f"tr{r}")
-    mdl.Add(transient >= _mq(Aa[none])).OnlyEnforceIf(ua)
-    mdl.Add(transient >= _mq(Ab[none])).OnlyEnforceIf(ub)
+    # a recomputed block rebuilds what it did not keep for a moment (planner.cost.memory.recompute_transient)
+    peaks = [(rk.rec_a[k], _mq(recompute_transient(Aa, k))) for k in rk.rec]
+    peaks += [(rk.rec[k] - rk.rec_a[k], _mq(recompute_transient(Ab, k))) for k in rk.rec]
+    peaks = [(count, need) for count, need in peaks if need > 0]
+    transient = mdl.NewIntVar(0, max((need for _, need in peaks), default=0), f"tr{r}")
+    for i, (count, need) in enumerate(peaks):
+        u = mdl.NewBoolVar(f"u{r}_{i}")
+        mdl.Add(count == 0).OnlyEnforceIf(u.Not())
+        mdl.Add(transient >= need).OnlyEnforceIf(u)
     mem += transient
     if sm.block_buffer > 0:  # ZeRO-2/3: the biggest held block's gathered weights / unsharded gradients
         ga, gb = mdl.NewBoolVar(f"ga{r}"), mdl.NewBoolVar(f"gb{r}")
@@ -383,8 +379,8 @@ def _restrict(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], *
             cx.mdl.Add(var == value)
     if uniform_recompute:
         for rk in ranks[1:]:
-            cx.mdl.Add(rk.rs == ranks[0].rs)
-            cx.mdl.Add(rk.rf == ranks[0].rf)
+            for kind, count in rk.rec.items():
+                cx.mdl.Add(count == ranks[0].rec[kind])
 
 
 def _objective(cx: _Context, chunks: list[cp_model.IntVar],
@@ -409,7 +405,7 @@ def _objective(cx: _Context, chunks: list[cp_model.IntVar],
     c_max = mdl.NewIntVar(1, cx.L, "cmax")
     for c in chunks:
         mdl.Add(c_max >= c)
-    objective = objective + sum(rk.rs for rk in ranks) + sum(rk.rf for rk in ranks) + c_max
+    objective = objective + sum(count for rk in ranks for count in rk.rec.values()) + c_max
     return objective, scale
 
 
@@ -438,13 +434,8 @@ def _solve(cx: _Context, chunks: list[cp_model.IntVar], ranks: list[_Rank], scal
                 sol_chunks[c] = n // v + (1 if k < n % v else 0)
     rec: list[tuple[Recompute, int]] = []
     for rk in ranks:
-        rs_v, rf_v = solver.Value(rk.rs), solver.Value(rk.rf)
-        if rf_v:
-            rec.append((Recompute.full, rf_v))
-        elif rs_v:
-            rec.append((Recompute.selective, rs_v))
-        else:
-            rec.append((Recompute.none, 0))
+        used = [(kind, solver.Value(count)) for kind, count in rk.rec.items() if solver.Value(count)]
+        rec.append(used[0] if used else (Recompute.none, 0))
     objective_s = solver.ObjectiveValue() * cx.unit / S / scale
     return StageSolution(sol_chunks, rec, name, objective_s, solver.WallTime())
 

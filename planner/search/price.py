@@ -23,7 +23,6 @@ from planner.cost.memory import (
 from planner.search.enumerate import Structure, base_layout
 from planner.search.options import SearchOptions
 from planner.search.stages import (
-    RECOMPUTE_KINDS,
     SharedCosts,
     StageModel,
     floor_states,
@@ -107,7 +106,7 @@ def best_uniform(sm: StageModel, target: str, micro_batches: int) -> Uniform | N
     most = max(len(r) for r in sm.rank_layers(chunks))
     best = None
 
-    for kind in (Recompute.none, *RECOMPUTE_KINDS):
+    for kind in (Recompute.none, *sm.recompute_kinds):
         counts = [0] if kind is Recompute.none else range(1, most + 1)
         lo, hi = 0, len(counts) - 1
         while lo < hi:  # the first count that fits (the last one when none does)

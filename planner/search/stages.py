@@ -90,7 +90,22 @@ from planner.cost.stage import (
     rank_passes_s,
 )
 
-RECOMPUTE_KINDS = (Recompute.selective, Recompute.full)
+RECOMPUTE_KINDS = (Recompute.selective, Recompute.full, Recompute.op)
+
+
+def admitted_recompute(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout,
+                       target: str) -> tuple[Recompute, ...]:
+    """The recompute kinds of :data:`RECOMPUTE_KINDS` that ``target``'s table (its layout rows) admits for
+    ``layout`` (Megatron-LM: no per-op SAC; torchtitan: no attention-core selective; per-op SAC not under a
+    split-backward schedule). Every kind where the layout is refused without recompute too: the search's
+    own check of each plan then says why."""
+    def refused(kind: Recompute) -> bool:
+        lay = layout.model_copy(update={"recompute": kind})
+        return targets.refusal(target, targets.Job(model, training, lay), ("layout",)) is not None
+
+    if refused(Recompute.none):
+        return RECOMPUTE_KINDS
+    return tuple(k for k in RECOMPUTE_KINDS if not refused(k))
 
 
 @functools.lru_cache(maxsize=16384)
@@ -349,6 +364,7 @@ class StageModel:
                                              "recompute": Recompute.none})
         self.m = check_layout(model, training, base, profile.num_gpus)
         self.model, self.training, self.profile, self.layout = model, training, profile, base
+        self.recompute_kinds = admitted_recompute(model, training, base, target)
         self.p, self.v = base.pp, base.virtual_stages
         self.placement = [rank_chunks(base.schedule, self.p, self.v, r) for r in range(self.p)]
         self.head_rank = head_rank(base.schedule, self.p, self.v)  # holds the last chunk: the head, the loss
@@ -543,7 +559,7 @@ class StageModel:
 
     def stage_options(self, n_layers: int) -> list[tuple[Recompute, int]]:
         """Every recompute choice of a stage with ``n_layers`` layers: none, or 1..n of them selective / full."""
-        return [(Recompute.none, 0)] + [(k, c) for k in RECOMPUTE_KINDS for c in range(1, n_layers + 1)]
+        return [(Recompute.none, 0)] + [(k, c) for k in self.recompute_kinds for c in range(1, n_layers + 1)]
 
     def fewest_recomputed(self, n_layers: int) -> list[tuple[Recompute, int]]:
         """For a single stage: none, and per recompute kind the smallest count that fits (bisection).
@@ -553,7 +569,7 @@ class StageModel:
         candidates for the fastest choice."""
         out = [(Recompute.none, 0)]
         layers = list(range(n_layers))
-        for kind in RECOMPUTE_KINDS:
+        for kind in self.recompute_kinds:
             if self.stage_terms(0, layers, kind, n_layers).memory_bytes > self.capacity:
                 continue
             lo, hi = 1, n_layers
@@ -592,7 +608,7 @@ class StageModel:
                 choices.append((Recompute.none, 0))
                 continue
             best = None
-            for kind in RECOMPUTE_KINDS:
+            for kind in self.recompute_kinds:
                 if not fits(kind, n):
                     continue
                 lo, hi = 1, n  # smallest count that fits
@@ -651,7 +667,7 @@ def recompute_bound_s(sm: StageModel) -> float:
     per_state, per_state_e = sm._state_dense, sm._state_expert
     rho = 0.0
     for kc in sm.kind_cost.values():
-        for kind in RECOMPUTE_KINDS:
+        for kind in sm.recompute_kinds:
             extra = kc.backward_s[kind] - kc.backward_s[Recompute.none]
             saved = kc.activations[Recompute.none] - kc.activations[kind]
             if extra > 0 and saved > 0:
@@ -740,7 +756,7 @@ def memory_minmax_s(sm: StageModel, known: float = 0.0, gather_buffers: bool = T
     # (Δ seconds, bytes shed per micro-batch in flight, transient bytes) per recompute kind: a fully
     # recomputed block rebuilds its activations for a moment
     options = [(kc.backward_s[r] - kc.backward_s[Recompute.none], a_none - kc.activations[r],
-                recompute_transient(kc.activations, r)) for r in RECOMPUTE_KINDS]
+                recompute_transient(kc.activations, r)) for r in sm.recompute_kinds]
     options = [o for o in options if o[1] > 0]
     # ZeRO-3 gathers a whole block (double-buffered) on any rank that holds one
     gather_buffer = sm.block_buffer * kc.gather_params if gather_buffers else 0.0
@@ -874,7 +890,7 @@ class SplitBound:
         self.memo: dict[tuple[int, int, int], float] = {}
         # recompute must shed memory for the monotonicity above; one kind, then the other
         self.sound = (all(kc.activations[k] <= kc.activations[Recompute.none]
-                          for kc in sm.kind_cost.values() for k in RECOMPUTE_KINDS)
+                          for kc in sm.kind_cost.values() for k in sm.recompute_kinds)
                       and all(k != self.first for k in kinds[self.n_first:]))
 
     def _split(self, a: int, b: int, c: int) -> tuple[int, int, int, int]:
@@ -909,7 +925,7 @@ class SplitBound:
         else:
             best = math.inf
             # the full-recompute transient may grow once the recomputed prefix reaches the second kind
-            for kind in RECOMPUTE_KINDS:
+            for kind in sm.recompute_kinds:
                 for lo, hi in ((1, a), (a + 1, n)):
                     if lo > hi or mem(kind, hi) > cap:
                         continue
@@ -999,7 +1015,7 @@ class SplitBound:
         nd, nm, _, _ = self._split(a, b, 0)
         plain = sm.stage_terms_counts(r, nd, nm, Recompute.none, 0, 0)
         tail = plain.tail_s
-        for kind in RECOMPUTE_KINDS:
+        for kind in sm.recompute_kinds:
             tail = min(tail, sm.stage_terms_counts(r, nd, nm, kind, nd, nm).tail_s)
         return plain.forward_s, tail
 
