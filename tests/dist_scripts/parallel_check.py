@@ -78,6 +78,7 @@ CASES: dict[str, tuple[str, dict, StageRecompute | None]] = {
     # per-op selective checkpointing (executor.sac): DTensor matmuls and reduce-scatters, experts, an HF block
     "op_fsdp2_tp2_sp": ("dense", {"dp_shard": 2, "tp": 2, "sp": True, "zero_stage": 3, "recompute": "op"}, None),
     "op_ep2_fsdp4": ("moe", {"dp_shard": 4, "ep": 2, "zero_stage": 3, "recompute": "op"}, None),
+    "op_fsdp2_cp2": ("dense", {"dp_shard": 2, "cp": 2, "zero_stage": 3, "recompute": "op"}, None),
     "hf_dp2_tp2_sp_op": ("hf", {"dp_shard": 2, "tp": 2, "sp": True, "recompute": "op"}, None),
 }
 
