@@ -116,10 +116,13 @@ def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     return values
 
 
-GRID_POINTS = 5
+GRID_POINTS = 17
 """Points of the coarse scan before the golden-section search. The capped objective can have two
-minima in one constant (the FP8 efficiency in the fold without MLPerf: 0.42 and 0.67); a golden
-section alone keeps whichever its first two probes lean to."""
+minima in one constant (the FP8 efficiency in the fold without MLPerf: 0.42 and 0.67); a golden section
+alone keeps whichever its first two probes lean to. The scan must also land in the narrower one: in the
+fold without MosaicML (2026-12-07) Hopper's attention efficiency has its minimum at 0.19 (objective 0.1071
+on the fold's rows), a basin under 0.05 wide, and a second at 0.41 (0.1098); 5 points (spaced 0.19) leaned
+to 0.41, 17 (spaced 0.047) find 0.19."""
 
 
 def minimize_1d(f: Callable[[float], float], low: float, high: float, tol: float) -> float:

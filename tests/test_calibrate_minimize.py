@@ -39,3 +39,17 @@ def test_the_scan_first_finds_the_global_minimum():
 def test_a_minimum_at_the_bound():
     assert minimize_1d(lambda x: x, 0.0, 1.0, 1e-4) == pytest.approx(0.0, abs=1e-3)
     assert minimize_1d(lambda x: -x, 0.0, 1.0, 1e-4) == pytest.approx(1.0, abs=1e-3)
+
+
+
+def narrow_and_wide(x: float) -> float:
+    """Hopper's attention efficiency in the fold without MosaicML (2026-12-07), as measured there: a narrow
+    global minimum at 0.195 (0.107), a wide one at 0.41 (0.110)."""
+    return min(0.107 + 8.0 * (x - 0.195) ** 2, 0.110 + 0.05 * (x - 0.41) ** 2)
+
+
+def test_a_narrow_minimum_between_coarse_scan_points_is_found():
+    coarse = [0.15 + 0.75 * i / 4 for i in range(5)]  # the 5-point scan before 2026-12-07
+    best = min(coarse, key=narrow_and_wide)
+    assert golden_only(narrow_and_wide, best - 0.1875, best + 0.1875, 0.0075) == pytest.approx(0.41, abs=0.01)
+    assert minimize_1d(narrow_and_wide, 0.15, 0.90, 0.0075) == pytest.approx(0.195, abs=0.01)
