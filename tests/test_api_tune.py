@@ -194,7 +194,7 @@ def test_a_reference_clusters_calibration_is_a_cluster_of_its_own_a_measured_one
     assert base.status_code == 201, base.text
     base = base.json()
     job = wait_for(client, client.post("/v1/tune", json=tune_body(cluster="cpu-ref")).json()["id"])
-    assert job["state"] == "done", job
+    assert job["state"] == "done", (job.get("error"), job.get("log"))
     calibrated = client.get(f"/v1/profiles/{job['calibrated_profile_id']}").json()
     assert (calibrated["cluster"], calibrated["kind"]) == (stored_as, kind)
     assert calibrated["profile"]["calibration"] == job["result"]["calibration"] is not None
@@ -304,7 +304,7 @@ def test_a_real_tune_job_stores_runs_the_calibrated_profile_and_the_new_plan(tmp
         r = c.post("/v1/tune", json=tune_body())
         assert r.status_code == 202, r.text
         job = wait_for(c, r.json()["id"], timeout_s=300)
-        assert job["state"] == "done", job
+        assert job["state"] == "done", (job.get("error"), job.get("log"))
         report = job["result"]
         assert len(report["runs"]) == 2 and {x["role"] for x in report["runs"]} == {"calibration", "held_out"}
         assert all(x["measured_step_s"] > 0 and x["calibrated_step_s"] > 0 for x in report["runs"])
