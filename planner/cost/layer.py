@@ -130,6 +130,11 @@ class BlockCost:
             return PassCost(attention_s=self.attention_core_forward_s)
         return self.op_again if recompute is Recompute.op else None
 
+    def passes(self, recompute: Recompute) -> list[PassCost]:
+        """The block's passes of one micro-batch: forward, backward and what ``recompute`` runs again."""
+        again = self.again(recompute)
+        return [self.forward, self.backward] + ([again] if again is not None else [])
+
     def backward_s(self, recompute: Recompute) -> float:
         again = self.again(recompute)
         return self.backward.total_s + (again.total_s if again is not None else 0.0)

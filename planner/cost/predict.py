@@ -436,8 +436,8 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
             per_mb += c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)
         activations = factor * per_mb * in_flight
         # recomputing a block in backward rebuilds its activations for a moment
-        activations += factor * max((recompute_transient({k: c.activations_of(li, k) for k in Recompute}, r)
-                                     for li, r in zip(st.layers, st.recompute)), default=0.0)
+        activations += factor * max((recompute_transient({k: c.activations_of(li, k) for k in (Recompute.none, r)}, r)
+                                     for li, r in zip(st.layers, st.recompute) if r is not Recompute.none), default=0.0)
         # this rank's share of its biggest block (experts split over ep x etp)
         biggest = max((c.dense_of(li) + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)
@@ -455,8 +455,7 @@ def _layer_comm(c: _Step, st: _Stage, t: _Times) -> list[CommTime]:
     """TP/CP/EP traffic of one rank's blocks, embedding and head over the step, per kind."""
     passes: list[PassCost] = []
     for li, r in zip(st.layers, st.recompute):
-        bc = c.block(li)
-        passes += [bc.forward, bc.backward] + [p for p in (bc.again(r),) if p is not None]
+        passes += c.block(li).passes(r)
     emb_f, emb_b, head_f, head_b = t.ends
     passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
     per_kind: dict[str, tuple[float, float, float]] = {}  # kind -> (time, exposed, bytes) per micro-batch
@@ -495,8 +494,7 @@ def _terms(c: _Step, st: _Stage, t: _Times, comm: list[CommTime], bubble_s: floa
     the optimizer step (with offload copies), kernel launches as ``other``."""
     passes: list[PassCost] = []
     for li, r in zip(st.layers, st.recompute):
-        bc = c.block(li)
-        passes += [bc.forward, bc.backward] + [p for p in (bc.again(r),) if p is not None]
+        passes += c.block(li).passes(r)
     emb_f, emb_b, head_f, head_b = t.ends
     passes += ([emb_f, emb_b] if st.first else []) + ([head_f, head_b] if st.last else [])
     m = c.m
