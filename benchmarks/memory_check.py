@@ -49,6 +49,16 @@ def measured_allocated(case: dict) -> int:
     return max(case["fb_peak_allocated"], case["opt_peak_allocated"])
 
 
+IDENTIFIED_SHARE = 0.05  # a constant is fitted where it makes at least this share of some row's peak
+
+
+def identified(contribution: np.ndarray, peaks: np.ndarray) -> bool:
+    """Whether the rows measure a constant: at its default it makes at least :data:`IDENTIFIED_SHARE` of some
+    row's allocated peak. Below that (e.g. the activation factor where every row recomputes fully and only one
+    block's transient carries it) the allocations' few-percent noise would set it, so it keeps its default."""
+    return bool((contribution >= IDENTIFIED_SHARE * peaks).any())
+
+
 def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
     """Non-negative least squares of the allocated peak on the three linear constants. The peak is the
     larger of the backward's and the optimizer step's, so each row's coefficients are taken around the
@@ -62,7 +72,7 @@ def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
         a_rows.append(coef)
         b.append(measured_allocated(cases[row[0]]) - (at - sum(c * default[n] for c, n in zip(coef, names))))
     a, y = np.array(a_rows, float), np.array(b, float)
-    free = [i for i in range(len(names)) if a[:, i].any()]
+    free = [i for i in range(len(names)) if identified(a[:, i] * default[names[i]], y + a @ [default[n] for n in names])]
     while True:
         coef, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
         if (coef >= 0).all():
@@ -70,7 +80,7 @@ def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
         free = [f for f, c in zip(free, coef) if c >= 0]
     out = dict.fromkeys(names, 0.0)
     out.update({names[f]: float(c) for f, c in zip(free, coef)})
-    unseen = [n for i, n in enumerate(names) if not a[:, i].any()]  # no row measures it: keep the default
+    unseen = [n for i, n in enumerate(names) if i not in free]  # no row measures it: keep the default
     out.update({n: getattr(Assumptions(), n) for n in unseen})
     return out
 

@@ -68,7 +68,7 @@ METRICS = {"max_allocated": _allocated, "max_reserved": _reserved, "device_used"
 """What a published figure measures -> the predicted bytes it is compared with."""
 
 APPROXIMATIONS = {
-    "compile": "torch.compile: not modelled, the prediction is the same with and without it",
+    "compile": "torch.compile of the blocks: not modelled (a compiled loss is: the compile column)",
     "float8": "float8/MX linears: precision fp8, every linear saving a 1-byte input",
     "async_tp": "async tensor parallel: not modelled",
 }

@@ -178,15 +178,25 @@ def test_the_budget_covers_structures_whose_leaves_all_fail_to_fit() -> None:
     assert wall < 1.0 + 5.0, (wall, str(out))
 
 
-def test_the_budget_covers_the_alternatives_predictions() -> None:
-    """4,096 layers: one prediction takes ~0.08 s, and the top 50 and 12 families took 5 s after the budget."""
-    deep = ModelSpec(name="deep", num_layers=4096, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096,
-                     vocab_size=32000)
-    wall, plan = _timed(deep, TrainingConfig(seq_length=2048, global_batch_size=1024), reference_profile("dgx-h100", 8),
-                        time_budget_s=1.5, top_k=50)
+def test_the_budget_covers_the_alternatives_predictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the budget is spent, the alternatives are listed with their search price, not predicted in full (a
+    4,096-layer model's 50 predictions took 5 s after the budget). Each prediction is made to take 0.5 s, so the
+    budget runs out among them however loaded the machine is (a 96-layer search finishes in well under 1 s)."""
+    import planner.search.engine as engine
+
+    def slow_predict(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(0.5)
+        return real_predict(*args, **kwargs)
+
+    real_predict = engine.predict
+    monkeypatch.setattr(engine, "predict", slow_predict)
+    model = ModelSpec(name="m", num_layers=96, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096,
+                      vocab_size=32000)
+    wall, plan = _timed(model, TrainingConfig(seq_length=2048, global_batch_size=1024),
+                        reference_profile("dgx-h100", 8), time_budget_s=3.0, top_k=50)
     assert not isinstance(plan, AutoparError), plan
-    assert wall < 1.5 + 1.0, wall
-    assert plan.prediction is not None and plan.solver_status.startswith("FEASIBLE: search stopped")
+    assert wall < 3.0 + 2.0, wall  # one prediction past the budget, and slack for a loaded machine
+    assert plan.prediction is not None and len(plan.alternatives) > 8, plan.solver_status
     skipped = [a for a in plan.alternatives if a.prediction is None]
     assert skipped and all("time budget was spent" in a.reason and a.slower_by >= 0 for a in skipped)
 

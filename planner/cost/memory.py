@@ -251,6 +251,15 @@ MEMORY_TERMS: dict[str, str] = {
 state and activations."""
 
 
+def kind_factor(factor: float, recompute: Recompute) -> float:
+    """The share of :func:`activation_factor` a block's kept activations take under ``recompute``: the
+    factor corrects the formula's count (no recompute, selective), whose tensors the model's code adds to
+    (RoPE's inputs, SiLU's input, norm statistics); full recompute keeps the block's input and per-op SAC
+    the outputs it names (:func:`op_kept_bytes`), counted tensor by tensor: 1. A recompute transient, which
+    rebuilds the formula's tensors, takes the factor of ``Recompute.none``."""
+    return 1.0 if recompute in (Recompute.full, Recompute.op) else factor
+
+
 def activation_factor(a: Assumptions, training: TrainingConfig, zero_stage: int) -> float:
     """Measured over formula activation bytes: ``autocast_activation_factor`` where 16-bit training runs
     on fp32 parameters under autocast (ZeRO-0/1), else ``activation_memory_factor``."""

@@ -51,6 +51,7 @@ from planner.cost.memory import (
     model_state_bytes,
     optimizer_step_bytes_per_param,
     prefetch_bytes_per_param,
+    kind_factor,
     recompute_transient,
     root_gathered_bytes_per_param,
     state_bytes_per_param,
@@ -431,13 +432,16 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
     mems, preds = [], []
     for i, st in enumerate(stages):
         in_flight = microbatches_in_flight(lay.schedule, i, lay.pp, c.m, lay.virtual_stages)
-        per_mb = sum(c.activations_of(li, r) for li, r in zip(st.layers, st.recompute))
+        def kept(li: int, r: Recompute) -> float:
+            return kind_factor(factor, r) * c.activations_of(li, r)
+
+        per_mb = sum(kept(li, r) for li, r in zip(st.layers, st.recompute))
         if st.first:
-            per_mb += c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)
-        activations = factor * per_mb * in_flight
+            per_mb += factor * c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)
+        activations = per_mb * in_flight
         # recomputing a block in backward rebuilds its activations for a moment
-        activations += factor * max((recompute_transient({k: c.activations_of(li, k) for k in (Recompute.none, r)}, r)
-                                     for li, r in zip(st.layers, st.recompute) if r is not Recompute.none), default=0.0)
+        activations += max((recompute_transient({k: kept(li, k) for k in (Recompute.none, r)}, r)
+                            for li, r in zip(st.layers, st.recompute) if r is not Recompute.none), default=0.0)
         # this rank's share of its biggest block (experts split over ep x etp)
         biggest = max((c.dense_of(li) + c.params_of(li)[1] / expert_split(lay) for li in st.layers),
                       default=0)

@@ -66,6 +66,7 @@ from planner.cost.memory import (
     logits_bytes,
     memory_offset,
     optimizer_step_bytes_per_param,
+    kind_factor,
     recompute_transient,
     state_bytes_per_param,
     usable_bytes,
@@ -247,7 +248,7 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
             shape = ActivationShape(layout.micro_batch_size, mb.local_seq, training.seq_length, layout.tp, layout.sp,
                                     mb.etp, layout.ep)
             elt = training.precision.bytes
-            cache[acts_key] = {r: factor * layer_activation_bytes(model, index, shape, r,
+            cache[acts_key] = {r: kind_factor(factor, r) * layer_activation_bytes(model, index, shape, r,
                                                                   flash=training.flash_attention, elt=elt, fp8=fp8_in,
                                                                   moe_imbalance=training.moe_load_imbalance)
                                for r in Recompute}
@@ -364,6 +365,7 @@ class StageModel:
                                              "recompute": Recompute.none})
         self.m = check_layout(model, training, base, profile.num_gpus)
         self.model, self.training, self.profile, self.layout = model, training, profile, base
+        self.target = target
         self.recompute_kinds = admitted_recompute(model, training, base, target)
         self.p, self.v = base.pp, base.virtual_stages
         self.placement = [rank_chunks(base.schedule, self.p, self.v, r) for r in range(self.p)]
@@ -697,12 +699,16 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     the least backward-peak state bytes over the ZeRO stages and offload choices the search tries
     (pipelined ZeRO-2/3 hold gathered weights and unsharded gradients, so the highest stage is not always
     the least), no FSDP2 root unit held gathered (only resharded ZeRO-3 leaves hold one), and the largest
-    allocator budget. Its bounds then bound every leaf (a fit test on it means nothing)."""
+    allocator budget, and every recompute kind the target admits for one of them. Its bounds then bound every
+    leaf (a fit test on it means nothing)."""
     lay, a = sm.layout, sm.profile.assumptions
     best_d = best_e = step_d = step_e = math.inf
     budget = sm.alloc_capacity
+    kinds = set(sm.recompute_kinds)
     for zero in zero_stages:
         for off in ({False, offload} if zero >= 1 else {False}):
+            kinds.update(admitted_recompute(sm.model, sm.training, lay.model_copy(
+                update={"zero_stage": zero, "offload_optimizer": off}), sm.target))
             held = held_per_param(sm.state, zero, sm.shard_n, sm.expert_shard, off, True, lay.pp, sm.m,
                                   a.optimizer_temp_bytes_per_param, sm.master_in_param)
             (d, e), (sd, se) = held.backward, held.step
@@ -713,6 +719,7 @@ def floor_states(sm: StageModel, zero_stages: Iterable[int], offload: bool) -> S
     sm._state_dense, sm._state_expert, sm.alloc_capacity = best_d, best_e, budget
     sm._step_state = (step_d, step_e)
     sm.root = 0.0
+    sm.recompute_kinds = tuple(k for k in RECOMPUTE_KINDS if k in kinds)
     return sm
 
 
