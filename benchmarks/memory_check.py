@@ -72,7 +72,8 @@ def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
         a_rows.append(coef)
         b.append(measured_allocated(cases[row[0]]) - (at - sum(c * default[n] for c, n in zip(coef, names))))
     a, y = np.array(a_rows, float), np.array(b, float)
-    free = [i for i in range(len(names)) if identified(a[:, i] * default[names[i]], y + a @ [default[n] for n in names])]
+    peaks = y + a @ [default[n] for n in names]
+    free = [i for i in range(len(names)) if identified(a[:, i] * default[names[i]], peaks)]
     while True:
         coef, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
         if (coef >= 0).all():
