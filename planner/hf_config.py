@@ -10,8 +10,11 @@ SwiGLU's three matrices and FLOPs and is read as ``ffn_kind="swiglu"``; Phi-3's 
 projections have the shapes of the separate ones. Priced (``ModelSpec`` fields, :mod:`planner.cost.layer`):
 sliding-window attention (``sliding_window``, ``global_layer_every``: Mistral 7B v0.1, Gemma 2 and 3: the
 windowed blocks' attention work), Gemma's two extra norms per block (``extra_norms``), the q/k norms of
-Qwen3, OLMo 2 and Gemma 3 (``qk_norm``), Gemma 2's soft-capped logits (``logit_softcap``). Not modelled,
-each named here: Qwen2's QKV bias (``linear_bias`` stays False) and its optional sliding window
+Qwen3, OLMo 2 and Gemma 3 (``qk_norm``), Gemma 2's soft-capped logits (``logit_softcap``), Qwen2's Q/K/V
+biases (``qkv_bias``: under per-op checkpointing they make Q, K and V addmm, kept). Not modelled, each named
+here: the output projection's bias of a Llama config with ``attention_bias`` but not ``mlp_bias`` (read as
+``qkv_bias``: ``h`` parameters left out, and per-op checkpointing priced as if that projection were a counted
+matmul), Qwen2's optional sliding window
 (``use_sliding_window``: off in the released configs); the norms' and q/k norms' own weights in the
 parameter count (under 0.01%); Granite's scalar multipliers (embedding, residual, attention, logits) and
 Gemma's embedding scale (one multiply each); Gemma 2's soft-capped attention scores (inside the fused
@@ -166,8 +169,9 @@ def _common(r: _Reader) -> dict[str, Any]:
         "tied_embeddings": r.flag("tie_word_embeddings", default=r.model_type in _TIED_BY_DEFAULT),
         "position_embedding": "rope",
         "norm": "rmsnorm",
-        # Llama may bias everything; Qwen2 biases only Q/K/V, which is too small to count as biased linears.
+        # Llama may bias everything (attention_bias: Q, K, V and O; mlp_bias: the MLP); Qwen2 biases Q, K, V
         "linear_bias": r.flag("attention_bias") and r.flag("mlp_bias"),
+        "qkv_bias": r.model_type == "qwen2" or r.flag("attention_bias"),
     }
 
 

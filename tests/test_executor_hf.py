@@ -40,11 +40,11 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def unmodelled_params(name: str) -> int:
-    """Weights the planner leaves out on purpose (planner/hf_config.py), per layer: Qwen2's Q/K/V
-    biases, the per-head q/k RMSNorms of Qwen3 and Gemma 3, OLMo 2's whole-projection q/k norms, Gemma's
-    two extra residual norms."""
+    """Weights the planner leaves out on purpose (planner/hf_config.py), per layer: the per-head q/k RMSNorms
+    of Qwen3 and Gemma 3, OLMo 2's whole-projection q/k norms, Gemma's two extra residual norms (Qwen2's
+    Q/K/V biases are counted: ``qkv_bias``)."""
     hidden, head, heads, kv, layers = 32, 8, 4, 2, 2
-    per_layer = {"qwen2": (heads + 2 * kv) * head, "qwen3": 2 * head, "qwen3_moe": 2 * head,
+    per_layer = {"qwen3": 2 * head, "qwen3_moe": 2 * head,
                  "olmo2": (heads + kv) * head, "gemma2": 2 * hidden, "gemma3": 2 * hidden + 2 * head}
     return layers * per_layer.get(name, 0)
 

@@ -187,6 +187,26 @@ def test_per_op_recompute_runs_again_every_second_matmul_and_keeps_the_gradients
         assert all(torch.allclose(g_none[n], grads[n], atol=1e-6) for n in g_none)
 
 
+def test_per_op_recompute_keeps_biased_qkv_and_counts_from_the_output_projection() -> None:
+    """Qwen2's biased Q, K, V are addmm: kept and uncounted (planner.cost.sac), so wo and w3 are kept and only w1
+    runs again (w2 lies after the last tensor the backward needs); the gradients are unchanged."""
+    from planner.cost.sac import kept_linears
+
+    spec = DENSE.model_copy(update={"qkv_bias": True})
+    assert [lin.name for lin in kept_linears(spec, 0, 1)] == ["q", "k", "v", "o", "w3"]
+    data = SyntheticTokens(spec.vocab_size, 16, 0).batch(0, 2)
+    runs = {}
+    for kind in ("none", "op"):
+        model = build_model(spec, device="cpu")
+        init_weights(model, 0)
+        assert model.layers["0"].attention.wk.bias is not None and model.layers["0"].attention.wo.bias is None
+        apply_recompute(model, None, ParallelLayout(recompute=kind))
+        runs[kind] = _backward_matmuls(model, data)
+    (none, g_none), (op, g_op) = runs["none"], runs["op"]
+    assert op - none == spec.num_layers
+    assert all(torch.allclose(g_none[n], g_op[n], atol=1e-6) for n in g_none)
+
+
 def test_per_op_recompute_runs_the_router_again_uncounted() -> None:
     """An MoE block: the router's matmul is always run again and not counted (executor.sac.router_shapes)."""
     from executor.sac import router_shapes

@@ -666,6 +666,20 @@ class TestTorchtitan:
             in text
         )
 
+    def test_a_registry_entry_to_add_names_what_llama3_blocks_lack(self):
+        """A model unlike torchtitan's llama3 blocks: the note says what the entry must build (or the run would
+        train another model); a Llama needs nothing said."""
+        qwen2 = get_preset("llama3-8b").model_copy(update={"name": "qwen2-like", "qkv_bias": True})
+        plan = make_plan(qwen2, tp=8, sp=True, dp_shard=2, zero_stage=3)
+        text = export_plan(plan, "torchtitan")["torchtitan_train.sh"]
+        assert "bias on wq, wk, wv" in text
+        gpt = export_plan(make_plan("gpt3-1.3b", gpus=8, gbs=16, seq=2048, tp=2, sp=True, dp_shard=4, zero_stage=3),
+                          "torchtitan")["torchtitan_train.sh"]
+        facts = ("norm=layernorm", "position_embedding=learned", "ffn=gelu", "bias on every linear")
+        assert all(f in gpt for f in facts)
+        assert not any(f in export_plan(make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, precision=Precision.fp8),
+                                        "torchtitan")["torchtitan_train.sh"] for f in ("norm=", "bias on"))
+
     def test_float8_and_adam_come_from_a_registry_entry(self):
         plan = make_plan(tp=8, sp=True, dp_shard=2, zero_stage=3, precision=Precision.fp8)
         f = titan(plan)

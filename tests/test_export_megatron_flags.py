@@ -20,6 +20,7 @@ from test_export import make_plan, run_script
 
 from planner.contracts import ModelSpec, MoESpec, Precision, StageRecompute
 from planner.export import export_plan
+from planner.presets import get_preset
 from planner.targets import TARGETS, Target, launch, megatron
 
 DATA = Path(__file__).parent / "data"
@@ -181,6 +182,9 @@ CASES = {
         _tiny_moe(), gpus=8, gbs=16, seq=2048, tp=1, dp_shard=8, ep=4, zero_stage=1
     ),
     "moe pp": lambda: make_plan("qwen3-30b-a3b", tp=2, sp=True, pp=2, dp_shard=4, ep=4, zero_stage=1),
+    "qwen2 qkv bias": lambda: make_plan(
+        get_preset("llama3-8b").model_copy(update={"qkv_bias": True}), tp=4, sp=True, dp_shard=4, zero_stage=1
+    ),
     "deepseek mla": lambda: make_plan(
         "deepseek-v3", gpus=256, gbs=512, tp=2, sp=True, pp=8, dp_shard=16, ep=16, zero_stage=1
     ),

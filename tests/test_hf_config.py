@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from planner.cost.params import total_params
 from planner.errors import AutoparError, UnknownNameError
 from planner.hf_config import SUPPORTED_MODEL_TYPES, model_spec_from_hf_config
 from planner.presets import get_preset
@@ -88,7 +89,12 @@ def test_qwen2() -> None:
     spec = model_spec_from_hf_config(FIXTURES / "qwen2-7b" / "config.json")
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.kv_heads) == (28, 3584, 28, 4)
     assert (spec.ffn_hidden_size, spec.vocab_size, spec.head_size) == (18944, 152064, 128)
-    assert not spec.linear_bias  # Qwen2's Q/K/V bias is not modelled
+    assert spec.qkv_bias and not spec.linear_bias  # Qwen2 biases Q, K and V only
+    assert total_params(spec) - total_params(spec.model_copy(update={"qkv_bias": False})) == 28 * (28 + 2 * 4) * 128
+    llama = load("llama-3.1-8b")
+    assert model_spec_from_hf_config(llama | {"attention_bias": True}).qkv_bias
+    assert model_spec_from_hf_config(llama | {"attention_bias": True, "mlp_bias": True}).linear_bias
+    assert not model_spec_from_hf_config(llama).qkv_bias
 
 
 def test_qwen3_dense_head_dim() -> None:

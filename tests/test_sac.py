@@ -32,6 +32,8 @@ def test_linears_with_a_bias_are_addmm_always_kept_and_not_counted():
     assert _names(LLAMA.model_copy(update={"linear_bias": True})) == ["q", "k", "v", "o", "w1", "w3", "w2"]
     gelu = LLAMA.model_copy(update={"ffn_kind": "gelu"})  # q k v o fc1 fc2: fc2 is the 6th
     assert _names(gelu) == ["q", "v", "fc1"]
+    # Qwen2: Q, K, V addmm (kept, uncounted); o, w1, w3, w2 counted from 1: o and w3 kept
+    assert _names(LLAMA.model_copy(update={"qkv_bias": True})) == ["q", "k", "v", "o", "w3"]
 
 
 def test_mla_and_shared_experts_count_in_forward_order():

@@ -162,6 +162,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         ),
         "ALiBi position embeddings": (job(ALIBI), job()),
         "multi-latent attention": (job(DEEPSEEK), job()),
+        "biases on the query, key and value projections only": (
+            job(LLAMA.model_copy(update={"qkv_bias": True})),
+            job(LLAMA.model_copy(update={"qkv_bias": True, "linear_bias": True})),
+        ),
         "fp8 training": (job(training={"precision": "fp8"}), job()),
         "MoE with pipeline parallelism": (job(MIXTRAL, pp=2), job(MIXTRAL)),
         "experts narrower or wider than the dense FFN": (job(moe(expert_ffn_hidden_size=7168)), job(MIXTRAL)),

@@ -114,7 +114,9 @@ class ModelSpec(Contract):
     position_embedding: Literal["rope", "learned", "alibi"] = "rope"
     max_position_embeddings: int | None = Field(None, strict=True, description="rows of a learned position table")
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    linear_bias: bool = False
+    linear_bias: bool = Field(False, description="a bias on every linear layer (GPT-2/3, BLOOM)")
+    qkv_bias: bool = Field(False, description="a bias on the query, key and value projections only (Qwen2, "
+                           "Qwen2.5; Megatron-LM --add-qkv-bias); implied by linear_bias")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, strict=True)
     moe: MoESpec | None = None
     mla: MLASpec | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.contracts import ModelSpec, Recompute
-from planner.cost.params import attention_params
+from planner.cost.params import attention_bias_params, attention_params
 from planner.cost.sac import kept_linears
 
 
@@ -31,8 +31,7 @@ class LayerFlops:
 
 def attention_linear_flops(model: ModelSpec, tokens: int) -> float:
     """``2 · T · (attention weights)``; biases and norms are negligible and left out."""
-    bias = (model.num_attention_heads * model.head_size + 2 * model.kv_heads * model.head_size
-            + model.hidden_size) if (model.linear_bias and model.mla is None) else 0
+    bias = attention_bias_params(model)
     latent_norms = (model.mla.kv_lora_rank + model.mla.q_lora_rank) if model.mla is not None else 0
     return 2.0 * tokens * (attention_params(model) - bias - latent_norms)
 

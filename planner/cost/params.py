@@ -24,8 +24,16 @@ def attention_params(model: ModelSpec) -> int:
         return q + kv + m.kv_lora_rank + a * m.v_head_dim * h
     d, k = model.head_size, model.kv_heads
     weights = h * a * d + 2 * h * k * d + a * d * h
-    bias = (a * d + 2 * k * d + h) if model.linear_bias else 0
-    return weights + bias
+    return weights + attention_bias_params(model)
+
+
+def attention_bias_params(model: ModelSpec) -> int:
+    """Biases of the attention projections (not MLA): ``a·d + 2·k·d`` on Q, K, V (``linear_bias`` or
+    ``qkv_bias``), ``+ h`` on the output projection (``linear_bias``)."""
+    if model.mla is not None or not (model.linear_bias or model.qkv_bias):
+        return 0
+    qkv = model.num_attention_heads * model.head_size + 2 * model.kv_heads * model.head_size
+    return qkv + (model.hidden_size if model.linear_bias else 0)
 
 
 def mlp_params(model: ModelSpec, ffn: int | None = None) -> int:

@@ -14,7 +14,8 @@ backward: the norms, activations, RoPE, the all-gathers and all-reduces, and the
 GEMMs (``torch._grouped_mm`` is not in the list).
 
 For a Llama block (wq, wk, wv, wo, w1, w3, w2 in forward order) the kept matmul outputs are wq, wv, w1
-and w2; wk, wo and w3 run again. A linear layer with a bias is an ``addmm``: kept, not counted.
+and w2; wk, wo and w3 run again. A linear layer with a bias is an ``addmm``: kept, not counted (Qwen2's biased
+Q, K and V: all three kept, then wo, w3 kept and w1, w2 run again).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _attention_linears(model: ModelSpec, t: int) -> list[Linear]:
                 _linear("kv_b", m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim) / t, b),
                 _linear("o", a * m.v_head_dim / t, h, b)]
     d, dv, kv = model.head_size, model.value_head_size, model.kv_heads
-    return [_linear("q", h, a * d / t, b), _linear("k", h, kv * d / t, b), _linear("v", h, kv * dv / t, b),
+    qkv = b or model.qkv_bias  # Qwen2: Q, K and V are addmm, the output projection an mm
+    return [_linear("q", h, a * d / t, qkv), _linear("k", h, kv * d / t, qkv), _linear("v", h, kv * dv / t, qkv),
             _linear("o", a * dv / t, h, b)]
 
 

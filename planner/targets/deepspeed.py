@@ -259,6 +259,16 @@ _DEEPSPEED = (
         fix="use --to torchtitan with an ALiBi model, or a rope/learned model",
     ),
     Limit(
+        feature="biases on the query, key and value projections only",
+        scope="model",
+        refuses=lambda j: j.model.qkv_bias and not j.model.linear_bias,
+        field="qkv_bias",
+        value=lambda j: True,
+        problem="cannot be expressed: Megatron-DeepSpeed biases every linear layer (--add-bias-linear) or none, "
+        "and has no --add-qkv-bias",
+        fix="use --to megatron (--add-qkv-bias) or the executor (--to autopar)",
+    ),
+    Limit(
         feature="multi-latent attention",
         scope="model",
         refuses=lambda j: j.model.mla is not None,

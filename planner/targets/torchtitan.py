@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from planner.contracts import ParallelLayout, Plan, Precision, Recompute, Schedule
+from planner.contracts import ModelSpec, ParallelLayout, Plan, Precision, Recompute, Schedule
 from planner.cost.params import head_per_tp_rank
 from planner.cost.pipeline import SCHEDULES
 from planner.targets.core import Job, Limit, Target, TargetFacts, TargetSpec, _grouped_mm_or_loop
@@ -387,7 +387,7 @@ def _titan_registry_entry(plan: Plan) -> tuple[str, str, list[str]]:
     key = (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size, m.vocab_size)
     fp8 = plan.precision is Precision.fp8
     entry = _TORCHTITAN_CONFIGS.get((*key, moe_key, m.mla is not None, fp8))
-    if entry is not None:
+    if entry is not None and not _unlike_llama3(m):
         return entry[0], entry[1], []
     module = "deepseek_v3" if m.mla is not None or moe is not None else "llama3"
     config = (
@@ -399,6 +399,7 @@ def _titan_registry_entry(plan: Plan) -> tuple[str, str, list[str]]:
     )
     if moe is not None:
         shapes += f", experts={moe.num_experts} top-{moe.top_k} of {moe.expert_ffn_hidden_size}"
+    shapes += "".join(f", {fact}" for fact in _unlike_llama3(m))
     if fp8:
         shapes += ", model_spec converters=[Float8LinearConverter.Config()]"
     notes = [
@@ -406,6 +407,18 @@ def _titan_registry_entry(plan: Plan) -> tuple[str, str, list[str]]:
         f"{config}() to torchtitan/models/{module}/config_registry.py with: {shapes}.",
     ]
     return module, config, notes
+
+
+def _unlike_llama3(m: ModelSpec) -> list[str]:
+    """What the model's blocks do that torchtitan's llama3 blocks (RMSNorm, RoPE, SwiGLU, no biases, no dropout)
+    do not: the registry entry the user adds must build them so, or the run trains another model."""
+    facts = [f"{name}={value}" for name, value, plain in (
+        ("norm", m.norm, "rmsnorm"), ("position_embedding", m.position_embedding, "rope"),
+        ("ffn", m.ffn_kind, "swiglu"), ("dropout", m.dropout, 0.0), ("qk_norm", m.qk_norm, False),
+        ("sliding_window", m.sliding_window, None)) if value != plain]
+    if m.linear_bias or m.qkv_bias:
+        facts.append("bias on every linear" if m.linear_bias else "bias on wq, wk, wv")
+    return facts
 
 
 def _titan_overrides(plan: Plan) -> list[tuple[object, ...]]:
