@@ -59,8 +59,10 @@ TP rank (its gradient, from the rank's rows, is summed over TP by the TP plan).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,25 @@ def _padded_rows(counts: list[int], device: torch.device) -> tuple[torch.Tensor,
     return dest.to(device), ends.to(device, torch.int32), int(ends[-1])
 
 
+_ROUTED_LOOP: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_routed_loop", default=False)
+
+
+def in_routed_expert_loop() -> bool:
+    """Whether the matmuls running now are the routed experts' one GEMM per expert (no grouped GEMM here):
+    per-op checkpointing (:mod:`executor.sac`) treats them as the grouped GEMM they stand for, run again in the
+    backward and not counted by its every-second-matmul rule, as the planner prices them."""
+    return _ROUTED_LOOP.get()
+
+
+@contextlib.contextmanager
+def _routed_loop() -> Iterator[None]:
+    token = _ROUTED_LOOP.set(True)
+    try:
+        yield
+    finally:
+        _ROUTED_LOOP.reset(token)
+
+
 class GroupedExperts(nn.Module):
     """E independent MLPs as stacked weights: ``w1``, ``w3`` [E, F, D] (w3: SwiGLU only), ``w2`` [E, D, F]."""
 
@@ -152,8 +173,9 @@ class GroupedExperts(nn.Module):
         if dtype is not None:
             return self._grouped_mm(x, counts, dtype)
         w1, w2, w3 = self.per_expert()
-        outs = [self.run(rows, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
-                for e, rows in enumerate(x.split(counts))]
+        with _routed_loop():
+            outs = [self.run(rows, w1[e], w2[e], None if w3 is None else w3[e], self.kind)
+                    for e, rows in enumerate(x.split(counts))]
         return torch.cat(outs)
 
     def _grouped_mm(self, x: torch.Tensor, counts: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,8 @@ second ``aten.mm`` counted in forward order within the block; the MoE router's m
 ``(hidden, experts)``) is always run again and not counted. Everything else runs again in the backward.
 
 On a GPU the routed experts are one grouped GEMM (not counted, as priced); on the CPU they are one matmul
-per expert, which the rule counts like any other.
+per expert, which the policy treats as that grouped GEMM (:func:`executor.moe.in_routed_expert_loop`): run
+again, not counted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from executor.moe import in_routed_expert_loop
 
 
 @functools.cache
@@ -42,7 +45,7 @@ def _policy(force_recompute: frozenset[tuple[int, int]]):  # noqa: ANN202 - a ch
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001, ANN003
         if func is mm:
-            if tuple(args[1].shape) in force_recompute:
+            if tuple(args[1].shape) in force_recompute or in_routed_expert_loop():
                 return CheckpointPolicy.PREFER_RECOMPUTE
             counts[ctx.is_recompute] += 1
             return (CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 == 1

@@ -207,6 +207,43 @@ def test_per_op_recompute_keeps_biased_qkv_and_counts_from_the_output_projection
     assert all(torch.allclose(g_none[n], g_op[n], atol=1e-6) for n in g_none)
 
 
+def test_per_op_recompute_keeps_in_an_moe_block_what_the_planner_prices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The matmuls per-op SAC keeps in an MoE block on the CPU are the planner's counted kept linears
+    (planner.cost.sac.kept_linears: q and v here): the router and the routed experts' one-GEMM-per-expert
+    loop run again, uncounted, as the grouped GEMM they stand for; the gradients are unchanged."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import executor.sac as sac
+    from planner.cost.sac import kept_linears
+
+    saved: list[bool] = []
+    real = sac._policy
+
+    def recording(force):  # noqa: ANN001, ANN202
+        policy = real(force)
+
+        def wrapped(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            out = policy(ctx, func, *args, **kwargs)
+            if func is torch.ops.aten.mm.default and not ctx.is_recompute:
+                saved.append(out == CheckpointPolicy.MUST_SAVE)
+            return out
+        return wrapped
+
+    monkeypatch.setattr(sac, "_policy", recording)
+    data = SyntheticTokens(MOE.vocab_size, 16, 0).batch(0, 2)
+    grads = []
+    for kind in ("none", "op"):
+        model = build_model(MOE, device="cpu")
+        init_weights(model, 0)
+        apply_recompute(model, None, ParallelLayout(recompute=kind))
+        grads.append(_backward_matmuls(model, data)[1])
+    per_block = [[lin.name for lin in kept_linears(MOE, i, 1) if lin.counted] for i in range(MOE.num_layers)]
+    assert per_block == [["q", "v"]] * MOE.num_layers
+    routed = MOE.num_layers * MOE.moe.num_experts * 3  # w1, w3, w2 per expert
+    assert (sum(saved), len(saved)) == (2 * MOE.num_layers, (4 + 1) * MOE.num_layers + routed)
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
 def test_per_op_recompute_runs_the_router_again_uncounted() -> None:
     """An MoE block: the router's matmul is always run again and not counted (executor.sac.router_shapes)."""
     from executor.sac import router_shapes
