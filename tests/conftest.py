@@ -139,7 +139,9 @@ class LiveServer:
         env = {**os.environ, "DATABASE_URL": self.database_url, **self.env}
         self.proc = api_load.serve_on(self._sock, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self._sock.close()  # the server holds its own copy
-        deadline = time.monotonic() + 60
+        # start-up (imports, migrations, reference profiles) takes seconds; 60 s ran out once beside the
+        # suite's torchrun launches (load average 60 on 2 cores, an empty log): 150 s still ends a hang
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break

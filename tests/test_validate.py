@@ -217,7 +217,7 @@ def test_unstated_recompute_is_the_least_that_fits_full_recompute_of_n_layers_in
 
     def fits(**rc) -> bool:
         layout = case.layout.model_copy(update={"recompute_per_stage": None, **rc})
-        return predict(case.model, case.training, case.profile, layout).memory.fits
+        return predict(case.model, case.training, case.profile, layout, target=case.target).memory.fits
 
     assert not fits(recompute=Recompute.none) and not fits(recompute=Recompute.selective)
     assert fits(recompute_per_stage=[StageRecompute(kind=Recompute.full, num_layers=n)])
