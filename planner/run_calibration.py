@@ -191,12 +191,16 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
     if not runs:
         raise AutoparError("runs", [], "give runs of plans on this cluster (with their reports)",
                            problem="are none: nothing to calibrate on")
-    base = _with(profile, None)
+    from planner.cost.layer import without_host
+
+    before = statistics.median(_error(prediction(r, _with(profile, None)).step_time_s, r) for r in runs)
+    # fitted against a host that keeps ahead: the runs' idle device gives the host's own time (fit_host); the
+    # calibrated profile then states that time, or none where no run waited for its host
+    base = without_host(_with(profile, None))
     preds = [prediction(r, base) for r in runs]
     pairs = [(p.terms, measured_terms(r.report, r.name)) for p, r in zip(preds, runs)]
     factors, host = fit(pairs, base)
     memory = fit_memory(runs, [peak_as_measured(r, p) for r, p in zip(runs, preds)])
-    before = statistics.median(_error(p.step_time_s, r) for p, r in zip(preds, runs))
     draft = RunCalibration(factors=factors, host_s_per_kernel=host, memory_offset_bytes=memory,
                            runs=[r.name for r in runs], fitted_median_error=0.0, uncalibrated_median_error=before,
                            left_out=list(left_out))

@@ -109,15 +109,13 @@ def test_the_profile_prices_the_executors_gemms_on_the_same_gpu(path, measured):
 def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measured):
     """Peak allocated memory within 10% at both micro-batches (12.58 GiB predicted against 12.58 measured
     at micro-batch 2, 24.22 against 22.66 at 8; the activation and loss factors were fitted on the H100
-    rows of benchmarks/memory_measure.py, not on these). The step time is low, and the gap is pinned so a
-    change is seen: at micro-batch 8 by 15-17% (96.6 ms from the quick profile, 94.8 from the full,
-    against 114.0), at micro-batch 2 by 34% (102.1 and 102.5 against 153.9): the executor's eager
-    elementwise kernels beyond the ones the profile times (its 'other' kernels took 33.0 ms at
-    micro-batch 2; the planner prices 14.3 ms of norms, SwiGLU products, adds and the loss at the
-    profile's rates for them) and the host time between kernels (3,741 launches at micro-batch 2)
-    (README "On a GPU"). Before the elementwise table priced those ops (all at the add's 4.3 TB/s:
-    9.1 ms) the step read 19-21% / 37% low; before attention was fitted on thread blocks, 15% low
-    at micro-batch 8: an attention price 67-108% high covered part of that work."""
+    rows of benchmarks/memory_measure.py, not on these). The step time, pinned so a change is seen: at
+    micro-batch 2 the executor waits for its host (3,741 launches a step), priced since 2026-12-07 at the
+    executor's host seconds per counted kernel (planner.targets.autopar.EXECUTOR_HOST_S_PER_KERNEL, fitted on
+    other runs: tests/data/gpu_runs): 160.4 ms predicted against 153.9 (+4%; 102.1, -34%, before); at
+    micro-batch 8 the kernels outlast the host and the step reads 15-17% low (96.9 ms from the quick profile,
+    95.1 from the full, against 114.0): the executor's eager elementwise kernels beyond the ones the profile
+    times (README "On a GPU")."""
     profile = _profile(path)
     model = ModelSpec(**measured["model"])
     training = TrainingConfig(**measured["training"])
@@ -126,12 +124,12 @@ def test_plan_on_the_measured_gpu_predicts_its_peak_memory_and_step(path, measur
                                                                 zero_stage=measured["zero_stage"]))
         # the measurement is torch.cuda.max_memory_allocated: the prediction's allocated peak
         assert pred.memory.allocated_bytes / 2**30 == pytest.approx(run["executor_peak_memory_gib"], rel=0.10)
-        assert 0.4 < pred.mfu < 0.7
+        assert 0.25 < pred.mfu < 0.7
         error = pred.step_time_s / run["executor_median_step_s"] - 1
         if run["micro_batch_size"] == 8:
             assert -0.25 < error < -0.07, error
         else:
-            assert -0.43 < error < -0.24, error
+            assert -0.05 < error < 0.12, error
 
 
 def test_search_plans_from_the_measured_gpu_profile(quick):

@@ -271,7 +271,9 @@ def test_sequence_rules():
 
 
 def test_min_max_stage_is_a_lower_bound_of_every_split():
-    model, prof = small("llama3-8b", 10), reference_profile("dgx-h100", 1)
+    from planner.cost.layer import without_host  # the bound is tight for additive passes (no host wait)
+
+    model, prof = small("llama3-8b", 10), without_host(reference_profile("dgx-h100", 1))
     tr = TrainingConfig(global_batch_size=32, seq_length=4096)
     st = next(s for s in structures(model, tr, prof, SearchOptions(), Rules()) if s.pp == 4 and s.tp == 2 and s.mb == 1)
     price_structure(st, model, tr, prof, SearchOptions(), {})

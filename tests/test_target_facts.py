@@ -211,7 +211,12 @@ def test_megatron_and_autopar_differ_by_exactly_the_target_terms(node, zero):
     """Same layout, same activations and step time; the allocated peaks differ by the loss (bytes per logit
     x tokens x vocab), the model states and 16-bit copies counted above and, at ZeRO-3, the executor's
     root unit held gathered (TargetFacts.fsdp_root), the totals by that times
-    (1 + fragmentation). Micro-batches of 2 sequences: the backward, not the optimizer step, is the peak of both."""
+    (1 + fragmentation). Micro-batches of 2 sequences: the backward, not the optimizer step, is the peak of both.
+    The profile states a host that keeps ahead: the executor's own host time per kernel (TargetFacts.
+    host_s_per_kernel) is a step-time term of its own, checked in test_the_executor_waits_for_its_host."""
+    from planner.cost.layer import without_host
+
+    node = without_host(node)
     lay = ParallelLayout(dp_shard=8, zero_stage=zero, micro_batch_size=2)
     mg = predict(small_model(), train(), node, lay, target="megatron")
     ap = predict(small_model(), train(), node, lay, target="autopar")
@@ -226,6 +231,25 @@ def test_megatron_and_autopar_differ_by_exactly_the_target_terms(node, zero):
     assert ap.memory.allocated_bytes - mg.memory.allocated_bytes == pytest.approx(loss + states + root, abs=16)
     frag = ap.memory.terms["fragmentation"] / (ap.memory.allocated_bytes)
     assert ap.memory.total_bytes - mg.memory.total_bytes == pytest.approx((loss + states + root) * (1 + frag), abs=32)
+
+
+def test_the_executor_waits_for_its_host(node):
+    """On a GPU the executor's passes last at least its host's time per counted kernel times their kernels
+    (planner.targets.autopar.EXECUTOR_HOST_S_PER_KERNEL, measured); Megatron-LM's host is taken to keep ahead. A
+    profile's own statement (0 here) wins over the target's default; a CPU profile never waits (host and
+    device are one)."""
+    from planner.cost.layer import host_seconds_per_kernel, without_host
+    from planner.targets import priced_profile
+    from planner.targets.autopar import EXECUTOR_HOST_S_PER_KERNEL
+
+    lay = ParallelLayout(tp=8, sp=True)  # short kernels on every rank: host-bound
+    ap, mg = (predict(small_model(), train(), node, lay, target=t) for t in ("autopar", "megatron"))
+    free = predict(small_model(), train(), without_host(node), lay, target="autopar")
+    assert host_seconds_per_kernel(priced_profile(node, "autopar")) == EXECUTOR_HOST_S_PER_KERNEL
+    assert host_seconds_per_kernel(priced_profile(node, "megatron")) == 0.0
+    assert host_seconds_per_kernel(priced_profile(without_host(node), "autopar")) == 0.0
+    assert ap.step_time_s > 1.5 * free.step_time_s and free.step_time_s == mg.step_time_s
+    assert ap.terms["other"] > free.terms["other"]
 
 
 def test_offloaded_plans_are_counted_alike(node):

@@ -141,10 +141,15 @@ def _gpu_runs(folder: str) -> list[CalibrationRun]:
 def test_recorded_gpu_runs_calibrate_the_held_out_half_and_a_model_never_fitted_on() -> None:
     """Nine plans of a 0.5B model on one H200 (micro-batch 1..8, each recompute kind): calibrated on every other
     run, the held-out four fall from 31% to within 10%; a 0.3B model's four runs, predicted with the 0.5B model's
-    calibration, fall from 31% to within 25% (issue 25's GPU targets)."""
+    calibration, fall from 31% to within 25% (issue 25's GPU targets). The profile states a host that keeps
+    ahead, as the runs were priced when they were made: the executor's default host time per kernel
+    (planner.targets.autopar.EXECUTOR_HOST_S_PER_KERNEL) was fitted on these runs, and with it the uncalibrated
+    error is 6% (in sample; last assertion)."""
+    from planner.cost.layer import without_host
     from planner.run_calibration import predicted
 
-    base = ClusterProfile.model_validate_json((GPU_RUNS / "h200-a" / "profile.json").read_text())
+    recorded = ClusterProfile.model_validate_json((GPU_RUNS / "h200-a" / "profile.json").read_text())
+    base = without_host(recorded)
     report, calibrated = summarise(base, _gpu_runs("h200-a"))
     assert report.median_abs_err_before > 0.25 and report.median_abs_err_after <= 0.10
     assert report.spearman >= 0.9 and report.regret <= 0.05 and report.memory_median_abs_err <= 0.15
@@ -156,6 +161,7 @@ def test_recorded_gpu_runs_calibrate_the_held_out_half_and_a_model_never_fitted_
     import statistics
 
     assert statistics.median(err[0]) > 0.25 and statistics.median(err[1]) <= 0.25
+    assert summarise(recorded, _gpu_runs("h200-a"))[0].median_abs_err_before < 0.10
 
 
 def test_a_host_bound_run_sets_the_host_time_per_kernel_and_a_device_bound_one_does_not() -> None:

@@ -297,6 +297,11 @@ class Assumptions(Contract):
         description="per-tile prologue/epilogue in units of K: GEMM efficiency scales as K/(K + this) (fitted)",
     )
     kernel_overhead_s: float = Field(3e-6, ge=0, description="launch latency per kernel (CUDA launch, typical)")
+    host_s_per_kernel: float | None = Field(
+        None, ge=0, le=1e-2, description="GPU: the host's seconds per kernel the planner counts (Python, dispatcher, "
+        "launch) where the target's runtime is bound by its host (planner.targets TargetFacts.host_s_per_kernel "
+        "sets it; a run calibration's own figure wins); a pass waits for the slower of host and device. None: the "
+        "host keeps ahead")
     async_overlap_efficiency: float = Field(
         0.85,
         ge=0,

@@ -85,9 +85,16 @@ class PassCost:
     def calibrated(self, profile: ClusterProfile) -> PassCost:
         """This pass with ``profile``'s run calibration (``ClusterProfile.term_factor``, fitted by
         ``planner.run_calibration``) applied in place: each operator class and collective kind times its factor,
-        kernel launches (and the MoE host sync) by ``other``'s. Unchanged on an uncalibrated profile."""
-        if profile.calibration is None:
-            return self
+        kernel launches (and the MoE host sync) by ``other``'s; then, on a GPU, the device waits for a host slower
+        than it (:func:`host_seconds_per_kernel` x the kernels launched)."""
+        host = host_seconds_per_kernel(profile)
+        if profile.calibration is not None:
+            self._apply_factors(profile)
+        if host:
+            self.overhead_s += max(0.0, host * self.kernels - self.compute_s)  # the device waits for a slower host
+        return self
+
+    def _apply_factors(self, profile: ClusterProfile) -> None:
         f = profile.term_factor
         self.gemm_s *= f("gemm")
         self.attention_s *= f("attention")
@@ -97,9 +104,6 @@ class PassCost:
         for kind in self.comm_s:
             self.comm_s[kind] *= f(kind)
             self.exposed_comm_s[kind] *= f(kind)
-        host_s = (profile.calibration.host_s_per_kernel or 0.0) * self.kernels
-        self.overhead_s += max(0.0, host_s - self.compute_s)  # the device waits for a slower host (GPU only)
-        return self
 
     def launch(self, kernels: float, profile: ClusterProfile) -> None:
         """This pass launches ``kernels`` kernels: each costs the device ``kernel_overhead_s`` (and the host
@@ -112,6 +116,22 @@ class PassCost:
         self.comm_s[kind] = self.comm_s.get(kind, 0.0) + time_s
         self.exposed_comm_s[kind] = self.exposed_comm_s.get(kind, 0.0) + exposed_s
         self.comm_bytes[kind] = self.comm_bytes.get(kind, 0.0) + nbytes
+
+
+def host_seconds_per_kernel(profile: ClusterProfile) -> float:
+    """The host's seconds per counted kernel a GPU pass waits on: the run calibration's fitted figure, else the
+    target's default (``assumptions.host_s_per_kernel``, :func:`planner.targets.priced_profile`); 0 on a CPU,
+    where host and device are one."""
+    if profile.is_cpu:
+        return 0.0
+    fitted = profile.calibration.host_s_per_kernel if profile.calibration is not None else None
+    return fitted if fitted is not None else (profile.assumptions.host_s_per_kernel or 0.0)
+
+
+def without_host(profile: ClusterProfile) -> ClusterProfile:
+    """``profile`` stating a host that keeps ahead (``host_s_per_kernel`` 0: no target default applies): what a
+    run calibration fits its host time against, and what compares terms that the host's wait would mask."""
+    return profile.model_copy(update={"assumptions": profile.assumptions.model_copy(update={"host_s_per_kernel": 0.0})})
 
 
 @dataclass

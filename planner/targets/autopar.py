@@ -31,6 +31,9 @@ def _embedding_and_head(model: ModelSpec, tp: int) -> float:
     return embedding_params(model) / tp + head_per_tp_rank(model, tp)
 
 
+EXECUTOR_HOST_S_PER_KERNEL = 1.3e-4
+"""The executor's host seconds per kernel the planner counts, measured (:data:`_AUTOPAR_FACTS`'s host_source)."""
+
 _AUTOPAR_FACTS = TargetFacts(
     loss=lambda lay: None,
     loss_source="the executor's loss, measured per profile by profiler/memory.py (14.0 on an H100): torch's "
@@ -40,6 +43,11 @@ _AUTOPAR_FACTS = TargetFacts(
     pp_sends=_sends_as_sp,
     pp_source=_TORCH_PIPELINE_SENDS + " (executor/pipeline.py)",
     master_in_param=True,
+    host_s_per_kernel=EXECUTOR_HOST_S_PER_KERNEL,
+    host_source="fitted by planner.run_calibration on the executor's own GPU runs (tests/data/gpu_runs: nine plans "
+    "of a 0.5B model on one H200, 136 us; four of a 0.3B model on another, 123 us; the median of their host-bound "
+    "runs' step over the kernels the planner counts): eager PyTorch launches each op from Python, FSDP2's hooks "
+    "included, so a pass of short kernels waits for its host",
     async_checkpoint="autopar run --async-checkpoint (torch.distributed.checkpoint.async_save)",
     checkpoint_source="executor/checkpoint.py: torch.distributed.checkpoint.save",
     states_source="executor/parallelize.py: ZeRO-2/3 are FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype="

@@ -96,6 +96,8 @@ class TargetFacts:
     master_in_param: bool
     states_source: str
     expert_gemms: Callable[[ClusterProfile, Precision], int | None] = lambda profile, precision: None
+    host_s_per_kernel: float | None = None  # GPU: the host's seconds per counted kernel (None: it keeps ahead)
+    host_source: str = "not measured: the target's host is assumed to keep ahead of its GPU"
     expert_source: str = "the profile's assumptions.grouped_gemm_streams"
     fsdp_root: Callable[[ModelSpec, int], float] = lambda model, tp: 0.0
     root_source: str = "not FSDP2: no unit beside the blocks is held gathered"
@@ -126,13 +128,19 @@ def priced_profile(
     profile: ClusterProfile, target: str | Target, precision: Precision = Precision.bf16
 ) -> ClusterProfile:
     """``profile`` as ``target`` runs on it in ``precision``: its expert GEMMs' concurrency
-    (``TargetFacts.expert_gemms``) in place of the profile's own, where they differ (else ``profile`` itself,
-    so its memo is kept)."""
-    streams = target_facts(target).expert_gemms(profile, precision)
-    if streams is None or streams == profile.assumptions.grouped_gemm_streams:
+    (``TargetFacts.expert_gemms``) in place of the profile's own, and on a GPU the target's host time per kernel
+    where the profile states none (``TargetFacts.host_s_per_kernel``), where they differ (else ``profile``
+    itself, so its memo is kept)."""
+    facts, a = target_facts(target), profile.assumptions
+    update = {}
+    streams = facts.expert_gemms(profile, precision)
+    if streams is not None and streams != a.grouped_gemm_streams:
+        update["grouped_gemm_streams"] = streams
+    if facts.host_s_per_kernel is not None and a.host_s_per_kernel is None and not profile.is_cpu:
+        update["host_s_per_kernel"] = facts.host_s_per_kernel
+    if not update:
         return profile
-    a = profile.assumptions.model_copy(update={"grouped_gemm_streams": streams})
-    return profile.model_copy(update={"assumptions": a})
+    return profile.model_copy(update={"assumptions": a.model_copy(update=update)})
 
 
 @dataclass(frozen=True)
