@@ -192,11 +192,12 @@ def gpu_family(profile) -> str | None:  # noqa: ANN001 - a ClusterProfile
 
 
 EXECUTOR_MOE_HOST_NOTE = (
-    "the executor routes MoE tokens in eager PyTorch (routing, sorting and gathers launched from the host), priced "
-    "at the profile's launch latency only: on one H100 a 2-layer model of Qwen3-30B-A3B's blocks (128 experts of "
-    "768, 4k tokens) stepped in 126.5 ms against 66.1 ms predicted (1.9x), its MoE layer 12.2 ms wall against "
-    "6.8 ms of kernels (benchmarks/data/moe_h100.log, run 5); expect MoE steps slower than predicted where a "
-    "layer's kernels are short")
+    "the executor routes MoE tokens in eager PyTorch (routing, sorting and gathers launched from the host); the "
+    "host's time is priced per kernel the planner counts (planner.targets.autopar.EXECUTOR_HOST_S_PER_KERNEL, "
+    "measured on dense runs), and the routing counts as a few kernels: on one H100 a 2-layer model of "
+    "Qwen3-30B-A3B's blocks (128 experts of 768, 4k tokens) stepped in 126.5 ms against 67.3 ms predicted (1.9x), "
+    "its MoE layer 12.2 ms wall against 6.8 ms of kernels (benchmarks/data/moe_h100.log, run 5); expect MoE steps "
+    "slower than predicted where a layer's kernels are short")
 """A measured blind spot of the autopar target, said on each of its MoE predictions."""
 
 
