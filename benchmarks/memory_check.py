@@ -81,7 +81,7 @@ def fit_linear(rows: list[tuple], cases: dict[str, dict]) -> dict[str, float]:
         free = [f for f, c in zip(free, coef) if c >= 0]
     out = dict.fromkeys(names, 0.0)
     out.update({names[f]: float(c) for f, c in zip(free, coef)})
-    unseen = [n for i, n in enumerate(names) if i not in free]  # no row measures it: keep the default
+    unseen = [n for i, n in enumerate(names) if i not in free]  # no row identifies it: keep the default
     out.update({n: getattr(Assumptions(), n) for n in unseen})
     return out
 

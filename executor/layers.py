@@ -58,10 +58,9 @@ class Attention(nn.Module):
         super().__init__()
         d, h, kv, hd = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
         self.head_dim = hd
-        qkv_bias = spec.linear_bias or spec.qkv_bias
-        self.wq = nn.Linear(d, h * hd, bias=qkv_bias)
-        self.wk = nn.Linear(d, kv * hd, bias=qkv_bias)
-        self.wv = nn.Linear(d, kv * hd, bias=qkv_bias)
+        self.wq = nn.Linear(d, h * hd, bias=spec.biased_qkv)
+        self.wk = nn.Linear(d, kv * hd, bias=spec.biased_qkv)
+        self.wv = nn.Linear(d, kv * hd, bias=spec.biased_qkv)
         self.wo = nn.Linear(h * hd, d, bias=spec.linear_bias)
         self.cp_group = None
         self.recompute_core = False  # selective recompute: keep no softmax/score activations

@@ -132,6 +132,11 @@ class ModelSpec(Contract):
     logit_softcap: float | None = Field(
         None, gt=0.0, description="tanh soft-capping of the output logits, cap x tanh(logits / cap) (Gemma 2: 30)")
 
+    @property
+    def biased_qkv(self) -> bool:
+        """Q, K and V carry a bias: every linear does (``linear_bias``) or those three only (``qkv_bias``)."""
+        return self.linear_bias or self.qkv_bias
+
     @field_validator("num_layers")
     @classmethod
     def _layers(cls, v: int) -> int:

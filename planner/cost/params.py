@@ -30,7 +30,7 @@ def attention_params(model: ModelSpec) -> int:
 def attention_bias_params(model: ModelSpec) -> int:
     """Biases of the attention projections (not MLA): ``a·d + 2·k·d`` on Q, K, V (``linear_bias`` or
     ``qkv_bias``), ``+ h`` on the output projection (``linear_bias``)."""
-    if model.mla is not None or not (model.linear_bias or model.qkv_bias):
+    if model.mla is not None or not model.biased_qkv:
         return 0
     qkv = model.num_attention_heads * model.head_size + 2 * model.kv_heads * model.head_size
     return qkv + (model.hidden_size if model.linear_bias else 0)

@@ -430,11 +430,12 @@ def _memories(c: _Step, stages: list[_Stage], t: _Times) -> tuple[list[MemoryBre
     model, lay, a = c.model, c.layout, c.profile.assumptions
     factor = activation_factor(a, c.training, lay.zero_stage)
     mems, preds = [], []
+
+    def kept(li: int, r: Recompute) -> float:
+        return kind_factor(factor, r) * c.activations_of(li, r)
+
     for i, st in enumerate(stages):
         in_flight = microbatches_in_flight(lay.schedule, i, lay.pp, c.m, lay.virtual_stages)
-        def kept(li: int, r: Recompute) -> float:
-            return kind_factor(factor, r) * c.activations_of(li, r)
-
         per_mb = sum(kept(li, r) for li, r in zip(st.layers, st.recompute))
         if st.first:
             per_mb += factor * c.training.precision.bytes * c.mb.tokens * model.hidden_size / (lay.tp if lay.sp else 1)

@@ -51,7 +51,7 @@ def _attention_linears(model: ModelSpec, t: int) -> list[Linear]:
                 _linear("kv_b", m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim) / t, b),
                 _linear("o", a * m.v_head_dim / t, h, b)]
     d, dv, kv = model.head_size, model.value_head_size, model.kv_heads
-    qkv = b or model.qkv_bias  # Qwen2: Q, K and V are addmm, the output projection an mm
+    qkv = model.biased_qkv  # Qwen2: Q, K and V are addmm, the output projection an mm
     return [_linear("q", h, a * d / t, qkv), _linear("k", h, kv * d / t, qkv), _linear("v", h, kv * dv / t, qkv),
             _linear("o", a * dv / t, h, b)]
 

@@ -261,7 +261,7 @@ _DEEPSPEED = (
     Limit(
         feature="biases on the query, key and value projections only",
         scope="model",
-        refuses=lambda j: j.model.qkv_bias and not j.model.linear_bias,
+        refuses=lambda j: j.model.biased_qkv and not j.model.linear_bias,
         field="qkv_bias",
         value=lambda j: True,
         problem="cannot be expressed: Megatron-DeepSpeed biases every linear layer (--add-bias-linear) or none, "

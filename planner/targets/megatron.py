@@ -231,7 +231,7 @@ def _megatron_model(plan: Plan, a: Command) -> list[str]:
     a.add("--position-embedding-type", "rope" if m.position_embedding == "rope" else "learned_absolute")
     a.add("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm")
     block_flags(plan, a)
-    if m.qkv_bias and not m.linear_bias:
+    if m.biased_qkv and not m.linear_bias:
         a.add("--add-qkv-bias")  # with --disable-bias-linear: biases on Q, K, V only (Qwen2)
     if not t.flash_attention:
         a.add("--attention-backend", "unfused")

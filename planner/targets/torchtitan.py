@@ -416,7 +416,7 @@ def _unlike_llama3(m: ModelSpec) -> list[str]:
         ("norm", m.norm, "rmsnorm"), ("position_embedding", m.position_embedding, "rope"),
         ("ffn", m.ffn_kind, "swiglu"), ("dropout", m.dropout, 0.0), ("qk_norm", m.qk_norm, False),
         ("sliding_window", m.sliding_window, None)) if value != plain]
-    if m.linear_bias or m.qkv_bias:
+    if m.biased_qkv:
         facts.append("bias on every linear" if m.linear_bias else "bias on wq, wk, wv")
     return facts
 
