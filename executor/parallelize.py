@@ -122,16 +122,40 @@ class Meshes:
             self._flatten("cp_tp", ("cp", "tp"))
         if lay.ep == 1 and lay.tp == 1:
             return
-        fold = self.world[("dp_shard", "cp", "tp")]._flatten("expert_fold")
         sizes, names = expert_mesh_shape(lay)
-        inner = fold._unflatten(0, sizes[2:], names[2:])
-        mesh = DeviceMesh._concatenate([self.world[("pp", "dp_replicate")], inner])
-        for name in ("edp", "ep", "etp"):
-            self._named[name] = mesh[name]
-        self._named["ep_etp"] = mesh[("ep", "etp")]
-        self._named["expert_dp"] = mesh[("dp_replicate", "edp")]._flatten("expert_dp")
+        key = (id(self.world), sizes)
+        if key not in _EXPERT_MESHES or _EXPERT_MESHES[key][0] is not self.world:
+            fold = self.world[("dp_shard", "cp", "tp")]._flatten("expert_fold")
+            inner = fold._unflatten(0, sizes[2:], names[2:])
+            mesh = DeviceMesh._concatenate([self.world[("pp", "dp_replicate")], inner])
+            named = {name: mesh[name] for name in ("edp", "ep", "etp")}
+            named["ep_etp"] = mesh[("ep", "etp")]
+            # one flattened name per expert shape: the root mesh keeps a name for one layout only
+            named["expert_dp"] = mesh[("dp_replicate", "edp")]._flatten("expert_dp_" + "x".join(map(str, sizes)))
+            named["expert_hsdp"] = mesh[("dp_replicate", "edp")]
+            _EXPERT_MESHES[key] = (self.world, named)
+        named = _EXPERT_MESHES[key][1]
+        self._named.update({k: v for k, v in named.items() if k != "expert_hsdp"})
         if lay.dp_replicate > 1 and lay.zero_stage >= 2:
-            self._named["expert_hsdp"] = mesh[("dp_replicate", "edp")]
+            self._named["expert_hsdp"] = named["expert_hsdp"]
+
+
+_WORLD_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}  # key -> (the default group it was built on, mesh)
+_EXPERT_MESHES: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}  # key -> (its world mesh, named)
+"""Meshes already built in this process, by world group and shape. torch frees a process group only with
+the default one, and each gloo group keeps three threads and a TCP connection per peer: a process applying
+several plans (a fallback's re-plan, a test worker running dozens of cases: 485 groups and 1,678 threads
+per rank before this cache) reuses the groups of a shape it has built. Flattened sub-meshes are cached by
+torch on their root mesh, by name."""
+
+
+def world_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh(device_type, shape, names)``, once per process and default group (the identity of
+    the group it was built on is checked: a re-initialised world starts afresh)."""
+    key = (device_type, tuple(shape), tuple(names))
+    if key not in _WORLD_MESHES or _WORLD_MESHES[key][0] is not dist.group.WORLD:
+        _WORLD_MESHES[key] = (dist.group.WORLD, init_device_mesh(device_type, shape, mesh_dim_names=names))
+    return _WORLD_MESHES[key][1]
 
 
 def mesh_shape(layout: ParallelLayout) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -163,7 +187,7 @@ def build_mesh(layout: ParallelLayout, world_size: int, device_type: str, *, moe
         field, value = layout.expert_fold_culprit()
         raise AutoparError(f"layout.{field}", value, "use ep and etp whose product divides dp_shard x cp x tp",
                            problem=fold)
-    meshes = Meshes(init_device_mesh(device_type, shape, mesh_dim_names=names), layout)
+    meshes = Meshes(world_mesh(device_type, shape, names), layout)
     # flattening creates process groups (collective): same order on every rank
     meshes._flatten("dp", ("dp_replicate", "dp_shard"))
     meshes._flatten("dp_shard_cp", ("dp_shard", "cp"))

@@ -301,6 +301,18 @@ def test_layout_matches_the_single_process_reference(dist_results: tuple[Path, f
 
 
 @pytest.mark.slow
+def test_a_layout_of_a_shape_already_built_creates_no_process_group(dist_results: tuple[Path, float]) -> None:
+    """zero1, zero2, zero3 on 4 ranks share one mesh shape (dp_shard 4): the second and third reuse the
+    first's groups (executor.parallelize.world_mesh); each gloo group holds threads and sockets until
+    the process ends, so a worker applying dozens of plans had hundreds."""
+    out, _ = dist_results
+    groups = [json.loads((out / n / "rank0.json").read_text())["process_groups"]
+              for n in ("zero1_dp4", "zero2_dp4", "zero3_fsdp4")]
+    assert groups[0] == groups[1] == groups[2], groups
+    assert json.loads((out / "ddp4" / "rank0.json").read_text())["process_groups"] < groups[0]
+
+
+@pytest.mark.slow
 def test_launch_time_is_reported(dist_results: tuple[Path, float]) -> None:
     out, seconds = dist_results
     per_case = {n: json.loads((out / n / "rank0.json").read_text())["seconds"] for n in check.CASES}

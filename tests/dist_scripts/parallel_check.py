@@ -8,9 +8,9 @@ plan-independent weights, and trains 3 AdamW steps of 2 micro-batches per data-p
 each micro-batch's loss = token-loss sum / global tokens x :func:`loss_scale`, the collectives of each
 micro-batch as the executor runs them (:func:`accumulation_cadence`). It writes OUT_DIR/<case>/rank<r>.json
 (the step losses, summed over all ranks and divided by tp, so every rank reports the global loss; wall time of
-the case) and rank 0 OUT_DIR/<case>/grads.pt: the first step's reduced gradients as full tensors
-(``DTensor.full_tensor()``) by plan-independent name. tests/test_executor_parallel.py compares them
-with :func:`executor.reference.reference_run` on one process.
+the case; the process groups alive after it) and rank 0 OUT_DIR/<case>/grads.pt: the first step's reduced
+gradients as full tensors (``DTensor.full_tensor()``) by plan-independent name. tests/test_executor_parallel.py
+compares them with :func:`executor.reference.reference_run` on one process.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def run_case(name: str, out: Path) -> None:
         torch.save(grads, case_dir / "grads.pt")
     (case_dir / f"rank{rank}.json").write_text(json.dumps(
         {"losses": losses, "global_batch": gbs, "seconds": time.perf_counter() - start,
-         "wrapper": type(wrapped).__name__}))
+         "wrapper": type(wrapped).__name__,
+         "process_groups": len(dist.distributed_c10d._world.pg_map)}))
     dist.barrier()
 
 
