@@ -14,7 +14,7 @@ from planner.contracts import ClusterProfile, ModelSpec, Plan
 from planner.errors import AutoparError
 from planner.fallback import fallback_plans
 from planner.goodput import rank_by_time_to_train
-from planner.search import SearchOptions, search
+from planner.search import SearchOptions, search, sizing
 
 
 def resolve_model(ref: ModelRef) -> ModelSpec:
@@ -72,7 +72,7 @@ def search_options(req: PlanRequest, max_budget_s: float) -> SearchOptions:
                          max_pp=o.max_pp, max_cp=o.max_cp, max_ep=o.max_ep, sequence_parallel=o.sequence_parallel,
                          tp_comm_overlap=o.tp_comm_overlap, dp_comm_overlap=o.dp_comm_overlap,
                          ep_comm_overlap=o.ep_comm_overlap, compile=o.compile, target=o.target.value,
-                         robust=o.robust,
+                         robust=o.robust, idle_gpus=o.idle_gpus, global_batch_max=o.global_batch_max,
                          time_budget_s=budget)
 
 
@@ -107,6 +107,8 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
         return row, True
     try:
         plan: Plan = search(model, req.training, profile, opts)
+        profile = sizing.used_profile(profile, plan)  # the GPUs it uses (planner.search.sizing)
+        common["num_gpus"] = plan.num_gpus
         if req.goal is not None:  # ranked by expected time-to-train, the goal kept with the plan
             plan = rank_by_time_to_train(plan, req.goal, profile).model_copy(update={"goal": req.goal})
         if req.fallbacks:  # a search per lost node count, sharing the request's budget (planner.fallback)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from planner.contracts import ClusterProfile, ModelSpec, Plan, RunReport, Schedule, TrainingConfig, TrainingGoal
 from planner.contracts.limits import (
     MAX_FALLBACKS,
+    MAX_GLOBAL_BATCH,
     MAX_GPUS,
     MAX_MICRO_BATCH,
     MAX_TIME_BUDGET_S,
@@ -118,6 +119,12 @@ class PlanOptions(Strict):
                            "megatron, deepspeed or torchtitan; the search returns only what it runs "
                            "(planner/targets/)")
     robust: bool = Field(SEARCH.robust, description="rank plans by the slow end of their 80% step-time interval")
+    idle_gpus: bool = Field(SEARCH.idle_gpus, description="search an uneven GPU count beside the largest 2^a x 3^b "
+                            "counts below it, leaving GPUs idle where that trains faster (planner.search.sizing)")
+    global_batch_max: int | None = Field(
+        None, ge=1, le=MAX_GLOBAL_BATCH, strict=True,
+        description="the global batch may be any count from training.global_batch_size up to this; the plan's "
+                    "sizing says which it chose and why")
     time_budget_s: float | None = Field(
         None, gt=0, le=MAX_TIME_BUDGET_S, strict=True,
         description=f"seconds after which the search returns its best (default: {SEARCH.time_budget_s:g}, or the "
@@ -158,6 +165,13 @@ class PlanRequest(Strict):
     def _where(self) -> PlanRequest:
         if (self.profile_id is None) == (self.cluster is None):
             raise ValueError("give exactly one of profile_id or cluster")
+        high = self.options.global_batch_max
+        if high is not None and self.training.global_batch_size is None:
+            raise ValueError(f"options.global_batch_max={high} needs training.global_batch_size (the range's low end "
+                             "in sequences), not global_batch_tokens")
+        if high is not None and high < self.training.global_batch_size:
+            raise ValueError(f"options.global_batch_max={high} is below training.global_batch_size="
+                             f"{self.training.global_batch_size}; give at least that")
         return self
 
 

@@ -50,6 +50,7 @@ from planner.contracts.limits import (
 )
 from planner.errors import AutoparError, validation_problems
 from planner.files import check_out, check_out_dir, read_input, write_files, write_or_keep
+from planner.search import sizing
 from planner.search.options import SearchOptions
 
 SEARCH = SearchOptions()  # the search's defaults (one home: planner/search/options.py)
@@ -86,7 +87,8 @@ OptNodes = Annotated[int | None, typer.Option(
 OptGpus = Annotated[int | None, typer.Option(min=1, max=MAX_GPUS, help="number of GPUs instead of --nodes: part of one "
                                              "node (e.g. 4 of a DGX's 8) or whole nodes (reference clusters)")]
 OptProfile = Annotated[Path | None, typer.Option(help="ClusterProfile JSON (measured or reference)")]
-OptGlobalBatch = Annotated[int | None, typer.Option(min=1, max=MAX_GLOBAL_BATCH, help="sequences per optimizer step")]
+OptGlobalBatch = Annotated[str | None, typer.Option(help="sequences per optimizer step: a count (2048), or for "
+                                                    "autopar plan a range the search chooses from (1920..2560)")]
 OptGlobalBatchTokens = Annotated[int | None, typer.Option(
     min=1, max=MAX_GLOBAL_BATCH_TOKENS, help="tokens per optimizer step")]
 OptSeq = Annotated[int, typer.Option(min=1, max=MAX_SEQ, help="sequence length")]
@@ -156,6 +158,23 @@ def load_profile(
     return loaded.with_nodes(nodes)
 
 
+def parse_global_batch(text: str | None) -> tuple[int | None, int | None]:
+    """``--global-batch``: ``"2048"`` -> (2048, None); ``"1920..2560"`` -> (1920, 2560), the range's ends."""
+    if text is None:
+        return None, None
+    low, dots, high = text.strip().partition("..")
+    fix = f"give a count of sequences from 1 to {MAX_GLOBAL_BATCH:,} (2048) or a range low..high (1920..2560)"
+    try:
+        ends = (int(low), int(high) if dots else None)
+    except ValueError:
+        raise AutoparError("--global-batch", text, fix, problem="is not a count or a range") from None
+    if not all(e is None or 1 <= e <= MAX_GLOBAL_BATCH for e in ends):
+        raise AutoparError("--global-batch", text, fix, problem="is outside 1..2^24")
+    if dots and ends[1] < ends[0]:
+        raise AutoparError("--global-batch", text, fix, problem="is a range whose high end is below its low end")
+    return ends
+
+
 def load_training(seq: int, global_batch: int | None, global_batch_tokens: int | None, precision: Precision,
                   optimizer: Optimizer, unfused_attention: bool, moe_imbalance: float) -> TrainingConfig:
     if global_batch is None and global_batch_tokens is None:
@@ -171,6 +190,7 @@ class JobInputs(NamedTuple):
     model: ModelSpec
     profile: ClusterProfile
     training: TrainingConfig
+    global_batch_max: int | None = None  # --global-batch low..high: the high end (autopar plan only)
 
 
 # the options that describe a job, shared by `plan` and `predict` (one home: name, type and help, default)
@@ -195,10 +215,12 @@ def with_job(command: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(command)
     def run(**options: object) -> None:
         o = {name: options.pop(name) for name, _, _ in JOB_OPTIONS}
-        job = JobInputs(load_model(o["model"], o["model_file"], o["hf_config"]),
-                        load_profile(o["cluster"], o["nodes"], o["profile"], o["gpus"]),
-                        load_training(o["seq"], o["global_batch"], o["global_batch_tokens"], o["precision"],
-                                      o["optimizer"], o["unfused_attention"], o["moe_imbalance"]))
+        model = load_model(o["model"], o["model_file"], o["hf_config"])
+        profile = load_profile(o["cluster"], o["nodes"], o["profile"], o["gpus"])
+        low, high = parse_global_batch(o["global_batch"])
+        job = JobInputs(model, profile, load_training(o["seq"], low, o["global_batch_tokens"], o["precision"],
+                                                      o["optimizer"], o["unfused_attention"], o["moe_imbalance"]),
+                        high)
         command(job=job, **options)
 
     params = [*added, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own)]
@@ -381,7 +403,10 @@ def predict(
     from planner.cost.predict import predict as run_prediction
     from planner.targets import planned_scatter_gather
 
-    spec, prof, training = job
+    spec, prof, training, high = job
+    if high is not None:
+        raise AutoparError("--global-batch", f"{training.global_batch_size}..{high}", "give one count to predict; "
+                           "a range is for autopar plan", problem="is a range")
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
     # the pipeline sends what the target's stages send (TargetFacts.pp_sends)
@@ -455,6 +480,9 @@ def plan(
                                              "resumes")] = GOAL.restart_s,
     price_per_gpu_hour: Annotated[float | None, typer.Option(min=1e-6, max=MAX_PRICE, help="USD per GPU-hour")
                                   ] = None,
+    idle_gpus: Annotated[bool, typer.Option(help="search an uneven GPU count beside the largest 2^a x 3^b counts "
+                                            "below it, leaving GPUs idle where that trains faster "
+                                            "(--no-idle-gpus: all of them)")] = SEARCH.idle_gpus,
     fallbacks: Annotated[int, typer.Option(min=0, max=MAX_FALLBACKS, help="also plan for the loss of 1..K nodes "
                                            "(autopar run --fallback K resumes with one)")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the Plan as JSON")] = False,
@@ -466,7 +494,7 @@ def plan(
 
     from planner.search import search
 
-    spec, prof, training = job
+    spec, prof, training, high = job
     if memory_headroom is not None:
         prof = prof.model_copy(update={"assumptions": prof.assumptions.model_copy(
             update={"memory_headroom": memory_headroom})})
@@ -484,13 +512,15 @@ def plan(
                          schedules=_schedules(schedules), offload=not no_offload, hsdp=not no_hsdp,
                          sequence_parallel=sequence_parallel,
                          tp_comm_overlap=tp_overlap, dp_comm_overlap=dp_overlap, ep_comm_overlap=ep_overlap,
-                         compile=compile_model, time_budget_s=time_budget)
+                         compile=compile_model, time_budget_s=time_budget, idle_gpus=idle_gpus,
+                         global_batch_max=high)
     if as_json:
         result = search(spec, training, prof, opts)
     else:
         with Progress(transient=True, console=err_console) as bar:
             task = bar.add_task("searching layouts", total=None)
             result = search(spec, training, prof, opts, progress=lambda i, n: bar.update(task, completed=i, total=n))
+    prof = sizing.used_profile(prof, result)  # the GPUs the plan uses (planner.search.sizing)
     if fallbacks:
         from planner.fallback import fallback_plans
 
@@ -523,6 +553,8 @@ def _finish_plan(result: Plan, goal: TrainingGoal | None, prof: ClusterProfile, 
         return
     render_prediction(result)
     render_search(result)
+    if result.sizing is not None:
+        console.print(result.sizing.summary(), markup=False, highlight=False)
     if result.prediction.goodput is not None:
         console.print(result.prediction.goodput.summary(), markup=False, highlight=False)
     for f in result.fallbacks:

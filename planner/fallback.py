@@ -4,8 +4,9 @@
 for that many lost nodes, with ``autopar run plan.json --fallback K``.
 
 Each fallback is the search's best on the same cluster with K nodes fewer, for the same model and the
-same global batch (the search changes the micro-batch and accumulation to keep it); where no layout
-keeps that batch on the nodes left, the fallback says why instead.
+same global batch (the search changes the micro-batch and accumulation to keep it; on an uneven node count
+it may leave some of the nodes left idle, planner.search.sizing); where no layout keeps that batch on the
+nodes left, the fallback says why instead.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def fallback_plans(plan: Plan, profile: ClusterProfile, most_lost: int, options:
         except AutoparError as exc:
             out.append(Fallback(lost_nodes=lost, num_gpus=left.num_gpus, reason=str(exc)))
             continue
-        out.append(Fallback(lost_nodes=lost, num_gpus=left.num_gpus, layout=found.layout, prediction=found.prediction,
-                            slower_by=found.prediction.step_time_s / plan.prediction.step_time_s - 1,
-                            reason=f"the fastest layout on {left.num_nodes} node(s) for the same global batch"))
+        reason = f"the fastest layout on {left.num_nodes} node(s) for the same global batch"
+        if found.num_gpus < left.num_gpus:  # an uneven count left (planner.search.sizing)
+            reason = f"the fastest layout on {found.num_gpus} of the {left.num_gpus} GPUs left: {found.sizing.why}"
+        out.append(Fallback(lost_nodes=lost, num_gpus=found.num_gpus, layout=found.layout, prediction=found.prediction,
+                            slower_by=found.prediction.step_time_s / plan.prediction.step_time_s - 1, reason=reason))
     return out
 
 

@@ -343,11 +343,38 @@ class Fallback(Contract):
     """The plan to resume with after losing ``lost_nodes`` nodes (planner.fallback), or why there is none."""
 
     lost_nodes: int = Field(ge=1, strict=True)
-    num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True, description="the GPUs left")
+    num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True, description="the GPUs it uses of those left")
     layout: ParallelLayout | None = None
     prediction: Prediction | None = None
     slower_by: float | None = Field(None, description="step time / the plan's step time - 1")
     reason: str
+
+
+class SizeTried(Contract):
+    """One (GPUs, global batch) pair the search tried (planner.search.sizing), with its best step or why none."""
+
+    num_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True)
+    global_batch_size: int = Field(gt=0, strict=True, description="sequences per step")
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    reason: str | None = Field(None, description="why no layout of this pair runs the job")
+
+
+class Sizing(Contract):
+    """Which GPUs and global batch the plan uses when the cluster's count or a batch range left a choice."""
+
+    available_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True)
+    global_batch_range: list[int] | None = Field(None, description="[low, high] sequences, when a range was given")
+    chosen_gpus: int = Field(gt=0, le=MAX_GPUS, strict=True)
+    chosen_global_batch: int = Field(gt=0, strict=True)
+    why: str
+    tried: list[SizeTried] = Field(default_factory=list)
+
+    def summary(self) -> str:
+        """The CLI's one line."""
+        r = self.global_batch_range
+        batch = "" if r is None else f" global_batch={self.chosen_global_batch} of {r[0]}..{r[1]}"
+        return f"sizing: gpus={self.chosen_gpus} of {self.available_gpus}{batch} ({self.why})"
 
 
 class Plan(Contract):
@@ -375,6 +402,8 @@ class Plan(Contract):
                                                          "the plans are then ranked by expected time-to-train")
     fallbacks: list[Fallback] = Field(default_factory=list, description="plans for the loss of 1..K nodes, each "
                                       "resumable from the last checkpoint (autopar run --fallback K)")
+    sizing: Sizing | None = Field(None, description="the GPUs and global batch chosen where the cluster's GPU count "
+                                  "or a global batch range left a choice, with every pair tried")
 
 
 @functools.lru_cache(maxsize=4096)

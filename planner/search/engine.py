@@ -59,6 +59,7 @@ from planner.cost.pipeline import SCHEDULES
 from planner.cost.predict import predict
 from planner.cost.stage import state_per_param
 from planner.errors import AutoparError
+from planner.search import sizing
 from planner.search.bound import (
     interleaved_memory_floor,
     leaf_bound,
@@ -153,9 +154,12 @@ def search(model: ModelSpec, training: TrainingConfig, profile: ClusterProfile,
     """The fastest layout that fits, with the top-k alternatives and why the rest lost. The time
     budget (``options.time_budget_s``) covers every phase: listing and bounding the layouts, pricing,
     solving, and the alternatives' predictions and explanations, which are left out once it is spent."""
+    options = options or SearchOptions()
+    if sizing.asked(training, profile, options):  # several (GPUs, batch) pairs: one search each, the best kept
+        return sizing.sized_search(model, training, profile, options,
+                                   lambda m, t, p, o: search(m, t, p, o, progress))
     t0 = time.perf_counter()
     check_sequence(model, training)  # no layout could run it: say why, not "no layout could be evaluated"
-    options = options or SearchOptions()
     profile = targets.priced_profile(profile, options.target, training.precision)  # its expert GEMMs (TargetFacts)
     # thousands of layouts share a few thousand GEMM shapes and link lookups
     with gc_relaxed(), memoised(profile):

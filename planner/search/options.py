@@ -39,6 +39,8 @@ class SearchOptions:
     workers: int = 1  # CP-SAT search workers: its models are small, one worker proves them ~2x faster than two
     target: str = "autopar"  # what will run the plan (planner.targets): its regime prices the intervals
     robust: bool = False  # rank the plans found by the pessimistic end of their step-time interval
+    idle_gpus: bool = True  # an uneven GPU count is searched beside smaller ones (planner.search.sizing)
+    global_batch_max: int | None = None  # the global batch may be any count up to this (planner.search.sizing)
 
     def __post_init__(self) -> None:
         b = self.time_budget_s
