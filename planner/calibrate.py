@@ -15,6 +15,13 @@ The objective is the mean of ``min(|log(predicted / reported)|, CAP)`` over the 
 log error is symmetric in over- and under-prediction, and the cap keeps a row the model cannot
 explain (a framework far from the others) from dragging every constant. Coordinate descent with
 a coarse scan, then golden-section search, on each constant within physical bounds.
+
+A constant the profiler measured on a GPU of the family (the measured profiles shipped in
+``planner/data/measured``: the best GEMM rate per precision over the datasheet peak) also pays its
+distance from that measurement, weighted as :data:`PRIOR_ROWS` rows (:func:`measured_priors`): where
+the published rows barely identify a constant (the FP8 efficiency in a fold without MLPerf has two
+near-equal minima, 0.42 and 0.67) the measurement decides, and where hundreds of rows identify it the
+prior hardly moves it. No published row sets a prior.
 """
 
 from __future__ import annotations
@@ -52,6 +59,40 @@ CONSTANTS = (
 
 Values = dict[tuple[str, str | None], float]
 
+PRIOR_ROWS = 2.0
+"""Weight of a measured prior in rows of the objective. Its term is ``|ln(x / measured)|`` uncapped: a
+measurement is not an outlier to be left unexplained. Two rows: in the fold without MLPerf the FP8
+efficiency's two minima differ by 0.0014 in the fold's mean objective over ~40 FP8 rows, which a prior of
+two rows outweighs by a factor of about ten; on the ~250 Hopper BF16 rows it moves the mean by <1%."""
+
+PRIOR_CONSTANT = {"bf16": "matmul_efficiency", "fp8": "fp8_matmul_efficiency"}
+"""Which fitted constant a profile's achieved GEMM rate in a precision measures (share of that precision's peak)."""
+
+
+@dataclass(frozen=True)
+class Prior:
+    value: float
+    source: str
+
+
+def measured_priors() -> dict[tuple[str, str | None], Prior]:
+    """(constant, family) -> the share of the datasheet peak the profiler's best GEMM reached on a
+    shipped measured profile of that family (the first such profile by file name wins)."""
+    from planner import reference
+    from planner.uncertainty import gpu_family
+
+    out: dict[tuple[str, str | None], Prior] = {}
+    for profile in reference.measured_profiles():
+        family = gpu_family(profile)
+        achieved = profile.compute.achieved_matmul_tflops if profile.compute else {}
+        for precision, name in PRIOR_CONSTANT.items():
+            peak = profile.device.peak_tflops.get(precision, 0.0)
+            if family and peak > 0 and achieved.get(precision, 0.0) > 0:
+                out.setdefault((name, family), Prior(
+                    achieved[precision] / peak, f"{profile.name} ({profile.device.name}): best {precision} GEMM "
+                    f"{achieved[precision]:.0f} of {peak:.0f} TFLOP/s"))
+    return out
+
 
 def with_values(case: RowCase, values: Values):  # noqa: ANN201 - returns a ClusterProfile
     """The case's profile with the given constants (a family's own value wins over a shared one)."""
@@ -75,11 +116,14 @@ SECONDARY_WEIGHT = 0.5
 column) relative to one read from the primary source."""
 
 
-def objective(cases: list[RowCase], values: Values) -> float:
-    """Weighted mean of capped absolute log errors (secondary-source rows weigh SECONDARY_WEIGHT)."""
+def objective(cases: list[RowCase], values: Values, priors: dict | None = None) -> float:
+    """Weighted mean of capped absolute log errors (secondary-source rows weigh SECONDARY_WEIGHT),
+    with each prior of a constant in ``values`` as PRIOR_ROWS rows of ``|ln(value / prior)|``."""
     errs = log_errors(cases, values)
     weights = [1.0 if c.primary_source else SECONDARY_WEIGHT for c in cases]
-    return sum(w * min(abs(e), CAP) for w, e in zip(weights, errs)) / max(sum(weights), 1e-12)
+    total = sum(w * min(abs(e), CAP) for w, e in zip(weights, errs))
+    pulled = [abs(math.log(values[k] / p.value)) for k, p in (priors or {}).items() if k in values]
+    return (total + PRIOR_ROWS * sum(pulled)) / max(sum(weights) + PRIOR_ROWS * len(pulled), 1e-12)
 
 
 def initial_values(cases: list[RowCase]) -> Values:
@@ -97,6 +141,7 @@ def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
     """Coordinate descent: :func:`minimize_1d` on one constant at a time, ``rounds`` sweeps; each
     search stops when its bracket is ``tol`` x the constant's range (high - low)."""
     values = initial_values(cases)
+    priors = measured_priors()
     relevant = {key: [case for case in cases if key[1] is None or case.family == key[1]] for key in values}
     for _ in range(rounds):
         for c in CONSTANTS:
@@ -109,8 +154,10 @@ def fit(cases: list[RowCase], rounds: int = 4, tol: float = 1e-3) -> Values:
             if not subset:
                 continue
 
-            def f(x: float, subset: list[RowCase] = subset, key: tuple = key) -> float:
-                return objective(subset, {**values, key: x})
+            prior = {key: priors[key]} if key in priors else {}
+
+            def f(x: float, subset: list[RowCase] = subset, key: tuple = key, prior: dict = prior) -> float:
+                return objective(subset, {**values, key: x}, prior)
 
             values[key] = minimize_1d(f, c.low, c.high, tol * (c.high - c.low))
     return values
