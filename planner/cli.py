@@ -237,6 +237,7 @@ def _layout(
     num_gpus: int, tp: int, pp: int, cp: int, ep: int, dp: int | None, dp_replicate: int | None, sp: bool, zero: int,
     reshard: bool, micro_batch: int, schedule: Schedule, vp: int | None, layers_per_stage: str | None,
     recompute: Recompute, offload: bool, tp_overlap: bool, dp_overlap: bool, etp: int | None = None,
+    offload_fraction: float = 1.0,
 ) -> ParallelLayout:
     if dp is None:
         if num_gpus % (tp * pp * cp):
@@ -267,7 +268,8 @@ def _layout(
     return ParallelLayout(
         dp_replicate=replicate, dp_shard=dp // replicate, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, etp=etp, zero_stage=zero,
         reshard_after_forward=reshard, micro_batch_size=micro_batch, schedule=schedule, **depth,
-        layers_per_stage=counts, recompute=recompute, offload_optimizer=offload, tp_comm_overlap=tp_overlap,
+        layers_per_stage=counts, recompute=recompute, offload_optimizer=offload,
+        optimizer_offload_fraction=offload_fraction, tp_comm_overlap=tp_overlap,
         dp_comm_overlap=dp_overlap,
     )
 
@@ -321,7 +323,8 @@ def render_prediction(plan: Plan) -> None:
                   f"{f' etp={lay.etp}' if lay.etp is not None else ''} | micro-batch "
                   f"{lay.micro_batch_size}, {lay.schedule.value}"
                   f"{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
-                  f", recompute {lay.recompute_summary()}{', optimizer offload' if lay.offload_optimizer else ''}"
+                  f", recompute {lay.recompute_summary()}"
+                  f"{f', optimizer offload {lay.offload_share:.0%}' if lay.offload_optimizer else ''}"
                   f"{', torch.compile' if lay.compile else ''}"
                   f"{f', layers per stage {lay.layers_per_stage}' if lay.layers_per_stage else ''}")
     t = Table(title="Prediction", show_header=False)
@@ -390,6 +393,9 @@ def predict(
     layers_per_stage: Annotated[str | None, typer.Option(help="comma-separated layers per (virtual) stage")] = None,
     recompute: Annotated[Recompute, typer.Option(help="activation recompute")] = Recompute.none,
     offload: Annotated[bool, typer.Option(help="optimizer states and step on the CPU")] = False,
+    offload_fraction: Annotated[float, typer.Option(
+        min=0.01, max=1.0, help="with --offload: the share of the optimizer on the CPU, the rest "
+        "on the GPU (Megatron ZeRO-1, DeepSpeed ZeRO-3)")] = 1.0,
     tp_overlap: Annotated[bool, typer.Option(help="overlap TP collectives with GEMMs")] = False,
     dp_overlap: Annotated[bool, typer.Option(help="overlap gradient reduction / weight gathers")] = True,
     compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile of model and loss (torchtitan; "
@@ -408,7 +414,7 @@ def predict(
         raise AutoparError("--global-batch", f"{training.global_batch_size}..{high}", "give one count to predict; "
                            "a range is for autopar plan", problem="is a range")
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
-                     layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp)
+                     layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp, offload_fraction)
     # the pipeline sends what the target's stages send (TargetFacts.pp_sends)
     layout = layout.model_copy(update={"pp_scatter_gather": planned_scatter_gather(target, spec, layout.sp),
                                        "compile": compile_model})

@@ -149,6 +149,8 @@ DEEPSPEED_PLANS = {
     "zero3 dp": {"dp_shard": 16, "zero_stage": 3, "micro_batch_size": 2, "reshard_after_forward": True},
     "zero2 tp": {"tp": 2, "sp": True, "dp_shard": 8, "zero_stage": 2, "micro_batch_size": 4},
     "ddp tp pp": {"tp": 4, "sp": True, "pp": 4, "zero_stage": 0},
+    "zero3 offload a share": {"dp_shard": 16, "zero_stage": 3, "offload_optimizer": True,
+                              "optimizer_offload_fraction": 0.5},
 }
 
 
@@ -166,6 +168,17 @@ def test_deepspeed_config_loads_at_the_plans_world_size(name):
     )
     assert cfg.zero_optimization_stage == lay.zero_stage
     assert cfg.bfloat16_config.enabled
+    if lay.offload_optimizer:  # the share offloaded (ZeRO-Offload++ Twin-Flow's ratio)
+        assert cfg.zero_config.offload_optimizer.ratio == lay.optimizer_offload_fraction
+
+
+def test_deepspeed_itself_refuses_an_offloaded_share_below_zero_3():
+    """Why the DeepSpeed table refuses a share below 1 with ZeRO-1/2: DeepSpeed's own config check."""
+    plan = make_plan(**DEEPSPEED_PLANS["zero3 offload a share"])
+    raw = json.loads(export_plan(plan, "deepspeed")["ds_config.json"])
+    raw["zero_optimization"]["stage"] = 1
+    with pytest.raises(Exception, match="Partial offloading only supported for ZeRO Stage 3"):
+        deepspeed_config.DeepSpeedConfig(raw, mpu=_DataParallelUnit(plan.layout.dp))
 
 
 def test_deepspeed_refuses_the_config_at_another_world_size():

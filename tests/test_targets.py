@@ -143,6 +143,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
             job(offload_optimizer=True),
             job(dp_shard=2, zero_stage=1, offload_optimizer=True),
         ),
+        "optimizer offload of a share below ZeRO-3": (
+            job(dp_shard=2, zero_stage=1, offload_optimizer=True, optimizer_offload_fraction=0.5),
+            job(dp_shard=2, zero_stage=3, offload_optimizer=True, optimizer_offload_fraction=0.5),
+        ),
         "TP communication overlap": (job(tp=8, sp=True, tp_comm_overlap=True), job(tp=8, sp=True)),
         "expert all-to-all overlap": (
             job(MIXTRAL, dp_shard=8, ep=8, zero_stage=1, ep_comm_overlap=True),
@@ -283,6 +287,10 @@ CASES: dict[Target, dict[str, tuple[Job, Job]]] = {
         "optimizer CPU offload without FSDP (ZeRO-0/1)": (
             job(dp_shard=4, offload_optimizer=True),
             job(dp_shard=4, zero_stage=2, offload_optimizer=True),
+        ),
+        "optimizer offload of a share": (
+            job(dp_shard=4, zero_stage=3, offload_optimizer=True, optimizer_offload_fraction=0.75),
+            job(dp_shard=4, zero_stage=3, offload_optimizer=True),
         ),
         "expert tensor parallelism on a Hugging Face MoE model": (
             job(MIXTRAL, tp=2, sp=True, dp_shard=4, hf=True), job(MIXTRAL, tp=2, sp=True, dp_shard=4, etp=1, hf=True)),

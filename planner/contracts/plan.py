@@ -72,6 +72,10 @@ class ParallelLayout(Contract):
     recompute: Recompute = Recompute.none
     recompute_per_stage: list[StageRecompute] | None = Field(None, description="overrides recompute per stage")
     offload_optimizer: bool = Field(False, description="optimizer states and step on the CPU")
+    optimizer_offload_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="with offload_optimizer: the share of the optimizer states and their step "
+        "on the CPU, the rest on the GPU (Megatron-Core --optimizer-offload-fraction, DeepSpeed offload_optimizer."
+        "ratio); 1 = all")
     tp_comm_overlap: bool = Field(
         False, description="TP collectives overlapped with GEMMs (async TP / TP-comm-overlap)"
     )
@@ -125,12 +129,25 @@ class ParallelLayout(Contract):
                 f"layers_per_stage has {len(self.layers_per_stage)} entries but pp x virtual_stages = "
                 f"{self.pp * self.virtual_stages}; give one count per (virtual) stage"
             )
+        if self.optimizer_offload_fraction < 1.0 and not self.offload_optimizer:
+            raise ValueError(f"optimizer_offload_fraction={self.optimizer_offload_fraction} offloads nothing without "
+                             "offload_optimizer=True; set it, or leave the fraction at 1")
         if self.recompute_per_stage is not None and len(self.recompute_per_stage) != self.pp:
             raise ValueError(
                 f"recompute_per_stage has {len(self.recompute_per_stage)} entries but pp={self.pp}; "
                 "give one entry per pipeline stage"
             )
         return self
+
+    @property
+    def offload_share(self) -> float:
+        """The share of the optimizer states on the CPU: 0 without offload, else the fraction."""
+        return self.optimizer_offload_fraction if self.offload_optimizer else 0.0
+
+    @staticmethod
+    def offload_fields(share: float) -> dict:
+        """The fields of an offload share (0: none), for building a layout from the search's leaf choice."""
+        return {"offload_optimizer": share > 0, "optimizer_offload_fraction": share if share > 0 else 1.0}
 
     MESH_ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     """The world mesh, outermost first: TP innermost (neighbouring ranks, a node's NVLink), then CP, the ZeRO
@@ -150,6 +167,10 @@ class ParallelLayout(Contract):
         of the dimensions inside it (read-only; memoised by the sizes, as the search asks per candidate)."""
         return _mesh_strides(self.mesh_sizes(), self.mesh_sizes(True))
 
+    def _offload_summary(self) -> str:
+        share = self.offload_share
+        return "" if not share else " offload" if share == 1.0 else f" offload{share:g}"
+
     def recompute_summary(self) -> str:
         """The recompute in a few words: the kind, or each stage's (``s0:fullx3``)."""
         if self.recompute_per_stage is None:
@@ -165,7 +186,7 @@ class ParallelLayout(Contract):
         return (f"tp{self.tp}{'+sp' if self.sp else ''} cp{self.cp} pp{self.pp}{v}"
                 f" dp{self.dp_replicate}x{self.dp_shard}"
                 f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp is not None else ''}"
-                f" zero{self.zero_stage}{' offload' if self.offload_optimizer else ''}"
+                f" zero{self.zero_stage}{self._offload_summary()}"
                 f"{' keep-gathered' if self.zero_stage == 3 and not self.reshard_after_forward else ''}"
                 f" mb{self.micro_batch_size} {self.schedule.value if self.pp > 1 else ''} rc:{self.recompute_summary()}"
                 f"{f' split{self.layers_per_stage}' if self.layers_per_stage else ''}")

@@ -55,10 +55,10 @@ def checkpoint_sizes(model: ModelSpec, training: TrainingConfig, layout: Paralle
                      master_in_param: bool) -> tuple[float, float]:
     """(bytes of one checkpoint, stored once; bytes the most loaded rank copies to host): the parameters times
     :func:`checkpoint_bytes_per_param`, and the rank's weights and optimizer states as the memory model holds
-    them (an offloaded optimizer is on the host already)."""
+    them (an offloaded optimizer share is on the host already: the memory model's optimizer bytes are the GPU's)."""
     total = total_params(model) * checkpoint_bytes_per_param(training, master_in_param)
     mem = prediction.memory
-    per_rank = mem.params_bytes + (0 if layout.offload_optimizer else mem.optimizer_bytes)
+    per_rank = mem.params_bytes + mem.optimizer_bytes
     return float(total), float(per_rank)
 
 

@@ -61,13 +61,14 @@ def optimizer_step_bytes_per_param(training: TrainingConfig) -> float:
 
 
 def model_state_bytes(
-    params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: bool = False,
+    params: float, state: StateBytes, zero_stage: int, shard: int, offload_optimizer: float = 0.0,
     master_in_param: bool = False,
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes for ``params`` parameters sharded over ``shard`` ranks.
 
     ZeRO-0: ``Φ(w + g + o)``; ZeRO-1: ``Φ(w + g) + Φo/N``; ZeRO-2: ``Φw + Φ(g + o)/N``;
-    ZeRO-3: ``Φ(w + g + o)/N``. CPU offload moves the optimizer part off the GPU.
+    ZeRO-3: ``Φ(w + g + o)/N``. CPU offload moves the share ``offload_optimizer`` (0..1,
+    :attr:`~planner.contracts.ParallelLayout.offload_share`; ``True`` is 1) of the optimizer part off the GPU.
 
     ``master_in_param`` (a target's :class:`~planner.targets.TargetFacts`): the parameter itself is the fp32
     master (FSDP2, or fp32 parameters under autocast). Weights are then that parameter, sharded only where
@@ -83,7 +84,7 @@ def model_state_bytes(
         return params * state.master / sharded, params * state.grads / sharded, moments
     weights = params * state.weights / (n if zero_stage >= 3 else 1)
     grads = params * state.grads / (n if zero_stage >= 2 else 1)
-    optimizer = 0.0 if offload_optimizer else params * state.optimizer / (n if zero_stage >= 1 else 1)
+    optimizer = params * state.optimizer / (n if zero_stage >= 1 else 1) * (1.0 - float(offload_optimizer))
     return weights, grads, optimizer
 
 

@@ -209,10 +209,10 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     a, zero, reshard = profile.assumptions, layout.zero_stage, layout.reshard_after_forward
     state = state_bytes_per_param(training)
     shard_n = layout.dp_shard * layout.cp
-    w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_optimizer, master_in_param)
-    w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_optimizer, master_in_param)
+    w1, g1, o1 = model_state_bytes(dense, state, zero, shard_n, layout.offload_share, master_in_param)
+    w2, g2, o2 = model_state_bytes(experts, state, zero, layout.expert_dp, layout.offload_share, master_in_param)
     states = w1 + w2 + g1 + g2 + o1 + o2
-    copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param, layout.offload_optimizer)
+    copies = (dense + experts) * compute_copy_bytes_per_param(zero, state, master_in_param, layout.offload_share)
     pp = layout.pp
     gathered = (dense + experts) * kept_gathered_bytes_per_param(zero, reshard, pp, state)
     gathered += biggest_block * prefetch_bytes_per_param(zero, reshard, pp, state)
@@ -221,7 +221,7 @@ def stage_memory(profile: ClusterProfile, training: TrainingConfig, layout: Para
     held = (dense + experts) * held_gradient_bytes_per_param(zero, pp, state)
     late_grads = 0.0 if accumulates else -(g1 + g2)
     act_phase = activations + loss + copies + gathered + root + bucket + held + late_grads
-    opt_temp = 0.0 if layout.offload_optimizer else local_params(
+    opt_temp = (1.0 - layout.offload_share) * local_params(
         dense, experts, zero, shard_n, layout.expert_dp) * a.optimizer_temp_bytes_per_param
     terms = {"loss": loss, "compute_copies": copies, "gathered_weights": gathered, "root_weights": root,
              "gradient_bucket": bucket,
@@ -419,7 +419,7 @@ def _optimizer(c: _Step, t: _Times) -> tuple[list[float], float]:
     opt_s, offload_s = [], 0.0
     for dense, experts in zip(t.dense, t.experts):
         local = local_params(dense, experts, lay.zero_stage, lay.dp_shard * lay.cp, lay.expert_dp)
-        seconds, copies = optimizer_step_s(c.profile, state, step_bytes, lay.offload_optimizer, local)
+        seconds, copies = optimizer_step_s(c.profile, state, step_bytes, lay.offload_share, local)
         opt_s.append(seconds)
         offload_s = max(offload_s, copies)
     return opt_s, offload_s

@@ -129,18 +129,26 @@ def local_params(dense: float, experts: float, zero_stage: int, shard_n: int, ex
     return dense + experts
 
 
-def optimizer_step_s(profile: ClusterProfile, state: StateBytes, step_bytes: float, offload: bool,
+def optimizer_step_s(profile: ClusterProfile, state: StateBytes, step_bytes: float, offload: float,
                      local: float) -> tuple[float, float]:
     """(seconds, of which host copies) of the optimizer step over ``local`` parameters of ``state`` bytes
     (:func:`~planner.cost.memory.state_bytes_per_param`) moving ``step_bytes`` each
-    (:func:`~planner.cost.memory.optimizer_step_bytes_per_param`): bandwidth-bound on the GPU, or gradients
-    down and weights up over the host link and the CPU's step when offloaded."""
+    (:func:`~planner.cost.memory.optimizer_step_bytes_per_param`). On the GPU it is bandwidth-bound; the
+    share ``offload`` (0..1; ``True`` is 1) sends its gradients down and weights up over the host link and
+    steps on the CPU. The two shares run side by side, the GPU's kernels queued while the host steps its own
+    (Megatron-Core's HybridDeviceOptimizer, DeepSpeed's Twin-Flow): the step is the slower of
+    ``gpu = (1 - s)·Φ·b / HBM`` and ``host = s·Φ·(g/D2H + w/H2D + b / cpu_rate)``; the copies reported are
+    the host share's when it is the slower."""
     f = profile.term_factor("optimizer")  # the cluster's runs' correction (1 uncalibrated)
-    if not offload:
-        return memory_time_s(profile, local * step_bytes) * f, 0.0
-    copies = host_copy_time_s(profile, local * state.grads, to_device=False) + host_copy_time_s(
-        profile, local * state.weights, to_device=True)
-    return (copies + local * step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s) * f, copies * f
+    share = float(offload)
+    gpu = memory_time_s(profile, local * (1.0 - share) * step_bytes) if share < 1.0 else 0.0
+    if not share:
+        return gpu * f, 0.0
+    mine = local * share
+    copies = host_copy_time_s(profile, mine * state.grads, to_device=False) + host_copy_time_s(
+        profile, mine * state.weights, to_device=True)
+    host = copies + mine * step_bytes / profile.assumptions.cpu_optimizer_bytes_per_s
+    return max(gpu, host) * f, (copies if host >= gpu else 0.0) * f
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,7 @@ class HeldPerParam:
     root: float
 
 
-def state_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: bool,
+def state_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: float,
                     master_in_param: bool = False) -> tuple[float, float]:
     """(dense, expert) model-state bytes per parameter on one GPU (:func:`~planner.cost.memory.model_state_bytes`
     with dense weights over ``shard_n`` ranks, experts over ``expert_shard``)."""
@@ -163,17 +171,18 @@ def state_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: in
             sum(model_state_bytes(1.0, state, zero, expert_shard, offload, master_in_param)))
 
 
-def held_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: bool, reshard: bool,
+def held_per_param(state: StateBytes, zero: int, shard_n: int, expert_shard: int, offload: float, reshard: bool,
                    pp: int, m: int, temp: float, master_in_param: bool = False) -> HeldPerParam:
     """Backward: the model states, ZeRO-3 weights kept gathered, pipelined ZeRO-2/3's unsharded gradients and
     the 16-bit copies of a target whose parameters are the fp32 master (``master_in_param``), less a single
     micro-batch's gradients (``m == 1``: made as its activations are freed). Optimizer step: the states and
-    ``temp`` bytes of temporaries per local parameter (none when offloaded). The biggest block's buffers and
+    ``temp`` bytes of temporaries per local parameter of the GPU's share (none when all is offloaded). The
+    biggest block's buffers and
     the root units by :func:`~planner.cost.memory.block_buffer_bytes_per_param` and
     :func:`~planner.cost.memory.root_gathered_bytes_per_param`."""
     d, e = state_per_param(state, zero, shard_n, expert_shard, offload, master_in_param)
     div_d, div_e = (shard_n, expert_shard) if zero >= 1 else (1, 1)
-    t = 0.0 if offload else temp
+    t = temp * (1.0 - float(offload))
     held = (kept_gathered_bytes_per_param(zero, reshard, pp, state) + held_gradient_bytes_per_param(zero, pp, state)
             + compute_copy_bytes_per_param(zero, state, master_in_param, offload))
     late = (0.0, 0.0) if m > 1 else (model_state_bytes(1.0, state, zero, shard_n, offload, master_in_param)[1],

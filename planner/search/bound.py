@@ -263,7 +263,7 @@ def pigeonhole_comms(sm: StageModel, cache: dict) -> tuple[LeafComm, ...]:
     for kind in sorted(set(sm.kinds)):
         held = -(-sm.kinds.count(kind) // p)
         kc = sm.kind_cost[kind]
-        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_optimizer,
+        out.append(LeafComm.of(sm.profile, sm.training, lambda: lay, key, lay.offload_share,
                                lay.reshard_after_forward, lay.dp_comm_overlap, held * kc.dense_params,
                                held * kc.expert_params, cache, pp=lay.pp))
     return tuple(out)

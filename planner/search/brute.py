@@ -76,7 +76,7 @@ def brute_force_search(model, training, profile, options=None) -> tuple[float, P
         for sched, v in schedule_choices(st, model, opts, rules):
             for zero, rep, shard, offload, reshard in leaf_choices(st, opts):
                 layout = base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
-                                      offload_optimizer=offload, reshard_after_forward=reshard,
+                                      **ParallelLayout.offload_fields(offload), reshard_after_forward=reshard,
                                       schedule=sched, virtual_stages=v)
                 if targets.refusal(opts.target, targets.Job(model, training, layout, micro_batches=st.m),
                                    ("model", "layout")) is not None:

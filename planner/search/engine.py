@@ -318,7 +318,7 @@ class _SearchState:
         if not fam.reason:
             fam.reason = NoFitReason(need, why, self.capacity)
 
-    def states_need_of(self, st: Structure, zero: int, shard: int, offload: bool) -> float:
+    def states_need_of(self, st: Structure, zero: int, shard: int, offload: float) -> float:
         """Bytes per GPU of the model states (and the reserve) of a stage holding the average parameters."""
         shard_n = shard * st.cp
         key = (st.tp, st.pp, st.ep, st.expert_tp, zero, shard_n, offload)
@@ -333,7 +333,7 @@ class _SearchState:
                                         offload, self.master_in_param)))
         return need
 
-    def states_per_param(self, st: Structure, zero: int, shard: int, offload: bool) -> tuple[float, float, bool]:
+    def states_per_param(self, st: Structure, zero: int, shard: int, offload: float) -> tuple[float, float, bool]:
         """(dense, expert) model-state bytes per parameter on a GPU, and whether ZeRO-3 gathers blocks:
         what a leaf's memory bounds see of its data-parallel choice (as StageModel computes them)."""
         key = (st.cp, st.tp, st.ep, st.expert_tp, zero, shard, offload)
@@ -344,13 +344,13 @@ class _SearchState:
                                                           self.master_in_param), zero == 3)
         return sig
 
-    def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: bool, reshard: bool) -> LeafComm:
+    def leaf_comm(self, st: Structure, zero: int, rep: int, shard: int, offload: float, reshard: bool) -> LeafComm:
         """The leaf's data-parallel side (it does not depend on the schedule; memoised)."""
         opts = self.opts
 
         def make_layout() -> ParallelLayout:
-            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
-                                reshard_after_forward=reshard)
+            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
+                               **ParallelLayout.offload_fields(offload), reshard_after_forward=reshard)
 
         return LeafComm.of(self.profile, self.training, make_layout,
                            (zero, shard, rep, st.cp, st.tp, st.ep, st.expert_tp), offload,
@@ -359,7 +359,7 @@ class _SearchState:
 
     # ------------------------------------------------------------------ one leaf
     def price_leaf(self, si: int, st: Structure, sched: Schedule, v: int, minmax: float, rec_min: float, zero: int,
-                   rep: int, shard: int, offload: bool, reshard: bool) -> None:
+                   rep: int, shard: int, offload: float, reshard: bool) -> None:
         """Bound one leaf, cheapest test first; price it on the default split, queue it for CP-SAT.
         ``minmax``: the v=1 contiguous min-max stage (0 for interleaved); ``rec_min``: recompute
         that memory forces on every leaf of this schedule."""
@@ -375,8 +375,9 @@ class _SearchState:
             return
 
         def make_layout() -> ParallelLayout:
-            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero, offload_optimizer=offload,
-                                reshard_after_forward=reshard, schedule=sched, virtual_stages=v)
+            return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
+                               **ParallelLayout.offload_fields(offload), reshard_after_forward=reshard,
+                               schedule=sched, virtual_stages=v)
 
         refused = target_refusal(self.model, self.training, opts.target, make_layout(), st.m, ("layout",))
         if refused is not None:

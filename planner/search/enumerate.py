@@ -222,10 +222,11 @@ def schedule_choices(st: Structure, model: ModelSpec, opts: SearchOptions, rules
 
 def leaf_choices(
     st: Structure, opts: SearchOptions, rules: Rules | None = None
-) -> tuple[tuple[int, int, int, bool, bool], ...]:
-    """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload,
+) -> tuple[tuple[int, int, int, float, bool], ...]:
+    """The per-schedule choices of a structure: (ZeRO stage, dp_replicate, dp_shard, offload share,
     reshard after forward). ZeRO-0 replicates over all of dp; ZeRO >= 1 shards over every HSDP
-    group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1."""
+    group size whose ranks (× cp × tp) can hold the folded expert groups; offload needs ZeRO >= 1, and
+    each share of ``opts.offload_fractions`` is a choice (a target offloading none or all refuses the rest)."""
     out, removed = leaf_choices_of(st.dp, st.cp, st.tp, st.ep, st.expert_tp, opts)
     if rules is not None and removed:
         rules.remove(Rule.FOLD_SHARD, f"ep={st.ep}, etp={st.expert_tp}", removed)
@@ -234,7 +235,7 @@ def leaf_choices(
 
 @functools.lru_cache(maxsize=4096)
 def leaf_choices_of(dp: int, cp: int, tp: int, ep: int, etp: int,
-                  opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, bool, bool], ...], int]:
+                  opts: SearchOptions) -> tuple[tuple[tuple[int, int, int, float, bool], ...], int]:
     out, removed = [], 0
     for zero in opts.zero_stages:
         if zero == 0:
@@ -244,7 +245,7 @@ def leaf_choices_of(dp: int, cp: int, tp: int, ep: int, etp: int,
             splits = [(dp // d, d) for d in shards if expert_fold(d, cp, tp, ep, etp)[0] is None]
             removed += len(shards) - len(splits)
         for rep, shard in splits:
-            for offload in ((False, True) if zero >= 1 and opts.offload else (False,)):
+            for offload in ((0.0, *opts.offload_fractions) if zero >= 1 and opts.offload else (0.0,)):
                 for reshard in ((True, False) if zero == 3 else (True,)):
                     out.append((zero, rep, shard, offload, reshard))
     return tuple(out), removed  # cached: immutable

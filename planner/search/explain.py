@@ -54,11 +54,11 @@ class LeafLabel:
     zero: int
     rep: int
     shard: int
-    offload: bool
+    offload: float  # the optimizer share offloaded (0: none)
 
     def __str__(self) -> str:
-        return (f"{self.family} zero{self.zero}" + (f" hsdp{self.rep}x{self.shard}" if self.rep > 1 else "")
-                + (" offload" if self.offload else ""))
+        share = "" if not self.offload else " offload" if self.offload == 1 else f" offload{self.offload:g}"
+        return f"{self.family} zero{self.zero}" + (f" hsdp{self.rep}x{self.shard}" if self.rep > 1 else "") + share
 
 
 class NoFitReason:

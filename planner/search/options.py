@@ -23,6 +23,8 @@ class SearchOptions:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     hsdp: bool = True
     offload: bool = True
+    offload_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # shares of the optimizer offloaded, where the
+    # target offloads a share (Megatron-Core ZeRO-1, DeepSpeed ZeRO-3; planner.targets): a plan dimension
     max_tp: int | None = None  # default: GPUs per node (TP stays inside a node)
     max_pp: int | None = None  # default: no limit but the layer count
     max_cp: int | None = None

@@ -264,7 +264,7 @@ def _kind_cost(model: ModelSpec, training: TrainingConfig, profile: ClusterProfi
 
 
 def optimizer_time_s(profile: ClusterProfile, training: TrainingConfig, zero_stage: int, shard_n: int,
-                     expert_shard: int, offload: bool, dense_params: float, expert_params: float) -> float:
+                     expert_shard: int, offload: float, dense_params: float, expert_params: float) -> float:
     """Optimizer step of a stage holding these parameters per GPU (:func:`planner.cost.stage.optimizer_step_s`)."""
     local = local_params(dense_params, expert_params, zero_stage, shard_n, expert_shard)
     return optimizer_step_s(profile, state_bytes_per_param(training), optimizer_step_bytes_per_param(training),
@@ -324,7 +324,7 @@ class LeafComm:
 
     @classmethod
     def of(cls, profile: ClusterProfile, training: TrainingConfig, make_layout: Callable[[], ParallelLayout],
-           key: tuple[int, ...], offload: bool, reshard: bool, dp_comm_overlap: bool,
+           key: tuple[int, ...], offload: float, reshard: bool, dp_comm_overlap: bool,
            dense: float, expert: float, cache: dict, *, pp: int) -> LeafComm:
         """``key``: (zero, dp_shard, dp_replicate, cp, tp, ep[, etp]) (etp left out: tp); ``make_layout``
         builds the layout only when the data-parallel costs of this grouping are not cached yet; ``pp``
@@ -406,7 +406,7 @@ class StageModel:
         self.dense_dp, self.expert_dp = dp_affine(profile, training, base, cache)
         # per-parameter bytes held by phase (planner.cost.stage.held_per_param), hoisted out of stage_terms
         zero = base.zero_stage
-        held = held_per_param(self.state, zero, self.shard_n, self.expert_shard, base.offload_optimizer,
+        held = held_per_param(self.state, zero, self.shard_n, self.expert_shard, base.offload_share,
                               base.reshard_after_forward, base.pp, self.m, a.optimizer_temp_bytes_per_param,
                               self.master_in_param)
         (self._state_dense, self._state_expert), self._step_state = held.backward, held.step
@@ -429,7 +429,7 @@ class StageModel:
     def optimizer_s(self, dense_params: float, expert_params: float) -> float:
         """:func:`planner.cost.stage.optimizer_step_s` of this layout's rank holding these parameters."""
         local = local_params(dense_params, expert_params, self.layout.zero_stage, self.shard_n, self.expert_shard)
-        return optimizer_step_s(self.profile, self.state, self.step_bytes, self.layout.offload_optimizer, local)[0]
+        return optimizer_step_s(self.profile, self.state, self.step_bytes, self.layout.offload_share, local)[0]
 
     # -- one stage -----------------------------------------------------------------------------
     def rank_layers(self, chunks: list[int]) -> list[list[int]]:

@@ -226,6 +226,15 @@ _AUTOPAR = (
         fix="use zero_stage 2 or 3 (FSDP2 CPUOffloadPolicy)",
     ),
     Limit(
+        feature="optimizer offload of a share",
+        scope="layout",
+        refuses=lambda j: j.layout.offload_share not in (0.0, 1.0),
+        field="layout.optimizer_offload_fraction",
+        value=lambda j: j.layout.optimizer_offload_fraction,
+        problem="is below 1: the executor offloads with FSDP2's CPUOffloadPolicy, which moves whole shards",
+        fix="offload all of the optimizer (fraction 1) or none, or plan for megatron (ZeRO-1) or deepspeed (ZeRO-3)",
+    ),
+    Limit(
         feature="fp16 or fp8 training",
         scope="model",
         refuses=_trained(lambda t: t.precision in (Precision.fp16, Precision.fp8)),

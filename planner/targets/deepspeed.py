@@ -190,6 +190,17 @@ _DEEPSPEED = (
         fix="plan with reshard_after_forward=True, or use --to torchtitan",
     ),
     Limit(
+        feature="optimizer offload of a share below ZeRO-3",
+        scope="layout",
+        refuses=lambda j: j.layout.offload_share not in (0.0, 1.0) and j.layout.zero_stage != 3,
+        field="optimizer_offload_fraction",
+        value=lambda j: j.layout.optimizer_offload_fraction,
+        problem=lambda j: f"is below 1 with zero_stage {j.layout.zero_stage}: DeepSpeed offloads a share of the "
+        "optimizer (offload_optimizer.ratio, ZeRO-Offload++ Twin-Flow) with ZeRO stage 3 only "
+        "(DeepSpeedZeroConfig.offload_ratio_check, 0.19)",
+        fix="plan with zero_stage=3, or offload the whole optimizer (fraction 1)",
+    ),
+    Limit(
         feature="optimizer CPU offload without ZeRO",
         scope="layout",
         refuses=lambda j: j.layout.offload_optimizer and j.layout.zero_stage == 0,
@@ -455,6 +466,8 @@ def _ds_zero_config(plan: Plan) -> dict[str, object]:
         )
         if lay.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            if lay.optimizer_offload_fraction < 1.0:  # Twin-Flow: this share on the CPU, the rest on the GPU
+                zero["offload_optimizer"]["ratio"] = lay.optimizer_offload_fraction
     return zero
 
 

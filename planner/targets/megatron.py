@@ -397,7 +397,7 @@ def _megatron_data_parallel(plan: Plan, a: Command) -> list[str]:
             a.add("--overlap-param-gather")
     if lay.offload_optimizer:
         a.add("--optimizer-cpu-offload")
-        a.add("--optimizer-offload-fraction", "1.0")
+        a.add("--optimizer-offload-fraction", f"{lay.optimizer_offload_fraction:g}")
         a.add("--use-precision-aware-optimizer")
         a.add("--overlap-cpu-optimizer-d2h-h2d")
         vnotes.append(
