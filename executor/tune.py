@@ -62,7 +62,7 @@ def tune(
     """
     from planner.tune import tune as tune_loop
 
-    model, profile, training = job
+    model, profile, training = job.one_batch("tune")
     try:
         settings = TuneSettings(plans=plans, steps=steps, warmup=warmup, profile_steps=profile_steps, target=target,
                                 max_micro_batch_size=max_micro_batch, time_budget_s=time_budget,

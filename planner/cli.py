@@ -192,6 +192,13 @@ class JobInputs(NamedTuple):
     training: TrainingConfig
     global_batch_max: int | None = None  # --global-batch low..high: the high end (autopar plan only)
 
+    def one_batch(self, command: str) -> tuple[ModelSpec, ClusterProfile, TrainingConfig]:
+        """(model, profile, training) of a command that takes one global batch, not a range."""
+        if self.global_batch_max is not None:
+            raise AutoparError("--global-batch", f"{self.training.global_batch_size}..{self.global_batch_max}",
+                               f"give one count to {command}; a range is for autopar plan", problem="is a range")
+        return self.model, self.profile, self.training
+
 
 # the options that describe a job, shared by `plan` and `predict` (one home: name, type and help, default)
 JOB_OPTIONS: tuple[tuple[str, object, object], ...] = (
@@ -409,10 +416,7 @@ def predict(
     from planner.cost.predict import predict as run_prediction
     from planner.targets import planned_scatter_gather
 
-    spec, prof, training, high = job
-    if high is not None:
-        raise AutoparError("--global-batch", f"{training.global_batch_size}..{high}", "give one count to predict; "
-                           "a range is for autopar plan", problem="is a range")
+    spec, prof, training = job.one_batch("predict")
     layout = _layout(prof.num_gpus, tp, pp, cp, ep, dp, dp_replicate, sp, zero, reshard, micro_batch, schedule, vp,
                      layers_per_stage, recompute, offload, tp_overlap, dp_overlap, etp, offload_fraction)
     # the pipeline sends what the target's stages send (TargetFacts.pp_sends)

@@ -116,7 +116,7 @@ def features(layout: ParallelLayout) -> tuple:
     """What :func:`choose` wants to vary: structure, schedule, ZeRO (with its sharding), recompute, micro-batch."""
     structure = (layout.tp, layout.sp, layout.cp, layout.pp, layout.ep, layout.dp_replicate, layout.dp_shard)
     sharded = layout.dp_shard > 1  # ZeRO over one rank shards nothing: the same layout as ZeRO-0
-    zero = (layout.zero_stage if sharded else 0, layout.reshard_after_forward or not sharded, layout.offload_optimizer)
+    zero = (layout.zero_stage if sharded else 0, layout.reshard_after_forward or not sharded, layout.offload_share)
     schedule = (layout.schedule, layout.virtual_stages) if layout.pp > 1 else None
     return structure, schedule, zero, layout.recompute, layout.micro_batch_size
 
@@ -193,7 +193,8 @@ def _layout(st, opts, sched, v, zero, rep, shard, offload, reshard, rc) -> Paral
     from planner.search.enumerate import base_layout
 
     return base_layout(st, opts, schedule=sched, virtual_stages=v, zero_stage=zero, dp_replicate=rep,
-                       dp_shard=shard, offload_optimizer=offload, reshard_after_forward=reshard, recompute=rc)
+                       dp_shard=shard, **ParallelLayout.offload_fields(offload), reshard_after_forward=reshard,
+                       recompute=rc)
 
 
 def autopar_runner(settings: TuneSettings, env: dict[str, str] | None = None) -> Runner:
