@@ -8,13 +8,14 @@ searched alone: with the global batch fixed, fewer GPUs would each do more of th
 ``SearchOptions.global_batch_max`` the global batch may be any count from ``training.global_batch_size`` to
 it; the searched ones are both ends and the multiple of the largest power of two between them.
 
-Every (GPUs, batch) pair is one search sharing the options' time budget; the plan is the pair that trains the
+Every (GPUs, batch) pair is one search with an even share of the time budget left; the plan is the pair that trains the
 most tokens per second, ties to fewer GPUs. ``Plan.sizing`` records each pair tried, its step time and
 tokens/s or why it has none, and one sentence on the choice.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -99,23 +100,26 @@ def sized_search(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
                  search_one: Search) -> Plan:
     """The plan of the (GPUs, batch) pair with the most tokens per second, with ``Plan.sizing``."""
     pairs = [(g, b) for g in gpu_counts(profile, opts) for b in batch_counts(training, opts)]
-    share = replace(opts, time_budget_s=max(opts.time_budget_s / len(pairs), 0.1), global_batch_max=None,
-                    idle_gpus=False)  # each pair is one plain search
+    deadline = time.perf_counter() + opts.time_budget_s
     found: list[tuple[SizeTried, Plan | None]] = []
-    first_error: AutoparError | None = None
-    for gpus, batch in pairs:
+    errors: list[AutoparError] = []
+    for i, (gpus, batch) in enumerate(pairs):
+        # each pair is one plain search with an even share of the budget left (a pair refused at once leaves
+        # its share to the others)
+        left = max((deadline - time.perf_counter()) / (len(pairs) - i), 0.1)
+        share = replace(opts, time_budget_s=left, global_batch_max=None, idle_gpus=False)
         job = training.model_copy(update={"global_batch_size": batch, "global_batch_tokens": None})
         try:
             plan = search_one(model, job, on_gpus(profile, gpus), share)
         except AutoparError as exc:
-            first_error = first_error or exc
+            errors.append(exc)
             found.append((SizeTried(num_gpus=gpus, global_batch_size=batch, reason=str(exc)), None))
             continue
         step = plan.prediction.step_time_s
         found.append((SizeTried(num_gpus=gpus, global_batch_size=batch, step_time_s=step,
                                 tokens_per_s=batch * training.seq_length / step), plan))
-    if first_error is not None and not any(plan for _, plan in found):
-        raise first_error
+    if not any(plan for _, plan in found):  # the budget's error first: it is the one the user can fix at once
+        raise next((e for e in errors if e.field == "time_budget_s"), errors[0])
     best, plan = max(((t, p) for t, p in found if p is not None), key=lambda tp: (tp[0].tokens_per_s, -tp[0].num_gpus))
     sizing = Sizing(available_gpus=profile.num_gpus, global_batch_range=_range(training, opts),
                     chosen_gpus=best.num_gpus, chosen_global_batch=best.global_batch_size,
