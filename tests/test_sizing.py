@@ -11,13 +11,20 @@ from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.reference import reference_profile
 from planner.search import SearchOptions, search
-from planner.search.sizing import batch_counts, gpu_counts, smooth, why
+from planner.search.sizing import batch_counts, gpu_counts, on_gpus, smooth, smooth_below, why
 
 MODEL = get_preset("llama3-8b")
 
 
 def test_smooth_counts_are_products_of_twos_and_threes():
     assert [n for n in range(1, 26) if smooth(n)] == [1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24]
+    assert sorted(smooth_below(25)) == [1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24]
+    assert sorted(smooth_below(131_071))[-2:] == [118_098, 124_416]  # 2 x 3^10, 2^9 x 3^5
+
+
+def test_part_of_a_node_is_cut_from_the_node():
+    profile = reference_profile("dgx-h100", gpus=5)
+    assert on_gpus(profile, 4).name == "dgx-h100-4gpu" and on_gpus(profile, 4).num_gpus == 4
 
 
 @pytest.mark.parametrize(("nodes", "gpus", "expected"), [

@@ -15,6 +15,7 @@ tokens/s or why it has none, and one sentence on the choice.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -43,8 +44,20 @@ def gpu_counts(profile: ClusterProfile, opts: SearchOptions) -> list[int]:
     unit, count = (per, nodes) if nodes > 1 else (1, per)
     if not opts.idle_gpus or smooth(count) or (nodes == 1 and profile.kind == "measured"):
         return [profile.num_gpus]
-    smaller = [n for n in range(count - 1, 0, -1) if smooth(n)][:MAX_SMALLER_COUNTS]
+    smaller = sorted((n for n in smooth_below(count)), reverse=True)[:MAX_SMALLER_COUNTS]
     return [profile.num_gpus, *(n * unit for n in smaller)]
+
+
+def smooth_below(count: int) -> list[int]:
+    """Every ``2^a x 3^b`` below ``count``."""
+    out, three = [], 1
+    while three < count:
+        two = three
+        while two < count:
+            out.append(two)
+            two *= 2
+        three *= 3
+    return out
 
 
 def batch_counts(training: TrainingConfig, opts: SearchOptions) -> list[int]:
@@ -66,7 +79,9 @@ def on_gpus(profile: ClusterProfile, gpus: int) -> ClusterProfile:
         return profile.with_nodes(gpus // profile.gpus_per_node)
     from planner.reference import on_gpus as resize
 
-    return resize(profile, gpus)
+    # part of a node already cut from a reference node ("dgx-h100-5gpu"): cut the node again, not the cut
+    whole = re.sub(r"-\d+gpu$", "", profile.name)
+    return resize(profile.model_copy(update={"name": whole}), gpus)
 
 
 def used_profile(profile: ClusterProfile, plan: Plan) -> ClusterProfile:
