@@ -370,9 +370,6 @@ class _SearchState:
         opts, report = self.opts, self.report
         label = LeafLabel(st.family, zero, rep, shard, offload)
         need = self.states_need_of(st, zero, shard, offload)
-        if need > self.capacity:
-            self.no_fit(st, need, label, "model states alone need")
-            return
 
         def make_layout() -> ParallelLayout:
             return base_layout(st, opts, dp_replicate=rep, dp_shard=shard, zero_stage=zero,
@@ -380,8 +377,11 @@ class _SearchState:
                                schedule=sched, virtual_stages=v)
 
         refused = target_refusal(self.model, self.training, opts.target, make_layout(), st.m, ("layout",))
-        if refused is not None:
+        if refused is not None:  # before the memory test: "the closest" of a failed search is one the target runs
             self.rules.remove(Rule.TARGET, str(refused), target=opts.target, feature=refused.feature)
+            return
+        if need > self.capacity:
+            self.no_fit(st, need, label, "model states alone need")
             return
         comm = self.leaf_comm(st, zero, rep, shard, offload, reshard)
         if leaf_bound(st, sched, v, minmax, rec_min, comm) >= self.kth():
