@@ -100,3 +100,16 @@ def test_the_search_offloads_the_least_share_that_fits_where_the_target_can():
     mine = search(model, TRAINING, profile, SearchOptions(time_budget_s=20))
     assert mine.layout.offload_share in (0.0, 1.0)
     assert all(a.layout.offload_share in (0.0, 1.0) for a in mine.alternatives)
+
+
+def test_a_failed_search_names_a_closest_layout_its_target_runs():
+    """torchtitan runs no optimizer offload: Llama 3.1 8B on one H100 fits no layout, and the closest named is
+    not an offloaded one (it was 'zero1 offload0.5' when the memory test came before the target's)."""
+    from planner.errors import AutoparError
+
+    training = TrainingConfig(seq_length=2048, global_batch_size=8)
+    with pytest.raises(AutoparError) as err:
+        search(get_preset("llama3.1-8b"), training, reference_profile("dgx-h100", gpus=1),
+               SearchOptions(target="torchtitan"))
+    closest = str(err.value).split("the closest (")[1].split(")")[0]
+    assert closest.startswith("tp") and "offload" not in closest
