@@ -26,6 +26,7 @@ prior hardly moves it. No published row sets a prior.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,8 +63,10 @@ Values = dict[tuple[str, str | None], float]
 PRIOR_ROWS = 2.0
 """Weight of a measured prior in rows of the objective. Its term is ``|ln(x / measured)|`` uncapped: a
 measurement is not an outlier to be left unexplained. Two rows: in the fold without MLPerf the FP8
-efficiency's two minima differ by 0.0014 in the fold's mean objective over ~40 FP8 rows, which a prior of
-two rows outweighs by a factor of about ten; on the ~250 Hopper BF16 rows it moves the mean by <1%."""
+efficiency's two minima (0.42, 0.67) differ by 0.0014 in the mean objective over its few dozen FP8 rows
+(under 0.1 in summed row units), and two rows of prior at 0.698 separate them by 2 x (0.51 - 0.04) = 0.94
+in the same units. Measured on 2026-12-07: the packaged
+BF16 efficiency, which ~250 rows identify, moved from 0.584 to 0.583."""
 
 PRIOR_CONSTANT = {"bf16": "matmul_efficiency", "fp8": "fp8_matmul_efficiency"}
 """Which fitted constant a profile's achieved GEMM rate in a precision measures (share of that precision's peak)."""
@@ -75,9 +78,11 @@ class Prior:
     source: str
 
 
+@functools.lru_cache(maxsize=1)
 def measured_priors() -> dict[tuple[str, str | None], Prior]:
     """(constant, family) -> the share of the datasheet peak the profiler's best GEMM reached on a
-    shipped measured profile of that family (the first such profile by file name wins)."""
+    shipped measured profile of that family (the first such profile by file name wins). Read once: a
+    leave-one-source-out run fits 14 times (callers only read the dict)."""
     from planner import reference
     from planner.uncertainty import gpu_family
 
