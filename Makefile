@@ -40,6 +40,7 @@ bench: install
 	$(PY) benchmarks/memory_published.py
 	$(PY) benchmarks/targets_matrix.py
 	$(PY) benchmarks/fallbacks.py
+	$(PY) benchmarks/checkpoint_blocking.py
 	$(PY) benchmarks/bad_input.py
 	$(PY) benchmarks/search.py
 	$(PY) benchmarks/api_load.py

@@ -454,7 +454,22 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         peak = predicted_peak(pred, report)  # as the run measured it: the API's predicted_peak_memory_bytes
     return _page(request, "run.html", title=f"Run {row.id}", row=row, plan_row=plan_row, report=report,
                  problem=problem, charts=charts_, pred=pred, predicted_peak=peak,
-                 terms=term_comparison(pred.get("terms") or {}, report))
+                 terms=term_comparison(pred.get("terms") or {}, report),
+                 checkpoints=_checkpoints(report, pred))
+
+
+def _checkpoints(report: RunReport | None, pred: dict) -> list[dict]:
+    """The run's checkpoints per mode beside the plan's goodput (``planner.goodput.checkpoint_comparison``)."""
+    from planner.contracts.goodput import GoodputPrediction
+    from planner.goodput import checkpoint_comparison
+
+    if report is None:
+        return []
+    try:
+        goodput = GoodputPrediction.model_validate(pred["goodput"]) if pred.get("goodput") else None
+    except ValidationError:
+        goodput = None  # a plan stored before today's contract: the measured side alone
+    return checkpoint_comparison(report, goodput)
 
 
 def _run_charts(report: RunReport, predicted_s: float | None) -> list:

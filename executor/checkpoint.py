@@ -19,8 +19,10 @@ DP4, TP2xDP2 -> FSDP4, 4 ranks -> 2 ranks): DCP reshards tensors and DTensors al
 from __future__ import annotations
 
 import re
+import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -95,6 +97,12 @@ def _state(parts: list[nn.Module], optimizer: torch.optim.Optimizer, progress: d
     return {"model": model_sd, "optim": optim_sd, "progress": progress}
 
 
+def _written(record: CheckpointRecord, t0: float, done: threading.Event, _future: Future) -> None:
+    """An asynchronous save's done callback: its write time, from the save's start."""
+    record.write_s = time.perf_counter() - t0
+    done.set()
+
+
 class Checkpointer:
     """Saves every ``every`` steps (synchronously, or with ``dcp.async_save`` overlapping the next
     steps: at most one save in flight) and loads the newest step."""
@@ -102,6 +110,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, *, every: int = 0, use_async: bool = False) -> None:
         self.root, self.every, self.use_async = Path(root), every, use_async
         self._pending: Future | None = None
+        self._written = threading.Event()
         self.records: list[CheckpointRecord] = []  # each save's blocking and write times
         # an async save runs its collectives in a background thread: on the training's own process group
         # they would interleave with the step's collectives (a hang), so it gets a group of its own
@@ -118,26 +127,30 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = _state(parts, optimizer, {**progress, "step": steps_done})
         nbytes = _tensor_bytes(state)
+        tensors = len(state["model"])
         if self.use_async:
             result = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = getattr(result, "upload_completion", result)
-            record = self._record(steps_done, "async", time.perf_counter() - t0, nbytes)
-            self._pending.add_done_callback(lambda _: record.__setattr__("write_s", time.perf_counter() - t0))
+            record = self._record(steps_done, "async", time.perf_counter() - t0, nbytes, tensors)
+            self._written = threading.Event()
+            self._pending.add_done_callback(partial(_written, record, t0, self._written))
         else:
             dcp.save(state, checkpoint_id=str(path))
-            self._record(steps_done, "sync", time.perf_counter() - t0, nbytes)  # its write is its blocking time
+            # its write is its blocking time
+            self._record(steps_done, "sync", time.perf_counter() - t0, nbytes, tensors)
         return path
 
-    def _record(self, step: int, mode: str, blocking_s: float, nbytes: int) -> CheckpointRecord:
+    def _record(self, step: int, mode: str, blocking_s: float, nbytes: int, tensors: int) -> CheckpointRecord:
         record = CheckpointRecord(step=step, mode=mode, blocking_s=blocking_s, write_s=blocking_s,
-                                  bytes_per_rank=nbytes)
+                                  bytes_per_rank=nbytes, tensors_per_rank=tensors)
         self.records.append(record)
         return record
 
     def wait(self) -> None:
-        """Block until an asynchronous save has been written."""
+        """Block until an asynchronous save has been written and its write time recorded."""
         if self._pending is not None:
             self._pending.result()
+            self._written.wait()  # the done callback runs after result() returns in waiters
             self._pending = None
 
     def load(self, step: int, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:

@@ -251,6 +251,7 @@ def render_report(report: RunReport, plan: Plan) -> None:
                   f"{pred.memory.as_measured(report.memory_kind) / GiB:.2f} GiB")
     console.print(table)
     render_terms(report, plan)
+    render_checkpoints(report, plan)
     if report.steps:
         first, last = report.steps[0], report.steps[-1]
         timed = [s for s in report.steps[report.warmup_steps:] if not s.profiled]
@@ -258,6 +259,20 @@ def render_report(report: RunReport, plan: Plan) -> None:
                       f"median over {len(timed)} step(s) after {report.warmup_steps} warm-up"
                       + (f" and before {len(report.steps) - report.warmup_steps - len(timed)} profiled"
                          if report.breakdown else ""))
+
+
+def render_checkpoints(report: RunReport, plan: Plan) -> None:
+    """Each checkpoint mode's saves: measured blocking and write times beside the plan's goodput prediction."""
+    from planner.goodput import checkpoint_comparison
+
+    def secs(v: float | None) -> str:
+        return "—" if v is None else f"{v:.3f} s"
+
+    for row in checkpoint_comparison(report, plan.prediction.goodput):
+        console.print(f"checkpoints ({row['mode']}): {row['saves']} save(s) of {row['bytes_per_rank'] / GiB:.2f} GiB "
+                      f"per rank; blocking {secs(row['blocking_s'])} (first {secs(row['first_blocking_s'])}, "
+                      f"predicted {secs(row['predicted_blocking_s'])}), written in {secs(row['write_s'])} "
+                      f"(predicted {secs(row['predicted_write_s'])})", highlight=False)
 
 
 def render_terms(report: RunReport, plan: Plan) -> None:

@@ -482,10 +482,11 @@ def plan(
     failure_rate: Annotated[float, typer.Option(
         min=1e-12, max=MAX_FAILURE_RATE, help="job-interrupting failures per GPU-hour (default: Llama 3 405B's "
         "419 in 54 days on 16,384 GPUs)")] = GOAL.failure_rate_per_gpu_hour,
-    checkpoint_bandwidth: Annotated[float, typer.Option(
+    checkpoint_bandwidth: Annotated[float | None, typer.Option(
         min=1e-6, max=MAX_GBPS_PER_NODE,
-        help="storage write GB/s per node (default: Llama 3's 2 TB/s over 2,048 nodes)")
-    ] = GOAL.checkpoint_gbps_per_node,
+        help="storage write GB/s per node (default: the profile's measured checkpoint cost where it has one, "
+        "else Llama 3's 2 TB/s over 2,048 nodes)")
+    ] = None,
     restart_s: Annotated[float, typer.Option(min=0, max=MAX_RESTART_S, help="seconds from a failure until training "
                                              "resumes")] = GOAL.restart_s,
     price_per_gpu_hour: Annotated[float | None, typer.Option(min=1e-6, max=MAX_PRICE, help="USD per GPU-hour")
@@ -538,7 +539,7 @@ def plan(
     _finish_plan(result, goal, prof, out, as_json)
 
 
-def _goal(tokens: float | None, steps: int | None, failure_rate: float, gbps: float, restart_s: float,
+def _goal(tokens: float | None, steps: int | None, failure_rate: float, gbps: float | None, restart_s: float,
           price: float | None) -> TrainingGoal | None:
     """The time-to-train goal of ``autopar plan``'s flags, or None without --tokens and --steps."""
     if tokens is None and steps is None:

@@ -8,8 +8,10 @@ prediction, and makes the one that trains soonest the plan; the others stay alte
 
 from __future__ import annotations
 
-from planner.contracts import Alternative, ClusterProfile, Plan, Prediction
-from planner.contracts.goodput import TrainingGoal
+import statistics
+
+from planner.contracts import Alternative, ClusterProfile, Plan, Prediction, RunReport
+from planner.contracts.goodput import GoodputPrediction, TrainingGoal
 from planner.cost.goodput import plan_goodput
 
 
@@ -46,3 +48,26 @@ def _ttt_reason(alt: Alternative, best_wall_s: float) -> Alternative:
         return alt
     longer = alt.prediction.goodput.chosen.wall_s / best_wall_s - 1
     return alt.model_copy(update={"reason": f"{alt.reason}; time-to-train {longer:+.1%}"})
+
+
+def checkpoint_comparison(report: RunReport, goodput: GoodputPrediction | None) -> list[dict]:
+    """A run's checkpoints per mode beside the prediction, for ``autopar run`` and the run page: the saves, the
+    median blocking and write times of those after the first (a run's first save sets up: the async save's
+    process group and thread, DCP's first plan; with one save, that one), the first's blocking, and the
+    blocking and write the plan's goodput predicted for the mode (None without a goal, or for a mode it did
+    not price)."""
+    predicted = {c.mode: c for c in ((goodput.chosen, goodput.other) if goodput else ()) if c is not None}
+    rows = []
+    for mode in ("sync", "async"):
+        saves = [r for r in report.checkpoints if r.mode == mode]
+        if not saves:
+            continue
+        later = saves[1:] or saves
+        pred = predicted.get(mode)
+        rows.append({"mode": mode, "saves": len(saves), "bytes_per_rank": saves[0].bytes_per_rank,
+                     "tensors_per_rank": saves[0].tensors_per_rank, "first_blocking_s": saves[0].blocking_s,
+                     "blocking_s": statistics.median(r.blocking_s for r in later),
+                     "write_s": statistics.median(r.write_s for r in later),
+                     "predicted_blocking_s": None if pred is None else pred.blocking_s,
+                     "predicted_write_s": None if pred is None else pred.write_s})
+    return rows

@@ -112,6 +112,9 @@ def profile(
         help="seconds a collective may wait before the run stops (dead/hung rank)")] = 300.0,
     threads: Annotated[int | None, typer.Option(
         help="torch threads per rank (default cores / ranks on the host)")] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(
+        help="where the checkpoint saves are measured: the storage your training checkpoints to (default: the "
+             "system's temporary folder on each node); each save is deleted after it")] = None,
 ) -> None:
     """Measure this cluster: links on every rank (all-reduce, all-gather, reduce-scatter, all-to-all,
     p2p; within and across nodes, fitted to α-β), compute on rank 0; write/upload a ClusterProfile.
@@ -132,7 +135,8 @@ def profile(
         opts = ProfileOptions(name=name, quick=quick, model=model, tp_degrees=tp_degrees, precisions=precisions,
                               min_bytes=parse_bytes("--min-bytes", min_bytes),
                               max_bytes=parse_bytes("--max-bytes", max_bytes), ranks_per_node=ranks_per_node,
-                              timeout_s=timeout, threads=threads)
+                              timeout_s=timeout, threads=threads,
+                              checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
         if out is None and server is None:
             raise AutoparError("--out", None, "give --out PATH and/or --server URL",
                                problem="and --server are both missing")

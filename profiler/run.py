@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from planner.contracts import Assumptions, ClusterProfile, Collective, ComputeProfile, ModelSpec
 from planner.errors import AutoparError, UnknownNameError
@@ -50,6 +51,7 @@ class ProfileOptions:
     ranks_per_node: int | None = None
     timeout_s: float = 300.0
     threads: int | None = None
+    checkpoint_dir: str | None = None
 
 
 @dataclass
@@ -108,6 +110,18 @@ def _parse_tp(text: str | None) -> list[int] | None:
     return tps
 
 
+def writable_folder(path: str) -> None:
+    """``--checkpoint-dir`` is a folder this user can write (made if missing), else AutoparError."""
+    folder = Path(path)
+    fix = "give a folder this user can write on the storage your checkpoints go to, or leave it out"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AutoparError("--checkpoint-dir", path, fix, problem=f"cannot be made ({exc.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AutoparError("--checkpoint-dir", path, fix, problem="is not writable")
+
+
 def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     """Validate the request against this machine; raises AutoparError (field, value, fix) before anything runs."""
     import torch
@@ -120,6 +134,8 @@ def check(opts: ProfileOptions, d: Dist | None = None) -> Checked:
     if opts.name is not None and not opts.name.strip():
         raise AutoparError("--name", opts.name, "give the cluster a name, or leave --name out for one made from the "
                            "device and shape", problem="is empty")
+    if opts.checkpoint_dir is not None:
+        writable_folder(opts.checkpoint_dir)
     if device_type == "cuda" and d.local_world > torch.cuda.device_count():
         raise AutoparError("--nproc-per-node", d.local_world,
                            f"start at most {torch.cuda.device_count()} ranks per node (one per GPU)",
@@ -267,6 +283,10 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             links = _measure_link_table(c, opts, device, gathered, timeout, report)
             phase = "device check (every rank: one GEMM, one add)"
             checks = _check_devices(dist, wait_group, c, device, hostnames, opts.quick, report)
+            phase = "checkpoint saves (every rank, the executor's checkpointer)"
+            from profiler.checkpoint import measure_checkpoint
+
+            checkpoint = measure_checkpoint(device, opts.checkpoint_dir, opts.quick, report("checkpoint"))
             phase = "compute (rank 0 measures, the others wait)"
             measured = _rank0_compute(c, opts, device, t_start, report) if d.rank == 0 else None
             # the others wait here for rank 0's compute, on wait_group (see above)
@@ -276,7 +296,7 @@ def run_profile(opts: ProfileOptions, progress_factory=None) -> ClusterProfile |
             return None
         phase = "assemble"
         profile = _assemble(c, opts, device, backend, node_hosts, memory_assumptions, links, checks, measured,
-                            t_start)
+                            t_start).model_copy(update={"checkpoint": checkpoint})
         dist.destroy_process_group()
         return profile
     except AutoparError:

@@ -14,7 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
 from run_plans import reference_losses, torchrun_worker, write_plan
 
 from executor.checkpoint import latest_step
-from planner.contracts import RunReport
+from planner.contracts import Plan, RunReport
+from planner.cost.checks import default_layer_split
+from planner.cost.goodput import state_tensors_per_rank
+from planner.cost.params import embedding_tensors, layer_tensors
 
 STEPS = 4
 
@@ -65,8 +68,14 @@ def test_the_report_records_each_checkpoint_s_blocking_and_write_times(saved: di
     for name, mode in (("pp2dp2", "async"), ("tp2dp2", "sync")):
         report = RunReport.model_validate_json((saved["tmp"] / f"{name}.report.json").read_text())
         assert [c.step for c in report.checkpoints] == [2, 4] and {c.mode for c in report.checkpoints} == {mode}
+        plan = Plan.model_validate_json((saved["tmp"] / f"{name}.json").read_text())
+        # the planner's count of the parameter tensors rank 0 saves (the checkpoint's per-tensor cost)
+        first_stage = embedding_tensors(plan.model) + sum(layer_tensors(plan.model, i) for i in range(
+            default_layer_split(plan.model.num_layers, plan.layout.pp)[0]))
+        want = state_tensors_per_rank(plan.model, plan.layout) if plan.layout.pp == 1 else first_stage
         for c in report.checkpoints:
             assert c.bytes_per_rank > 0 and 0 < c.blocking_s <= c.write_s < 60
+            assert c.tensors_per_rank == want, (name, c.tensors_per_rank, want)
             if mode == "sync":
                 assert c.write_s == pytest.approx(c.blocking_s, rel=0.05, abs=1e-3)
 
@@ -123,3 +132,22 @@ def test_a_rank_s_chunks_save_under_the_model_s_names(hf: bool) -> None:
     assert merged == {k for part in parts for k, v in part.state_dict().items()}
     assert merged < set(model.state_dict()) and any("embed" in k for k in merged)
     assert any(k.endswith("norm.weight") and "layers" not in k for k in merged)
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_the_planner_counts_the_parameter_tensors_the_executor_builds(preset: str) -> None:
+    """``planner.cost.params.layer_tensors`` and friends against the built-in model's parameters (small widths, the
+    preset's structure; the built-in model has no per-head q/k norms, which the count prices for HF models)."""
+    from executor.model import build_model
+    from planner.contracts import ParallelLayout
+    from planner.presets import get_preset
+
+    m = get_preset(preset)
+    small = m.model_copy(update={"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
+                                 "ffn_hidden_size": 96, "vocab_size": 128, "head_dim": None, "qk_norm": False})
+    if m.moe is not None:
+        small = small.model_copy(update={"moe": m.moe.model_copy(update={"num_experts": 4, "top_k": 2,
+                                                                          "expert_ffn_hidden_size": 32})})
+    small = type(m).model_validate(small.model_dump())
+    built = build_model(small, device="meta")
+    assert len(list(built.parameters())) == state_tensors_per_rank(small, ParallelLayout())

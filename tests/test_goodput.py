@@ -6,14 +6,19 @@ import math
 
 import pytest
 
-from planner.contracts import TrainingConfig, TrainingGoal
+from planner.contracts import CheckpointCost, CheckpointLine, TrainingConfig, TrainingGoal
 from planner.contracts.goodput import LLAMA3_FAILURES_PER_GPU_HOUR
 from planner.cost.goodput import (
+    MAX_LINE_RATE,
+    CheckpointTimes,
     checkpoint_bytes_per_param,
+    checkpoint_times,
     choose_checkpoint,
     daly_interval_s,
     expected_wall_s,
+    fit_line,
     job_mtbf_s,
+    state_tensors_per_rank,
     steps_to_train,
     young_interval_s,
 )
@@ -47,30 +52,87 @@ def test_checkpoint_bytes_per_parameter():
     bf16 = TrainingConfig(seq_length=4096, global_batch_size=8)
     assert checkpoint_bytes_per_param(bf16, master_in_param=True) == 12  # fp32 master + Adam m, v
     assert checkpoint_bytes_per_param(bf16, master_in_param=False) == 14  # + the 16-bit weights
+    fp32 = TrainingConfig(seq_length=4096, global_batch_size=8, precision="fp32")
+    assert checkpoint_bytes_per_param(fp32, master_in_param=True) == 12  # no master: the fp32 weights + m, v
 
 
 def test_async_blocks_for_the_copy_only_and_waits_for_the_write():
     m, r = 10_000.0, 600.0
-    sync = choose_checkpoint("sync", 0.5, 20.0, 1e6, r, m)
-    asyn = choose_checkpoint("async", 0.5, 20.0, 1e6, r, m)
+    times = CheckpointTimes(sync_s=20.5, copy_s=0.5, write_s=20.0, source="by hand")
+    sync = choose_checkpoint("sync", times, 1e6, r, m)
+    asyn = choose_checkpoint("async", times, 1e6, r, m)
     assert sync.blocking_s == 20.5 and asyn.blocking_s == 0.5
     assert sync.interval_s == pytest.approx(daly_interval_s(20.5, m))
     assert asyn.interval_s == pytest.approx(max(daly_interval_s(0.5, m), 20.0))
     assert asyn.wall_s == pytest.approx(expected_wall_s(1e6, asyn.interval_s, 0.5, r + 20.0, m))
     assert asyn.goodput > sync.goodput
-    slow_write = choose_checkpoint("async", 0.5, 5_000.0, 1e6, r, m)
+    slow_write = choose_checkpoint("async", CheckpointTimes(5000.5, 0.5, 5_000.0, "by hand"), 1e6, r, m)
     assert slow_write.interval_s == 5_000.0  # the next checkpoint waits for the write
 
 
-def test_the_copy_of_cpu_ranks_runs_through_host_memory():
-    from planner.cost.goodput import checkpoint_times
+def _cpu_and_gpu():  # noqa: ANN202
     from planner.reference import reference_profile
 
     gpu = reference_profile("dgx-h100", 2)
-    cpu = gpu.model_copy(update={"links": [x for x in gpu.links if x.level.value != "host_device"]})
-    copy, write = checkpoint_times(cpu, 4e9, 64e9, 2, 1.0)
-    assert copy == pytest.approx(4e9 / cpu.assumptions.cpu_optimizer_bytes_per_s) and write == pytest.approx(32.0)
-    assert checkpoint_times(gpu, 4e9, 64e9, 2, 1.0)[1] == write
+    return gpu.model_copy(update={"links": [x for x in gpu.links if x.level.value != "host_device"]}), gpu
+
+
+def test_the_copy_of_cpu_ranks_runs_through_host_memory():
+    cpu, gpu = _cpu_and_gpu()
+    got = checkpoint_times(cpu, 4e9, 64e9, 100, 16, 1.0)  # 16 GPUs: 2 nodes
+    assert got.copy_s == pytest.approx(4e9 / cpu.assumptions.cpu_optimizer_bytes_per_s)
+    assert got.write_s == pytest.approx(32.0) and got.sync_s == pytest.approx(got.copy_s + 32.0)
+    assert checkpoint_times(gpu, 4e9, 64e9, 100, 16, 1.0).write_s == got.write_s
+    # unstated bandwidth without measured lines: Llama 3's 2 TB/s over 2,048 nodes
+    assert checkpoint_times(cpu, 4e9, 64e9, 100, 16, None).write_s == pytest.approx(64 / (2 * 2000 / 2048))
+
+
+MEASURED = CheckpointCost(
+    ranks=4, storage="/tmp", points=[],
+    sync=CheckpointLine(fixed_s=0.05, per_tensor_s=0.002, bytes_per_s=1e9),
+    async_blocking=CheckpointLine(fixed_s=0.02, per_tensor_s=0.0005, bytes_per_s=4e9),
+    async_write=CheckpointLine(fixed_s=0.1, per_tensor_s=0.002, bytes_per_s=1e9))
+
+
+def test_measured_lines_price_each_mode_by_bytes_and_tensors():
+    cpu, _ = _cpu_and_gpu()
+    prof = cpu.model_copy(update={"checkpoint": MEASURED})
+    # 4 ranks write 8e8 B: 2e8 each; the most loaded holds 3e8 (replicated tensors are written once)
+    got = checkpoint_times(prof, 3e8, 8e8, 100, 4, None)
+    assert got.sync_s == pytest.approx(0.05 + 0.2 + 0.2)  # 0.05 + 100 x 0.002 + 2e8 / 1e9
+    assert got.copy_s == pytest.approx(0.02 + 0.05 + 0.075)  # 0.02 + 100 x 0.0005 + 3e8 / 4e9: what it holds
+    # the write: that copy, then what the lines put behind it at the written share (0.5 - 0.12)
+    assert got.write_s == pytest.approx(got.copy_s + (0.1 + 0.2 + 0.2) - (0.02 + 0.05 + 0.05))
+    # a stated storage bandwidth replaces the measured storage, keeping the measured per-save costs
+    stated = checkpoint_times(prof, 2e8, 8e8, 100, 1, 2.0)
+    copy = 2e8 / cpu.assumptions.cpu_optimizer_bytes_per_s
+    assert stated.write_s == pytest.approx(0.4) and stated.copy_s == pytest.approx(0.02 + 0.05 + copy)
+    assert stated.sync_s == pytest.approx(0.05 + 0.2 + copy + 0.4)
+
+
+def test_a_line_is_fitted_through_its_points():
+    exact = [(b, n, 0.1 + 0.001 * n + b / 1e9) for b in (1e6, 1e8, 4e8) for n in (10, 100)]
+    line = fit_line(exact)
+    assert (line.fixed_s, line.per_tensor_s, line.bytes_per_s) == pytest.approx((0.1, 0.001, 1e9))
+    # times that fall with the tensors: that term is left at 0, not made negative
+    falling = [(1e8, 10, 0.3), (1e8, 100, 0.25), (4e8, 10, 0.6), (4e8, 100, 0.55)]
+    assert fit_line(falling).per_tensor_s == 0.0 and fit_line(falling).fixed_s > 0
+    # times that do not grow with the bytes: the contract's largest rate
+    assert fit_line([(1e6, 10, 0.2), (1e8, 10, 0.2)]).bytes_per_s == MAX_LINE_RATE
+
+
+def test_state_tensors_per_rank_counts_the_most_loaded_pipeline_rank():
+    from planner.contracts import ParallelLayout, Schedule
+    from planner.cost.params import layer_tensors
+    from planner.presets import get_preset
+
+    model = get_preset("llama3-8b")  # 32 layers of 2 norms + q, k, v, o + w1, w2, w3 = 9 tensors
+    assert layer_tensors(model, 0) == 9
+    assert state_tensors_per_rank(model, ParallelLayout()) == 1 + 32 * 9 + 2  # embedding, layers, norm + head
+    # 4 stages of 8 layers: the first holds the embedding, the last the final norm and the head
+    assert state_tensors_per_rank(model, ParallelLayout(pp=4, micro_batch_size=1)) == 8 * 9 + 2
+    inter = ParallelLayout(pp=2, virtual_stages=2, schedule=Schedule.interleaved_1f1b, micro_batch_size=1)
+    assert state_tensors_per_rank(model, inter) == 16 * 9 + 2  # rank 1 holds chunks 1 and 3 (the head)
 
 
 def test_steps_from_tokens_round_up():
@@ -115,6 +177,34 @@ def test_every_plan_gets_its_time_to_train_and_the_soonest_is_the_plan():
     for key in ("checkpoint_interval_s=", "checkpoint_blocking_s=", "mtbf_s=", "goodput=", "days=", "gpu_hours=",
                 "cost="):
         assert key in line
+
+
+def test_a_profile_s_measured_checkpoint_lines_price_the_plan_and_a_run_is_compared_with_them():
+    from planner.contracts import RunReport
+    from planner.contracts.report import CheckpointRecord
+    from planner.cost.goodput import checkpoint_sizes, plan_goodput
+    from planner.goodput import checkpoint_comparison
+
+    plan, _, prof = _plan(steps=1000)
+    measured = prof.model_copy(update={"checkpoint": MEASURED})
+    good = plan_goodput(plan.model, plan.training, measured, plan.layout, 16, plan.prediction, TrainingGoal(steps=9),
+                        "autopar")
+    assert any("measured checkpoint lines (/tmp)" in n for n in good.notes), good.notes
+    total, held = checkpoint_sizes(plan.model, plan.training, plan.layout, plan.prediction, True)
+    tensors = state_tensors_per_rank(plan.model, plan.layout)
+    sync = next(c for c in (good.chosen, good.other) if c.mode == "sync")
+    assert sync.blocking_s == pytest.approx(0.05 + 0.002 * tensors + total / 16 / 1e9)  # its written share
+    asyn = next(c for c in (good.chosen, good.other) if c.mode == "async")
+    assert asyn.blocking_s == pytest.approx(0.02 + 0.0005 * tensors + held / 4e9)  # the copy of what it holds
+    # a run's saves beside it: the median of those after the first, the first apart
+    saves = [CheckpointRecord(step=k, mode="sync", blocking_s=b, write_s=b, bytes_per_rank=10, tensors_per_rank=5)
+             for k, b in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 1.5))]
+    report = RunReport(layout=plan.layout, device="cpu", num_ranks=16, warmup_steps=0, median_step_time_s=1.0, steps=[],
+                       tokens_per_s=1.0, peak_memory_bytes_per_rank=[1], checkpoints=saves)
+    (row,) = checkpoint_comparison(report, good)
+    assert (row["mode"], row["saves"], row["blocking_s"], row["first_blocking_s"]) == ("sync", 4, 1.5, 3.0)
+    assert row["predicted_blocking_s"] == sync.blocking_s and row["predicted_write_s"] == sync.write_s
+    assert checkpoint_comparison(report, None)[0]["predicted_blocking_s"] is None
 
 
 def test_a_slow_restart_on_a_failing_cluster_lowers_the_goodput():

@@ -53,6 +53,10 @@ def measured_profile(client: TestClient, name: str = "lab-h100") -> dict:
         {"rank": r, "host": "node-a", "local_rank": r, "device": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 << 30,
          "precision": "bf16", "gemm": [8192, 8192, 8192], "gemm_tflops": t, "memory_bandwidth_bytes_per_s": bw}
         for r, t, bw in ((0, 741.0, 2.91e12), (1, 652.5, 2.95e12))]
+    line = {"fixed_s": 0.25, "per_tensor_s": 0.002, "bytes_per_s": 2.5e9}
+    body["checkpoint"] = {"ranks": 8, "storage": "/lustre/ckpt", "sync": line, "async_blocking": line,
+                          "async_write": line, "points": [{"mode": "sync", "bytes": 1 << 30, "tensors": 16,
+                                                           "blocking_s": 0.7, "write_s": 0.7}]}
     r = client.post("/v1/profiles", json=body)
     assert r.status_code == 201, r.text
     return r.json()
@@ -74,6 +78,8 @@ def site(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
             "steps": [{"step": 0, "loss": 10.0, "time_s": 1.0}, {"step": 1, "loss": 9.5, "time_s": 1.1},
                       {"step": 2, "loss": 9.25, "time_s": 1.3, "profiled": True}],
             "median_step_time_s": 1.0, "tokens_per_s": 1000, "peak_memory_bytes_per_rank": [1],
+            "checkpoints": [{"step": k, "mode": "async", "blocking_s": b, "write_s": 2.0, "bytes_per_rank": 1 << 20,
+                             "tensors_per_rank": 39} for k, b in ((1, 0.9), (2, 0.25), (3, 0.35))],
             "breakdown": [{"rank": 0, "step_s": 1.25, "data_s": 0.01,
                            "terms": {"gemm": 0.5, "attention": 0.25, "dp_grad": 0.25, "other": 0.25}}],
             "environment": {"hostnames": ["box-1"], "backend": "gloo", "torch_version": "2.13.0+cpu",
@@ -131,6 +137,8 @@ def test_measured_profile_page_draws_points(site: dict) -> None:
     assert "bf16 measured" in page and "rmsnorm measured" in page and "forward measured" in page
     assert "model (no measurements)" not in page
     assert "node-a" in page and "12.4" in page and "driver 550.54" in page and "8 GPUs per node" in page
+    # the measured checkpoint lines and their points
+    assert "Checkpoints" in page and "/lustre/ckpt" in page and "2.50 GB/s" in page and "1 measured points" in page
     assert ("every device checked</th><td>2 ranks, bf16 GEMM 8192×8192×8192: 652.5–741 TFLOP/s · add 2910–2950 GB/s"
             in page)
 
@@ -259,6 +267,10 @@ def test_plans_and_runs_lists(site: dict) -> None:
     assert "Step time per step" in run and "Loss per step" in run and "<circle" in run
     # predicted and measured per term of the step: the measured shares are the breakdown's over its step
     assert "Where the step goes" in run
+    # the checkpoints: the median of the saves after the first (0.25, 0.35 -> 0.3 s), the first apart
+    row = re.search(r"<th>async</th>(.*?)</tr>", run, re.S).group(1)
+    assert "39 tensors" in row and "300 ms" in row and "900 ms" in row and ">2 s<" in row, row
+    assert "this plan has no goal" in run
     gemm_row = re.search(r"<th[^>]*>gemm</th>(.*?)</tr>", run, re.S).group(1)
     assert "40.0%" in gemm_row, gemm_row  # 0.5 of 1.25 s
     assert re.search(r"<th[^>]*>dp_grad</th>.*?20.0%", run, re.S)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, TrainingConfig
+from planner.cost.goodput import line_time_s
 from planner.errors import AutoparError
 from planner.presets import get_preset
 from planner.search import search
@@ -101,9 +102,22 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
                for c in p.device_checks)
     assert len({(c.device, c.memory_bytes, c.host) for c in p.device_checks}) == 1
     assert not any("MIXED DEVICES" in s for s in p.sources)
+    # the executor's checkpointer measured on every rank: both modes at each configuration, a line per mode
+    ck = p.checkpoint
+    assert ck is not None and ck.ranks == 4 and ck.storage
+    assert sorted((q.bytes >> 20, q.tensors, q.mode) for q in ck.points) == sorted(
+        (b, n, m) for b, n in ((3, 16), (3, 64), (127, 16), (127, 64))  # 4 and 128 MiB, less
+        for m in ("sync", "async"))
+    assert all(q.blocking_s <= q.write_s for q in ck.points)
+    for line in (ck.sync, ck.async_blocking, ck.async_write):  # each fitted line comes near its own points
+        assert line.fixed_s + line.per_tensor_s + 1 / line.bytes_per_s > 0
+    saves = [q.blocking_s for q in ck.points if q.mode == "sync"]
+    assert max(abs(line_time_s(ck.sync, q.bytes, q.tensors) / q.blocking_s - 1)
+               for q in ck.points if q.mode == "sync") < 1.0, (ck.sync, saves)
+    assert not list(Path(ck.storage).glob("autopar-profile-checkpoint-*"))  # every save deleted
     # rank 0's rich progress bar named each stage as it measured, and each reached its total
     bars = quick_run["proc"].stderr
-    for stage in ("links:", "compute:"):
+    for stage in ("links:", "checkpoint:", "compute:"):
         assert stage in bars, bars[-2000:]
     done = re.findall(r"(\d+)/(\d+)", bars)
     assert done and any(a == b for a, b in done), bars[-2000:]
@@ -226,6 +240,14 @@ def test_zero_threads_and_an_empty_name_are_refused(tmp_path):
         _no_measuring(proc)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc = _single("--quick", "--checkpoint-dir", str(tmp_path / "afile"), "--out", str(tmp_path / "p.json"))
+    _no_measuring(proc)
+    assert proc.returncode == 2 and "--checkpoint-dir=" in proc.stderr and "cannot be made" in proc.stderr, \
+        proc.stderr
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_measuring(tmp_path):

@@ -5,6 +5,9 @@ from planner.contracts.cluster import (
     Assumptions,
     AttentionBlocking,
     AttentionPoint,
+    CheckpointCost,
+    CheckpointLine,
+    CheckpointPoint,
     ClusterProfile,
     Collective,
     ComputeProfile,
@@ -56,7 +59,8 @@ def json_schemas() -> dict[str, dict]:
 
 __all__ = [
     "SCHEMA_VERSION", "CONTRACTS", "json_schemas", "Precision", "Optimizer", "ModelSpec", "MoESpec",
-    "MLASpec", "TrainingConfig", "ClusterProfile", "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel",
+    "MLASpec", "TrainingConfig", "ClusterProfile", "CheckpointCost", "CheckpointLine", "CheckpointPoint",
+    "DeviceSpec", "DeviceCheck", "Environment", "LinkLevel",
     "Collective", "LinkProfile", "TimedPoint", "ComputeProfile", "GemmLayout", "GemmPoint", "LINEAR_LAYOUTS",
     "AttentionPoint", "AttentionBlocking", "ElementwisePoint",
     "Assumptions", "ParallelLayout", "Schedule", "Recompute", "StageRecompute", "Plan",

@@ -425,6 +425,42 @@ class DeviceCheck(Contract):
     memory_bandwidth_bytes_per_s: float = Field(gt=0, description="of an add over buffers several times the caches")
 
 
+class CheckpointLine(Contract):
+    """A checkpoint's time on one rank, every rank saving at once: ``t = fixed_s + per_tensor_s · tensors +
+    bytes / bytes_per_s`` (:func:`planner.cost.goodput.line_time_s`), ``tensors`` the parameter tensors the rank
+    saves (each with its optimizer states) and ``bytes`` the weights and optimizer states it writes (an
+    asynchronous save's blocking: that it copies)."""
+
+    fixed_s: float = Field(ge=0, le=3600, description="per save: planning, metadata, the save's collectives")
+    per_tensor_s: float = Field(ge=0, le=10, description="per parameter tensor saved: its state-dict entries "
+                                "(weight, optimizer states), their write requests and files")
+    bytes_per_s: float = Field(gt=0, le=1e13, description="bulk rate of one rank while every rank saves")
+
+
+class CheckpointPoint(Contract):
+    """One measured save configuration (the median of its trials)."""
+
+    mode: Literal["sync", "async"]
+    bytes: int = Field(ge=0, le=2**50, description="weights and optimizer states per rank")
+    tensors: int = Field(ge=1, le=10**7, strict=True, description="parameter tensors per rank")
+    blocking_s: float = Field(gt=0, le=86400, description="training stops this long (async: until the save "
+                              "returned)")
+    write_s: float = Field(gt=0, le=86400, description="from the save's start until it was on storage")
+
+
+class CheckpointCost(Contract):
+    """What a checkpoint costs on this cluster's storage, measured by ``autopar profile`` saving model-shaped
+    states with the executor's own checkpointer (torch.distributed.checkpoint) on every rank at once: a line
+    per mode fitted to the points (``planner.cost.goodput.fit_line``)."""
+
+    ranks: int = Field(ge=1, le=MAX_GPUS, strict=True, description="ranks that saved at once")
+    storage: str = Field(max_length=500, description="where the saves were written")
+    sync: CheckpointLine = Field(description="dcp.save: training stops for all of it")
+    async_blocking: CheckpointLine = Field(description="dcp.async_save until it returns (the copy to host)")
+    async_write: CheckpointLine = Field(description="dcp.async_save until the write is done (behind training)")
+    points: list[CheckpointPoint] = Field(default_factory=list, max_length=1000)
+
+
 FACTOR_BOUNDS = (0.05, 50.0)  # a calibration factor outside these is clipped: a term off by more is not tuned away
 
 
@@ -495,6 +531,9 @@ class ClusterProfile(Contract):
         "so the planner scales them by rank 0's check over the slowest rank's")
     calibration: RunCalibration | None = Field(None, description="corrections fitted on this cluster's runs "
                                                "(`autopar calibrate`); every prediction on the profile applies them")
+    checkpoint: CheckpointCost | None = Field(
+        None, description="a checkpoint's cost on this cluster's storage, measured (autopar profile); None: "
+        "the goodput prices the copy by the host link and the write by the goal's storage bandwidth alone")
 
     def term_factor(self, term: str) -> float:
         """The calibration's factor of ``term`` (``planner.contracts.report.STEP_TERMS``); 1 uncalibrated."""

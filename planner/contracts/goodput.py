@@ -36,9 +36,10 @@ class TrainingGoal(Contract):
         LLAMA3_FAILURES_PER_GPU_HOUR, gt=0, le=MAX_FAILURE_RATE,
         description="job-interrupting failures per GPU-hour (default: Llama 3 405B's 419 in 54 days on 16,384 "
                     "GPUs)")
-    checkpoint_gbps_per_node: float = Field(
-        LLAMA3_STORAGE_GBPS_PER_NODE, gt=0, le=MAX_GBPS_PER_NODE,
-        description="storage write bandwidth a node gets, GB/s (default: Llama 3's 2 TB/s over 2,048 nodes)")
+    checkpoint_gbps_per_node: float | None = Field(
+        None, gt=0, le=MAX_GBPS_PER_NODE,
+        description="storage write bandwidth a node gets, GB/s; None: the profile's measured checkpoint lines "
+                    "where it has them, else Llama 3's 2 TB/s over 2,048 nodes (LLAMA3_STORAGE_GBPS_PER_NODE)")
     restart_s: float = Field(DEFAULT_RESTART_S, ge=0, le=MAX_RESTART_S,
                              description="seconds from a failure until training resumes, checkpoint load included")
     price_per_gpu_hour: float | None = Field(None, gt=0, le=MAX_PRICE,

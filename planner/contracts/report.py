@@ -31,6 +31,9 @@ class CheckpointRecord(Contract):
     blocking_s: float = Field(ge=0, description="training stopped this long (async: until async_save returned)")
     write_s: float = Field(ge=0, description="from the save's start until the checkpoint was on storage")
     bytes_per_rank: int = Field(ge=0, description="the tensors rank 0 saved")
+    tensors_per_rank: int | None = Field(None, ge=0, le=10**7, strict=True,
+                                         description="parameter tensors rank 0 saved (each with its optimizer "
+                                         "states); None in reports written before it was recorded")
 
 
 class TermTimes(Contract):

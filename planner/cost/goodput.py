@@ -10,12 +10,23 @@ checkpoints.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from planner.contracts import ClusterProfile, LinkLevel, ModelSpec, ParallelLayout, Prediction, TrainingConfig
-from planner.contracts.goodput import CheckpointChoice, GoodputPrediction, TrainingGoal
+from planner.contracts import (
+    CheckpointLine,
+    ClusterProfile,
+    LinkLevel,
+    ModelSpec,
+    ParallelLayout,
+    Prediction,
+    TrainingConfig,
+)
+from planner.contracts.goodput import LLAMA3_STORAGE_GBPS_PER_NODE, CheckpointChoice, GoodputPrediction, TrainingGoal
+from planner.cost.checks import default_layer_split
 from planner.cost.comm import host_copy_time_s
 from planner.cost.memory import state_bytes_per_param
-from planner.cost.params import total_params
+from planner.cost.params import embedding_tensors, head_tensors, layer_tensors, total_params
+from planner.cost.pipeline import rank_chunks
 
 
 def job_mtbf_s(failures_per_gpu_hour: float, gpus: int) -> float:
@@ -44,11 +55,12 @@ def expected_wall_s(train_s: float, interval_s: float, delta_s: float, restart_s
 
 
 def checkpoint_bytes_per_param(training: TrainingConfig, master_in_param: bool) -> float:
-    """Bytes one parameter takes in a checkpoint: its optimizer states (the fp32 master included) and, where
-    the 16-bit weights are parameters of their own (not copies of the fp32 master), those too. Mixed-precision
-    AdamW: ``4 + 8 (+ 2) = 12 (14)``; gradients are not saved."""
+    """Bytes one parameter takes in a checkpoint: its optimizer states (the fp32 master included) and the
+    weights, unless they are the fp32 master itself (``master_in_param`` with a master: FSDP2's fp32 parameter).
+    Mixed-precision AdamW: ``4 + 8 (+ 2) = 12 (14)``; fp32 AdamW (no master: the weights are it): ``4 + 8 = 12``;
+    gradients are not saved."""
     state = state_bytes_per_param(training)
-    return state.optimizer + (0 if master_in_param else state.weights)
+    return state.optimizer + (0 if master_in_param and state.master else state.weights)
 
 
 def checkpoint_sizes(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, prediction: Prediction,
@@ -62,30 +74,135 @@ def checkpoint_sizes(model: ModelSpec, training: TrainingConfig, layout: Paralle
     return float(total), float(per_rank)
 
 
-def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes: float, nodes: int,
-                     gbps_per_node: float) -> tuple[float, float]:
-    """(device-to-host copy of the rank's states over the host link, the write of the whole checkpoint at
-    ``nodes · gbps_per_node`` GB/s): every rank copies at once, and storage takes each byte once. A profile of
-    CPU ranks has no host link: their copy is one through host memory (``assumptions.cpu_optimizer_bytes_per_s``)."""
-    write = total_bytes / (nodes * gbps_per_node * 1e9)
+def line_time_s(line: CheckpointLine, nbytes: float, tensors: int) -> float:
+    """A measured checkpoint line at a rank's state: ``t = fixed_s + per_tensor_s · tensors + bytes / bytes_per_s``."""
+    return line.fixed_s + line.per_tensor_s * tensors + nbytes / line.bytes_per_s
+
+
+def state_tensors_per_rank(model: ModelSpec, layout: ParallelLayout) -> int:
+    """Parameter tensors the most loaded pipeline rank saves: the blocks of its chunks
+    (:func:`planner.cost.params.layer_tensors`), the embedding on the rank of the first chunk and the final
+    norm and head on the rank of the last. Sharding (TP, ZeRO, FSDP, EP) splits a tensor, it adds none."""
+    counts = (list(layout.layers_per_stage) if layout.layers_per_stage is not None
+              else default_layer_split(model.num_layers, layout.pp * layout.virtual_stages))
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    last = len(counts) - 1
+
+    def rank_tensors(rank: int) -> int:
+        chunks = rank_chunks(layout.schedule, layout.pp, layout.virtual_stages, rank)
+        blocks = sum(layer_tensors(model, i) for c in chunks for i in range(starts[c], starts[c] + counts[c]))
+        return (blocks + (embedding_tensors(model) if 0 in chunks else 0)
+                + (head_tensors(model) if last in chunks else 0))
+
+    return max(rank_tensors(r) for r in range(layout.pp))
+
+
+MAX_LINE_RATE = 1e13  # bytes/s: a line whose times do not grow with the bytes (the contract's bound)
+
+
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares ``rows · x ≈ ys`` by the normal equations (a few columns), None when singular."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for v in a[pivot][:n])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [v - f * w for v, w in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def fit_line(points: list[tuple[float, int, float]]) -> CheckpointLine:
+    """``t = fixed + per_tensor · tensors + bytes / rate`` through (bytes, tensors, seconds) points, each
+    weighted by 1/t (relative error: the points span orders of magnitude), every coefficient ≥ 0: the subset
+    of terms with the least weighted residual whose coefficients are all non-negative (a term the points do not
+    show is left at 0; a line whose times do not grow with the bytes gets ``MAX_LINE_RATE``)."""
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 8):
+        cols = [k for k in range(3) if mask >> k & 1]
+        rows = [[(1.0, float(n), b)[k] / t for k in cols] for b, n, t in points]
+        x = _solve(rows, [1.0] * len(points)) if len(points) >= len(cols) else None
+        if x is None or min(x) < 0:
+            continue
+        coef = [0.0, 0.0, 0.0]
+        for k, v in zip(cols, x):
+            coef[k] = v
+        resid = sum((coef[0] + coef[1] * n + coef[2] * b - t) ** 2 / t**2 for b, n, t in points)
+        if best is None or resid < best[0]:
+            best = (resid, coef)
+    if best is None:
+        raise ValueError(f"no checkpoint line fits the points {points[:4]}")
+    fixed, per_tensor, per_byte = best[1]
+    return CheckpointLine(fixed_s=fixed, per_tensor_s=per_tensor,
+                          bytes_per_s=min(MAX_LINE_RATE, 1.0 / per_byte) if per_byte > 0 else MAX_LINE_RATE)
+
+
+@dataclass(frozen=True)
+class CheckpointTimes:
+    """One checkpoint of a plan: ``sync_s`` training stops for a synchronous save; an asynchronous one stops it
+    for ``copy_s`` while ``write_s`` goes on behind it; ``source`` says where the figures came from."""
+
+    sync_s: float
+    copy_s: float
+    write_s: float
+    source: str
+
+
+def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes: float, tensors: int,
+                     ranks: int, gbps_per_node: float | None) -> CheckpointTimes:
+    """A plan's checkpoint on ``ranks`` ranks: the most loaded rank holds ``per_rank_bytes`` and every rank writes
+    an even share of the checkpoint, ``total_bytes / ranks`` (torch.distributed.checkpoint writes a replicated
+    tensor once, spreading them over the ranks; a sharded one by its holder).
+
+    With the profile's measured lines (``profile.checkpoint``) and no storage bandwidth stated: sync and the
+    async write its line at the written share, the async blocking (the copy: it stages every tensor the rank
+    holds) its line at the held bytes, and the async write that copy plus what the lines put behind it at the
+    written share (``write(written) − blocking(written)``; the profiler's ranks hold what they write), all at the
+    rank's ``tensors`` (:func:`line_time_s`). Otherwise the copy
+    is the held bytes over the host link (a CPU rank's through host memory,
+    ``assumptions.cpu_optimizer_bytes_per_s``) and the write the whole checkpoint at ``nodes · gbps_per_node``
+    GB/s (storage takes each byte once; unstated: Llama 3's), plus the measured lines' per-save and per-tensor
+    costs where the profile has them (none where it does not)."""
+    measured, written = profile.checkpoint, total_bytes / ranks
+    if measured is not None and gbps_per_node is None:
+        copy = line_time_s(measured.async_blocking, per_rank_bytes, tensors)
+        behind = line_time_s(measured.async_write, written, tensors) - line_time_s(measured.async_blocking, written,
+                                                                                   tensors)
+        return CheckpointTimes(line_time_s(measured.sync, written, tensors), copy, copy + max(0.0, behind),
+                               f"measured checkpoint lines ({measured.storage})")
+    gbps = LLAMA3_STORAGE_GBPS_PER_NODE if gbps_per_node is None else gbps_per_node
+    write = total_bytes / (math.ceil(ranks / profile.gpus_per_node) * gbps * 1e9)
     if not any(link.level is LinkLevel.host_device for link in profile.links):
-        return per_rank_bytes / profile.assumptions.cpu_optimizer_bytes_per_s, write
-    return host_copy_time_s(profile, per_rank_bytes, to_device=False), write
+        copy = per_rank_bytes / profile.assumptions.cpu_optimizer_bytes_per_s
+    else:
+        copy = host_copy_time_s(profile, per_rank_bytes, to_device=False)
+    if measured is None:
+        return CheckpointTimes(copy + write, copy, write, f"host copy and {gbps:.3g} GB/s per node; no per-save cost "
+                               "measured")
+    fixed = (measured.sync.fixed_s + measured.sync.per_tensor_s * tensors,
+             measured.async_blocking.fixed_s + measured.async_blocking.per_tensor_s * tensors)
+    return CheckpointTimes(fixed[0] + copy + write, fixed[1] + copy, write,
+                           f"host copy and {gbps:.3g} GB/s per node, measured per-save costs")
 
 
-def choose_checkpoint(mode: str, copy_s: float, write_s: float, train_s: float, restart_s: float,
+def choose_checkpoint(mode: str, times: CheckpointTimes, train_s: float, restart_s: float,
                       mtbf_s: float) -> CheckpointChoice:
-    """One mode's interval and expected wall time. ``sync``: training stops for the copy and the write
-    (``δ = copy + write``). ``async``: it stops for the copy only (``δ = copy``); the write runs behind it, so
-    the interval is at least the write, and a failure loses the checkpoint being written: the restart is
+    """One mode's interval and expected wall time. ``sync``: training stops for the whole save
+    (``δ = times.sync_s``). ``async``: it stops for the copy only (``δ = times.copy_s``); the write runs behind
+    it, so the interval is at least the write, and a failure loses the checkpoint being written: the restart is
     charged the write as well (``R + write``, an upper estimate)."""
     if mode == "sync":
-        delta, restart, floor = copy_s + write_s, restart_s, 0.0
+        delta, write, restart, floor = times.sync_s, times.sync_s, restart_s, 0.0
     else:
-        delta, restart, floor = copy_s, restart_s + write_s, write_s
+        delta, write, restart, floor = times.copy_s, times.write_s, restart_s + times.write_s, times.write_s
     interval = max(daly_interval_s(max(delta, 1e-9), mtbf_s), floor)
     wall = expected_wall_s(train_s, interval, delta, restart, mtbf_s)
-    return CheckpointChoice(mode=mode, blocking_s=delta, write_s=write_s, interval_s=interval, wall_s=wall,
+    return CheckpointChoice(mode=mode, blocking_s=delta, write_s=write, interval_s=interval, wall_s=wall,
                             goodput=min(1.0, train_s / wall))
 
 
@@ -109,15 +226,15 @@ def plan_goodput(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     train_s = steps * prediction.step_time_s
     mtbf = job_mtbf_s(goal.failure_rate_per_gpu_hour, num_gpus)
     total, per_rank = checkpoint_sizes(model, training, layout, prediction, facts.master_in_param)
-    nodes = math.ceil(num_gpus / profile.gpus_per_node)
-    copy_s, write_s = checkpoint_times(profile, per_rank, total, nodes, goal.checkpoint_gbps_per_node)
+    times = checkpoint_times(profile, per_rank, total, state_tensors_per_rank(model, layout), num_gpus,
+                             goal.checkpoint_gbps_per_node)
     modes = ["sync"] + (["async"] if facts.async_checkpoint else [])
-    found = sorted((choose_checkpoint(m, copy_s, write_s, train_s, goal.restart_s, mtbf) for m in modes),
+    found = sorted((choose_checkpoint(m, times, train_s, goal.restart_s, mtbf) for m in modes),
                    key=lambda c: c.wall_s)
     chosen = found[0]
     gpu_hours = chosen.wall_s / 3600.0 * num_gpus
     notes = [f"async checkpoints: {facts.async_checkpoint}" if chosen.mode == "async" else
-             f"synchronous checkpoints ({facts.checkpoint_source})"]
+             f"synchronous checkpoints ({facts.checkpoint_source})", f"checkpoint cost: {times.source}"]
     return GoodputPrediction(
         steps=steps, train_s=train_s, mtbf_s=mtbf, checkpoint_bytes=total, checkpoint_bytes_per_rank=per_rank,
         chosen=chosen, other=found[1] if len(found) > 1 else None, days=chosen.wall_s / 86400.0,

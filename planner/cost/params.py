@@ -127,3 +127,46 @@ def active_params(model: ModelSpec) -> int:
         return total_params(model)
     routed = model.num_moe_layers * routed_expert_params(model)
     return total_params(model) - routed + routed * model.moe.top_k // model.moe.num_experts
+
+
+def _norm_tensors(model: ModelSpec) -> int:
+    """One norm's tensors: RMSNorm its scale, LayerNorm scale and shift."""
+    return 2 if model.norm == "layernorm" else 1
+
+
+def _attention_tensors(model: ModelSpec) -> int:
+    """Attention's tensors: q, k, v and output (MLA: the low-rank q path ``q_a``, its norm, ``q_b`` (one ``q``
+    without it), ``kv_a``, its norm, ``kv_b``, output), their biases, and a q and a k norm."""
+    if model.mla is not None:
+        count = (3 if model.mla.q_lora_rank else 1) + 4
+    else:
+        count = 4 + (3 if model.biased_qkv else 0)
+    return count + (1 if model.linear_bias else 0) + (2 if model.qk_norm else 0)
+
+
+def _ffn_tensors(model: ModelSpec) -> int:
+    """A dense FFN's (or one stacked expert group's) tensors: w1, w2 (and w3 with SwiGLU), with their biases."""
+    weights = 3 if model.ffn_kind == "swiglu" else 2
+    return weights * (2 if model.linear_bias else 1)
+
+
+def layer_tensors(model: ModelSpec, index: int) -> int:
+    """Parameter tensors of block ``index`` as the executor builds it: its two norms, attention
+    (:func:`_attention_tensors`), and a dense FFN or the MoE's router, routed experts (stacked: one tensor per
+    projection for all of them) and shared experts. A framework that fuses q, k and v (Megatron-LM's
+    ``linear_qkv``) holds fewer: the count prices a checkpoint's per-tensor cost from above."""
+    count = 2 * _norm_tensors(model) + _attention_tensors(model)
+    if not model.is_moe_layer(index):
+        return count + _ffn_tensors(model)
+    assert model.moe is not None
+    return count + 1 + _ffn_tensors(model) + (_ffn_tensors(model) if model.moe.num_shared_experts else 0)
+
+
+def embedding_tensors(model: ModelSpec) -> int:
+    """The token table and a learned position table if the model has one."""
+    return 1 + (1 if model.position_embedding == "learned" else 0)
+
+
+def head_tensors(model: ModelSpec) -> int:
+    """The final norm and the output projection (none when tied to the embedding)."""
+    return _norm_tensors(model) + (0 if model.tied_embeddings else 1)
