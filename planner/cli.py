@@ -745,6 +745,12 @@ def calibrate(
     console.print(f"step time median |error| over these runs: {cal.uncalibrated_median_error:.1%} before, "
                   f"{cal.fitted_median_error:.1%} after (fitted on them); leave-one-run-out {held}: what to "
                   "expect of a plan not yet run", highlight=False)
+    saves = [] if done.checkpoint is None else [p for p in done.checkpoint.points if p.run]
+    if saves:
+        line = done.checkpoint.sync
+        console.print(f"checkpoint lines refitted with {len(saves)} save(s) of the runs: sync {line.fixed_s:.3g} s + "
+                      f"{line.per_tensor_s * 1e3:.3g} ms/tensor + bytes at {line.bytes_per_s / 1e9:.3g} GB/s",
+                      highlight=False)
     write_or_keep(out, done.model_dump_json(indent=2), "--out", "calibrated profile", "autopar-profile")
     console.print(f"calibrated profile written to {out} (plan with --profile {out})")
 

@@ -25,9 +25,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.contracts import ClusterProfile, Plan, Prediction, RunReport
+from planner.contracts import CheckpointCost, CheckpointPoint, ClusterProfile, Plan, Prediction, RunReport
 from planner.contracts.cluster import FACTOR_BOUNDS, RunCalibration, TermFactor
 from planner.contracts.report import COMM_TERMS, STEP_TERMS
+from planner.cost.goodput import fit_checkpoint_cost
 from planner.errors import AutoparError
 
 
@@ -180,6 +181,46 @@ def _error(step_s: float, run: CalibrationRun) -> float:
     return abs(step_s / run.report.median_step_time_s - 1)
 
 
+MAX_RUN_CHECKPOINT_POINTS = 500  # the newest runs' saves kept beside the profiler's (CheckpointCost.points <= 1000)
+
+
+def checkpoint_points(run: CalibrationRun) -> list[CheckpointPoint]:
+    """A run's saves as points of the checkpoint lines: each mode's saves after its first (the first sets up),
+    at the share of the checkpoint each rank writes as the goodput prices it
+    (:func:`planner.cost.goodput.checkpoint_sizes` over the ranks), the bytes rank 0 held and the tensors it saved.
+    Reports written before the tensors were recorded give none."""
+    from planner import targets
+    from planner.cost.goodput import checkpoint_sizes
+
+    plan, report = run.plan, run.report
+    total, _ = checkpoint_sizes(plan.model, plan.training, plan.layout, plan.prediction,
+                                targets.target_facts(plan.target).master_in_param)
+    points = []
+    for mode in ("sync", "async"):
+        later = [r for r in report.checkpoints if r.mode == mode][1:]
+        points += [CheckpointPoint(mode=mode, bytes=int(total / report.num_ranks), held_bytes=r.bytes_per_rank,
+                                   tensors=r.tensors_per_rank, blocking_s=max(r.blocking_s, 1e-6),
+                                   write_s=max(r.write_s, r.blocking_s, 1e-6), run=run.name[:200])
+                   for r in later if r.tensors_per_rank]
+    return points
+
+
+def fit_checkpoint(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> CheckpointCost | None:
+    """The profile's checkpoint lines refitted on its profiler's points and the runs' saves
+    (:func:`checkpoint_points`; those of an earlier calibration replaced): a run's checkpoints teach the next
+    plan's. Unchanged where the runs saved nothing; None where neither measured both modes."""
+    mine = [] if profile.checkpoint is None else [p for p in profile.checkpoint.points if p.run is None]
+    theirs = [p for r in runs for p in checkpoint_points(r)][-MAX_RUN_CHECKPOINT_POINTS:]
+    if not theirs:
+        return profile.checkpoint
+    points = mine + theirs
+    if {p.mode for p in points} != {"sync", "async"}:
+        return profile.checkpoint
+    where = profile.checkpoint.storage if profile.checkpoint else "the runs' checkpoint folders"
+    ranks = profile.checkpoint.ranks if profile.checkpoint else max(r.report.num_ranks for r in runs)
+    return fit_checkpoint_cost(points, ranks, where)
+
+
 def _with(base: ClusterProfile, calibration: RunCalibration | None) -> ClusterProfile:
     return base.model_copy(update={"calibration": calibration})
 
@@ -214,7 +255,7 @@ def calibrate(profile: ClusterProfile, runs: Sequence[CalibrationRun], left_out:
         held_out = statistics.median(abs(math.exp(x) - 1) for x in residuals)
     done = draft.model_copy(update={"fitted_median_error": fitted, "held_out_median_error": held_out,
                                     "held_out_residuals": [round(x, 5) for x in residuals]})
-    return _with(base, done)
+    return _with(base, done).model_copy(update={"checkpoint": fit_checkpoint(profile, runs)})
 
 
 def step_errors(profile: ClusterProfile, runs: Sequence[CalibrationRun]) -> list[float]:

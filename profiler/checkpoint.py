@@ -29,7 +29,7 @@ from torch import nn
 from executor.checkpoint import Checkpointer
 from executor.reference import make_optimizer
 from planner.contracts import CheckpointCost, CheckpointPoint
-from planner.cost.goodput import fit_line
+from planner.cost.goodput import fit_checkpoint_cost
 
 MIB = 1 << 20
 # (state bytes per rank, parameter tensors per rank): small and large states in few and many tensors, so the
@@ -107,14 +107,4 @@ def measure_checkpoint(device: torch.device, checkpoint_dir: str | None, quick: 
     dist.barrier()
     if dist.get_rank() == 0 or _node_leader():
         shutil.rmtree(root, ignore_errors=True)
-    return _fitted(points, dist.get_world_size(), root.parent)
-
-
-def _fitted(points: list[CheckpointPoint], ranks: int, storage: Path) -> CheckpointCost:
-    """The three lines through the points: sync blocking, async blocking, async write."""
-    def line(mode: str, write: bool):  # noqa: ANN202
-        return fit_line([(p.bytes, p.tensors, p.write_s if write else p.blocking_s) for p in points
-                         if p.mode == mode])
-
-    return CheckpointCost(ranks=ranks, storage=str(storage)[:500], sync=line("sync", False),
-                          async_blocking=line("async", False), async_write=line("async", True), points=points)
+    return fit_checkpoint_cost(points, dist.get_world_size(), str(root.parent))

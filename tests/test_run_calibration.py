@@ -252,3 +252,45 @@ def test_a_run_without_a_breakdown_says_so_on_its_page(tmp_path: Path) -> None:
         page = c.get(f"/runs/{posted['id']}").text
     assert "Where the step goes" in page and "this run was not measured by term" in page
     assert "mean over 0 rank(s)" not in page
+
+
+def test_a_run_s_checkpoints_refit_the_profile_s_checkpoint_lines() -> None:
+    """The profiler's lines say 0.1 s + 1 ms a tensor + 1 GB/s; runs whose saves took twice that move the lines
+    toward them (sync, async blocking at the bytes held, async write), keeping the profiler's points, and a
+    second calibration replaces the first's run points instead of piling them up."""
+    from planner.contracts import CheckpointCost, CheckpointPoint
+    from planner.contracts.report import CheckpointRecord
+    from planner.cost.goodput import fit_checkpoint_cost, line_time_s
+
+    profile, runs = recorded()
+
+    def t(b: float, n: int) -> float:
+        return 0.1 + 0.001 * n + b / 1e9
+
+    grid = [(b, n) for b in (4e6, 1.3e8) for n in (16, 64)]
+    mine = [CheckpointPoint(mode=m, bytes=int(b), tensors=n, blocking_s=t(b, n), write_s=2 * t(b, n))
+            for b, n in grid for m in ("sync", "async")]
+    profile = profile.model_copy(update={"checkpoint": fit_checkpoint_cost(mine, 4, "/tmp")})
+    run = runs[0]
+    held, tensors = 40_000_000, 39
+    slow = [CheckpointRecord(step=k, mode=m, blocking_s=2 * t(held, tensors), write_s=4 * t(held, tensors),
+                             bytes_per_rank=held, tensors_per_rank=tensors)
+            for m in ("sync", "async") for k in range(1, 6)]
+    taught = CalibrationRun(run.name, run.plan, run.report.model_copy(update={"checkpoints": slow}))
+    done = calibrate(profile, [taught, *runs[1:3]])
+    ck: CheckpointCost = done.checkpoint
+    assert len([p for p in ck.points if p.run == run.name]) == 8  # 4 saves after the first, per mode
+    assert len([p for p in ck.points if p.run is None]) == len(mine)
+    before, after = profile.checkpoint, ck
+    for line in ("sync", "async_write"):
+        written = next(p.bytes for p in ck.points if p.run)
+        assert line_time_s(getattr(after, line), written, tensors) > 1.2 * line_time_s(getattr(before, line), written,
+                                                                                       tensors), line
+    assert line_time_s(after.async_blocking, held, tensors) > 1.2 * line_time_s(before.async_blocking, held, tensors)
+    again = calibrate(done, [taught])
+    assert len([p for p in again.checkpoint.points if p.run]) == 8
+    # runs that saved nothing leave the lines as they were; reports from before tensors were recorded give no points
+    assert calibrate(profile, runs[1:3]).checkpoint == profile.checkpoint
+    old = [r.model_copy(update={"tensors_per_rank": None}) for r in slow]
+    assert calibrate(profile, [CalibrationRun(run.name, run.plan, run.report.model_copy(
+        update={"checkpoints": old}))]).checkpoint == profile.checkpoint

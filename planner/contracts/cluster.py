@@ -446,6 +446,10 @@ class CheckpointPoint(Contract):
     blocking_s: float = Field(gt=0, le=86400, description="training stops this long (async: until the save "
                               "returned)")
     write_s: float = Field(gt=0, le=86400, description="from the save's start until it was on storage")
+    held_bytes: int | None = Field(None, ge=0, le=2**50, description="what the rank held (an async save copies "
+                                   "it all); None: bytes (the profiler's ranks hold what they write)")
+    run: str | None = Field(None, max_length=200, description="the run it was measured in (autopar calibrate); "
+                            "None: the profiler")
 
 
 class CheckpointCost(Contract):

@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 
 from planner.contracts import (
+    CheckpointCost,
     CheckpointLine,
+    CheckpointPoint,
     ClusterProfile,
     LinkLevel,
     ModelSpec,
@@ -140,6 +142,17 @@ def fit_line(points: list[tuple[float, int, float]]) -> CheckpointLine:
     fixed, per_tensor, per_byte = best[1]
     return CheckpointLine(fixed_s=fixed, per_tensor_s=per_tensor,
                           bytes_per_s=min(MAX_LINE_RATE, 1.0 / per_byte) if per_byte > 0 else MAX_LINE_RATE)
+
+
+def fit_checkpoint_cost(points: list[CheckpointPoint], ranks: int, storage: str) -> CheckpointCost:
+    """The three lines through measured saves (:func:`fit_line`): sync blocking and the async write at the
+    bytes written, the async blocking at the bytes held (its copy)."""
+    def line(mode: str, write: bool) -> CheckpointLine:
+        return fit_line([((p.bytes if write or mode == "sync" or p.held_bytes is None else p.held_bytes), p.tensors,
+                          p.write_s if write else p.blocking_s) for p in points if p.mode == mode])
+
+    return CheckpointCost(ranks=ranks, storage=storage[:500], sync=line("sync", False),
+                          async_blocking=line("async", False), async_write=line("async", True), points=points)
 
 
 @dataclass(frozen=True)
