@@ -170,17 +170,19 @@ def on_gpus(profile: ClusterProfile, gpus: int) -> ClusterProfile:
     """``profile`` on ``gpus`` GPUs: part of one node (``gpus_per_node`` cut, renamed ``<name>-<n>gpu``: a
     4-GPU job on an 8-GPU node is another machine than the node) or whole nodes (:meth:`ClusterProfile.with_nodes`);
     as it is when it has ``gpus`` already. Only a reference profile can be resized: a measured one describes
-    the machines it was measured on (AutoparError naming ``gpus``)."""
+    the machines it was measured on (AutoparError naming ``gpus``). A profile already cut from a node
+    (``dgx-h100-5gpu``) is cut again under the node's name (``dgx-h100-4gpu``)."""
     if gpus == profile.num_gpus:
         return profile
     if profile.kind == "measured":
         raise AutoparError("gpus", gpus, f"omit gpus (this measured profile describes {profile.num_gpus} GPUs) or "
                            "use a profile measured on the machines you plan for",
                            problem="cannot change a measured profile")
-    nodes, per_node = gpus_to_nodes(profile.name, gpus, profile.gpus_per_node)
+    system = re.sub(r"-\d+gpu$", "", profile.name)  # part of a node cut again: from the node, not the cut
+    nodes, per_node = gpus_to_nodes(system, gpus, profile.gpus_per_node)
     if per_node < profile.gpus_per_node:
         return ClusterProfile.model_validate({**profile.model_dump(), "gpus_per_node": per_node, "num_nodes": 1,
-                                              "name": f"{profile.name}-{per_node}gpu"})
+                                              "name": f"{system}-{per_node}gpu"})
     return profile.with_nodes(nodes)
 
 

@@ -15,7 +15,6 @@ tokens/s or why it has none, and one sentence on the choice.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -79,9 +78,7 @@ def on_gpus(profile: ClusterProfile, gpus: int) -> ClusterProfile:
         return profile.with_nodes(gpus // profile.gpus_per_node)
     from planner.reference import on_gpus as resize
 
-    # part of a node already cut from a reference node ("dgx-h100-5gpu"): cut the node again, not the cut
-    whole = re.sub(r"-\d+gpu$", "", profile.name)
-    return resize(profile.model_copy(update={"name": whole}), gpus)
+    return resize(profile, gpus)
 
 
 def used_profile(profile: ClusterProfile, plan: Plan) -> ClusterProfile:
