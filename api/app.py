@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +28,7 @@ from api.migrate import migrate
 from api.pages import router as pages_router
 from api.routes import ROUTERS
 from api.settings import Settings
+from api.slots import Saturated, SearchSlots
 from planner.errors import AutoparError
 
 log = logging.getLogger("autopar.api")
@@ -57,17 +58,38 @@ def create_app(settings: Settings | None = None, db: Database | None = None) -> 
             database.dispose()
 
     app = FastAPI(title="autopar", version="1", description=API_DESCRIPTION, lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None, responses=COMMON_RESPONSES,
+                  docs_url=None, redoc_url=None, responses=COMMON_RESPONSES,
                   generate_unique_id_function=lambda route: route.name)  # operationId = the function's name
     app.state.settings = settings
+    app.state.plan_slots = SearchSlots(settings.plan_workers, settings.plan_queue, settings.max_plan_budget_s)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _errors(app)
+    _offline_docs(app)
     for router in (*ROUTERS, pages_router):
         app.include_router(router)
     return app
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def _offline_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI served from the swagger-ui-bundle package (no CDN: the docs work offline)."""
+    import swagger_ui_bundle
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="autopar API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def _detail(field: str, message: str, value: Any = None, fix: str | None = None) -> dict:
@@ -83,6 +105,11 @@ def _detail(field: str, message: str, value: Any = None, fix: str | None = None)
 
 
 def _errors(app: FastAPI) -> None:
+    @app.exception_handler(Saturated)
+    async def _saturated(_request: Request, exc: Saturated) -> JSONResponse:
+        return JSONResponse(status_code=503, headers={"Retry-After": str(exc.retry_after_s)},
+                            content={"detail": f"{exc}; retry after {exc.retry_after_s} s"})
+
     @app.exception_handler(AutoparError)
     async def _bad_input(_request: Request, exc: AutoparError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": [_detail(exc.field, str(exc), exc.value, exc.fix)]})

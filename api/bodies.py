@@ -121,9 +121,14 @@ class FiniteJSONRoute(APIRoute):
     validates it (whose error would echo ``nan``, which no JSON response can hold)."""
 
     def get_route_handler(self) -> Any:
+        from api.deps import Writer, authorize
+
         handle = super().get_route_handler()
+        writes = any(d.dependency is Writer.dependency for d in self.dependencies)
 
         async def handler(request: Request) -> Response:
+            if writes:  # the token before the body: 401 for a client without one, whatever it sent
+                authorize(request)
             request = FiniteJSONRequest(request.scope, request.receive)
             try:
                 if await request.body():

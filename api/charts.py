@@ -36,6 +36,13 @@ def fmt_si(v: float) -> str:
     return f"{v:.2g}"
 
 
+def fmt_plain(v: float) -> str:
+    """A rate in its axis' own unit (TFLOP/s, GB/s): 3 significant digits, no SI prefix (0.25, not 250m)."""
+    if v == 0 or not math.isfinite(v):
+        return "0" if v == 0 else str(v)
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
 def fmt_bytes(v: float) -> str:
     if not math.isfinite(v):
         return str(v)
@@ -157,10 +164,27 @@ class Series:
     color: str | None = None
     dashed: bool = False
     labels: list[str] = field(default_factory=list)  # tooltip per point (markers)
+    legend: str | None = None  # series sharing a legend name share one entry (a fit and its measured points)
+
+
+def _entries(series: list[Series]) -> list[tuple[str, str, str]]:
+    """One legend entry per series, or per ``legend`` name its series share (drawn as a line with a marker)."""
+    entries: list[tuple[str, str, str]] = []
+    where: dict[str, int] = {}
+    for s in series:
+        style = "marker" if s.mode == "markers" else ("dash" if s.dashed else "line")
+        key = s.legend or s.name
+        if key in where:
+            name, color, seen = entries[where[key]]
+            entries[where[key]] = (name, color, seen if seen == style else "both")
+            continue
+        where[key] = len(entries)
+        entries.append((key, s.color or "#000", style))
+    return entries
 
 
 def _legend(entries: list[tuple[str, str, str]], x0: float, y0: float, width: float) -> tuple[str, float]:
-    """entries (name, color, style: line|dash|marker|box); returns svg and the height used."""
+    """entries (name, color, style: line|dash|marker|both|box); returns svg and the height used."""
     out, x, y, row_h = [], x0, y0, 16
     for name, color, style in entries:
         label = name if len(name) <= 48 else name[:47] + "…"
@@ -169,6 +193,9 @@ def _legend(entries: list[tuple[str, str, str]], x0: float, y0: float, width: fl
             x, y = x0, y + row_h
         if style == "marker":
             sym = f'<circle cx="{_f(x + 9)}" cy="{_f(y - 4)}" r="3.5" fill="{color}"/>'
+        elif style == "both":
+            sym = (f'<path d="M{_f(x)} {_f(y - 4)}h18" stroke="{color}" stroke-width="2" stroke-dasharray="5 3" '
+                   f'fill="none"/><circle cx="{_f(x + 9)}" cy="{_f(y - 4)}" r="3.5" fill="{color}"/>')
         elif style == "box":
             sym = f'<rect x="{_f(x + 2)}" y="{_f(y - 10)}" width="14" height="10" fill="{color}"/>'
         else:
@@ -192,7 +219,8 @@ def xy_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: str
         pts = [(float(x), float(y)) for x, y in s.points
                if math.isfinite(x) and math.isfinite(y) and (x > 0 or not log_x) and (y > 0 or not log_y)]
         if pts:
-            clean.append(Series(s.name, pts, s.mode, s.color or PALETTE[i % len(PALETTE)], s.dashed, s.labels))
+            clean.append(Series(s.name, pts, s.mode, s.color or PALETTE[i % len(PALETTE)], s.dashed, s.labels,
+                                s.legend))
     if not clean:
         return _empty(width, 120, title, empty_message)
     xs = [x for s in clean for x, _ in s.points]
@@ -205,10 +233,7 @@ def xy_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: str
     if diagonal:
         ay = ax if log_x == log_y else ay
 
-    entries = []
-    for s in clean:
-        style = "marker" if s.mode == "markers" else ("dash" if s.dashed else "line")
-        entries.append((s.name, s.color or "#000", style))
+    entries = _entries(clean)
     if diagonal:
         entries.append(("y = x (perfect prediction)", "#9ca3af", "dash"))
     left, right, top = 64, 16, 30

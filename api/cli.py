@@ -41,8 +41,12 @@ def _post_example(base: str, tokens: tuple[str, ...]) -> None:
     else:
         console.print("[red]the server did not become ready in 60 s; no example plan posted[/]")
         return
-    r = httpx.post(f"{base}/v1/plans", json=EXAMPLE_PLAN, headers=headers, timeout=120)
-    if r.status_code != 201:
+    # one key for the example: a restart answers with the plan stored before instead of storing another
+    from api.store import canonical_hash
+
+    key = {"Idempotency-Key": f"autopar-example-{canonical_hash(EXAMPLE_PLAN)[:16]}"}
+    r = httpx.post(f"{base}/v1/plans", json=EXAMPLE_PLAN, headers={**headers, **key}, timeout=120)
+    if r.status_code not in (200, 201):
         console.print(f"[red]example plan failed: {r.status_code} {r.text[:500]}[/]")
         return
     body = r.json()

@@ -73,6 +73,8 @@ class PlanRow(Base):
     request: Mapped[dict] = mapped_column(JSON)
     plan: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     explanation: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # the client's Idempotency-Key header: a retried POST with it is answered with this plan, not stored again
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True, unique=True)
 
 
 class RunRow(Base):
@@ -83,6 +85,10 @@ class RunRow(Base):
     predicted_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     measured_step_s: Mapped[float] = mapped_column(Float)
     report: Mapped[dict] = mapped_column(JSON)
+    # sha256 of the report's canonical JSON: the same report posted again for the plan is the stored run (a retried
+    # POST never stores twice); NULL for runs stored before it was kept
+    report_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    __table_args__ = (UniqueConstraint("plan_id", "report_hash", name="uq_runs_plan_report"),)
 
 
 class TuneJob(Base):

@@ -18,7 +18,7 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 
 from api import charts, store
-from api.charts import Series, fmt_bytes, fmt_seconds, fmt_si
+from api.charts import Series, fmt_bytes, fmt_plain, fmt_seconds, fmt_si
 from api.deps import request_db
 from api.schemas import MAX_ID
 from api.timeline import ScheduleError, makespan, simulate
@@ -29,16 +29,20 @@ from planner.contracts.report import term_comparison
 from planner.contracts.tune import TuneReport
 from planner.cost.comm import ring_factor
 from planner.cost.pipeline import SCHEDULES
+from planner.targets.split import recompute_text
 
 log = logging.getLogger("autopar.pages")
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 templates = Jinja2Templates(directory=str(HERE / "templates"))
-templates.env.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, si=fmt_si,
+templates.env.filters.update(bytes=fmt_bytes, seconds=fmt_seconds, si=fmt_si, recompute=recompute_text,
                              pct=lambda v: "—" if v is None else f"{100 * v:.1f}%")
 router = APIRouter(include_in_schema=False)
 
-MAX_TIMELINE_MICROBATCHES = 64
+# drawn micro-batches: enough for the warm-up, a steady state and the cool-down of the deepest pipeline, few
+# enough that a box stays wider than a few pixels (128 of them drew a barcode)
+MIN_TIMELINE_MICROBATCHES = 12
+MAX_BUBBLE_MICROBATCHES = 1024  # the bubble is simulated with the step's own count up to this
 MAX_TIMELINE_RANKS = 32
 LEVELS = (LinkLevel.intra_node, LinkLevel.inter_node, LinkLevel.host_device)
 
@@ -149,17 +153,18 @@ def link_charts(profile: ClusterProfile) -> list[dict]:
                 seg = pick_segment(segs, b)
                 fit.append((b, b * factor / (seg.alpha_s + b * factor / seg.busbw_bytes_per_s) / 1e9))
             points = link_points(segs)
-            series.append(Series(f"{name} fit", fit, "line", color, dashed=bool(points)))
+            series.append(Series(f"{name} fit", fit, "line", color, dashed=bool(points), legend=name))
             if points:
                 measured = True
                 pts = [(p.bytes, p.bytes * factor / p.time_s / 1e9) for p in points if p.bytes > 0]
-                series.append(Series(f"{name} measured", pts, "markers", color,
+                series.append(Series(f"{name} measured", pts, "markers", color, legend=name,
                                      labels=[f"{name}: {fmt_bytes(b)} at {v:.3g} GB/s" for b, v in pts]))
         note = ("markers: measured; dashed: α-β fit t = α + bytes·factor / busbw" if measured else
                 "no measured points: lines are the α-β fit t = α + bytes·factor / busbw")
         svg = charts.xy_chart(series, title=f"Bus bandwidth, {level.value.replace('_', '-')}"
                               + ("" if measured else " (α-β fit only)"),
                               x_label="message size", y_label="bus bandwidth (GB/s)", x_base=2, x_fmt=fmt_bytes,
+                              y_fmt=fmt_plain,
                               note=note)
         out.append(dict(level=level.value, svg=svg, measured=measured, links=links))
     return out
@@ -213,11 +218,11 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     xs = [pt[0] for ser in series for pt in ser.points] or [1e9, 1e13]
     for i, prec in enumerate(precisions or shown):
         peak = peak_flops(profile, prec) / 1e12
-        series.append(Series(f"{prec.value} datasheet peak {peak:.0f}", [(min(xs), peak), (max(xs), peak)], "line",
+        series.append(Series(f"{prec.value} datasheet peak {peak:.3g}", [(min(xs), peak), (max(xs), peak)], "line",
                              colour.get(prec, charts.PALETTE[i]), dashed=True))
     out.append(dict(kind="GEMM", modelled=modelled, svg=charts.xy_chart(
         series, title="GEMM: TFLOP/s vs FLOPs (2mnk)" + (", model (no measurements)" if modelled else ""),
-        x_label="FLOPs per GEMM", y_label="TFLOP/s",
+        x_label="FLOPs per GEMM", y_label="TFLOP/s", y_fmt=fmt_plain,
         note="model includes the kernel launch overhead" if modelled else "")))
 
     # attention
@@ -252,7 +257,7 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
                    Series("backward, model (no measurements)", bwd, "line", charts.PALETTE[1])]
     out.append(dict(kind="attention", modelled=not att, svg=charts.xy_chart(
         series, title="Attention (causal, fused): TFLOP/s" + ("" if att else ", model (no measurements)"),
-        x_label="forward FLOPs (causal share)", y_label="TFLOP/s",
+        x_label="forward FLOPs (causal share)", y_label="TFLOP/s", y_fmt=fmt_plain,
         note="" if att else "model: 1 sequence, 32 heads (8 KV), head dim 128, bf16, sequence 512 to 128k")))
 
     # elementwise
@@ -266,12 +271,13 @@ def compute_charts(profile: ClusterProfile) -> list[dict]:
     series.append(Series("model" + ("" if elt else " (no measurements)"), model_pts, "line", "#6b7280",
                          dashed=bool(elt)))
     hbm = profile.device.hbm_bandwidth_bytes_per_s / 1e9
-    series.append(Series(f"HBM datasheet {hbm:,.0f} GB/s", [(model_pts[0][0], hbm), (model_pts[-1][0], hbm)], "line",
-                         "#9ca3af", dashed=True))
+    memory = "memory" if profile.is_cpu else "HBM"
+    series.append(Series(f"{memory} datasheet {hbm:,.0f} GB/s", [(model_pts[0][0], hbm), (model_pts[-1][0], hbm)],
+                         "line", "#9ca3af", dashed=True))
     out.append(dict(kind="elementwise", modelled=not elt, svg=charts.xy_chart(
         series, title="Elementwise: GB/s vs bytes" + ("" if elt else ", model (no measurements)"),
-        x_label="bytes read + written", y_label="GB/s", x_base=2, x_fmt=fmt_bytes,
-        note="model: bytes / achieved HBM bandwidth, plus the kernel launch overhead")))
+        x_label="bytes read + written", y_label="GB/s", x_base=2, x_fmt=fmt_bytes, y_fmt=fmt_plain,
+        note=f"model: bytes / achieved {memory} bandwidth, plus the kernel launch overhead")))
     return out
 
 
@@ -330,20 +336,24 @@ def timeline_view(plan: Plan) -> dict:
     m = microbatch_count(plan)
     if not stages:
         return dict(svg=None, message="the prediction has no per-stage times to draw a timeline from")
-    shown_m = min(m, MAX_TIMELINE_MICROBATCHES)
+    shown_m = min(m, max(MIN_TIMELINE_MICROBATCHES, 2 * len(stages)))
     schedule = lay.schedule.value
+    fwd, bwd = [s.forward_s for s in stages], [s.backward_s for s in stages]
     try:
-        boxes = simulate(schedule, [s.forward_s for s in stages], [s.backward_s for s in stages], shown_m,
-                         lay.virtual_stages)
+        boxes = simulate(schedule, fwd, bwd, shown_m, lay.virtual_stages)
+        whole = boxes if shown_m == m else simulate(schedule, fwd, bwd, min(m, MAX_BUBBLE_MICROBATCHES),
+                                                    lay.virtual_stages)
     except ScheduleError as exc:
         return dict(svg=None, message=str(exc))
     ranks = boxes[:MAX_TIMELINE_RANKS]
-    total = makespan(boxes)
-    busy = [sum(b.end_s - b.start_s for b in r) for r in boxes]
+    total = makespan(whole)
+    busy = [sum(b.end_s - b.start_s for b in r) for r in whole]
     bubble = 1 - max(busy) / total if total > 0 else 0.0
     notes = []
     if shown_m < m:
-        notes.append(f"showing the first {shown_m} of {m} micro-batches (the schedule is simulated with {shown_m})")
+        notes.append(f"drawn with {shown_m} of the step's {m} micro-batches (warm-up, steady state, cool-down); "
+                     f"the bubble and the makespan are the schedule's with "
+                     f"{min(m, MAX_BUBBLE_MICROBATCHES)}")
     if len(boxes) > MAX_TIMELINE_RANKS:
         notes.append(f"showing the first {MAX_TIMELINE_RANKS} of {len(boxes)} pipeline stages")
     title = (f"{schedule}: {len(stages)} stage{'s' if len(stages) != 1 else ''} x {shown_m} micro-batches"

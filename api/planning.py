@@ -80,8 +80,23 @@ def explanation(exc: AutoparError) -> dict:
     return dict(field=exc.field, value=str(exc.value), problem=exc.problem, fix=exc.fix, message=str(exc))
 
 
-def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[PlanRow, bool]:
-    """Resolve, search (or reuse an identical earlier request's result), store. Returns (row, reused)."""
+def keyed_plan(db: Database, req: PlanRequest, key: str | None) -> PlanRow | None:
+    """The plan stored for the request's Idempotency-Key (a retry), or None; AutoparError when the key was
+    sent with another request."""
+    first = store.plan_by_key(db, key) if key else None
+    if first is None:
+        return None
+    if first.plan.request != req.model_dump(mode="json", exclude_none=True):
+        raise AutoparError("Idempotency-Key", key, "send a new key with each new request (a retry sends the same "
+                           "key and body)", problem=f"was sent before with another request (plan {first.plan.id})")
+    return first.plan
+
+
+def make_plan(db: Database, req: PlanRequest, max_budget_s: float, key: str | None = None) -> tuple[PlanRow, bool]:
+    """Resolve, search (or reuse an identical earlier request's result), store. Returns (row, reused). With an
+    Idempotency-Key seen before, the plan stored for it (nothing is stored again)."""
+    if (retried := keyed_plan(db, req, key)) is not None:
+        return retried, True
     model = resolve_model(req.model)
     if "\x00" in model.name:
         raise AutoparError("model.name", model.name, "remove the NUL character", problem="contains a NUL character")
@@ -96,7 +111,7 @@ def make_plan(db: Database, req: PlanRequest, max_budget_s: float) -> tuple[Plan
                                        **({"goal": req.goal.model_dump(mode="json")} if req.goal else {}),
                                        **({"fallbacks": req.fallbacks} if req.fallbacks else {})))
     common = dict(profile_id=profile_id, request=request, request_hash=digest, model_name=model.name,
-                  num_gpus=profile.num_gpus)
+                  num_gpus=profile.num_gpus, idempotency_key=key)
     earlier = store.find_reusable_plan(db, request_hash=digest)
     budget_stopped = ((earlier.plan or {}).get("solver_status") or "").startswith("FEASIBLE") or \
         (earlier.explanation or {}).get("field") == "time_budget_s" if earlier is not None else False

@@ -225,6 +225,10 @@ class RunOut(RunSummary):
     measured_peak_memory_bytes: int
 
 
+class RunSubmitted(RunOut):
+    created: bool = Field(description="False: this report was stored for the plan before; this is that run")
+
+
 class RunErrorSummary(BaseModel):
     runs: int
     runs_with_prediction: int

@@ -52,10 +52,17 @@ class Settings:
     max_plan_budget_s: float = 60.0
     tune_jobs: bool = True
     tune_dir: str | None = None
+    plan_workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    plan_queue: int = field(default_factory=lambda: 4 * max(1, os.cpu_count() or 1))
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalise_database_url(self.database_url))
+        if self.plan_workers < 1 or self.plan_queue < 0:
+            field_, value = (("AUTOPAR_PLAN_WORKERS", self.plan_workers) if self.plan_workers < 1
+                             else ("AUTOPAR_PLAN_QUEUE", self.plan_queue))
+            raise AutoparError(field_, value, "give searches at least 1 worker and a queue of 0 or more",
+                               problem="leaves no room for a plan search")
         if self.max_body_bytes < 1024:
             raise AutoparError("AUTOPAR_MAX_BODY_BYTES", self.max_body_bytes, "give at least 1024 bytes",
                                problem="is too small to hold any request")
@@ -82,4 +89,6 @@ class Settings:
             max_plan_budget_s=float(number("AUTOPAR_PLAN_BUDGET_S", 60.0, float)),
             tune_jobs=env.get("AUTOPAR_TUNE", "1") not in ("0", "false", "no"),
             tune_dir=env.get("AUTOPAR_TUNE_DIR") or None,
+            plan_workers=int(number("AUTOPAR_PLAN_WORKERS", max(1, os.cpu_count() or 1), int)),
+            plan_queue=int(number("AUTOPAR_PLAN_QUEUE", 4 * max(1, os.cpu_count() or 1), int)),
         )

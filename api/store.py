@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import statistics
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -20,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.db import Cluster, Database, PlanRow, Profile, RunRow, TuneJob, utcnow
+from planner.client import mesh
 from planner.contracts import ClusterProfile, RunReport
 from planner.errors import AutoparError
 
@@ -145,10 +147,11 @@ def latest_profile(db: Database, *, cluster: str) -> ProfileEntry:
 def list_profiles(db: Database, *, gpu: str | None = None, kind: str | None = None, cluster: str | None = None,
                   since: datetime | None = None, until: datetime | None = None, limit: int = 50,
                   offset: int = 0) -> Paged[ProfileEntry]:
-    """Profiles newest first; ``gpu`` matches the device name case-insensitively as a substring."""
+    """Profiles newest first; ``gpu`` matches the device name case-insensitively as a substring (``%`` and ``_``
+    are literal characters, not SQL wildcards)."""
     q = select(Profile, Cluster).join(Cluster, Cluster.id == Profile.cluster_id)
     if gpu:
-        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower()))
+        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower(), autoescape=True))
     if kind:
         q = q.where(Profile.kind == kind)
     if cluster:
@@ -178,7 +181,7 @@ def list_clusters(db: Database, *, gpu: str | None = None, kind: str | None = No
     q = (select(Cluster, Profile, newest.c.n).join(newest, newest.c.cluster_id == Cluster.id)
          .join(Profile, (Profile.cluster_id == Cluster.id) & (Profile.version == newest.c.v)))
     if gpu:
-        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower()))
+        q = q.where(func.lower(Profile.gpu_name).contains(gpu.lower(), autoescape=True))
     if kind:
         q = q.where(Profile.kind == kind)
     rows, total = _paged(db, q, (Cluster.name,), limit, offset)
@@ -204,13 +207,31 @@ def find_reusable_plan(db: Database, *, request_hash: str) -> PlanRow | None:
 
 
 def store_plan(db: Database, *, profile_id: int, request: dict, request_hash: str, status: str, model_name: str,
-               num_gpus: int, step_time_s: float | None, plan: dict | None, explanation: dict | None) -> PlanRow:
-    with db.write() as session, session.begin():
-        row = PlanRow(profile_id=profile_id, request=request, request_hash=request_hash, status=status,
-                      model_name=model_name, num_gpus=num_gpus, step_time_s=step_time_s, plan=plan,
-                      explanation=explanation)
-        session.add(row)
+               num_gpus: int, step_time_s: float | None, plan: dict | None, explanation: dict | None,
+               idempotency_key: str | None = None) -> PlanRow:
+    """Store a plan; with ``idempotency_key``, the plan stored first under that key if a concurrent request
+    stored one meanwhile (the key is unique)."""
+    try:
+        with db.write() as session, session.begin():
+            row = PlanRow(profile_id=profile_id, request=request, request_hash=request_hash, status=status,
+                          model_name=model_name, num_gpus=num_gpus, step_time_s=step_time_s, plan=plan,
+                          explanation=explanation, idempotency_key=idempotency_key)
+            session.add(row)
+    except IntegrityError:
+        if idempotency_key is None or (first := plan_by_key(db, idempotency_key)) is None:
+            raise
+        return first.plan
     return row
+
+
+def plan_by_key(db: Database, key: str) -> PlanEntry | None:
+    """The plan stored for the Idempotency-Key ``key``, or None."""
+    with db.read() as session:
+        row = session.scalar(select(PlanRow).where(PlanRow.idempotency_key == key))
+        if row is None:
+            return None
+        prof = session.get(Profile, row.profile_id)
+        return PlanEntry(row, session.get(Cluster, prof.cluster_id))
 
 
 def get_plan(db: Database, *, plan_id: int) -> PlanEntry:
@@ -227,7 +248,7 @@ def list_plans(db: Database, *, model: str | None = None, status: str | None = N
     q = (select(PlanRow, Cluster).join(Profile, Profile.id == PlanRow.profile_id)
          .join(Cluster, Cluster.id == Profile.cluster_id))
     if model:
-        q = q.where(func.lower(PlanRow.model_name).contains(model.lower()))
+        q = q.where(func.lower(PlanRow.model_name).contains(model.lower(), autoescape=True))
     if status:
         q = q.where(PlanRow.status == status)
     if profile_id:
@@ -238,7 +259,13 @@ def list_plans(db: Database, *, model: str | None = None, status: str | None = N
 
 # -- runs ------------------------------------------------------------------------------------------
 
-def store_run(db: Database, *, plan_id: int, report: RunReport) -> RunRow:
+@dataclass
+class StoredRun:
+    row: RunRow
+    created: bool
+
+
+def _store_run(db: Database, *, plan_id: int, report: RunReport) -> StoredRun:
     with db.write() as session, session.begin():
         plan = session.get(PlanRow, plan_id)
         if plan is None:
@@ -246,19 +273,32 @@ def store_run(db: Database, *, plan_id: int, report: RunReport) -> RunRow:
         if plan.status != "ok":
             raise AutoparError("plan_id", plan_id, "run a plan whose status is 'ok'",
                                problem="is an infeasible plan request (no layout to run)")
-        planned = plan.plan["layout"]
-        ran = report.layout.model_dump(mode="json")
-        if planned["tp"] != ran["tp"] or planned["pp"] != ran["pp"] or planned["cp"] != ran["cp"] or \
-                planned["dp_replicate"] * planned["dp_shard"] != ran["dp_replicate"] * ran["dp_shard"]:
+        planned, ran = mesh(plan.plan["layout"]), report.layout.model_dump(mode="json")
+        if planned != mesh(ran):
             raise AutoparError(
                 "report.layout", {k: ran[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")},
-                f"post the run to the plan it executed (this plan is tp={planned['tp']} pp={planned['pp']} "
-                f"cp={planned['cp']} dp={planned['dp_replicate'] * planned['dp_shard']})",
+                "post the run to the plan it executed (this plan is "
+                + " ".join(f"{k}={v}" for k, v in planned.items()) + ")",
                 problem="does not match the plan's mesh")
+        body = report.model_dump(mode="json")
+        digest = canonical_hash({k: v for k, v in body.items() if k != "created_at"})  # what was measured
+        same = session.scalar(select(RunRow).where(RunRow.plan_id == plan_id, RunRow.report_hash == digest))
+        if same is not None:
+            return StoredRun(same, created=False)
         row = RunRow(plan_id=plan_id, predicted_step_s=plan.step_time_s, measured_step_s=report.median_step_time_s,
-                     report=report.model_dump(mode="json"))
+                     report=body, report_hash=digest)
         session.add(row)
-    return row
+    return StoredRun(row, created=True)
+
+
+def store_run(db: Database, *, plan_id: int, report: RunReport) -> StoredRun:
+    """Store ``report`` for ``plan_id``, or find it stored: the same report posted again (a retry after a lost
+    answer, twice at once) is the run stored first (``created`` False); the unique (plan, report hash) settles
+    a race between two writers."""
+    try:
+        return _store_run(db, plan_id=plan_id, report=report)
+    except IntegrityError:
+        return _store_run(db, plan_id=plan_id, report=report)
 
 
 def cluster_runs(db: Database, *, cluster: str) -> list[RunEntry]:

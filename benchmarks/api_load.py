@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Load test of the API: concurrent clients against a real uvicorn, on SQLite and PostgreSQL.
 
-    python benchmarks/api_load.py                                  # 50 clients, 60 s, both backends
-    python benchmarks/api_load.py --clients 10 --duration 5 --backends sqlite
+    python benchmarks/api_load.py                     # 4 server processes, 100 clients, 60 s, both backends
+    python benchmarks/api_load.py --clients 10 --duration 5 --backends sqlite --workers 1
 
-Target (from the issue): 50 concurrent clients posting plan requests and profile uploads for 60 s
-against uvicorn: zero errors, p50 and p99 latency printed for SQLite and PostgreSQL; afterwards the
-row counts equal what the clients were told was created (nothing lost, nothing duplicated).
+Target (issue 28): 4 server processes on PostgreSQL, 100 clients x 60 s of mixed reads, plan requests and
+uploads: zero server errors, p50 and p99 latency per route, the 503s of a saturated plan pool (with
+Retry-After, which the clients obey) counted apart; afterwards the row counts equal what the clients were told
+was created (nothing lost, nothing duplicated).
 
-Per backend it starts ``python -m uvicorn api.app:create_app --factory`` on a fresh database
+Per backend it starts uvicorn serving ``api.app:create_app`` on a fresh database, then ``--workers - 1``
+more processes on the same listening socket (the kernel spreads connections over them)
 (SQLite: a new temp file; PostgreSQL: ``CREATE DATABASE autopar_load_<random>`` on the local
 server, dropped afterwards), waits for ``/readyz``, then runs the clients (asyncio + httpx). Each
 client loops over a weighted mix of:
@@ -133,6 +135,8 @@ class BackendResult:
     error_samples: list[str] = field(default_factory=list)
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     plan_status: Counter = field(default_factory=Counter)
+    shed: Counter = field(default_factory=Counter)  # 503 + Retry-After answers: load shed, not errors
+    workers: int = 1
     checks: list[Check] = field(default_factory=list)
     server_log_tail: str = ""
 
@@ -197,6 +201,10 @@ class LoadState:
                              f"at t={time.monotonic() - self.started:.1f} s")
             return None
         self.result.latencies[kind].append(time.perf_counter() - t0)
+        if resp.status_code == 503 and "Retry-After" in resp.headers and method == "POST":
+            self.result.shed[kind] += 1  # a saturated service said when to come back: it is heard, not an error
+            await asyncio.sleep(min(float(resp.headers["Retry-After"]), max(0.0, self.deadline - time.monotonic())))
+            return None
         if resp.status_code not in expect:
             self.error(kind, f"{method} {path}: HTTP {resp.status_code} (expected {expect}): {resp.text[:300]}")
             return None
@@ -403,8 +411,8 @@ class FreshDatabase:
 class Server:
     """uvicorn serving ``api.app:create_app`` on a free loopback port, its output in a temp file."""
 
-    def __init__(self, database_url: str):
-        self.database_url = database_url
+    def __init__(self, database_url: str, workers: int = 1):
+        self.database_url, self.workers = database_url, workers
         self._sock = listening_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -416,25 +424,39 @@ class Server:
         env.pop("AUTOPAR_TOKENS", None)
         env.pop("AUTOPAR_LOAD_REFERENCE", None)
         self.proc = serve_on(self._sock, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self._sock.close()  # the server holds its own copy
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        self.procs = [self.proc]
+        if self._ready(time.monotonic() + 90):  # the first migrated and loaded the reference profiles
+            # the others share the listening socket (the kernel hands each connection to one of them), as
+            # `autopar serve --workers N` runs after migrating once
+            self.procs += [serve_on(self._sock, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+                           for _ in range(self.workers - 1)]
+            self._sock.close()  # the servers hold their own copies
+            time.sleep(3.0 if self.workers > 1 else 0.0)  # imports and lifespans of the others
+            if all(p.poll() is None for p in self.procs):
+                return self
+        self._sock.close()
         self.__exit__(None, None, None)
         raise RuntimeError(f"the server did not become ready (exit code {self.proc.returncode}):\n{self.log[-4000:]}")
 
+    def _ready(self, deadline: float) -> bool:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        return False
+
     def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in getattr(self, "procs", [self.proc]):
+            proc.terminate()
+        for proc in getattr(self, "procs", [self.proc]):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._log.seek(0)
         self.log = self._log.read()
         self._log.close()
@@ -461,7 +483,7 @@ def verify(result: BackendResult, state: LoadState, database_url: str, server_ur
         shared_api = {}
         for name in (*SHARED_CLUSTERS, RACE_CLUSTER):
             r = http.get(f"/v1/clusters/{name}/profiles")
-            shared_api[name] = [p["version"] for p in r.json()] if r.status_code == 200 else []
+            shared_api[name] = [p["version"] for p in r.json()["items"]] if r.status_code == 200 else []
 
     db = Database(normalise_database_url(database_url))
     try:
@@ -538,10 +560,10 @@ async def _load(server_url: str, result: BackendResult, clients: int, duration: 
 
 
 def run_backend(backend: str, clients: int = 50, duration: float = 60.0, seed: int = 0,
-                pg_server: str = DEFAULT_PG_SERVER, quiet: bool = False) -> BackendResult:
+                pg_server: str = DEFAULT_PG_SERVER, quiet: bool = False, workers: int = 1) -> BackendResult:
     """Start a server on a fresh database of ``backend``, load it, verify the rows. Never raises for
     what it measures: errors and mismatches are in the result (``skipped`` when PostgreSQL is away)."""
-    result = BackendResult(backend, clients=clients, duration_s=duration)
+    result = BackendResult(backend, clients=clients, duration_s=duration, workers=workers)
     if backend == "postgresql":
         why = postgres_unavailable(pg_server)
         if why:
@@ -550,7 +572,7 @@ def run_backend(backend: str, clients: int = 50, duration: float = 60.0, seed: i
     elif backend != "sqlite":
         raise ValueError(f"unknown backend {backend!r}: use sqlite or postgresql")
     with FreshDatabase(backend, pg_server) as fresh:
-        server = Server(fresh.url)
+        server = Server(fresh.url, workers)
         with server:
             with httpx.Client(base_url=server.url, timeout=60) as http:
                 profiles = http.get("/v1/profiles", params={"limit": 500}).json()
@@ -559,7 +581,7 @@ def run_backend(backend: str, clients: int = 50, duration: float = 60.0, seed: i
                 plans = http.get("/v1/plans", params={"limit": 500}).json()
                 plans_before = {p["id"] for p in plans["items"]}
             if not quiet:
-                console.print(f"[bold]{backend}[/]: server {server.url} on {_safe(fresh.url)}; "
+                console.print(f"[bold]{backend}[/]: {workers} server process(es) {server.url} on {_safe(fresh.url)}; "
                               f"{len(ref_ids)} reference profiles; {clients} clients for {duration:g} s ...")
             state = asyncio.run(_load(server.url, result, clients, duration, seed, base_profile))
             verify(result, state, fresh.url, server.url, ref_ids, plans_before)
@@ -585,14 +607,16 @@ def print_result(r: BackendResult) -> None:
     if r.skipped:
         console.print(f"[yellow]{r.backend}: skipped: {r.skipped}[/]")
         return
-    t = Table(title=f"{r.backend}: {r.clients} clients, {r.elapsed_s:.1f} s, {r.total} requests, "
-                    f"{r.total / r.elapsed_s:.1f} req/s", title_justify="left")
-    for col in ("kind", "requests", "errors", "p50 ms", "p99 ms", "max ms", "req/s"):
+    t = Table(title=f"{r.backend}: {r.workers} worker(s), {r.clients} clients, {r.elapsed_s:.1f} s, "
+                    f"{r.total} requests, {r.total / r.elapsed_s:.1f} req/s", title_justify="left")
+    for col in ("kind", "requests", "errors", "503 shed", "p50 ms", "p99 ms", "max ms", "req/s"):
         t.add_column(col, justify="left" if col == "kind" else "right")
     rows = [(k, r.latencies.get(k, []), r.counts[k], r.errors[k]) for k in KINDS]
     rows.append(("all", r.all_latencies(), r.total, r.error_count))
     for kind, lat, n, err in rows:
-        t.add_row(kind, str(n), f"[red]{err}[/]" if err else "0", _ms(percentile(lat, 50)), _ms(percentile(lat, 99)),
+        shed = sum(r.shed.values()) if kind == "all" else r.shed[kind]
+        t.add_row(kind, str(n), f"[red]{err}[/]" if err else "0", str(shed), _ms(percentile(lat, 50)),
+                  _ms(percentile(lat, 99)),
                   _ms(max(lat) if lat else float("nan")), f"{n / r.elapsed_s:.1f}", end_section=kind == KINDS[-1])
     console.print(t)
     console.print(f"plans: {dict(r.plan_status)}")
@@ -615,7 +639,8 @@ def summary_line(r: BackendResult) -> str:
     if r.skipped:
         return f"{r.backend}: skipped ({r.skipped})"
     lat = r.all_latencies()
-    return (f"{r.backend}: errors={r.error_count} p50={_ms(percentile(lat, 50))}ms p99={_ms(percentile(lat, 99))}ms "
+    return (f"{r.backend}: workers={r.workers} errors={r.error_count} shed_503={sum(r.shed.values())} "
+            f"p50={_ms(percentile(lat, 50))}ms p99={_ms(percentile(lat, 99))}ms "
             f"requests={r.total} throughput={r.total / r.elapsed_s:.1f}req/s rows={'OK' if r.rows_ok else 'MISMATCH'}")
 
 
@@ -644,7 +669,8 @@ def print_summary(results: list[BackendResult]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=4, help="server processes sharing the listening socket")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load per backend")
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
     ap.add_argument("--seed", type=int, default=0)
@@ -657,13 +683,14 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         if b not in ("sqlite", "postgresql"):
             ap.error(f"unknown backend {b!r}: use sqlite and/or postgresql")
-    console.print(f"api load: {args.clients} clients x {args.duration:g} s per backend, mix "
+    console.print(f"api load: {args.workers} server process(es), {args.clients} clients x {args.duration:g} s per "
+                  "backend, mix "
                   + ", ".join(f"{k} {w:.0%}" for k, w in MIX.items())
                   + f"; {len(PLAN_REQUESTS)} distinct plan requests (+ plans on uploaded profiles); "
                   f"{os.cpu_count()} CPUs")
     results = []
     for b in backends:
-        r = run_backend(b, args.clients, args.duration, args.seed, args.postgres_server)
+        r = run_backend(b, args.clients, args.duration, args.seed, args.postgres_server, workers=args.workers)
         print_result(r)
         results.append(r)
     print_summary(results)

@@ -383,7 +383,7 @@ def run(
             from planner.client import check_plan_stored, check_writable
 
             check_writable(server, token)
-            check_plan_stored(server, plan_id)
+            check_plan_stored(server, plan_id, layout=plan.layout.model_dump(mode="json"))
     except AutoparError as exc:
         err.print(styled(("error:", "bold red"), " ", str(exc)), highlight=False)
         raise typer.Exit(2) from None

@@ -71,8 +71,16 @@ def check_writable(server: str, token: str | None, timeout_s: float = 10.0) -> s
     return str(writes)
 
 
-def check_plan_stored(server: str, plan_id: int, timeout_s: float = 10.0) -> None:
-    """Stop before training if the service holds no plan ``plan_id`` (a run is stored beside it)."""
+def mesh(layout: dict) -> dict[str, int]:
+    """The mesh a run is stored against (a layout as JSON): data-parallel, tensor, pipeline and context degrees.
+    The service refuses a run whose mesh is not its plan's; ``autopar run`` asks before it trains."""
+    return {"dp": layout["dp_replicate"] * layout["dp_shard"], "tp": layout["tp"], "pp": layout["pp"],
+            "cp": layout["cp"]}
+
+
+def check_plan_stored(server: str, plan_id: int, timeout_s: float = 10.0, layout: dict | None = None) -> None:
+    """Stop before training if the service holds no plan ``plan_id`` (a run is stored beside it), or one that
+    cannot take this run: infeasible, or of another mesh than ``layout`` (the plan about to run, as JSON)."""
     import httpx
 
     try:
@@ -86,6 +94,14 @@ def check_plan_stored(server: str, plan_id: int, timeout_s: float = 10.0) -> Non
     if r.status_code != 200:
         raise AutoparError("--server", server, f"the service answered {r.status_code}: {r.text[:300]}",
                            problem=f"did not return plan #{plan_id}")
+    stored = (r.json().get("plan") or {}).get("layout")
+    if stored is None:
+        raise AutoparError("--plan-id", plan_id, "give the id of the plan you are running (its status is 'ok')",
+                           problem="is an infeasible plan request at the service (no layout to run)")
+    if layout is not None and mesh(stored) != mesh(layout):
+        raise AutoparError("--plan-id", plan_id,
+                           f"give the id of the plan you are running (this one is {mesh(layout)})",
+                           problem=f"is another plan at {server}: mesh {mesh(stored)}")
 
 
 def post_json(server: str, path: str, body: bytes, token: str | None, what: str) -> dict:

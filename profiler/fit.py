@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 
 from planner.contracts import ClusterProfile, Collective, LinkLevel, LinkProfile
-from planner.contracts.cluster import TimedPoint, link_key, link_points
+from planner.contracts.cluster import MIN_FLAT_SLOPE, TimedPoint, link_key, link_points
 from planner.cost.comm import GroupPlacement, collective_time_s, link_segments, pick_segment, ring_factor
 
 
@@ -110,7 +110,7 @@ def _minimax_lp(bs: list[float], ts: list[float], tie_break: bool) -> tuple[floa
     return alpha, slope, worst
 
 
-MIN_SLOPE = 1e-18  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s, i.e. "free": LinkProfile.is_flat)
+MIN_SLOPE = MIN_FLAT_SLOPE  # s/byte: a flat fit still needs a positive bandwidth (1e18 B/s: LinkProfile.is_flat)
 
 
 def busbw_from_slope(collective: Collective, slope: float, group_size: int, per_node: int, level: LinkLevel) -> float:

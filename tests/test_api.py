@@ -76,12 +76,12 @@ def test_reference_profiles_are_loaded_once(client: TestClient) -> None:
 def test_profiles_are_immutable_versioned_and_deduplicated_by_content(client: TestClient) -> None:
     first = client.post("/v1/profiles", json=measured())
     assert first.status_code == 201 and first.json()["created"] and first.json()["version"] == 1
-    same = client.post("/v1/profiles", json={**measured(), "created_at": "2031-01-01T00:00:00Z"})
+    same = client.post("/v1/profiles", json={**measured(), "created_at": "2025-01-01T00:00:00Z"})
     assert same.status_code == 200 and not same.json()["created"]
     assert same.json()["id"] == first.json()["id"]  # a re-upload of the same measurement is not a version
     second = client.post("/v1/profiles", json=measured(memory_delta=1))
     assert second.status_code == 201 and second.json()["version"] == 2
-    history = client.get("/v1/clusters/lab-a/profiles").json()
+    history = client.get("/v1/clusters/lab-a/profiles").json()["items"]
     assert [p["version"] for p in history] == [1, 2]
     got = client.get(f"/v1/profiles/{first.json()['id']}").json()
     assert got["profile"]["device"]["memory_bytes"] == measured()["device"]["memory_bytes"]  # version 1 unchanged

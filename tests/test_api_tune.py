@@ -168,7 +168,7 @@ def test_a_job_whose_runs_all_fail_ends_failed_with_each_runs_reason(client: Tes
     assert [r["error"] for r in runs] == [f"exit status 1: torchrun could not start for {n}" for n in ("00", "01")]
     assert job["runs"] == [] and job["calibrated_profile_id"] is None and job["replanned_plan_id"] is None
     assert client.get("/v1/runs").json()["total"] == 0
-    assert len(client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()) == 1  # no new version
+    assert client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()["total"] == 1  # no new version
     page = client.get(f"/tune/{job['id']}").text
     assert "Failed: runs=0 of 2" in page and "torchrun could not start for 01" in page and "Refresh" not in page
 
@@ -198,11 +198,11 @@ def test_a_reference_clusters_calibration_is_a_cluster_of_its_own_a_measured_one
     calibrated = client.get(f"/v1/profiles/{job['calibrated_profile_id']}").json()
     assert (calibrated["cluster"], calibrated["kind"]) == (stored_as, kind)
     assert calibrated["profile"]["calibration"] == job["result"]["calibration"] is not None
-    history = [p["id"] for p in client.get("/v1/clusters/cpu-ref/profiles").json()]
+    history = [p["id"] for p in client.get("/v1/clusters/cpu-ref/profiles").json()["items"]]
     page = client.get(f"/tune/{job['id']}").text
     if kind == "reference":  # the shared reference cluster keeps its versions; the calibration is a new cluster
         assert history == [base["id"]]
-        own = client.get(f"/v1/clusters/{stored_as}/profiles").json()
+        own = client.get(f"/v1/clusters/{stored_as}/profiles").json()["items"]
         assert [p["id"] for p in own] == [job["calibrated_profile_id"]]
         assert ("(version 1 of cluster 'cpu-ref-calibrated': 'cpu-ref' is a reference cluster, left as it is)"
                 in job["log"][-1])
@@ -222,7 +222,7 @@ def test_the_page_says_why_the_search_found_no_plan_on_the_calibrated_profile(cl
     from planner.contracts.tune import TuneReport
 
     db = client.app.state.db
-    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()[0]["id"]
+    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()["items"][0]["id"]
     job = store.create_tune_job(db, profile_id=profile_id, cluster=CPU_PROFILE["name"], model_name="bench",
                                 request={})
     why = "global_batch_size=16 has no layout that fits on 4 GPUs"
@@ -243,7 +243,7 @@ def test_a_run_of_an_older_plan_is_served_and_pages_compare_the_peak_as_measured
     from planner.tune import plan_for
 
     db = client.app.state.db
-    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()[0]["id"]
+    profile_id = client.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()["items"][0]["id"]
     plan = plan_for(ModelSpec(**SPEC), TrainingConfig(**TRAINING), ParallelLayout(**DP4_REPORT["layout"]),
                     reference_profile("dgx-h100", gpus=4))
     memory = plan.prediction.memory
@@ -256,7 +256,7 @@ def test_a_run_of_an_older_plan_is_served_and_pages_compare_the_peak_as_measured
         row = store.store_plan(db, profile_id=profile_id, request={"n": name}, request_hash=name, status="ok",
                                model_name="bench", num_gpus=4, step_time_s=plan.prediction.step_time_s, plan=body,
                                explanation=None)
-        run_id = store.store_run(db, plan_id=row.id, report=report).id
+        run_id = store.store_run(db, plan_id=row.id, report=report).row.id
         got = client.get(f"/v1/runs/{run_id}")
         assert got.status_code == 200, got.text
         assert got.json()["predicted_peak_memory_bytes"] == expected[name]
@@ -319,7 +319,7 @@ def test_a_real_tune_job_stores_runs_the_calibrated_profile_and_the_new_plan(tmp
             run = c.get(f"/v1/runs/{stored['run_id']}").json()
             assert run["plan_id"] == stored["plan_id"] and run["measured_step_s"] == ran["measured_step_s"]
         # the calibrated profile is the cluster's next version
-        history = c.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()
+        history = c.get(f"/v1/clusters/{CPU_PROFILE['name']}/profiles").json()["items"]
         assert [p["id"] for p in history] == [base["id"], job["calibrated_profile_id"]]
         calibrated = c.get(f"/v1/profiles/{job['calibrated_profile_id']}").json()["profile"]
         assert calibrated["calibration"] is not None and calibrated["calibration"] == report["calibration"]

@@ -54,6 +54,21 @@ def test_the_server_and_token_are_checked_before_any_work(server, tmp_path: Path
     with pytest.raises(AutoparError) as no_plan:
         check_plan_stored(server.url, 4242)
     assert no_plan.value.field == "--plan-id" and "is not a plan stored at" in str(no_plan.value)
+    # a stored plan of another mesh than the one about to run: refused before training, not after
+    import httpx
+    from test_api import measured
+
+    auth = {"Authorization": "Bearer s3cret"}
+    profile = httpx.post(f"{server.url}/v1/profiles", headers=auth, timeout=60, json=measured("plan-id-lab")).json()
+    stored = httpx.post(f"{server.url}/v1/plans", headers=auth, timeout=60, json={
+        "model": {"preset": "llama3-8b"}, "training": {"seq_length": 2048, "global_batch_size": 16},
+        "profile_id": profile["id"]}).json()
+    lay = stored["plan"]["layout"]
+    check_plan_stored(server.url, stored["id"], layout=lay)  # its own layout: accepted
+    other = {**lay, "tp": lay["tp"] * 2 if lay["tp"] < 8 else 1}
+    with pytest.raises(AutoparError) as wrong_plan:
+        check_plan_stored(server.url, stored["id"], layout=other)
+    assert wrong_plan.value.field == "--plan-id" and "is another plan at" in str(wrong_plan.value)
 
     # autopar profile stops on the token before it measures anything, and writes nothing
     t0 = time.perf_counter()
@@ -74,13 +89,13 @@ def test_a_refused_upload_keeps_the_body_and_says_how_to_send_it(server, tmp_pat
     text = str(refused.value)
     assert "refused the profile" in text and "403" in text and f"kept in {keep}" in text and "nope" not in text
     assert keep.read_bytes() == body
-    assert httpx.get(f"{server.url}/v1/profiles").json()["total"] == 0
+    assert httpx.get(f"{server.url}/v1/profiles", params={"cluster": "kept-lab"}).json()["total"] == 0
     # the command in the message sends it, with the token from the environment
     command = text.split("with AUTOPAR_TOKEN set to the token: ", 1)[1]
     sent = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "AUTOPAR_TOKEN": "s3cret"})
     assert sent.returncode == 0 and json.loads(sent.stdout)["created"] is True, sent.stdout + sent.stderr
-    listed = httpx.get(f"{server.url}/v1/profiles").json()
+    listed = httpx.get(f"{server.url}/v1/profiles", params={"cluster": "kept-lab"}).json()
     assert listed["total"] == 1 and listed["items"][0]["cluster"] == "kept-lab"
     # a file the caller already wrote is named, not written again
     mine = tmp_path / "mine.json"

@@ -453,6 +453,13 @@ def test_plan_from_the_service_runs_and_the_report_is_stored_beside_its_predicti
                         "--plan-id", str(plan_id + 1000), env={**child_env(), "AUTOPAR_TOKEN": "tok"})
         assert r.returncode == 2 and "--plan-id" in r.stderr and "not a plan stored" in r.stderr, r.stderr
         assert "starting" not in r.stderr, r.stderr
+        # the id of another plan (a 2-rank one: another mesh): refused before training, not at the report's post
+        two = httpx.post(f"{base}/v1/profiles", json=profile_for(2).model_dump(mode="json"), headers=auth, timeout=30)
+        wrong = httpx.post(f"{base}/v1/plans", json={**req, "profile_id": two.json()["id"]}, headers=auth,
+                           timeout=120).json()
+        r = autopar_run(str(tmp_path / "plan.json"), "--steps", "1", "--warmup", "0", "--server", base,
+                        "--plan-id", str(wrong["id"]), env={**child_env(), "AUTOPAR_TOKEN": "tok"})
+        assert r.returncode == 2 and "is another plan at" in r.stderr and "starting" not in r.stderr, r.stderr
 
 
 @pytest.mark.slow

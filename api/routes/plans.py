@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request, Response
 
 from api import store
 from api.bodies import FiniteJSONRoute
 from api.deps import AUTH_RESPONSES, DB, NO_NUL, Id, Limit, Offset, Writer, aware, link
-from api.planning import make_plan
+from api.planning import keyed_plan, make_plan
 from api.schemas import MAX_ID, Page, PlanOut, PlanRequest, PlanSummary
 from planner.contracts import Plan
 
@@ -32,12 +32,23 @@ def plan_out(entry: store.PlanEntry, reused: bool) -> PlanOut:
 
 @router.post("/v1/plans", status_code=201, dependencies=[Writer],
              responses={201: {"links": {**link("GetPlan", "plan_id"), "SubmitRun": {
-                 "operationId": "submit_run", "requestBody": {"plan_id": "$response.body#/id"}}}}, **AUTH_RESPONSES})
-def create_plan(req: PlanRequest, db: DB, request: Request) -> PlanOut:
+                 "operationId": "submit_run", "requestBody": {"plan_id": "$response.body#/id"}}}},
+                        200: {"model": PlanOut, "description": "a retry: the plan stored for this Idempotency-Key"},
+                        503: {"description": "every plan search slot and the queue are busy: retry after the "
+                                             "Retry-After header's seconds"}, **AUTH_RESPONSES})
+def create_plan(req: PlanRequest, db: DB, request: Request, response: Response,
+                idempotency_key: Annotated[str | None, Header(
+                    max_length=200, pattern=r"^[\x21-\x7e]+$", description="a retry of a request sent with this "
+                    "key is answered with the plan stored for it (200), nothing stored twice")] = None) -> PlanOut:
     """Search the fastest layout that fits; stored with its alternatives and explanations.
 
     A request that admits no plan is stored too, with ``status: infeasible`` and an ``explanation``."""
-    row, reused = make_plan(db, req, request.app.state.settings.max_plan_budget_s)
+    retried = keyed_plan(db, req, idempotency_key)
+    if retried is not None:
+        response.status_code = 200
+        return plan_out(store.get_plan(db, plan_id=retried.id), True)
+    with request.app.state.plan_slots.slot():  # bounded: a saturated service answers 503 (api/slots.py)
+        row, reused = make_plan(db, req, request.app.state.settings.max_plan_budget_s, idempotency_key)
     return plan_out(store.get_plan(db, plan_id=row.id), reused)
 
 

@@ -55,6 +55,9 @@ def list_profiles(db: DB, limit: Limit = 50, offset: Offset = 0,
                   until: Annotated[datetime | None, Query(description="measured at or before (ISO 8601)")] = None,
                   ) -> Page[ProfileSummary]:
     """Stored profiles, newest upload first."""
+    if since is not None and until is not None and stored_utc(since, db) > stored_utc(until, db):
+        raise AutoparError("since", since.isoformat(), f"give a since at or before until={until.isoformat()} (or "
+                           "swap them)", problem="is after until: the range is empty")
     page = store.list_profiles(db, gpu=gpu, kind=kind, cluster=cluster, since=stored_utc(since, db),
                                until=stored_utc(until, db), limit=limit, offset=offset)
     return Page[ProfileSummary](items=[profile_summary(e) for e in page.items], total=page.total, limit=limit,
@@ -109,6 +112,9 @@ def calibrate_cluster(name: Annotated[str, Path(max_length=200, pattern=NO_NUL)]
 
 
 @router.get("/v1/clusters/{name}/profiles", responses={404: {"description": "no such cluster"}})
-def cluster_history(name: Annotated[str, Path(max_length=200, pattern=NO_NUL)], db: DB) -> list[ProfileSummary]:
-    """Every version of a cluster's profile, oldest first."""
-    return [profile_summary(e) for e in store.cluster_history(db, name=name)]
+def cluster_history(name: Annotated[str, Path(max_length=200, pattern=NO_NUL)], db: DB, limit: Limit = 50,
+                    offset: Offset = 0) -> Page[ProfileSummary]:
+    """The versions of a cluster's profile, oldest first, a page as every list answers."""
+    history = store.cluster_history(db, name=name)
+    return Page[ProfileSummary](items=[profile_summary(e) for e in history[offset:offset + limit]],
+                                total=len(history), limit=limit, offset=offset)

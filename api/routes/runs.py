@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
 from api import store
 from api.bodies import FiniteJSONRoute
 from api.deps import AUTH_RESPONSES, DB, Id, Limit, Offset, Writer, aware, link
-from api.schemas import MAX_ID, Page, RunErrorSummary, RunOut, RunSubmit, RunSummary
+from api.schemas import MAX_ID, Page, RunErrorSummary, RunOut, RunSubmit, RunSubmitted, RunSummary
 from planner.contracts import MemoryBreakdown, RunReport
 from planner.errors import AutoparError
 
@@ -50,14 +50,19 @@ def predicted_peak(pred: dict, report: RunReport) -> int | None:
 
 @router.post("/v1/runs", status_code=201, dependencies=[Writer],
              responses={404: {"description": "no such plan"}, 201: {"links": link("GetRun", "run_id")},
+                        200: {"model": RunSubmitted, "description": "this report was stored for the plan before: "
+                                                                      "that run (created false)"},
                         **AUTH_RESPONSES})
-def submit_run(body: RunSubmit, db: DB) -> RunOut:
-    """Store what the executor measured for a plan; shown beside the plan's prediction."""
+def submit_run(body: RunSubmit, db: DB, response: Response) -> RunSubmitted:
+    """Store what the executor measured for a plan; shown beside the plan's prediction. The same report posted
+    again for the plan (a retry) is the run stored first: 200 with ``created`` false, nothing stored twice."""
     if body.report.plan_id is not None and body.report.plan_id != str(body.plan_id):
         raise AutoparError("report.plan_id", body.report.plan_id, f"leave it out or set it to '{body.plan_id}'",
                            problem=f"differs from plan_id={body.plan_id}")
-    row = store.store_run(db, plan_id=body.plan_id, report=body.report)
-    return run_out(store.get_run(db, run_id=row.id))
+    stored = store.store_run(db, plan_id=body.plan_id, report=body.report)
+    if not stored.created:
+        response.status_code = 200
+    return RunSubmitted(**run_out(store.get_run(db, run_id=stored.row.id)).model_dump(), created=stored.created)
 
 
 @router.get("/v1/runs/summary")

@@ -216,7 +216,7 @@ def store_runs(db: Database, job_id: int, inputs: TuneInputs, report: TuneReport
                                num_gpus=plan.num_gpus, step_time_s=plan.prediction.step_time_s,
                                plan=plan.model_dump(mode="json"), explanation=None)
         run = store.store_run(db, plan_id=row.id, report=ran)
-        stored.append({"name": r.name, "role": r.role, "plan_id": row.id, "run_id": run.id})
+        stored.append({"name": r.name, "role": r.role, "plan_id": row.id, "run_id": run.row.id})
     return stored
 
 

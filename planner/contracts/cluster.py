@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from planner.contracts.common import SCHEMA_VERSION, Contract, Name, Precision
+from planner.contracts.common import SCHEMA_VERSION, ClusterName, Contract, Name, PlausibleDate, Precision
 from planner.contracts.limits import MAX_DEVICE_MEMORY_BYTES, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_SM_COUNT
 from planner.contracts.terms import unknown_terms
 
@@ -77,9 +77,15 @@ class Environment(Contract):
 FLAT_BUSBW_BYTES_PER_S = 1e15  # LinkProfile.is_flat: at or above this a fit's bandwidth term is nil
 
 
+MAX_BUSBW = 1e13  # bytes/s of one link: 10 TB/s, over five times NVLink 5's 1.8 TB/s per GPU
+MAX_ALPHA_S = 10.0  # a collective's latency; longer is a hung rank, not a link
+MIN_FLAT_SLOPE = 1e-18  # s/byte: the profiler's nil slope (profiler/fit.py MIN_SLOPE), a bus bandwidth of 1e18
+MAX_FLAT_BUSBW = 1.001 / MIN_FLAT_SLOPE  # the flat mark and its float rounding; above: a typo, not a fit
+
+
 class TimedPoint(Contract):
-    bytes: int = Field(ge=0)
-    time_s: float = Field(gt=0)
+    bytes: int = Field(ge=0, le=2**50)
+    time_s: float = Field(gt=0, le=3600)
 
 
 class LinkProfile(Contract):
@@ -105,8 +111,10 @@ class LinkProfile(Contract):
     level: LinkLevel
     collective: Collective
     group_size: int | None = Field(None, ge=1, description="ranks measured; None = applies to any size")
-    alpha_s: float = Field(ge=0, description="latency per collective call")
-    busbw_bytes_per_s: float = Field(gt=0)
+    alpha_s: float = Field(ge=0, le=MAX_ALPHA_S, description="latency per collective call")
+    busbw_bytes_per_s: float = Field(gt=0, description="bus bandwidth, bytes/s: at most 10 TB/s (NVLink 5 moves "
+                                     "1.8 TB/s per GPU), or the profiler's flat-fit mark (1e15 to 1e18: latency "
+                                     "alone, is_flat)")
     points: list[TimedPoint] = Field(default_factory=list, description="measurements the fit came from")
     fit_r2: float | None = None
     source: str = ""
@@ -117,6 +125,15 @@ class LinkProfile(Contract):
         None, ge=1, description="members of the measured group on each node; None = not recorded. An inter_node "
         "entry measured at exactly a group's size and placement already holds its on-node legs, so the planner "
         "does not bound it by the intra_node link again")
+
+    @field_validator("busbw_bytes_per_s")
+    @classmethod
+    def _plausible_bandwidth(cls, v: float) -> float:
+        if MAX_BUSBW < v < FLAT_BUSBW_BYTES_PER_S or v > MAX_FLAT_BUSBW:
+            raise ValueError(f"is {v:.3g} B/s: no link moves more than {MAX_BUSBW:.0e} B/s (10 TB/s); give the "
+                             f"measured bus bandwidth in bytes per second (a latency-only fit is stored as "
+                             f"{1 / MIN_FLAT_SLOPE:.0e})")
+        return v
 
     @model_validator(mode="after")
     def _range(self) -> LinkProfile:
@@ -519,8 +536,8 @@ class RunCalibration(Contract):
 class ClusterProfile(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["measured", "reference"]
-    name: Name
-    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    name: ClusterName
+    created_at: PlausibleDate = Field(default_factory=lambda: datetime.now(UTC))
     device: DeviceSpec
     gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True, description="devices (or CPU ranks) per node")
     num_nodes: int = Field(gt=0, le=MAX_GPUS, strict=True)
@@ -559,6 +576,12 @@ class ClusterProfile(Contract):
                 f"device_checks {' and '.join(problems)} (ranks {sorted(ranks)[:16]}); give one check per "
                 "rank, rank 0's included (the compute tables are rank 0's and are scaled by its check)"
             )
+        between = [link for link in self.links if link.level is not LinkLevel.host_device]
+        if self.kind == "measured" and self.num_gpus > 1 and not between:
+            raise ValueError(
+                f"links: a measured profile of {self.num_gpus} ranks has no links between them (only "
+                f"{len(self.links)} host-device ones); upload what `autopar profile` measured on all of them, "
+                "or a profile of one rank")
         return self
 
     @model_validator(mode="after")

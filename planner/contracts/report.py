@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from planner.contracts.cluster import Environment
-from planner.contracts.common import SCHEMA_VERSION, Contract
+from planner.contracts.common import MAX_STEP_S, SCHEMA_VERSION, Contract, PlausibleDate
 from planner.contracts.limits import MAX_GPUS
 from planner.contracts.plan import ParallelLayout
 from planner.contracts.terms import COMM_TERMS, COMPUTE_TERMS, STEP_TERMS, TERM_MEANING, unknown_terms
@@ -19,7 +19,7 @@ __all__ = ["COMM_TERMS", "COMPUTE_TERMS", "STEP_TERMS", "TERM_MEANING", "Checkpo
 class StepRecord(Contract):
     step: int = Field(ge=0, strict=True)
     loss: float
-    time_s: float = Field(gt=0)
+    time_s: float = Field(gt=0, le=MAX_STEP_S)
     profiled: bool = Field(False, description="run under torch.profiler for the breakdown: left out of the median")
 
 
@@ -64,12 +64,12 @@ class RunReport(Contract):
     schema_version: Literal["1"] = SCHEMA_VERSION
     plan_id: str | None = None
     layout: ParallelLayout
-    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    created_at: PlausibleDate = Field(default_factory=lambda: datetime.now(UTC))
     device: str = Field(description="e.g. 'cpu' or 'NVIDIA H100 80GB HBM3'")
     num_ranks: int = Field(gt=0, le=MAX_GPUS, strict=True)
     warmup_steps: int = Field(ge=0, strict=True)
     steps: list[StepRecord]
-    median_step_time_s: float = Field(gt=0)
+    median_step_time_s: float = Field(gt=0, le=MAX_STEP_S)
     tokens_per_s: float = Field(gt=0)
     mfu: float | None = None
     peak_memory_bytes_per_rank: list[int]
