@@ -128,7 +128,11 @@ def serve(
     if workers > 1:
         import os
 
+        from api.settings import default_plan_workers
+
         os.environ["DATABASE_URL"] = settings.database_url
+        # the machine's cores shared by the workers' plan searches
+        os.environ.setdefault("AUTOPAR_PLAN_WORKERS", str(default_plan_workers(workers)))
         uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
                     timeout_keep_alive=KEEP_ALIVE_S)
     else:

@@ -42,6 +42,12 @@ def _split(text: str | None) -> tuple[str, ...]:
     return tuple(t.strip() for t in (text or "").split(",") if t.strip())
 
 
+def default_plan_workers(processes: int = 1) -> int:
+    """Plan searches one server process runs at once: the machine's cores over its processes (a search keeps a
+    core busy for its whole budget; more at once only slows each)."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str = DEFAULT_DATABASE_URL
@@ -52,8 +58,8 @@ class Settings:
     max_plan_budget_s: float = 60.0
     tune_jobs: bool = True
     tune_dir: str | None = None
-    plan_workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
-    plan_queue: int = field(default_factory=lambda: 4 * max(1, os.cpu_count() or 1))
+    plan_workers: int = field(default_factory=default_plan_workers)
+    plan_queue: int = field(default_factory=default_plan_workers)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,6 @@ class Settings:
             max_plan_budget_s=float(number("AUTOPAR_PLAN_BUDGET_S", 60.0, float)),
             tune_jobs=env.get("AUTOPAR_TUNE", "1") not in ("0", "false", "no"),
             tune_dir=env.get("AUTOPAR_TUNE_DIR") or None,
-            plan_workers=int(number("AUTOPAR_PLAN_WORKERS", max(1, os.cpu_count() or 1), int)),
-            plan_queue=int(number("AUTOPAR_PLAN_QUEUE", 4 * max(1, os.cpu_count() or 1), int)),
+            plan_workers=(workers := int(number("AUTOPAR_PLAN_WORKERS", default_plan_workers(), int))),
+            plan_queue=int(number("AUTOPAR_PLAN_QUEUE", workers, int)),
         )

@@ -60,6 +60,8 @@ import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from api.settings import default_plan_workers  # noqa: E402
+
 DEFAULT_PG_SERVER = os.environ.get("AUTOPAR_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 KINDS = ("plan", "profile_new", "profile_ver", "profile_dup", "profile_race", "get")
 # weights of the request kinds in each client's loop
@@ -420,7 +422,10 @@ class Server:
 
     def __enter__(self) -> Server:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="autopar-load-server-", suffix=".log", delete=False)
-        env = {**os.environ, "DATABASE_URL": self.database_url}
+        env = {**os.environ, "DATABASE_URL": self.database_url,
+               # the machine's cores shared by the processes, as `autopar serve --workers N` shares them
+               "AUTOPAR_PLAN_WORKERS": os.environ.get("AUTOPAR_PLAN_WORKERS",
+                                                      str(default_plan_workers(self.workers)))}
         env.pop("AUTOPAR_TOKENS", None)
         env.pop("AUTOPAR_LOAD_REFERENCE", None)
         self.proc = serve_on(self._sock, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -482,7 +487,7 @@ def verify(result: BackendResult, state: LoadState, database_url: str, server_ur
         api_profiles = http.get("/v1/profiles", params={"limit": 1}).json()["total"]
         shared_api = {}
         for name in (*SHARED_CLUSTERS, RACE_CLUSTER):
-            r = http.get(f"/v1/clusters/{name}/profiles")
+            r = http.get(f"/v1/clusters/{name}/profiles", params={"limit": 500})
             shared_api[name] = [p["version"] for p in r.json()["items"]] if r.status_code == 200 else []
 
     db = Database(normalise_database_url(database_url))
