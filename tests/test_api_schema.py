@@ -9,6 +9,7 @@ OpenAPI links (POST a plan -> GET it -> POST a run for it). A fixed seed keeps C
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,5 +52,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(database_url
              "--exclude-operation-id", "start_tune"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path)
     summary = out.stdout[-4000:]
+    print(next((line.strip() for line in summary.splitlines() if re.search(r"\d+ generated", line)),
+               "no case count printed"))
     assert out.returncode == 0, f"schemathesis failed:\n{summary}\n--- server log ---\n{server.log[-4000:]}"
     assert "passed" in summary and "Traceback" not in server.log, server.log[-4000:]
