@@ -175,3 +175,27 @@ def test_a_write_without_a_token_hears_401_whatever_its_body(tmp_path) -> None: 
             assert c.post(path, **bad).status_code == 401, path
         ok = {**bad["headers"], "Authorization": "Bearer s3cret"}
         assert c.post("/v1/plans", content=bad["content"], headers=ok).status_code == 422
+
+
+@pytest.mark.parametrize(("where", "value", "field"), [
+    (("device", "peak_tflops", "bf16"), 1e9, "peak_tflops"),
+    (("device", "hbm_bandwidth_bytes_per_s"), 1e20, "hbm_bandwidth_bytes_per_s"),
+    (("links", 0, "alpha_s"), 1e6, "alpha_s"),
+])
+def test_implausible_device_and_link_figures_are_refused(client: TestClient, where: tuple, value: float,  # noqa: F811
+                                                         field: str) -> None:
+    body = measured()
+    node = body
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    _refused(client.post("/v1/profiles", json=body), field, "less than or equal to")
+
+
+def test_a_run_of_impossible_figures_is_refused(client: TestClient) -> None:  # noqa: F811
+    plan = client.post("/v1/plans", json=SMALL_PLAN).json()
+    report = run_report(plan["plan"], 0.5)
+    for change, field in (({"tokens_per_s": 1e15}, "tokens_per_s"),
+                          ({"peak_memory_bytes_per_rank": [2**60]}, "peak_memory_bytes_per_rank"),
+                          ({"created_at": "1970-01-01T00:00:00Z"}, "created_at")):
+        _refused(client.post("/v1/runs", json={"plan_id": plan["id"], "report": {**report, **change}}), field, "")

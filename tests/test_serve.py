@@ -56,6 +56,14 @@ def test_serve_migrates_loads_references_posts_the_example_and_prints_the_urls(t
     finally:
         proc.terminate()
         proc.wait(10)
+    # a restart on the same database answers the example with the plan stored before (its Idempotency-Key)
+    proc, lines, port = _start_serve(tmp_path)
+    try:
+        assert "example plan #1" in "".join(lines), "".join(lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/plans").json()["total"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_serve_on_a_taken_port_says_so_before_touching_the_database(tmp_path: Path) -> None:

@@ -12,13 +12,16 @@ import statistics
 from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from planner.contracts.common import SCHEMA_VERSION, ClusterName, Contract, Name, PlausibleDate, Precision
 from planner.contracts.limits import MAX_DEVICE_MEMORY_BYTES, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_SM_COUNT
 from planner.contracts.terms import unknown_terms
+
+MAX_TFLOPS = 1e5  # TFLOP/s of one device: 100 PFLOP/s, far above any datasheet
+MAX_MEMORY_BW = 1e14  # bytes/s of one device's memory: 100 TB/s
 
 
 class LinkLevel(str, Enum):
@@ -40,11 +43,12 @@ class Collective(str, Enum):
 class DeviceSpec(Contract):
     name: Name
     memory_bytes: int = Field(gt=0, le=MAX_DEVICE_MEMORY_BYTES, strict=True)
-    peak_tflops: dict[Precision, PositiveFloat] = Field(description="dense datasheet peak per precision, TFLOP/s")
-    hbm_bandwidth_bytes_per_s: float = Field(gt=0)
+    peak_tflops: dict[Precision, Annotated[float, Field(gt=0, le=MAX_TFLOPS)]] = Field(
+        description="dense datasheet peak per precision, TFLOP/s (at most 100,000: a device is not 100 PFLOP/s)")
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0, le=MAX_MEMORY_BW, description="bytes/s (at most 100 TB/s)")
     sm_count: int | None = Field(None, gt=0, le=MAX_SM_COUNT, strict=True,
                                  description="streaming multiprocessors (wave quantisation)")
-    tdp_w: float | None = Field(None, gt=0)
+    tdp_w: float | None = Field(None, gt=0, le=1e5)
 
     @model_validator(mode="after")
     def _peaks(self) -> DeviceSpec:
@@ -227,7 +231,7 @@ class GemmPoint(Contract):
     layout: GemmLayout = Field(
         GemmLayout.nn, description="operand layout timed; points of profiles before this field load as nn (what "
         "they timed, except FP8 points, which ran as nt and are priced the same: FP8 has no other layout)")
-    time_s: float = Field(gt=0)
+    time_s: float = Field(gt=0, le=3600)
 
 
 class AttentionPoint(Contract):
@@ -238,15 +242,15 @@ class AttentionPoint(Contract):
     num_kv_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     causal: bool = True
-    forward_time_s: float = Field(gt=0)
-    backward_time_s: float = Field(gt=0)
+    forward_time_s: float = Field(gt=0, le=3600)
+    backward_time_s: float = Field(gt=0, le=3600)
 
 
 class ElementwisePoint(Contract):
     op: str = Field(description="e.g. rmsnorm, layernorm, add, silu_mul, softmax_cross_entropy")
     precision: Precision
-    bytes: int = Field(gt=0, description="bytes read + written")
-    time_s: float = Field(gt=0)
+    bytes: int = Field(gt=0, le=2**50, description="bytes read + written")
+    time_s: float = Field(gt=0, le=3600)
 
 
 class AttentionBlocking(Contract):

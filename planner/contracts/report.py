@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -70,9 +70,9 @@ class RunReport(Contract):
     warmup_steps: int = Field(ge=0, strict=True)
     steps: list[StepRecord]
     median_step_time_s: float = Field(gt=0, le=MAX_STEP_S)
-    tokens_per_s: float = Field(gt=0)
-    mfu: float | None = None
-    peak_memory_bytes_per_rank: list[int]
+    tokens_per_s: float = Field(gt=0, le=1e12)
+    mfu: float | None = Field(None, ge=0, le=100)  # above 1 where a profile understates the peak
+    peak_memory_bytes_per_rank: list[Annotated[int, Field(ge=0, le=2**50)]]
     memory_kind: Literal["cuda_max_allocated", "rss"] = "rss"
     environment: Environment = Field(default_factory=Environment)
     breakdown: list[TermTimes] = Field(default_factory=list, description="per rank, the step time by term "
