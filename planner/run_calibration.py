@@ -186,19 +186,20 @@ MAX_RUN_CHECKPOINT_POINTS = 500  # the newest runs' saves kept beside the profil
 
 def checkpoint_points(run: CalibrationRun) -> list[CheckpointPoint]:
     """A run's saves as points of the checkpoint lines: each mode's saves after its first (the first sets up),
-    at the share of the checkpoint each rank writes as the goodput prices it
-    (:func:`planner.cost.goodput.checkpoint_sizes` over the ranks), the bytes rank 0 held and the tensors it saved.
+    at what the busiest rank writes as the goodput prices it (:func:`planner.cost.goodput.written_bytes`), the
+    bytes rank 0 held and the tensors it saved.
     Reports written before the tensors were recorded give none."""
     from planner import targets
-    from planner.cost.goodput import checkpoint_sizes
+    from planner.cost.goodput import checkpoint_sizes, written_bytes
 
     plan, report = run.plan, run.report
     total, _ = checkpoint_sizes(plan.model, plan.training, plan.layout, plan.prediction,
                                 targets.target_facts(plan.target).master_in_param)
+    written = int(written_bytes(plan.model, plan.training, plan.layout, total, report.num_ranks))
     points = []
     for mode in ("sync", "async"):
         later = [r for r in report.checkpoints if r.mode == mode][1:]
-        points += [CheckpointPoint(mode=mode, bytes=int(total / report.num_ranks), held_bytes=r.bytes_per_rank,
+        points += [CheckpointPoint(mode=mode, bytes=written, held_bytes=r.bytes_per_rank,
                                    tensors=r.tensors_per_rank, blocking_s=max(r.blocking_s, 1e-6),
                                    write_s=max(r.write_s, r.blocking_s, 1e-6), run=run.name[:200])
                    for r in later if r.tensors_per_rank]

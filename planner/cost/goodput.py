@@ -166,11 +166,34 @@ class CheckpointTimes:
     source: str
 
 
+def largest_replicated_item_bytes(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout) -> float:
+    """The largest state-dict entry that several data-parallel ranks hold whole: torch.distributed.checkpoint
+    writes such an entry once, giving each to the rank that has planned the fewest bytes so far, in the order the
+    entries come (``dedup_save_plans``), so the busiest rank writes up to the even share plus the largest one.
+    The largest tensor is the token table or head ``V·h`` (an expert stack ``E·h·F`` if larger), split by TP (and
+    by ``dp_shard`` under HSDP), as an fp32 optimizer state; none where nothing is replicated (one data-parallel
+    rank, or FSDP / ZeRO-3 over all of them)."""
+    replicas = layout.dp_replicate * (layout.dp_shard if layout.zero_stage < 3 else 1)
+    if replicas == 1:
+        return 0.0
+    big = max(model.vocab_size * model.hidden_size,
+              0 if model.moe is None else model.moe.num_experts * model.hidden_size * model.moe.expert_ffn_hidden_size)
+    split = layout.tp * (layout.dp_shard if layout.zero_stage >= 3 else 1)
+    return big / split * max(4, state_bytes_per_param(training).weights)
+
+
+def written_bytes(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, total_bytes: float,
+                  ranks: int) -> float:
+    """What the busiest rank writes of a checkpoint of ``total_bytes``: the even share plus the largest replicated
+    entry (:func:`largest_replicated_item_bytes`), at most the whole checkpoint."""
+    return min(total_bytes, total_bytes / ranks + largest_replicated_item_bytes(model, training, layout))
+
+
 def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes: float, tensors: int,
-                     ranks: int, gbps_per_node: float | None) -> CheckpointTimes:
-    """A plan's checkpoint on ``ranks`` ranks: the most loaded rank holds ``per_rank_bytes`` and every rank writes
-    an even share of the checkpoint, ``total_bytes / ranks`` (torch.distributed.checkpoint writes a replicated
-    tensor once, spreading them over the ranks; a sharded one by its holder).
+                     ranks: int, gbps_per_node: float | None, written: float | None = None) -> CheckpointTimes:
+    """A plan's checkpoint on ``ranks`` ranks: the most loaded rank holds ``per_rank_bytes`` and writes
+    ``written`` (:func:`written_bytes`; None: the even share ``total_bytes / ranks``, torch.distributed.checkpoint
+    writing a replicated tensor once and a sharded one by its holder).
 
     With the profile's measured lines (``profile.checkpoint``) and no storage bandwidth stated: sync and the
     async write its line at the written share, the async blocking (the copy: it stages every tensor the rank
@@ -181,7 +204,7 @@ def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes
     ``assumptions.cpu_optimizer_bytes_per_s``) and the write the whole checkpoint at ``nodes · gbps_per_node``
     GB/s (storage takes each byte once; unstated: Llama 3's), plus the measured lines' per-save and per-tensor
     costs where the profile has them (none where it does not)."""
-    measured, written = profile.checkpoint, total_bytes / ranks
+    measured, written = profile.checkpoint, total_bytes / ranks if written is None else written
     if measured is not None and gbps_per_node is None:
         copy = line_time_s(measured.async_blocking, per_rank_bytes, tensors)
         behind = line_time_s(measured.async_write, written, tensors) - line_time_s(measured.async_blocking, written,
@@ -240,7 +263,7 @@ def plan_goodput(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     mtbf = job_mtbf_s(goal.failure_rate_per_gpu_hour, num_gpus)
     total, per_rank = checkpoint_sizes(model, training, layout, prediction, facts.master_in_param)
     times = checkpoint_times(profile, per_rank, total, state_tensors_per_rank(model, layout), num_gpus,
-                             goal.checkpoint_gbps_per_node)
+                             goal.checkpoint_gbps_per_node, written_bytes(model, training, layout, total, num_gpus))
     modes = ["sync"] + (["async"] if facts.async_checkpoint else [])
     found = sorted((choose_checkpoint(m, times, train_s, goal.restart_s, mtbf) for m in modes),
                    key=lambda c: c.wall_s)
