@@ -93,10 +93,8 @@ def keyed_plan(db: Database, req: PlanRequest, key: str | None) -> PlanRow | Non
 
 
 def make_plan(db: Database, req: PlanRequest, max_budget_s: float, key: str | None = None) -> tuple[PlanRow, bool]:
-    """Resolve, search (or reuse an identical earlier request's result), store. Returns (row, reused). With an
-    Idempotency-Key seen before, the plan stored for it (nothing is stored again)."""
-    if (retried := keyed_plan(db, req, key)) is not None:
-        return retried, True
+    """Resolve, search (or reuse an identical earlier request's result), store under the Idempotency-Key ``key``
+    (the caller answered a key seen before with :func:`keyed_plan`). Returns (row, reused)."""
     model = resolve_model(req.model)
     if "\x00" in model.name:
         raise AutoparError("model.name", model.name, "remove the NUL character", problem="contains a NUL character")

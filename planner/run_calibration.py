@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from planner.contracts import CheckpointCost, CheckpointPoint, ClusterProfile, Plan, Prediction, RunReport
 from planner.contracts.cluster import FACTOR_BOUNDS, RunCalibration, TermFactor
 from planner.contracts.report import COMM_TERMS, STEP_TERMS
-from planner.cost.goodput import fit_checkpoint_cost
+from planner.cost.goodput import checkpoint_sizes, fit_checkpoint_cost, written_bytes
 from planner.errors import AutoparError
 
 
@@ -190,12 +190,11 @@ def checkpoint_points(run: CalibrationRun) -> list[CheckpointPoint]:
     bytes rank 0 held and the tensors it saved.
     Reports written before the tensors were recorded give none."""
     from planner import targets
-    from planner.cost.goodput import checkpoint_sizes, written_bytes
 
     plan, report = run.plan, run.report
     total, _ = checkpoint_sizes(plan.model, plan.training, plan.layout, plan.prediction,
                                 targets.target_facts(plan.target).master_in_param)
-    written = int(written_bytes(plan.model, plan.training, plan.layout, total, report.num_ranks))
+    written = int(written_bytes(plan.model, plan.layout, total, report.num_ranks))
     points = []
     for mode in ("sync", "async"):
         later = [r for r in report.checkpoints if r.mode == mode][1:]

@@ -75,14 +75,15 @@ def _timed_saves(ck: Checkpointer, module: nn.Module, optimizer: torch.optim.Opt
         path = ck.save(first_step + k, [module], optimizer, {})
         ck.wait()
         dist.barrier()
-        if dist.get_rank() == 0 or _node_leader():
+        if _node_leader():
             shutil.rmtree(path, ignore_errors=True)
     done = ck.records[-trials:]
     return statistics.median(r.blocking_s for r in done), statistics.median(r.write_s for r in done)
 
 
 def _node_leader() -> bool:
-    """The first rank of a node (node-local storage is deleted by each node)."""
+    """The first rank of a node, rank 0 included (node-local storage is deleted by each node; outside torchrun,
+    the one process)."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
@@ -105,6 +106,6 @@ def measure_checkpoint(device: torch.device, checkpoint_dir: str | None, quick: 
         if progress is not None:
             progress(f"saves of {nbytes // MIB} MiB in {tensors} tensors per rank", i + 1, len(configs))
     dist.barrier()
-    if dist.get_rank() == 0 or _node_leader():
+    if _node_leader():
         shutil.rmtree(root, ignore_errors=True)
     return fit_checkpoint_cost(points, dist.get_world_size(), str(root.parent))

@@ -113,23 +113,22 @@ def test_measured_lines_price_each_mode_by_bytes_and_tensors():
 
 
 def test_the_busiest_rank_writes_its_share_and_the_largest_replicated_entry():
-    from planner.contracts import ParallelLayout, TrainingConfig
+    from planner.contracts import ParallelLayout
     from planner.presets import get_preset
 
     model = get_preset("llama3-8b")  # V·h = 128256 x 4096 parameters, the largest tensor
-    tr = TrainingConfig(seq_length=4096, global_batch_size=64)
     table = 128256 * 4096
     # DDP over 4: every entry replicated; the largest is an fp32 state of the table
-    assert largest_replicated_item_bytes(model, tr, ParallelLayout(dp_shard=4)) == table * 4
+    assert largest_replicated_item_bytes(model, ParallelLayout(dp_shard=4)) == table * 4
     # TP 2 x DP 2: the table split over TP
-    assert largest_replicated_item_bytes(model, tr, ParallelLayout(dp_shard=2, tp=2)) == table * 4 / 2
+    assert largest_replicated_item_bytes(model, ParallelLayout(dp_shard=2, tp=2)) == table * 4 / 2
     # FSDP over all 4: nothing replicated; HSDP 2 x 2: the shards of a replica group
-    assert largest_replicated_item_bytes(model, tr, ParallelLayout(dp_shard=4, zero_stage=3)) == 0
+    assert largest_replicated_item_bytes(model, ParallelLayout(dp_shard=4, zero_stage=3)) == 0
     hsdp = ParallelLayout(dp_replicate=2, dp_shard=2, zero_stage=3)
-    assert largest_replicated_item_bytes(model, tr, hsdp) == table * 4 / 2
-    assert largest_replicated_item_bytes(model, tr, ParallelLayout()) == 0  # one rank
-    assert written_bytes(model, tr, ParallelLayout(dp_shard=4), 8e9, 4) == pytest.approx(2e9 + table * 4)
-    assert written_bytes(model, tr, ParallelLayout(dp_shard=4), 1e9, 4) == 1e9  # never more than all of it
+    assert largest_replicated_item_bytes(model, hsdp) == table * 4 / 2
+    assert largest_replicated_item_bytes(model, ParallelLayout()) == 0  # one rank
+    assert written_bytes(model, ParallelLayout(dp_shard=4), 8e9, 4) == pytest.approx(2e9 + table * 4)
+    assert written_bytes(model, ParallelLayout(dp_shard=4), 1e9, 4) == 1e9  # never more than all of it
 
 
 def test_a_line_is_fitted_through_its_points():
@@ -215,7 +214,7 @@ def test_a_profile_s_measured_checkpoint_lines_price_the_plan_and_a_run_is_compa
     total, held = checkpoint_sizes(plan.model, plan.training, plan.layout, plan.prediction, True)
     tensors = state_tensors_per_rank(plan.model, plan.layout)
     sync = next(c for c in (good.chosen, good.other) if c.mode == "sync")
-    written = written_bytes(plan.model, plan.training, plan.layout, total, 16)  # the busiest rank's share
+    written = written_bytes(plan.model, plan.layout, total, 16)  # the busiest rank's share
     assert sync.blocking_s == pytest.approx(0.05 + 0.002 * tensors + written / 1e9)
     asyn = next(c for c in (good.chosen, good.other) if c.mode == "async")
     assert asyn.blocking_s == pytest.approx(0.02 + 0.0005 * tensors + held / 4e9)  # the copy of what it holds

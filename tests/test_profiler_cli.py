@@ -109,11 +109,9 @@ def test_quick_profile_validates_and_has_every_link(quick_run):
         (b, n, m) for b, n in ((3, 16), (3, 64), (127, 16), (127, 64))  # 4 and 128 MiB, less
         for m in ("sync", "async"))
     assert all(q.blocking_s <= q.write_s for q in ck.points)
-    for line in (ck.sync, ck.async_blocking, ck.async_write):  # each fitted line comes near its own points
-        assert line.fixed_s + line.per_tensor_s + 1 / line.bytes_per_s > 0
-    saves = [q.blocking_s for q in ck.points if q.mode == "sync"]
-    assert max(abs(line_time_s(ck.sync, q.bytes, q.tensors) / q.blocking_s - 1)
-               for q in ck.points if q.mode == "sync") < 1.0, (ck.sync, saves)
+    for mode, line in (("sync", ck.sync), ("async", ck.async_blocking)):  # each line comes near its own points
+        assert max(abs(line_time_s(line, q.bytes, q.tensors) / q.blocking_s - 1)
+                   for q in ck.points if q.mode == mode) < 1.0, (mode, line, ck.points)
     assert not list(Path(ck.storage).glob("autopar-profile-checkpoint-*"))  # every save deleted
     # rank 0's rich progress bar named each stage as it measured, and each reached its total
     bars = quick_run["proc"].stderr

@@ -24,11 +24,10 @@ from planner.contracts import (
     TrainingConfig,
 )
 from planner.contracts.goodput import LLAMA3_STORAGE_GBPS_PER_NODE, CheckpointChoice, GoodputPrediction, TrainingGoal
-from planner.cost.checks import default_layer_split
 from planner.cost.comm import host_copy_time_s
 from planner.cost.memory import state_bytes_per_param
 from planner.cost.params import embedding_tensors, head_tensors, layer_tensors, total_params
-from planner.cost.pipeline import rank_chunks
+from planner.cost.pipeline import head_rank, rank_layers
 
 
 def job_mtbf_s(failures_per_gpu_hour: float, gpus: int) -> float:
@@ -82,21 +81,13 @@ def line_time_s(line: CheckpointLine, nbytes: float, tensors: int) -> float:
 
 
 def state_tensors_per_rank(model: ModelSpec, layout: ParallelLayout) -> int:
-    """Parameter tensors the most loaded pipeline rank saves: the blocks of its chunks
-    (:func:`planner.cost.params.layer_tensors`), the embedding on the rank of the first chunk and the final
-    norm and head on the rank of the last. Sharding (TP, ZeRO, FSDP, EP) splits a tensor, it adds none."""
-    counts = (list(layout.layers_per_stage) if layout.layers_per_stage is not None
-              else default_layer_split(model.num_layers, layout.pp * layout.virtual_stages))
-    starts = [sum(counts[:c]) for c in range(len(counts))]
-    last = len(counts) - 1
-
-    def rank_tensors(rank: int) -> int:
-        chunks = rank_chunks(layout.schedule, layout.pp, layout.virtual_stages, rank)
-        blocks = sum(layer_tensors(model, i) for c in chunks for i in range(starts[c], starts[c] + counts[c]))
-        return (blocks + (embedding_tensors(model) if 0 in chunks else 0)
-                + (head_tensors(model) if last in chunks else 0))
-
-    return max(rank_tensors(r) for r in range(layout.pp))
+    """Parameter tensors the most loaded pipeline rank saves: the blocks it holds
+    (:func:`planner.cost.pipeline.rank_layers`, :func:`planner.cost.params.layer_tensors`), the embedding on rank
+    0 and the final norm and head on the head's rank. Sharding (TP, ZeRO, FSDP, EP) splits a tensor, it adds none."""
+    head = head_rank(layout.schedule, layout.pp, layout.virtual_stages)
+    return max(sum(layer_tensors(model, i) for i in layers) + (embedding_tensors(model) if rank == 0 else 0)
+               + (head_tensors(model) if rank == head else 0)
+               for rank, layers in enumerate(rank_layers(layout, model.num_layers)))
 
 
 MAX_LINE_RATE = 1e13  # bytes/s: a line whose times do not grow with the bytes (the contract's bound)
@@ -166,7 +157,7 @@ class CheckpointTimes:
     source: str
 
 
-def largest_replicated_item_bytes(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout) -> float:
+def largest_replicated_item_bytes(model: ModelSpec, layout: ParallelLayout) -> float:
     """The largest state-dict entry that several data-parallel ranks hold whole: torch.distributed.checkpoint
     writes such an entry once, giving each to the rank that has planned the fewest bytes so far, in the order the
     entries come (``dedup_save_plans``), so the busiest rank writes up to the even share plus the largest one.
@@ -179,14 +170,13 @@ def largest_replicated_item_bytes(model: ModelSpec, training: TrainingConfig, la
     big = max(model.vocab_size * model.hidden_size,
               0 if model.moe is None else model.moe.num_experts * model.hidden_size * model.moe.expert_ffn_hidden_size)
     split = layout.tp * (layout.dp_shard if layout.zero_stage >= 3 else 1)
-    return big / split * max(4, state_bytes_per_param(training).weights)
+    return big / split * 4  # an fp32 optimizer state: no weights copy is larger
 
 
-def written_bytes(model: ModelSpec, training: TrainingConfig, layout: ParallelLayout, total_bytes: float,
-                  ranks: int) -> float:
+def written_bytes(model: ModelSpec, layout: ParallelLayout, total_bytes: float, ranks: int) -> float:
     """What the busiest rank writes of a checkpoint of ``total_bytes``: the even share plus the largest replicated
     entry (:func:`largest_replicated_item_bytes`), at most the whole checkpoint."""
-    return min(total_bytes, total_bytes / ranks + largest_replicated_item_bytes(model, training, layout))
+    return min(total_bytes, total_bytes / ranks + largest_replicated_item_bytes(model, layout))
 
 
 def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes: float, tensors: int,
@@ -220,9 +210,8 @@ def checkpoint_times(profile: ClusterProfile, per_rank_bytes: float, total_bytes
     if measured is None:
         return CheckpointTimes(copy + write, copy, write, f"host copy and {gbps:.3g} GB/s per node; no per-save cost "
                                "measured")
-    fixed = (measured.sync.fixed_s + measured.sync.per_tensor_s * tensors,
-             measured.async_blocking.fixed_s + measured.async_blocking.per_tensor_s * tensors)
-    return CheckpointTimes(fixed[0] + copy + write, fixed[1] + copy, write,
+    sync_fixed, copy_fixed = (line_time_s(measured.sync, 0, tensors), line_time_s(measured.async_blocking, 0, tensors))
+    return CheckpointTimes(sync_fixed + copy + write, copy_fixed + copy, write,
                            f"host copy and {gbps:.3g} GB/s per node, measured per-save costs")
 
 
@@ -263,7 +252,7 @@ def plan_goodput(model: ModelSpec, training: TrainingConfig, profile: ClusterPro
     mtbf = job_mtbf_s(goal.failure_rate_per_gpu_hour, num_gpus)
     total, per_rank = checkpoint_sizes(model, training, layout, prediction, facts.master_in_param)
     times = checkpoint_times(profile, per_rank, total, state_tensors_per_rank(model, layout), num_gpus,
-                             goal.checkpoint_gbps_per_node, written_bytes(model, training, layout, total, num_gpus))
+                             goal.checkpoint_gbps_per_node, written_bytes(model, layout, total, num_gpus))
     modes = ["sync"] + (["async"] if facts.async_checkpoint else [])
     found = sorted((choose_checkpoint(m, times, train_s, goal.restart_s, mtbf) for m in modes),
                    key=lambda c: c.wall_s)

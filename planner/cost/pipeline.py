@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planner.contracts import Schedule
+from planner.contracts import ParallelLayout, Schedule
 
 
 @dataclass(frozen=True)
@@ -308,6 +308,19 @@ def pipeline_time_s(
 def rank_chunks(schedule: Schedule, pp: int, virtual: int, rank: int) -> list[int]:
     """The chunk (pipeline stage) indices pipeline rank ``rank`` runs, in pipeline order (module doc)."""
     return SCHEDULES[schedule].placement(rank, pp, virtual)
+
+
+def rank_layers(layout: ParallelLayout, num_layers: int) -> list[list[int]]:
+    """The transformer layers each pipeline rank holds, in its chunks' order: the layout's split
+    (``layers_per_stage``, else :func:`planner.cost.checks.default_layer_split`) over :func:`rank_chunks`."""
+    from planner.cost.checks import default_layer_split
+
+    p, v = layout.pp, layout.virtual_stages
+    counts = layout.layers_per_stage or default_layer_split(num_layers, p * v)
+    starts = [sum(counts[:i]) for i in range(p * v)]
+    return [[i for chunk in rank_chunks(layout.schedule, p, v, rank) for i in range(starts[chunk],
+                                                                                  starts[chunk] + counts[chunk])]
+            for rank in range(p)]
 
 
 def head_rank(schedule: Schedule, pp: int, virtual: int) -> int:

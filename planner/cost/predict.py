@@ -25,7 +25,7 @@ from planner.contracts import (
 )
 from planner.contracts.cluster import RunCalibration, slow_device_limit
 from planner.contracts.report import STEP_TERMS
-from planner.cost.checks import check_layout, default_layer_split
+from planner.cost.checks import check_layout
 from planner.cost.comm import (
     call_latency_s,
     collective_time_s,
@@ -58,7 +58,13 @@ from planner.cost.memory import (
     usable_bytes,
 )
 from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp_rank, layer_params
-from planner.cost.pipeline import SCHEDULES, head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
+from planner.cost.pipeline import (
+    SCHEDULES,
+    head_rank,
+    microbatches_in_flight,
+    pipeline_time_s,
+    rank_layers,
+)
 from planner.cost.stage import dp_exposure, local_params, optimizer_step_s, peak_bytes, pipeline_send_s, rank_passes_s
 from planner.errors import AutoparError
 
@@ -81,13 +87,9 @@ class _Stage:
 
 def _stages(model: ModelSpec, layout: ParallelLayout) -> list[_Stage]:
     p, v = layout.pp, layout.virtual_stages
-    counts = layout.layers_per_stage or default_layer_split(model.num_layers, p * v)
-    starts = [sum(counts[:i]) for i in range(p * v)]
     last = head_rank(layout.schedule, p, v)
     stages = []
-    for rank in range(p):
-        layers = [i for chunk in rank_chunks(layout.schedule, p, v, rank)
-                  for i in range(starts[chunk], starts[chunk] + counts[chunk])]
+    for rank, layers in enumerate(rank_layers(layout, model.num_layers)):
         if layout.recompute_per_stage is not None:
             choice = layout.recompute_per_stage[rank]
             n = len(layers) if choice.num_layers is None else min(choice.num_layers, len(layers))

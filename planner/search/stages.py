@@ -37,6 +37,7 @@ from planner.contracts import (
     StageRecompute,
     TrainingConfig,
 )
+from planner.cost.checks import default_layer_split
 from planner.cost.comm import (
     collective_time_s,
     mesh_groups,
@@ -75,7 +76,6 @@ from planner.cost.params import dense_per_tp_rank, embedding_params, head_per_tp
 from planner.cost.pipeline import SCHEDULES, head_rank, microbatches_in_flight, pipeline_time_s, rank_chunks
 from planner.cost.predict import (
     check_layout,
-    default_layer_split,
     dp_cadence,
     dp_traffic,
     dp_units,
